@@ -1,0 +1,34 @@
+# The README's two commands: `make serve` and `make test`. Both set up what they need first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+INSTALLED := $(VENV)/.installed
+
+.PHONY: serve test install lint bench-engine clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# torch first, pinned to the CPU build: a plain requirement in a fresh environment pulls a multi-GB CUDA one.
+$(INSTALLED): pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[dev]'
+	touch $@
+
+install: $(INSTALLED)
+
+serve: install
+	$(PY) manage.py migrate --noinput -v0
+	$(PY) manage.py seed_demo
+	$(PY) manage.py serve --host 127.0.0.1 --port 8000
+
+test: install
+	bash scripts/run-tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf var .pytest_cache

@@ -1,0 +1,14 @@
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView
+
+from serving import api as serving_api
+
+urlpatterns = [
+    path("healthz", serving_api.healthz, name="healthz"),
+    path("readyz", serving_api.readyz, name="readyz"),
+    path("v1/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("v1/", include("serving.urls")),
+    path("v1/", include("registry.urls")),
+    path("admin/", admin.site.urls),
+]

@@ -1,0 +1,80 @@
+from django.contrib import admin
+
+from registry.models import (
+    Alias,
+    AliasEvent,
+    ApiKey,
+    Model,
+    ModelVersion,
+    Quota,
+    RoutingEntry,
+    RoutingTable,
+    Tenant,
+)
+
+
+@admin.register(Model)
+class ModelAdmin(admin.ModelAdmin):
+    list_display = ("name", "kind", "created_at")
+
+
+@admin.register(ModelVersion)
+class ModelVersionAdmin(admin.ModelAdmin):
+    list_display = ("model", "version", "sha256", "size_bytes", "created_by", "created_at")
+    list_filter = ("model",)
+
+    def get_readonly_fields(self, request, obj=None):  # type: ignore[no-untyped-def]
+        # Versions are immutable: registered with `manage.py register_model`, never edited here.
+        return [f.name for f in self.model._meta.fields] if obj else []
+
+    def has_add_permission(self, request):  # type: ignore[no-untyped-def]
+        return False
+
+
+class AliasEventInline(admin.TabularInline):
+    model = AliasEvent
+    fk_name = "alias"
+    extra = 0
+    can_delete = False
+    readonly_fields = ("from_version", "to_version", "actor", "reason", "created_at")
+
+
+@admin.register(Alias)
+class AliasAdmin(admin.ModelAdmin):
+    list_display = ("__str__", "version", "updated_at")
+    readonly_fields = ("model", "name", "version")
+    inlines = [AliasEventInline]
+
+
+class RoutingEntryInline(admin.TabularInline):
+    model = RoutingEntry
+    extra = 0
+    readonly_fields = ("version", "weight")
+    can_delete = False
+
+
+@admin.register(RoutingTable)
+class RoutingTableAdmin(admin.ModelAdmin):
+    list_display = ("model", "revision", "updated_at")
+    readonly_fields = ("model", "revision")
+    inlines = [RoutingEntryInline]
+
+
+class QuotaInline(admin.StackedInline):
+    model = Quota
+    can_delete = False
+
+
+@admin.register(Tenant)
+class TenantAdmin(admin.ModelAdmin):
+    list_display = ("name", "is_active", "created_at")
+    inlines = [QuotaInline]
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    list_display = ("prefix", "tenant", "name", "created_at", "revoked_at")
+    readonly_fields = ("tenant", "prefix", "key_hash", "created_at", "last_used_at")
+
+    def has_add_permission(self, request):  # type: ignore[no-untyped-def]
+        return False  # keys are created with `manage.py create_api_key`, which shows the key once

@@ -1,0 +1,112 @@
+"""The artifact store: model directories copied under ARTIFACT_ROOT/NAME/VERSION, safetensors only,
+with a sha256 per file and one digest over all of them that loading checks again.
+
+Only the local-directory store is built; an object store (S3, GCS) would implement the same two calls
+and is left out until a deployment needs one."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# Pickle-based weight formats can run code on load; we never accept them.
+FORBIDDEN_SUFFIXES = frozenset(
+    {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".h5", ".msgpack"}
+)
+# Custom modeling code would need trust_remote_code, which we never turn on.
+CODE_SUFFIXES = frozenset({".py", ".pyc", ".so"})
+
+
+class ArtifactError(Exception):
+    """A model directory that cannot be registered or loaded; the message is one clear line."""
+
+
+class ArtifactDigestMismatch(ArtifactError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactManifest:
+    files: dict[str, str]  # relative path -> sha256
+    sha256: str
+    size_bytes: int
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest_digest(files: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for rel_path in sorted(files):
+        digest.update(f"{rel_path}\0{files[rel_path]}\n".encode())
+    return digest.hexdigest()
+
+
+def _list_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def validate_source_dir(source_dir: Path) -> list[Path]:
+    """Check a directory before anything is copied: safetensors weights, nothing pickled, no code."""
+    if not source_dir.is_dir():
+        raise ArtifactError(f"{source_dir} is not a directory")
+    files = _list_files(source_dir)
+    if any(p.is_symlink() for p in source_dir.rglob("*")):
+        raise ArtifactError(f"{source_dir} contains symbolic links; copy the real files")
+    forbidden = [p.name for p in files if p.suffix.lower() in FORBIDDEN_SUFFIXES]
+    if forbidden:
+        raise ArtifactError(
+            f"refusing pickle-based weights ({', '.join(forbidden)}); convert them to safetensors"
+        )
+    code = [p.name for p in files if p.suffix.lower() in CODE_SUFFIXES]
+    if code:
+        raise ArtifactError(f"refusing custom code ({', '.join(code)}); trust_remote_code is never enabled")
+    if not any(p.suffix == ".safetensors" for p in files):
+        raise ArtifactError(f"no *.safetensors weights in {source_dir}")
+    if not (source_dir / "config.json").is_file():
+        raise ArtifactError(f"no config.json in {source_dir}")
+    return files
+
+
+def compute_manifest(root: Path) -> ArtifactManifest:
+    files = {str(p.relative_to(root)): _file_sha256(p) for p in _list_files(root)}
+    size = sum(p.stat().st_size for p in _list_files(root))
+    return ArtifactManifest(files=files, sha256=manifest_digest(files), size_bytes=size)
+
+
+def stage_copy(source_dir: Path, artifact_root: Path) -> tuple[Path, ArtifactManifest]:
+    """Copy into a staging directory beside the final place, so a failure leaves nothing behind and
+    the final move is a rename on the same filesystem."""
+    validate_source_dir(source_dir)
+    artifact_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=artifact_root))
+    try:
+        shutil.copytree(source_dir, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*"))
+        return staging, compute_manifest(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def verify(artifact_dir: Path, *, expected_files: dict[str, str], expected_sha256: str) -> None:
+    """Re-hash every file before a load; any difference from the registry refuses the load."""
+    if not artifact_dir.is_dir():
+        raise ArtifactError(f"artifact directory {artifact_dir} is missing")
+    actual = compute_manifest(artifact_dir)
+    if actual.files != expected_files or actual.sha256 != expected_sha256:
+        changed = sorted(
+            set(actual.files.items()).symmetric_difference(expected_files.items()), key=lambda kv: kv[0]
+        )
+        names = sorted({path for path, _ in changed})
+        raise ArtifactDigestMismatch(
+            f"artifact {artifact_dir} does not match its registered digest {expected_sha256[:12]}…"
+            f" (differs: {', '.join(names) or 'digest'}); refusing to load"
+        )

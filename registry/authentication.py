@@ -1,0 +1,55 @@
+"""DRF authentication by `Authorization: Bearer <api key>`; the tenant rides on request.auth."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from rest_framework import authentication, exceptions
+
+from registry.selectors import TenantContext, tenant_context_for_api_key
+
+
+class TenantPrincipal:
+    """Stands in for request.user when a tenant's key authenticated the call."""
+
+    is_authenticated = True
+    is_staff = False
+
+    def __init__(self, context: TenantContext) -> None:
+        self.context = context
+
+    def __str__(self) -> str:
+        return f"tenant:{self.context.tenant_name}"
+
+
+def bearer_token(header: str | None) -> str | None:
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+class ApiKeyAuthentication(authentication.BaseAuthentication):
+    def authenticate(self, request: Any) -> tuple[TenantPrincipal, TenantContext] | None:
+        header = request.META.get("HTTP_AUTHORIZATION")
+        if not header:
+            return None
+        token = bearer_token(header)
+        context = tenant_context_for_api_key(token) if token else None
+        if context is None:
+            raise exceptions.AuthenticationFailed("invalid API key")
+        return TenantPrincipal(context), context
+
+    def authenticate_header(self, request: Any) -> str:
+        return 'Bearer realm="switchyard"'
+
+
+class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
+    target_class = "registry.authentication.ApiKeyAuthentication"
+    name = "bearerAuth"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {"type": "http", "scheme": "bearer", "description": "a tenant API key"}

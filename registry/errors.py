@@ -1,0 +1,51 @@
+"""The one error shape every API answers with: {"error": {"type", "message"}}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import JsonResponse
+from rest_framework import exceptions as drf_exceptions
+from rest_framework.response import Response
+from rest_framework.views import exception_handler
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "method_not_allowed",
+    409: "conflict_error",
+    413: "request_too_large",
+    422: "unprocessable_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(status: int, message: str, error_type: str | None = None) -> dict[str, Any]:
+    return {"error": {"type": error_type or ERROR_TYPES.get(status, "error"), "message": message}}
+
+
+def error_response(
+    status: int, message: str, *, error_type: str | None = None, headers: dict[str, str] | None = None
+) -> JsonResponse:
+    return JsonResponse(error_body(status, message, error_type), status=status, headers=headers)
+
+
+def drf_exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    response = exception_handler(exc, context)
+    if response is None:
+        return None
+    if isinstance(exc, drf_exceptions.ValidationError):
+        detail = exc.detail
+        message = (
+            "; ".join(f"{k}: {v[0] if isinstance(v, list) else v}" for k, v in detail.items())
+            if isinstance(detail, dict)
+            else str(detail[0] if isinstance(detail, list) else detail)
+        )
+    else:
+        message = str(getattr(exc, "detail", exc))
+    response.data = error_body(response.status_code, message)
+    return response

@@ -1,0 +1,37 @@
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from registry.models import Model
+from registry.services import RegistryError, tenant_create
+
+
+class Command(BaseCommand):
+    help = "Create a tenant with its quota."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name")
+        parser.add_argument("--requests-per-second", type=float, default=10.0)
+        parser.add_argument("--tokens-per-minute", type=int, default=100_000)
+        parser.add_argument("--max-concurrent", type=int, default=16)
+        parser.add_argument("--allow-model", action="append", default=[], help="repeat; none means all")
+        parser.add_argument("--may-pin", action="store_true")
+        parser.add_argument("--may-deploy", action="store_true")
+
+    def handle(self, *args: object, **options: object) -> None:
+        names = list(options["allow_model"])  # type: ignore[call-overload]
+        models = list(Model.objects.filter(name__in=names))
+        missing = sorted(set(names) - {m.name for m in models})
+        if missing:
+            raise CommandError(f"unknown model(s): {', '.join(missing)}")
+        try:
+            tenant = tenant_create(
+                name=str(options["name"]),
+                requests_per_second=float(options["requests_per_second"]),  # type: ignore[arg-type]
+                tokens_per_minute=int(options["tokens_per_minute"]),  # type: ignore[call-overload]
+                max_concurrent_requests=int(options["max_concurrent"]),  # type: ignore[call-overload]
+                allowed_models=models,
+                may_pin=bool(options["may_pin"]),
+                may_deploy=bool(options["may_deploy"]),
+            )
+        except RegistryError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"created tenant {tenant.name}")

@@ -1,0 +1,56 @@
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandParser
+from django.db import transaction
+from django.utils import timezone
+
+from registry.models import ApiKey, Model, Tenant
+from registry.services import api_key_create, model_version_register, tenant_create
+
+DEMO_MODEL = "demo-chat"
+DEMO_TENANT = "demo"
+DEMO_KEY_NAME = "make-serve"
+
+
+class Command(BaseCommand):
+    help = (
+        "Make sure the demo model (demo-chat v1, stable, 100%) and the demo tenant exist, then issue a fresh "
+        "demo API key (revoking the one issued last time) and print it."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--no-key", action="store_true", help="do not issue a key")
+
+    def handle(self, *args: object, **options: object) -> None:
+        if not Model.objects.filter(name=DEMO_MODEL).exists():
+            model_dir = Path(settings.STATE_DIR) / "demo-model"
+            if not (model_dir / "model.safetensors").exists():
+                from serving.engine.demo_model import build_demo_model
+
+                self.stdout.write(f"building the random-weight demo model in {model_dir}")
+                build_demo_model(model_dir)
+            mv = model_version_register(
+                name=DEMO_MODEL, version="v1", source_dir=model_dir, created_by="seed_demo"
+            )
+            self.stdout.write(f"registered {DEMO_MODEL}:v1 sha256:{mv.sha256}")
+        tenant = Tenant.objects.filter(name=DEMO_TENANT).first()
+        if tenant is None:
+            tenant = tenant_create(
+                name=DEMO_TENANT,
+                requests_per_second=50,
+                tokens_per_minute=2_000_000,
+                max_concurrent_requests=128,
+                may_pin=True,
+                may_deploy=True,
+            )
+            self.stdout.write(f"created tenant {DEMO_TENANT} (every model, may pin and deploy)")
+        if options["no_key"]:
+            return
+        with transaction.atomic():
+            ApiKey.objects.filter(tenant=tenant, name=DEMO_KEY_NAME, revoked_at__isnull=True).update(
+                revoked_at=timezone.now()
+            )
+            _, raw_key = api_key_create(tenant=tenant, name=DEMO_KEY_NAME)
+        self.stdout.write("demo API key (shown once; the previous demo key is now revoked):")
+        self.stdout.write(raw_key)

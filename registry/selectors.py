@@ -1,0 +1,170 @@
+"""Reads from the registry, shaped for the data plane and the APIs."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+
+from django.db.models import Prefetch
+
+from registry.models import Alias, ApiKey, Model, ModelVersion, Quota, RoutingEntry, RoutingTable, Tenant
+from registry.services import hash_api_key
+
+
+@dataclass(frozen=True, slots=True)
+class TenantContext:
+    """What the gateway needs about a caller, read once per request (or from a short cache)."""
+
+    tenant_id: int
+    tenant_name: str
+    cache_group: str
+    requests_per_second: float
+    tokens_per_minute: int
+    max_concurrent_requests: int
+    allowed_model_names: frozenset[str]  # empty: every model
+    may_pin: bool
+    may_deploy: bool
+
+    def may_use(self, model_name: str) -> bool:
+        return not self.allowed_model_names or model_name in self.allowed_model_names
+
+
+@dataclass(frozen=True, slots=True)
+class VersionRef:
+    model_name: str
+    version: str
+    version_id: int
+    artifact_uri: str
+    sha256: str
+    files: dict[str, str] = field(hash=False, compare=False)
+    kind: str = Model.Kind.CAUSAL_LM
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSnapshot:
+    model_name: str
+    kind: str
+    revision: int
+    weights: dict[str, int]  # version -> percent; only versions with a weight > 0
+    aliases: dict[str, str]  # alias -> version
+    versions: frozenset[str]  # every registered version
+
+
+def tenant_context_for_api_key(raw_key: str) -> TenantContext | None:
+    """Resolve a presented key. Candidates are found by their visible prefix; the hashes are then
+    compared in constant time, so response timing says nothing about how much of a key matched."""
+    if not raw_key or len(raw_key) > 256:
+        return None
+    presented_hash = hash_api_key(raw_key)
+    candidates = ApiKey.objects.filter(
+        prefix=raw_key[: ApiKey.PREFIX_LENGTH], revoked_at__isnull=True, tenant__is_active=True
+    ).select_related("tenant")
+    for api_key in candidates:
+        if hmac.compare_digest(api_key.key_hash, presented_hash):
+            return tenant_context(tenant=api_key.tenant)
+    return None
+
+
+def tenant_context(*, tenant: Tenant) -> TenantContext:
+    quota = Quota.objects.filter(tenant=tenant).prefetch_related("allowed_models").first()
+    if quota is None:  # a tenant made by hand in the admin without a quota gets the defaults
+        quota = Quota(tenant=tenant)
+        allowed: frozenset[str] = frozenset()
+    else:
+        allowed = frozenset(m.name for m in quota.allowed_models.all())
+    return TenantContext(
+        tenant_id=tenant.pk,
+        tenant_name=tenant.name,
+        cache_group=tenant.prefix_cache_group or f"tenant:{tenant.pk}",
+        requests_per_second=quota.requests_per_second,
+        tokens_per_minute=quota.tokens_per_minute,
+        max_concurrent_requests=quota.max_concurrent_requests,
+        allowed_model_names=allowed,
+        may_pin=quota.may_pin,
+        may_deploy=quota.may_deploy,
+    )
+
+
+def routing_revision(*, model_name: str) -> int | None:
+    return RoutingTable.objects.filter(model__name=model_name).values_list("revision", flat=True).first()
+
+
+def routing_snapshot(*, model_name: str) -> RoutingSnapshot | None:
+    model = (
+        Model.objects.filter(name=model_name)
+        .select_related("routing_table")
+        .prefetch_related(
+            Prefetch("aliases", queryset=Alias.objects.select_related("version")),
+            "versions",
+        )
+        .first()
+    )
+    if model is None:
+        return None
+    table = getattr(model, "routing_table", None)
+    entries = (
+        RoutingEntry.objects.filter(table=table, weight__gt=0).select_related("version") if table else []
+    )
+    return RoutingSnapshot(
+        model_name=model.name,
+        kind=model.kind,
+        revision=table.revision if table else 0,
+        weights={e.version.version: e.weight for e in entries},
+        aliases={a.name: a.version.version for a in model.aliases.all()},
+        versions=frozenset(v.version for v in model.versions.all()),
+    )
+
+
+def version_ref(*, model_name: str, version: str) -> VersionRef | None:
+    mv = ModelVersion.objects.filter(model__name=model_name, version=version).select_related("model").first()
+    if mv is None:
+        return None
+    return _ref(mv)
+
+
+def _ref(mv: ModelVersion) -> VersionRef:
+    return VersionRef(
+        model_name=mv.model.name,
+        version=mv.version,
+        version_id=mv.pk,
+        artifact_uri=mv.artifact_uri,
+        sha256=mv.sha256,
+        files=dict(mv.files),
+        kind=mv.model.kind,
+    )
+
+
+def versions_with_traffic() -> list[VersionRef]:
+    """Versions that must have a replica: any routing weight above zero or an alias pointing at them."""
+    ids = set(RoutingEntry.objects.filter(weight__gt=0).values_list("version_id", flat=True))
+    ids |= set(Alias.objects.values_list("version_id", flat=True))
+    return [_ref(mv) for mv in ModelVersion.objects.filter(pk__in=ids).select_related("model")]
+
+
+def models_visible_to(*, context: TenantContext | None) -> list[Model]:
+    models = Model.objects.all()
+    if context is not None and context.allowed_model_names:
+        models = models.filter(name__in=context.allowed_model_names)
+    return list(models)
+
+
+def model_versions_overview(*, model: Model) -> list[dict[str, object]]:
+    table = getattr(model, "routing_table", None)
+    weights = {e.version_id: e.weight for e in table.entries.all()} if table else {}
+    aliases: dict[int, list[str]] = {}
+    for alias in model.aliases.all():
+        aliases.setdefault(alias.version_id, []).append(alias.name)
+    rows = []
+    for mv in model.versions.all().order_by("created_at"):
+        pct = weights.get(mv.pk, 0)
+        rows.append(
+            {
+                "version": mv.version,
+                "traffic_pct": pct,
+                "state": "serving" if pct > 0 else "idle",
+                "aliases": sorted(aliases.get(mv.pk, [])),
+                "sha256": mv.sha256,
+                "created_at": mv.created_at,
+            }
+        )
+    return rows

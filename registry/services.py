@@ -1,0 +1,193 @@
+"""Writes to the registry. Keyword-only, typed, one transaction each."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F
+
+from registry import artifacts
+from registry.models import (
+    Alias,
+    AliasEvent,
+    ApiKey,
+    Model,
+    ModelVersion,
+    Quota,
+    RoutingEntry,
+    RoutingTable,
+    Tenant,
+)
+
+STABLE_ALIAS = "stable"
+API_KEY_PREFIX = "sy-"
+
+
+class RegistryError(Exception):
+    """A request the registry refuses; the message says why in one line."""
+
+
+class AlreadyExists(RegistryError):
+    pass
+
+
+def hash_api_key(raw_key: str) -> str:
+    return hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+@transaction.atomic
+def model_version_register(
+    *,
+    name: str,
+    version: str,
+    source_dir: Path,
+    kind: str = Model.Kind.CAUSAL_LM,
+    created_by: str = "",
+    parent: ModelVersion | None = None,
+) -> ModelVersion:
+    """Copy a model directory into the artifact store and record it. The first version of a model
+    becomes its `stable` alias with all of its traffic; later ones start at 0%."""
+    model = Model.objects.filter(name=name).first()
+    if model is not None and model.versions.filter(version=version).exists():
+        raise AlreadyExists(f"{name}:{version} is already registered")
+    if model is not None and model.kind != kind:
+        raise RegistryError(f"{name} is a {model.kind} model; cannot add a {kind} version")
+    for field, value in (("name", name), ("version", version)):
+        try:
+            Model._meta.get_field("name").run_validators(value)
+        except Exception as exc:
+            raise RegistryError(
+                f"invalid {field} {value!r}: {' '.join(getattr(exc, 'messages', []))}"
+            ) from None
+
+    root = Path(settings.ARTIFACT_ROOT)
+    final_dir = root / name / version
+    if final_dir.exists():
+        raise AlreadyExists(f"{final_dir} already exists in the artifact store")
+    staging, manifest = artifacts.stage_copy(Path(source_dir), root)
+    try:
+        if model is None:
+            model = Model.objects.create(name=name, kind=kind)
+        model_version = ModelVersion.objects.create(
+            model=model,
+            version=version,
+            artifact_uri=str(final_dir),
+            sha256=manifest.sha256,
+            format=ModelVersion.Format.SAFETENSORS,
+            size_bytes=manifest.size_bytes,
+            files=manifest.files,
+            parent=parent,
+            created_by=created_by,
+        )
+        table, _ = RoutingTable.objects.get_or_create(model=model)
+        is_first = not table.entries.exists()
+        RoutingEntry.objects.create(table=table, version=model_version, weight=100 if is_first else 0)
+        RoutingTable.objects.filter(pk=table.pk).update(revision=F("revision") + 1)
+        if is_first:
+            alias_set(
+                model=model,
+                name=STABLE_ALIAS,
+                version=model_version,
+                actor=created_by or "system",
+                reason="first version registered",
+            )
+        final_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(final_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return model_version
+
+
+@transaction.atomic
+def alias_set(*, model: Model, name: str, version: ModelVersion, actor: str, reason: str = "") -> Alias:
+    if version.model_id != model.pk:
+        raise RegistryError(f"version {version.version} belongs to {version.model.name}, not {model.name}")
+    alias = Alias.objects.select_for_update().filter(model=model, name=name).first()
+    previous = alias.version if alias is not None else None
+    if alias is None:
+        alias = Alias.objects.create(model=model, name=name, version=version)
+    elif alias.version_id != version.pk:
+        alias.version = version
+        alias.save(update_fields=["version", "updated_at"])
+    else:
+        return alias
+    AliasEvent.objects.create(
+        alias=alias, from_version=previous, to_version=version, actor=actor, reason=reason
+    )
+    RoutingTable.objects.filter(model=model).update(revision=F("revision") + 1)
+    return alias
+
+
+@transaction.atomic
+def routing_table_set(*, model: Model, weights: Mapping[str, int]) -> RoutingTable:
+    """Replace a model's traffic split; weights are whole percentages summing to 100."""
+    if any(isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= 100 for w in weights.values()):
+        raise RegistryError("each weight must be an integer percentage from 0 to 100")
+    if sum(weights.values()) != 100:
+        raise RegistryError(f"weights must sum to 100, got {sum(weights.values())}")
+    versions = {v.version: v for v in model.versions.filter(version__in=list(weights))}
+    unknown = sorted(set(weights) - set(versions))
+    if unknown:
+        raise RegistryError(f"unknown version(s) of {model.name}: {', '.join(unknown)}")
+    table, _ = RoutingTable.objects.select_for_update().get_or_create(model=model)
+    table.entries.exclude(version__version__in=list(weights)).update(weight=0)
+    for name, weight in weights.items():
+        RoutingEntry.objects.update_or_create(
+            table=table, version=versions[name], defaults={"weight": weight}
+        )
+    RoutingTable.objects.filter(pk=table.pk).update(revision=F("revision") + 1)
+    table.refresh_from_db()
+    return table
+
+
+@transaction.atomic
+def tenant_create(
+    *,
+    name: str,
+    requests_per_second: float = 10.0,
+    tokens_per_minute: int = 100_000,
+    max_concurrent_requests: int = 16,
+    allowed_models: Iterable[Model] = (),
+    may_pin: bool = False,
+    may_deploy: bool = False,
+) -> Tenant:
+    try:
+        Tenant._meta.get_field("name").run_validators(name)
+    except Exception as exc:
+        raise RegistryError(
+            f"invalid tenant name {name!r}: {' '.join(getattr(exc, 'messages', []))}"
+        ) from None
+    try:
+        with transaction.atomic():
+            tenant = Tenant.objects.create(name=name)
+    except IntegrityError:
+        raise AlreadyExists(f"tenant {name} already exists") from None
+    quota = Quota.objects.create(
+        tenant=tenant,
+        requests_per_second=requests_per_second,
+        tokens_per_minute=tokens_per_minute,
+        max_concurrent_requests=max_concurrent_requests,
+        may_pin=may_pin,
+        may_deploy=may_deploy,
+    )
+    quota.allowed_models.set(list(allowed_models))
+    return tenant
+
+
+def api_key_create(*, tenant: Tenant, name: str = "") -> tuple[ApiKey, str]:
+    """Return the stored record and the raw key; the raw key is never stored and cannot be shown again."""
+    raw_key = API_KEY_PREFIX + secrets.token_urlsafe(32)
+    api_key = ApiKey.objects.create(
+        tenant=tenant,
+        name=name,
+        prefix=raw_key[: ApiKey.PREFIX_LENGTH],
+        key_hash=hash_api_key(raw_key),
+    )
+    return api_key, raw_key

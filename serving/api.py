@@ -1,0 +1,117 @@
+"""Inference and health endpoints. Thin: parse, call dispatch, format."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import connection
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from registry.errors import error_response
+from serving.dispatch import Dispatch, authenticate, dispatch
+from serving.gateway import GatewayError
+from serving.requests import parse_infer, parse_json_body
+from serving.runtime import get_runtime
+
+
+def _gateway_error(exc: GatewayError) -> JsonResponse:
+    return error_response(exc.status, exc.message, headers=exc.headers)
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+async def _sse_events(handle: Dispatch) -> AsyncIterator[bytes]:
+    try:
+        async for event in handle.events():
+            yield _sse(event)
+    finally:
+        # Runs on normal end and when Django cancels the generator because the client went away.
+        await handle.close()
+
+
+@csrf_exempt
+async def infer(request: HttpRequest, model: str) -> HttpResponse:
+    if request.method != "POST":
+        return error_response(405, "use POST")
+    try:
+        context = await authenticate(request.headers.get("Authorization"))
+        body = parse_infer(parse_json_body(request))
+        handle = await dispatch(
+            context=context,
+            path_model=model,
+            pin=request.headers.get("X-Version-Pin"),
+            text=body.input,
+            params=body.sampling_params(),
+        )
+    except GatewayError as exc:
+        return _gateway_error(exc)
+    headers = {"X-Served-Version": handle.version, "X-Request-Id": handle.request_id}
+    if body.stream:
+        response = StreamingHttpResponse(
+            _sse_events(handle), content_type="text/event-stream", headers=headers
+        )
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"
+        return response
+    pieces: list[str] = []
+    final: dict[str, Any] = {}
+    try:
+        async for event in handle.events():
+            if "token" in event:
+                pieces.append(event["token"])
+            if "finish_reason" in event:
+                final = event
+    finally:
+        await handle.close()
+    if final.get("finish_reason") == "error" and not pieces:
+        error = final.get("error", {})
+        return error_response(503, error.get("message", "the replica failed"), headers=headers)
+    return JsonResponse(
+        {
+            "id": handle.request_id,
+            "object": "inference",
+            "model": handle.model_name,
+            "version": handle.version,
+            "output": "".join(pieces),
+            "finish_reason": final.get("finish_reason"),
+            "usage": final.get("usage", {}),
+            "timings": final.get("timings", {}),
+        },
+        headers=headers,
+    )
+
+
+async def healthz(request: HttpRequest) -> JsonResponse:
+    return JsonResponse({"status": "ok"})
+
+
+def _database_ok() -> bool:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return True
+    except Exception:
+        return False
+    finally:
+        connection.close()
+
+
+async def readyz(request: HttpRequest) -> JsonResponse:
+    database_ok = await sync_to_async(_database_ok, thread_sensitive=False)()
+    runtime = await get_runtime()
+    replicas = [
+        {"model": m, "version": v, "state": str(r.state), "replica_id": r.replica_id}
+        for (m, v), r in runtime.replicas.items()
+    ]
+    num_ready = sum(1 for r in runtime.replicas.values() if r.is_ready)
+    is_ready = database_ok and num_ready > 0
+    return JsonResponse(
+        {"ready": is_ready, "database": database_ok, "num_ready_replicas": num_ready, "replicas": replicas},
+        status=200 if is_ready else 503,
+    )

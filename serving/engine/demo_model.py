@@ -1,0 +1,100 @@
+"""Small Llama-style causal LMs built locally: random weights and a byte-level BPE tokenizer trained on
+a short built-in text. No download. The text such a model writes is not meaningful; it exists so the
+platform, its tests and its benchmarks run anywhere."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_CORPUS = """
+Switchyard serves trained models behind an API on a shared fleet of accelerators. A request arrives at
+the gateway, which checks the key, the tenant and the quota. The router picks a version and a replica.
+The replica batches many requests together, step after step, and streams tokens back as they appear.
+Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex.
+Complex is better than complicated. Flat is better than nested. Sparse is better than dense.
+Readability counts. Special cases aren't special enough to break the rules. Although practicality beats
+purity. Errors should never pass silently. Unless explicitly silenced. In the face of ambiguity, refuse
+the temptation to guess. There should be one, and preferably only one, obvious way to do it.
+Now is better than never. If the implementation is hard to explain, it's a bad idea. If the
+implementation is easy to explain, it may be a good idea. Namespaces are one honking great idea.
+Once upon a time there was a little train that carried letters and parcels between the hills and the
+sea. Every morning it woke early, counted its wagons, and listened for the whistle of the station master.
+The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. 0123456789.
+Hello, world! How are you today? The weather is fine, the river is calm, and the models are warm.
+"""
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoModelSpec:
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    intermediate_size: int = 688
+    max_position_embeddings: int = 2048
+    vocab_size: int = 1024  # upper bound; the trained tokenizer may be smaller
+    seed: int = 0
+
+
+def build_tokenizer(vocab_size: int) -> object:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([line for line in _CORPUS.splitlines() if line], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=2048
+    )
+
+
+def build_demo_model(out_dir: str | Path, spec: DemoModelSpec | None = None) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = spec or DemoModelSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab_size)
+    vocab = len(tokenizer)  # type: ignore[arg-type]
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
+        # No EOS for generation: random weights would end outputs at random points; the demo is more
+        # useful when a request runs to its max_tokens. The tokenizer still knows the token.
+        eos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Random weights would sometimes pick a special token (pad, BOS, EOS); zero rows give those a
+        # zero logit, below the largest of the others, so greedy output is always ordinary text.
+        for token_id in tokenizer.all_special_ids:  # type: ignore[attr-defined]
+            model.lm_head.weight[token_id].zero_()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
+    (out / "README.md").write_text(
+        "Switchyard demo model: a Llama-style causal LM with seeded RANDOM weights and a byte-level BPE\n"
+        "tokenizer trained on a few built-in sentences. Its output is not meaningful text.\n"
+        f"Spec: {json.dumps(asdict(spec))}\n"
+    )
+    return out

@@ -1,0 +1,206 @@
+"""The gateway: API key -> tenant -> model and pin permissions -> quota admission.
+
+Quota state is a token bucket for requests/s, one for tokens/min and a concurrency count per tenant.
+It lives in Redis when REDIS_URL is set (one Lua script, so it is atomic across gateway processes) and
+in process memory otherwise. A refusal is a GatewayError carrying the HTTP status and Retry-After."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from django.conf import settings
+
+from registry.authentication import bearer_token
+from registry.selectors import TenantContext, tenant_context_for_api_key
+from registry.services import hash_api_key
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+# --- authentication ------------------------------------------------------------------------------
+
+_AUTH_CACHE_TTL_S = 5.0
+_auth_cache: dict[str, tuple[float, TenantContext]] = {}
+_auth_cache_lock = threading.Lock()
+
+
+def authenticate(authorization: str | None) -> TenantContext:
+    """Resolve the caller. Contexts are cached a few seconds by key hash, so a burst of requests (or
+    of refusals) costs one database read; a revoked key stops working within that time."""
+    token = bearer_token(authorization)
+    if token is None:
+        raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'")
+    cache_key = hash_api_key(token)
+    now = time.monotonic()
+    with _auth_cache_lock:
+        hit = _auth_cache.get(cache_key)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    context = tenant_context_for_api_key(token)
+    if context is None:
+        raise GatewayError(401, "invalid API key")
+    with _auth_cache_lock:
+        if len(_auth_cache) > 10_000:
+            _auth_cache.clear()
+        _auth_cache[cache_key] = (now + _AUTH_CACHE_TTL_S, context)
+    return context
+
+
+def clear_auth_cache() -> None:
+    with _auth_cache_lock:
+        _auth_cache.clear()
+
+
+def authorize_model(context: TenantContext, model_name: str, *, pinned_version: str | None) -> None:
+    if not context.may_use(model_name):
+        raise GatewayError(403, f"tenant {context.tenant_name!r} may not use model {model_name!r}")
+    if pinned_version is not None and not context.may_pin:
+        raise GatewayError(403, f"tenant {context.tenant_name!r} may not pin versions (X-Version-Pin)")
+
+
+# --- quota admission -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """One admitted request; release it exactly once when the request ends."""
+
+    ticket_id: str
+    tenant_id: int
+    charged_tokens: int
+
+
+class QuotaStore(Protocol):
+    def admit(self, context: TenantContext, *, tokens: int) -> Ticket: ...
+    def release(self, ticket: Ticket, *, used_tokens: int) -> None: ...
+
+
+@dataclass(slots=True)
+class _TenantState:
+    request_tokens: float
+    token_tokens: float
+    updated_at: float
+    num_in_flight: int = 0
+
+
+class MemoryQuotaStore:
+    """Per-process counters: exact for one server process (the embedded default)."""
+
+    def __init__(self, clock: object = time.monotonic) -> None:
+        self._clock = clock
+        self._states: dict[int, _TenantState] = {}
+        self._lock = threading.Lock()
+
+    def _refill(self, context: TenantContext, now: float) -> _TenantState:
+        state = self._states.get(context.tenant_id)
+        rps_burst = max(1.0, context.requests_per_second)
+        if state is None:
+            state = _TenantState(rps_burst, float(context.tokens_per_minute), now)
+            self._states[context.tenant_id] = state
+        elapsed = max(0.0, now - state.updated_at)
+        state.request_tokens = min(rps_burst, state.request_tokens + elapsed * context.requests_per_second)
+        state.token_tokens = min(
+            float(context.tokens_per_minute), state.token_tokens + elapsed * context.tokens_per_minute / 60.0
+        )
+        state.updated_at = now
+        return state
+
+    def admit(self, context: TenantContext, *, tokens: int) -> Ticket:
+        with self._lock:
+            state = self._refill(context, self._clock())  # type: ignore[operator]
+            refusal = _refusal(
+                context,
+                request_tokens=state.request_tokens,
+                token_tokens=state.token_tokens,
+                num_in_flight=state.num_in_flight,
+                tokens=tokens,
+            )
+            if refusal is not None:
+                raise refusal
+            state.request_tokens -= 1.0
+            state.token_tokens -= tokens
+            state.num_in_flight += 1
+        return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
+
+    def release(self, ticket: Ticket, *, used_tokens: int) -> None:
+        with self._lock:
+            state = self._states.get(ticket.tenant_id)
+            if state is None:
+                return
+            state.num_in_flight = max(0, state.num_in_flight - 1)
+            # Settle the estimate charged at admission against what the request really used.
+            state.token_tokens += ticket.charged_tokens - used_tokens
+
+
+def _refusal(
+    context: TenantContext, *, request_tokens: float, token_tokens: float, num_in_flight: int, tokens: int
+) -> GatewayError | None:
+    if context.requests_per_second <= 0:
+        return GatewayError(429, "request rate quota is zero for this tenant", retry_after_s=60)
+    if num_in_flight >= context.max_concurrent_requests:
+        return GatewayError(
+            429, f"too many concurrent requests (limit {context.max_concurrent_requests})", retry_after_s=1
+        )
+    if request_tokens < 1.0:
+        wait = (1.0 - request_tokens) / context.requests_per_second
+        return GatewayError(
+            429, f"request rate over quota ({context.requests_per_second:g}/s)", retry_after_s=wait
+        )
+    if tokens > context.tokens_per_minute:
+        return GatewayError(
+            429,
+            f"request needs {tokens} tokens, over the {context.tokens_per_minute}/min quota",
+            retry_after_s=60,
+        )
+    if token_tokens < tokens:
+        wait = (tokens - token_tokens) / (context.tokens_per_minute / 60.0)
+        return GatewayError(
+            429, f"token rate over quota ({context.tokens_per_minute}/min)", retry_after_s=wait
+        )
+    return None
+
+
+_quota_store: QuotaStore | None = None
+_quota_store_lock = threading.Lock()
+
+
+def quota_store() -> QuotaStore:
+    global _quota_store
+    with _quota_store_lock:
+        if _quota_store is None:
+            if settings.REDIS_URL:
+                from serving.quota_redis import RedisQuotaStore
+
+                _quota_store = RedisQuotaStore(settings.REDIS_URL)
+            else:
+                _quota_store = MemoryQuotaStore()
+        return _quota_store
+
+
+def reset_quota_store(store: QuotaStore | None = None) -> None:
+    global _quota_store
+    with _quota_store_lock:
+        _quota_store = store
+
+
+def estimate_tokens(*, input_chars: int, max_tokens: int) -> int:
+    """What admission charges before the prompt is tokenised (about 4 characters a token); the
+    difference is settled when the request ends."""
+    return max_tokens + max(1, input_chars // 4)

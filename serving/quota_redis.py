@@ -1,0 +1,88 @@
+"""Quota counters in Redis, shared by every gateway process. One Lua script refills both buckets,
+decides and charges atomically; the decision rules match serving.gateway._refusal, which then words
+the refusal from the state the script returns."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+
+import redis
+
+from registry.selectors import TenantContext
+from serving.gateway import GatewayError, Ticket, _refusal
+
+# KEYS[1] tenant hash. ARGV: rps, tokens/min, max concurrent, tokens asked, idle expiry (s).
+# Returns {admitted (0/1), request_tokens, token_tokens, in_flight} as strings (Lua numbers would be
+# truncated to integers on the way out).
+_ADMIT = """
+local rps = tonumber(ARGV[1]); local tpm = tonumber(ARGV[2]); local max_c = tonumber(ARGV[3])
+local tokens = tonumber(ARGV[4]); local ttl = tonumber(ARGV[5])
+local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local burst = math.max(1, rps)
+local s = redis.call('HMGET', KEYS[1], 'rt', 'tt', 'ts', 'n')
+local rt = tonumber(s[1]) or burst; local tt = tonumber(s[2]) or tpm
+local ts = tonumber(s[3]) or now; local n = tonumber(s[4]) or 0
+local el = math.max(0, now - ts)
+rt = math.min(burst, rt + el * rps); tt = math.min(tpm, tt + el * tpm / 60)
+local ok = rps > 0 and n < max_c and rt >= 1 and tokens <= tpm and tt >= tokens
+local out_rt, out_tt, out_n = rt, tt, n
+if ok then rt = rt - 1; tt = tt - tokens; n = n + 1 end
+redis.call('HSET', KEYS[1], 'rt', tostring(rt), 'tt', tostring(tt), 'ts', tostring(now), 'n', n)
+redis.call('EXPIRE', KEYS[1], ttl)
+return {ok and 1 or 0, tostring(out_rt), tostring(out_tt), tostring(out_n)}
+"""
+
+_RELEASE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local n = tonumber(redis.call('HGET', KEYS[1], 'n') or '0')
+if n > 0 then redis.call('HSET', KEYS[1], 'n', n - 1) end
+redis.call('HINCRBYFLOAT', KEYS[1], 'tt', ARGV[1])
+return 1
+"""
+
+# A gateway that dies mid-request leaves its in-flight count behind; an idle tenant's state expires.
+_IDLE_EXPIRY_S = 600
+
+
+class RedisQuotaStore:
+    def __init__(self, url: str, *, key_prefix: str = "switchyard:quota:") -> None:
+        self._redis = redis.Redis.from_url(url)
+        self._prefix = key_prefix
+        self._admit = self._redis.register_script(_ADMIT)
+        self._release = self._redis.register_script(_RELEASE)
+
+    def _key(self, tenant_id: int) -> str:
+        return f"{self._prefix}{tenant_id}"
+
+    def admit(self, context: TenantContext, *, tokens: int) -> Ticket:
+        try:
+            admitted, rt, tt, n = self._admit(
+                keys=[self._key(context.tenant_id)],
+                args=[
+                    context.requests_per_second,
+                    context.tokens_per_minute,
+                    context.max_concurrent_requests,
+                    tokens,
+                    _IDLE_EXPIRY_S,
+                ],
+            )
+        except redis.RedisError as exc:
+            raise GatewayError(
+                503, f"quota store unavailable: {type(exc).__name__}", retry_after_s=1
+            ) from exc
+        if not int(admitted):
+            refusal = _refusal(
+                context, request_tokens=float(rt), token_tokens=float(tt), num_in_flight=int(n), tokens=tokens
+            )
+            raise refusal or GatewayError(429, "over quota", retry_after_s=1)
+        return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
+
+    def release(self, ticket: Ticket, *, used_tokens: int) -> None:
+        # On failure the idle expiry clears the count we could not give back.
+        with contextlib.suppress(redis.RedisError):
+            self._release(keys=[self._key(ticket.tenant_id)], args=[ticket.charged_tokens - used_tokens])
+
+    def clear(self) -> None:
+        for key in self._redis.scan_iter(f"{self._prefix}*"):
+            self._redis.delete(key)

@@ -1,0 +1,115 @@
+"""Parsing and validating inference request bodies at the edge, before any model work."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest
+
+from serving.gateway import GatewayError
+
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class InferRequest:
+    input: str
+    max_tokens: int = 16
+    stream: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The fields a replica turns into engine SamplingParams (a plain dict: it crosses the layer)."""
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": list(self.stop),
+        }
+
+
+def parse_json_body(request: HttpRequest) -> dict[str, Any]:
+    try:
+        raw = request.body
+    except RequestDataTooBig:
+        raw = None
+    if raw is None or len(raw) > settings.MAX_REQUEST_BYTES:
+        raise GatewayError(413, f"request body over {settings.MAX_REQUEST_BYTES} bytes")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GatewayError(400, f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "body must be a JSON object")
+    return body
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, int | float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise GatewayError(400, "stop must be a non-empty string or a list of non-empty strings")
+    if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise GatewayError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences of {MAX_STOP_CHARS} characters")
+    return tuple(stops)
+
+
+def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields shared by /infer and the OpenAI-shaped endpoints."""
+    out: dict[str, Any] = {}
+    max_tokens = body.get("max_tokens", 16)
+    if not _is_int(max_tokens) or not 1 <= max_tokens <= settings.MAX_TOKENS_LIMIT:
+        raise GatewayError(400, f"max_tokens must be an integer from 1 to {settings.MAX_TOKENS_LIMIT}")
+    out["max_tokens"] = max_tokens
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise GatewayError(400, "stream must be true or false")
+    out["stream"] = stream
+    temperature = body.get("temperature", 1.0)
+    if not _is_number(temperature) or not 0 <= temperature <= 2:
+        raise GatewayError(400, "temperature must be a number from 0 to 2")
+    out["temperature"] = float(temperature)
+    top_p = body.get("top_p", 1.0)
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise GatewayError(400, "top_p must be a number in (0, 1]")
+    out["top_p"] = float(top_p)
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise GatewayError(400, "seed must be a non-negative integer")
+    out["seed"] = seed
+    out["stop"] = parse_stop(body.get("stop"))
+    return out
+
+
+INFER_FIELDS = frozenset({"input", "max_tokens", "stream", "temperature", "top_p", "seed", "stop"})
+
+
+def parse_infer(body: dict[str, Any]) -> InferRequest:
+    unknown = sorted(set(body) - INFER_FIELDS)
+    if unknown:
+        raise GatewayError(400, f"unknown field(s): {', '.join(unknown)}")
+    text = body.get("input")
+    if not isinstance(text, str) or not text:
+        raise GatewayError(400, "input must be a non-empty string")
+    if len(text) > settings.MAX_INPUT_CHARS:
+        raise GatewayError(413, f"input is {len(text)} characters; the limit is {settings.MAX_INPUT_CHARS}")
+    return InferRequest(input=text, **parse_sampling(body))

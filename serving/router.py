@@ -1,0 +1,119 @@
+"""Version choice (pin, alias, weighted split) and replica choice (least loaded of two random picks).
+
+Routing tables are cached per process and revalidated by their revision number at most every
+`REVALIDATE_S`, so a rollback reaches every gateway within a second; when the database cannot be read,
+the last table known good keeps serving."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from registry.selectors import RoutingSnapshot, routing_revision, routing_snapshot
+from serving.gateway import GatewayError
+
+logger = logging.getLogger(__name__)
+
+REVALIDATE_S = 0.5
+
+
+@dataclass(slots=True)
+class _CacheEntry:
+    snapshot: RoutingSnapshot | None
+    checked_at: float
+
+
+class RoutingCache:
+    def __init__(self, *, revalidate_s: float = REVALIDATE_S) -> None:
+        self._entries: dict[str, _CacheEntry] = {}
+        self._lock = threading.Lock()
+        self._revalidate_s = revalidate_s
+
+    def get(self, model_name: str) -> RoutingSnapshot | None:
+        """Blocking (database); call from a thread in async code."""
+        now = time.monotonic()
+        with self._lock:
+            entry = self._entries.get(model_name)
+        if entry is not None and now - entry.checked_at < self._revalidate_s:
+            return entry.snapshot
+        try:
+            if (
+                entry is not None
+                and entry.snapshot is not None
+                and routing_revision(model_name=model_name) == entry.snapshot.revision
+            ):
+                entry.checked_at = now
+                return entry.snapshot
+            snapshot = routing_snapshot(model_name=model_name)
+        except Exception as exc:
+            if entry is not None and entry.snapshot is not None:
+                logger.warning(
+                    "routing table for %s unreadable (%s); using revision %s",
+                    model_name,
+                    type(exc).__name__,
+                    entry.snapshot.revision,
+                )
+                return entry.snapshot
+            raise GatewayError(503, "routing table unavailable", retry_after_s=1) from exc
+        with self._lock:
+            self._entries[model_name] = _CacheEntry(snapshot, now)
+        return snapshot
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+routing_cache = RoutingCache()
+
+
+def split_model_name(path_model: str) -> tuple[str, str | None]:
+    """`chat-model@stable` -> ("chat-model", "stable")."""
+    name, _, alias = path_model.partition("@")
+    return name, alias or None
+
+
+def choose_version(
+    snapshot: RoutingSnapshot, *, pin: str | None, alias: str | None, rng: random.Random
+) -> str:
+    if pin is not None:
+        if pin not in snapshot.versions:
+            raise GatewayError(404, f"version {pin!r} of model {snapshot.model_name!r} not found")
+        return pin
+    if alias is not None:
+        version = snapshot.aliases.get(alias)
+        if version is None:
+            raise GatewayError(404, f"alias {alias!r} of model {snapshot.model_name!r} not found")
+        return version
+    if snapshot.weights:
+        versions = list(snapshot.weights)
+        return rng.choices(versions, weights=[snapshot.weights[v] for v in versions])[0]
+    if "stable" in snapshot.aliases:
+        return snapshot.aliases["stable"]
+    raise GatewayError(503, f"model {snapshot.model_name!r} has no version taking traffic", retry_after_s=5)
+
+
+class Loaded(Protocol):
+    @property
+    def load(self) -> int: ...
+    @property
+    def is_ready(self) -> bool: ...
+
+
+R = TypeVar("R", bound=Loaded)
+
+
+def choose_replica(replicas: list[R], *, rng: random.Random) -> R | None:
+    """Power of two choices: nearly the balance of least-loaded without every gateway herding onto the
+    same replica from a stale view."""
+    healthy = [r for r in replicas if r.is_ready]
+    if not healthy:
+        return None
+    if len(healthy) == 1:
+        return healthy[0]
+    a, b = rng.sample(healthy, 2)
+    return a if a.load <= b.load else b

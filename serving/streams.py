@@ -1,0 +1,84 @@
+"""The reply side of the channel-layer link: one inbox channel per server process (per event loop).
+
+Replicas send one message per engine step to each inbox, carrying the new events of every request that
+inbox waits on; the hub hands each event to the queue of the request it belongs to. One message per
+step rather than per token is what keeps the channel layer off the critical path (ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STEP_MESSAGE = "replica.step"
+
+
+class ReplyHub:
+    def __init__(self, layer: Any) -> None:
+        self._layer = layer
+        self._queues: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self.channel_name: str | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._task is None:
+            self.channel_name = await self._layer.new_channel("switchyard.inbox.")
+            self._task = asyncio.get_running_loop().create_task(self._receive_forever(), name="reply-hub")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def open(self, request_id: str) -> asyncio.Queue[dict[str, Any]]:
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def _receive_forever(self) -> None:
+        assert self.channel_name is not None
+        while True:
+            try:
+                message = await self._layer.receive(self.channel_name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("reply hub: receive failed; retrying")
+                await asyncio.sleep(0.1)
+                continue
+            if message.get("type") != STEP_MESSAGE:
+                continue
+            for item in message.get("items", ()):
+                queue = self._queues.get(item.get("request_id"))
+                if queue is None:
+                    continue  # the client went away; its abort is already on its way to the replica
+                for event in item.get("events", ()):
+                    queue.put_nowait(event)
+
+
+async def iterate_events(
+    queue: asyncio.Queue[dict[str, Any]], *, inactivity_timeout_s: float
+) -> AsyncIterator[dict[str, Any]]:
+    """Yield a request's events until its final one (the one with a finish_reason). A replica that falls
+    silent for too long ends the stream with an error event instead of hanging the client."""
+    while True:
+        try:
+            event = await asyncio.wait_for(queue.get(), timeout=inactivity_timeout_s)
+        except TimeoutError:
+            yield {
+                "finish_reason": "error",
+                "error": {"type": "replica_timeout", "message": "the replica stopped answering"},
+            }
+            return
+        yield event
+        if "finish_reason" in event:
+            return

@@ -1,0 +1,7 @@
+from django.urls import path
+
+from serving import api
+
+urlpatterns = [
+    path("models/<str:model>/infer", api.infer, name="infer"),
+]

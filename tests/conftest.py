@@ -1,0 +1,128 @@
+"""Shared fixtures: a demo model built once per run, tenants with keys, real Redis when present."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI") == "true"
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def require_service(name: str, host: str, port: int) -> None:
+    """Outside CI a missing server skips the test with a reason; under CI it is a failure."""
+    if not _port_open(host, port):
+        message = f"{name} is not reachable at {host}:{port}"
+        if IN_CI:
+            pytest.fail(f"{message}; CI must start it (.ci/run)")
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from serving.engine.demo_model import DemoModelSpec, build_demo_model
+
+    # Smaller than the served demo model: the same code path, less time per test run.
+    spec = DemoModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    return build_demo_model(tmp_path_factory.mktemp("demo-model"), spec)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_state(settings: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None]:
+    """Each test gets its own artifact store and fresh per-process caches."""
+    from serving import gateway
+    from serving.router import routing_cache
+
+    settings.ARTIFACT_ROOT = tmp_path / "artifacts"  # type: ignore[attr-defined]
+    gateway.clear_auth_cache()
+    gateway.reset_quota_store()
+    routing_cache.clear()
+    yield
+    gateway.clear_auth_cache()
+    gateway.reset_quota_store()
+    routing_cache.clear()
+
+
+@dataclass
+class TenantWithKey:
+    tenant: object
+    key: str
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+@pytest.fixture
+def make_tenant(db: None):  # type: ignore[no-untyped-def]
+    from registry.services import api_key_create, tenant_create
+
+    def make(name: str = "acme", **quota: object) -> TenantWithKey:
+        tenant = tenant_create(name=name, **quota)  # type: ignore[arg-type]
+        _, key = api_key_create(tenant=tenant)
+        return TenantWithKey(tenant, key)
+
+    return make
+
+
+@pytest.fixture
+def registered_model(db: None, demo_model_dir: Path):  # type: ignore[no-untyped-def]
+    from registry.services import model_version_register
+
+    return model_version_register(
+        name="demo-chat", version="v1", source_dir=demo_model_dir, created_by="test"
+    )
+
+
+@pytest.fixture
+def redis_url() -> str:
+    require_service("Redis", "127.0.0.1", 6379)
+    return "redis://127.0.0.1:6379/15"
+
+
+@pytest.fixture(autouse=True)
+async def _stop_runtime() -> object:
+    """A test that started the in-process runtime (replicas, reply hub) stops it on its own loop."""
+    yield
+    from serving.runtime import shutdown_runtime
+
+    await shutdown_runtime()
+
+
+@pytest.fixture
+async def runtime(registered_model):  # type: ignore[no-untyped-def]
+    """The in-process data plane on this test's loop, with its replicas loaded."""
+    from serving.runtime import get_runtime
+
+    rt = await get_runtime()
+    assert await rt.wait_ready()
+    return rt
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _drop_thread_connections(django_db_setup, django_db_blocker):  # type: ignore[no-untyped-def]
+    """Async code reads the database from worker threads, each with its own connection; Postgres will
+    not drop the test database while they are open, so end them before pytest-django tries."""
+    yield
+    from django.db import connection
+
+    with django_db_blocker.unblock():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )

@@ -1,0 +1,90 @@
+"""A real platform process: `manage.py serve` on a free port with its own state directory."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    url: str
+    key: str
+    env: dict[str, str]
+    process: subprocess.Popen[bytes]
+
+    def manage(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=REPO_ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    def wait_until(self, predicate, *, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+        """Poll an HTTP condition of the live server (an external process: there is no event to await)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}")
+            try:
+                if predicate():
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("condition not met in time")
+
+
+@pytest.fixture(scope="module")
+def platform_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    state = tmp_path_factory.mktemp("state")
+    port = _free_port()
+    env = {**os.environ, "SWITCHYARD_STATE_DIR": str(state), "SWITCHYARD_REPLICA_SYNC_INTERVAL_S": "0.5"}
+    for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "DJANGO_SETTINGS_MODULE"):
+        env.pop(name, None)
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "manage.py", *a], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    run("migrate", "--noinput", "-v0")
+    key = run("seed_demo").stdout.strip().splitlines()[-1]
+    log = (state / "server.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--port", str(port)],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    server = LiveServer(f"http://127.0.0.1:{port}", key, env, process)
+    try:
+        server.wait_until(lambda: httpx.get(f"{server.url}/readyz").status_code == 200, timeout_s=120)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+        if os.environ.get("CI"):
+            sys.stderr.write(Path(state / "server.log").read_text(errors="replace")[-4000:])

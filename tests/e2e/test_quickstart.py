@@ -1,0 +1,66 @@
+"""The README's promise, checked against a real server process with a real HTTP client."""
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.live_server_process
+
+
+def test_health_and_readiness(platform_server) -> None:
+    assert httpx.get(f"{platform_server.url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{platform_server.url}/readyz").json()
+    assert ready["ready"] and ready["database"]
+    assert {"model": "demo-chat", "version": "v1"}.items() <= ready["replicas"][0].items()
+
+
+def test_curl_example_streams_16_token_events_and_a_final_event(platform_server) -> None:
+    events = []
+    with httpx.stream(
+        "POST",
+        f"{platform_server.url}/v1/models/demo-chat/infer",
+        headers={"Authorization": f"Bearer {platform_server.key}"},
+        content=json.dumps({"input": "hello", "max_tokens": 16, "stream": True}),
+        timeout=30,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["X-Served-Version"] == "v1"
+        assert response.headers["Content-Type"] == "text/event-stream"
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    tokens, final = events[:-1], events[-1]
+    assert [e["index"] for e in tokens] == list(range(16))
+    assert all(isinstance(e["token"], str) for e in tokens)
+    assert final["finish_reason"] == "length"
+    assert final["usage"]["completion_tokens"] == 16
+
+
+def test_openapi_schema_lists_the_inference_and_registry_paths(platform_server) -> None:
+    response = httpx.get(f"{platform_server.url}/v1/schema", headers={"Accept": "application/json"})
+    assert response.status_code == 200
+    paths = response.json()["paths"]
+    assert {"/v1/models/{model}/infer", "/v1/models", "/v1/models/{model}/versions"} <= set(paths)
+
+
+def test_a_newly_registered_model_gets_a_replica_without_a_restart(
+    platform_server, demo_model_dir: Path
+) -> None:
+    result = platform_server.manage("register_model", "fresh", "v1", "--from", str(demo_model_dir))
+    assert result.returncode == 0, result.stderr
+
+    def has_fresh_replica() -> bool:
+        replicas = httpx.get(f"{platform_server.url}/readyz").json()["replicas"]
+        return any(r["model"] == "fresh" and r["state"] == "ready" for r in replicas)
+
+    platform_server.wait_until(has_fresh_replica, timeout_s=30)
+    response = httpx.post(
+        f"{platform_server.url}/v1/models/fresh/infer",
+        headers={"Authorization": f"Bearer {platform_server.key}"},
+        json={"input": "hi", "max_tokens": 3},
+        timeout=30,
+    )
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3

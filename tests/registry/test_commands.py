@@ -1,0 +1,95 @@
+import shutil
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from registry.models import ApiKey, ModelVersion, Tenant
+from registry.selectors import tenant_context_for_api_key
+
+pytestmark = pytest.mark.django_db
+
+
+def _run(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+def test_register_model_copies_the_directory_and_prints_the_digest(demo_model_dir: Path, settings) -> None:
+    out = _run("register_model", "chat", "v1", "--from", str(demo_model_dir))
+
+    mv = ModelVersion.objects.get(model__name="chat", version="v1")
+    assert out.strip().splitlines()[-1] == f"sha256:{mv.sha256}"
+    copied = Path(settings.ARTIFACT_ROOT) / "chat" / "v1"
+    assert (copied / "model.safetensors").read_bytes() == (demo_model_dir / "model.safetensors").read_bytes()
+    assert set(mv.files) >= {"model.safetensors", "config.json", "tokenizer.json"}
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda d: (d / "model.safetensors").unlink(), r"no \*\.safetensors"),
+        (lambda d: (d / "pytorch_model.bin").write_bytes(b"\x80\x04pickle"), "pickle-based weights"),
+        (lambda d: (d / "modeling_evil.py").write_text("import os"), "custom code"),
+    ],
+)
+def test_register_model_refuses_unsafe_or_incomplete_directories(
+    demo_model_dir: Path, tmp_path: Path, settings, setup, message: str
+) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(demo_model_dir, source)
+    setup(source)
+    with pytest.raises(CommandError, match=message) as excinfo:
+        _run("register_model", "chat", "v1", "--from", str(source))
+    assert "\n" not in str(excinfo.value)
+    assert not ModelVersion.objects.exists()
+    root = Path(settings.ARTIFACT_ROOT)
+    assert not root.exists() or not any(root.iterdir())
+
+
+def test_register_model_refuses_an_existing_name_and_version(demo_model_dir: Path, settings) -> None:
+    _run("register_model", "chat", "v1", "--from", str(demo_model_dir))
+    before = sorted(p.name for p in (Path(settings.ARTIFACT_ROOT)).rglob("*"))
+    with pytest.raises(CommandError, match="chat:v1 is already registered"):
+        _run("register_model", "chat", "v1", "--from", str(demo_model_dir))
+    assert sorted(p.name for p in (Path(settings.ARTIFACT_ROOT)).rglob("*")) == before
+    assert ModelVersion.objects.count() == 1
+
+
+def test_create_tenant_and_api_key_print_a_working_key_on_the_last_line() -> None:
+    _run("create_tenant", "acme", "--requests-per-second", "5", "--may-pin")
+    out = _run("create_api_key", "--tenant", "acme")
+
+    key = out.strip().splitlines()[-1]
+    context = tenant_context_for_api_key(key)
+    assert context is not None and context.tenant_name == "acme" and context.may_pin
+    assert context.requests_per_second == 5
+    assert ApiKey.objects.get().key_hash != key
+
+
+def test_create_api_key_for_an_unknown_tenant_fails_cleanly() -> None:
+    with pytest.raises(CommandError, match="unknown tenant"):
+        _run("create_api_key", "--tenant", "nobody")
+
+
+def test_seed_demo_is_idempotent_and_keeps_one_live_demo_key(settings, tmp_path: Path) -> None:
+    settings.STATE_DIR = tmp_path
+    first = _run("seed_demo").strip().splitlines()[-1]
+    second = _run("seed_demo").strip().splitlines()[-1]
+
+    assert tenant_context_for_api_key(first) is None  # the previous demo key is revoked
+    context = tenant_context_for_api_key(second)
+    assert context is not None and context.may_pin and context.may_deploy and not context.allowed_model_names
+    assert ModelVersion.objects.filter(model__name="demo-chat", version="v1").count() == 1
+    assert Tenant.objects.filter(name="demo").count() == 1
+
+
+def test_create_demo_model_writes_safetensors_and_a_tokenizer(tmp_path: Path) -> None:
+    out_dir = tmp_path / "m"
+    _run("create_demo_model", str(out_dir))
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in out_dir.iterdir()}
+    assert not list(out_dir.glob("*.bin"))
+    with pytest.raises(CommandError, match="not empty"):
+        _run("create_demo_model", str(out_dir))

@@ -1,0 +1,123 @@
+from pathlib import Path
+
+import pytest
+from django.core.exceptions import ValidationError
+
+from registry import artifacts
+from registry.models import AliasEvent, ApiKey, ModelVersion, RoutingTable
+from registry.selectors import routing_snapshot, tenant_context_for_api_key
+from registry.services import (
+    AlreadyExists,
+    RegistryError,
+    alias_set,
+    api_key_create,
+    model_version_register,
+    routing_table_set,
+    tenant_create,
+)
+
+pytestmark = pytest.mark.django_db
+
+
+def test_first_version_is_stable_with_all_traffic_and_later_ones_start_at_zero(demo_model_dir: Path) -> None:
+    v1 = model_version_register(name="chat", version="v1", source_dir=demo_model_dir)
+    v2 = model_version_register(name="chat", version="v2", source_dir=demo_model_dir, parent=v1)
+
+    snapshot = routing_snapshot(model_name="chat")
+    assert snapshot is not None
+    assert snapshot.weights == {"v1": 100}
+    assert snapshot.aliases == {"stable": "v1"}
+    assert snapshot.versions == {"v1", "v2"}
+    assert v2.parent == v1
+    assert Path(v2.artifact_uri).is_dir()
+
+
+def test_model_version_refuses_changes_to_its_artifact(registered_model: ModelVersion) -> None:
+    registered_model.sha256 = "0" * 64
+    with pytest.raises(ValidationError, match=r"immutable.*sha256"):
+        registered_model.save()
+    registered_model.refresh_from_db()
+    registered_model.artifact_uri = "/elsewhere"
+    with pytest.raises(ValidationError, match="artifact_uri"):
+        registered_model.save()
+
+
+def test_alias_moves_are_logged_with_who_from_and_to(demo_model_dir: Path) -> None:
+    v1 = model_version_register(name="chat", version="v1", source_dir=demo_model_dir, created_by="alice")
+    v2 = model_version_register(name="chat", version="v2", source_dir=demo_model_dir)
+    revision_before = RoutingTable.objects.get(model=v1.model).revision
+
+    alias_set(model=v1.model, name="stable", version=v2, actor="bob", reason="promote")
+    alias_set(model=v1.model, name="stable", version=v2, actor="bob")  # no move, no event
+
+    events = list(
+        AliasEvent.objects.filter(alias__name="stable").values_list(
+            "from_version__version", "to_version__version", "actor", "reason"
+        )
+    )
+    assert events == [(None, "v1", "alice", "first version registered"), ("v1", "v2", "bob", "promote")]
+    assert RoutingTable.objects.get(model=v1.model).revision == revision_before + 1
+
+
+def test_alias_refuses_a_version_of_another_model(demo_model_dir: Path) -> None:
+    a = model_version_register(name="a", version="v1", source_dir=demo_model_dir)
+    b = model_version_register(name="b", version="v1", source_dir=demo_model_dir)
+    with pytest.raises(RegistryError, match="belongs to b"):
+        alias_set(model=a.model, name="stable", version=b, actor="x")
+
+
+def test_routing_change_bumps_the_revision_and_must_sum_to_100(demo_model_dir: Path) -> None:
+    v1 = model_version_register(name="chat", version="v1", source_dir=demo_model_dir)
+    model_version_register(name="chat", version="v2", source_dir=demo_model_dir)
+    before = RoutingTable.objects.get(model=v1.model).revision
+
+    table = routing_table_set(model=v1.model, weights={"v1": 90, "v2": 10})
+    assert table.revision == before + 1
+    assert routing_snapshot(model_name="chat").weights == {"v1": 90, "v2": 10}  # type: ignore[union-attr]
+
+    for bad in ({"v1": 90, "v2": 20}, {"v1": 100, "v9": 0}, {"v1": 50.5, "v2": 49.5}, {"v1": 101, "v2": -1}):
+        with pytest.raises(RegistryError):
+            routing_table_set(model=v1.model, weights=bad)  # type: ignore[arg-type]
+    assert RoutingTable.objects.get(model=v1.model).revision == before + 1
+    routing_table_set(model=v1.model, weights={"v2": 100})
+    assert routing_snapshot(model_name="chat").weights == {"v2": 100}  # type: ignore[union-attr]
+
+
+def test_api_keys_are_stored_only_as_hash_and_prefix() -> None:
+    tenant = tenant_create(name="acme")
+    api_key, raw_key = api_key_create(tenant=tenant)
+
+    stored = ApiKey.objects.get(pk=api_key.pk)
+    assert raw_key not in {stored.key_hash, stored.prefix, stored.name}
+    assert stored.prefix == raw_key[:8] and len(stored.key_hash) == 64
+    assert tenant_context_for_api_key(raw_key).tenant_name == "acme"  # type: ignore[union-attr]
+    assert tenant_context_for_api_key(raw_key[:-1] + ("A" if raw_key[-1] != "A" else "B")) is None
+    assert tenant_context_for_api_key(raw_key[:8]) is None
+
+
+def test_a_revoked_key_or_inactive_tenant_no_longer_authenticates() -> None:
+    from django.utils import timezone
+
+    tenant = tenant_create(name="acme")
+    api_key, raw_key = api_key_create(tenant=tenant)
+    ApiKey.objects.filter(pk=api_key.pk).update(revoked_at=timezone.now())
+    assert tenant_context_for_api_key(raw_key) is None
+    _, raw_key2 = api_key_create(tenant=tenant)
+    tenant.is_active = False
+    tenant.save()
+    assert tenant_context_for_api_key(raw_key2) is None
+
+
+def test_tenant_names_are_unique() -> None:
+    tenant_create(name="acme")
+    with pytest.raises(AlreadyExists):
+        tenant_create(name="acme")
+
+
+def test_loading_refuses_an_artifact_whose_files_changed(registered_model: ModelVersion) -> None:
+    path = Path(registered_model.artifact_uri)
+    artifacts.verify(path, expected_files=registered_model.files, expected_sha256=registered_model.sha256)
+    with (path / "config.json").open("a") as f:
+        f.write(" ")
+    with pytest.raises(artifacts.ArtifactDigestMismatch, match=r"config\.json.*refusing to load"):
+        artifacts.verify(path, expected_files=registered_model.files, expected_sha256=registered_model.sha256)

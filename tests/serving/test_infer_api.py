@@ -1,0 +1,163 @@
+"""The inference endpoint's gateway path: every refusal happens before a replica is involved."""
+
+import json
+
+import pytest
+from django.test import AsyncClient
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+URL = "/v1/models/demo-chat/infer"
+
+
+async def _post(
+    client: AsyncClient, body: object, headers: dict[str, str], url: str = URL, raw: bytes | None = None
+):
+    data = raw if raw is not None else json.dumps(body)
+    return await client.post(url, data=data, content_type="application/json", headers=headers)
+
+
+@pytest.fixture
+def acme(make_tenant, registered_model, runtime):
+    return make_tenant("acme")
+
+
+async def test_missing_or_bad_key_is_401(acme) -> None:
+    client = AsyncClient()
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic abc"}):
+        response = await _post(client, {"input": "hi"}, headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+
+
+async def test_unknown_model_is_404(acme) -> None:
+    response = await _post(AsyncClient(), {"input": "hi"}, acme.auth, url="/v1/models/nope/infer")
+    assert response.status_code == 404
+    assert response.json() == {"error": {"type": "not_found_error", "message": "model 'nope' not found"}}
+
+
+async def test_a_tenant_not_allowed_the_model_is_403(make_tenant, registered_model, demo_model_dir) -> None:
+    from asgiref.sync import sync_to_async
+
+    from registry.services import model_version_register
+
+    other = await sync_to_async(model_version_register)(name="other", version="v1", source_dir=demo_model_dir)
+    limited = await sync_to_async(make_tenant)("limited", allowed_models=[other.model])
+    response = await _post(AsyncClient(), {"input": "hi"}, limited.auth)
+    assert response.status_code == 403
+    assert "may not use model 'demo-chat'" in response.json()["error"]["message"]
+
+
+async def test_pinning_without_permission_is_403(acme) -> None:
+    response = await _post(AsyncClient(), {"input": "hi"}, {**acme.auth, "X-Version-Pin": "v1"})
+    assert response.status_code == 403
+    assert "may not pin" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "raw", "status", "fragment"),
+    [
+        (None, b"{not json", 400, "not valid JSON"),
+        ([1, 2], None, 400, "JSON object"),
+        ({}, None, 400, "input must be a non-empty string"),
+        ({"input": 5}, None, 400, "input must be a non-empty string"),
+        ({"input": "hi", "max_tokens": 0}, None, 400, "max_tokens"),
+        ({"input": "hi", "max_tokens": 10**6}, None, 400, "max_tokens"),
+        ({"input": "hi", "max_tokens": "5"}, None, 400, "max_tokens"),
+        ({"input": "hi", "max_tokens": True}, None, 400, "max_tokens"),
+        ({"input": "hi", "temperature": -1}, None, 400, "temperature"),
+        ({"input": "hi", "top_p": 0}, None, 400, "top_p"),
+        ({"input": "hi", "stream": "yes"}, None, 400, "stream"),
+        ({"input": "hi", "stop": [""]}, None, 400, "stop"),
+        ({"input": "hi", "seed": -3}, None, 400, "seed"),
+        ({"input": "hi", "bogus": 1}, None, 400, "unknown field(s): bogus"),
+        ({"input": "x" * 40_000}, None, 413, "limit is 32768"),
+    ],
+)
+async def test_bad_bodies_get_the_json_error_before_any_model_work(acme, body, raw, status, fragment) -> None:
+    response = await _post(AsyncClient(), body, acme.auth, raw=raw)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert fragment in error["message"]
+    assert set(error) == {"type", "message"}
+
+
+async def test_an_oversized_body_is_413(acme, settings) -> None:
+    response = await _post(AsyncClient(), None, acme.auth, raw=b'{"input": "' + b"a" * 300_000 + b'"}')
+    assert response.status_code == 413
+
+
+async def test_over_the_request_rate_is_429_with_retry_after_while_others_are_served(
+    make_tenant, runtime
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    slow = await sync_to_async(make_tenant)("slow", requests_per_second=0.5)
+    fast = await sync_to_async(make_tenant)("fast")
+    client = AsyncClient()
+    body = {"input": "hello", "max_tokens": 4, "temperature": 0}
+
+    first = await _post(client, body, slow.auth)
+    assert first.status_code == 200, first.content
+    refused = await _post(client, body, slow.auth)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert int(refused["Retry-After"]) >= 1
+
+    served = await _post(client, body, fast.auth)
+    assert served.status_code == 200
+    assert served["X-Served-Version"] == "v1"
+    assert served.json()["usage"]["completion_tokens"] == 4
+
+
+async def test_a_request_bigger_than_the_token_quota_is_429(make_tenant, registered_model) -> None:
+    from asgiref.sync import sync_to_async
+
+    small = await sync_to_async(make_tenant)("small", tokens_per_minute=50)
+    response = await _post(AsyncClient(), {"input": "hello", "max_tokens": 100}, small.auth)
+    assert response.status_code == 429
+    assert "tokens" in response.json()["error"]["message"]
+
+
+async def test_streaming_infer_sends_one_event_per_token_then_the_final_event(acme) -> None:
+    response = await _post(
+        AsyncClient(), {"input": "hello", "max_tokens": 6, "stream": True, "temperature": 0}, acme.auth
+    )
+    assert response.status_code == 200
+    assert response["Content-Type"] == "text/event-stream"
+    assert response["X-Served-Version"] == "v1"
+    chunks = [chunk async for chunk in response.streaming_content]
+    events = [json.loads(line[6:]) for line in b"".join(chunks).decode().split("\n\n") if line]
+    assert [e["index"] for e in events[:-1]] == list(range(6))
+    assert events[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 6
+
+
+async def test_seeded_sampling_reproduces_and_greedy_is_deterministic(acme) -> None:
+    client = AsyncClient()
+
+    async def output(body: dict[str, object]) -> str:
+        response = await _post(client, {"input": "hello", "max_tokens": 8, **body}, acme.auth)
+        assert response.status_code == 200
+        return response.json()["output"]
+
+    assert await output({"temperature": 0}) == await output({"temperature": 0})
+    assert await output({"seed": 7}) == await output({"seed": 7})
+
+
+async def test_a_pinned_version_is_served_when_allowed(make_tenant, runtime, demo_model_dir) -> None:
+    from asgiref.sync import sync_to_async
+
+    from registry.services import model_version_register
+
+    await sync_to_async(model_version_register)(name="demo-chat", version="v2", source_dir=demo_model_dir)
+    pinner = await sync_to_async(make_tenant)("pinner", may_pin=True)
+    client = AsyncClient()
+    # v2 has no traffic, so no embedded replica: the pin is honoured (not silently rerouted) and 503s.
+    response = await _post(client, {"input": "hi"}, {**pinner.auth, "X-Version-Pin": "v2"})
+    assert response.status_code == 503
+    assert "v2" in response.json()["error"]["message"]
+    response = await _post(client, {"input": "hi", "max_tokens": 2}, {**pinner.auth, "X-Version-Pin": "v1"})
+    assert response.status_code == 200 and response["X-Served-Version"] == "v1"
+    response = await _post(client, {"input": "hi"}, {**pinner.auth, "X-Version-Pin": "v9"})
+    assert response.status_code == 404

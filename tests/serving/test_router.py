@@ -1,0 +1,74 @@
+import random
+
+import pytest
+
+from registry.selectors import RoutingSnapshot
+from serving.gateway import GatewayError
+from serving.router import RoutingCache, choose_replica, choose_version, split_model_name
+
+
+def _snapshot(**overrides: object) -> RoutingSnapshot:
+    fields: dict[str, object] = {
+        "model_name": "chat",
+        "kind": "causal-lm",
+        "revision": 3,
+        "weights": {"v1": 90, "v2": 10},
+        "aliases": {"stable": "v1", "canary": "v2"},
+        "versions": frozenset({"v1", "v2", "v3"}),
+    }
+    fields.update(overrides)
+    return RoutingSnapshot(**fields)  # type: ignore[arg-type]
+
+
+def test_pin_then_alias_then_weighted_split() -> None:
+    rng = random.Random(0)
+    assert choose_version(_snapshot(), pin="v3", alias="stable", rng=rng) == "v3"
+    assert choose_version(_snapshot(), pin=None, alias="canary", rng=rng) == "v2"
+    assert split_model_name("chat@canary") == ("chat", "canary")
+    with pytest.raises(GatewayError) as excinfo:
+        choose_version(_snapshot(), pin="v9", alias=None, rng=rng)
+    assert excinfo.value.status == 404
+
+
+def test_a_90_10_split_lands_within_statistical_bounds() -> None:
+    rng = random.Random(1234)
+    draws = [choose_version(_snapshot(), pin=None, alias=None, rng=rng) for _ in range(2000)]
+    # Binomial(2000, 0.1): mean 200, sd 13.4; +-4 sd.
+    assert 146 <= draws.count("v2") <= 254
+
+
+class _Replica:
+    def __init__(self, load: int, ready: bool = True) -> None:
+        self.load, self.is_ready = load, ready
+
+
+def test_replica_choice_skips_unready_and_prefers_the_less_loaded_of_two() -> None:
+    rng = random.Random(0)
+    idle, busy, down = _Replica(0), _Replica(50), _Replica(0, ready=False)
+    picks = [choose_replica([idle, busy, down], rng=rng) for _ in range(200)]
+    assert down not in picks
+    assert picks.count(idle) == 200  # with two healthy replicas both are always sampled
+    assert choose_replica([down], rng=rng) is None
+
+
+@pytest.mark.django_db
+def test_routing_cache_sees_a_change_after_revalidation_and_keeps_the_last_good_table(
+    registered_model, monkeypatch
+) -> None:
+    from registry.services import model_version_register, routing_table_set
+
+    cache = RoutingCache(revalidate_s=0.0)
+    assert cache.get("demo-chat").weights == {"v1": 100}  # type: ignore[union-attr]
+    model_version_register(name="demo-chat", version="v2", source_dir=registered_model.artifact_uri)
+    routing_table_set(model=registered_model.model, weights={"v1": 50, "v2": 50})
+    assert cache.get("demo-chat").weights == {"v1": 50, "v2": 50}  # type: ignore[union-attr]
+
+    def database_down(**kwargs: object) -> None:
+        raise ConnectionError("database unreachable")
+
+    monkeypatch.setattr("serving.router.routing_revision", database_down)
+    monkeypatch.setattr("serving.router.routing_snapshot", database_down)
+    assert cache.get("demo-chat").weights == {"v1": 50, "v2": 50}  # type: ignore[union-attr]
+    with pytest.raises(GatewayError) as excinfo:
+        cache.get("never-seen")
+    assert excinfo.value.status == 503
