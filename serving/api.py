@@ -46,8 +46,8 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
             context=context,
             path_model=model,
             pin=request.headers.get("X-Version-Pin"),
-            text=body.input,
             params=body.sampling_params(),
+            text=body.input,
         )
     except GatewayError as exc:
         return _gateway_error(exc)

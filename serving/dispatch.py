@@ -79,8 +79,9 @@ async def dispatch(
     context: TenantContext,
     path_model: str,
     pin: str | None,
-    text: str,
     params: dict[str, Any],
+    text: str | None = None,
+    messages: list[dict[str, str]] | None = None,
     kind: str = Model.Kind.CAUSAL_LM,
 ) -> Dispatch:
     """Route and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a replica
@@ -96,7 +97,10 @@ async def dispatch(
             400, f"model {model_name!r} is a {snapshot.kind} model; this endpoint serves {kind}"
         )
     version = choose_version(snapshot, pin=pin, alias=alias, rng=_rng)
-    tokens = gateway.estimate_tokens(input_chars=len(text), max_tokens=params.get("max_tokens", 1))
+    if (text is None) == (messages is None):
+        raise ValueError("dispatch needs exactly one of text or messages")
+    input_chars = len(text) if text is not None else sum(len(m["content"]) for m in messages or ())
+    tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=params.get("max_tokens", 1))
     ticket = await sync_to_async(gateway.quota_store().admit, thread_sensitive=False)(context, tokens=tokens)
     runtime = await get_runtime()
     request_id = uuid.uuid4().hex
@@ -113,6 +117,7 @@ async def dispatch(
                 "request_id": request_id,
                 "reply_to": runtime.hub.channel_name,
                 "input": text,
+                "messages": messages,
                 "params": params,
                 "tenant": context.cache_group,
                 "submitted_at": time.time(),

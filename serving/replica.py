@@ -181,8 +181,13 @@ class Replica:
             return
         generator = self._generator
         try:
-            params = SamplingParams(**message["params"])
-            prompt_ids = generator.encode(message["input"])
+            params = SamplingParams(**{**message["params"], "stop": tuple(message["params"].get("stop", ()))})
+            text = message.get("input")
+            if text is None:
+                from serving.engine.chat import render_chat_prompt
+
+                text = render_chat_prompt(generator.tokenizer, message["messages"])
+            prompt_ids = generator.encode(text)
             generator.check(prompt_ids, params)
         except (TypeError, ValueError) as exc:
             emit([_error_event("invalid_request_error", str(exc))])

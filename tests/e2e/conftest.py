@@ -55,7 +55,7 @@ class LiveServer:
         raise TimeoutError("condition not met in time")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def platform_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     state = tmp_path_factory.mktemp("state")
     port = _free_port()

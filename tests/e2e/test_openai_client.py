@@ -1,0 +1,68 @@
+"""The `openai` Python package against our OpenAI-compatible endpoints on a live server."""
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.live_server_process
+
+
+@pytest.fixture
+def client(platform_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{platform_server.url}/v1", api_key=platform_server.key, max_retries=0)
+
+
+def test_models_list(client: openai.OpenAI) -> None:
+    assert "demo-chat" in [m.id for m in client.models.list()]
+
+
+def test_completion_json_and_stream_agree_under_greedy_decoding(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model="demo-chat", prompt="hello", max_tokens=8, temperature=0)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 8
+    assert whole.system_fingerprint == "demo-chat:v1"
+
+    chunks = list(client.completions.create(
+        model="demo-chat", prompt="hello", max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
+def test_chat_completion_json_and_stream(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model="demo-chat", messages=messages, max_tokens=6, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage is not None and whole.usage.completion_tokens == 6
+
+    stream = client.chat.completions.create(
+        model="demo-chat", messages=messages, max_tokens=6, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_openai_errors_are_raised_as_typed_exceptions(client: openai.OpenAI, platform_server) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="only n=1"):
+        client.completions.create(model="demo-chat", prompt="hi", max_tokens=2, n=2)
+    bad = openai.OpenAI(base_url=f"{platform_server.url}/v1", api_key="sy-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="demo-chat", messages=[{"role": "user", "content": "x"}])
+
+
+def test_streams_end_with_done(platform_server) -> None:
+    with httpx.stream(
+        "POST", f"{platform_server.url}/v1/completions",
+        headers={"Authorization": f"Bearer {platform_server.key}"},
+        json={"model": "demo-chat", "prompt": "hi", "max_tokens": 3, "stream": True}, timeout=30,
+    ) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert response.headers["X-Served-Version"] == "v1"
