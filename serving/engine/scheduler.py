@@ -1,0 +1,492 @@
+"""Continuous batching: each step picks which sequences compute how many tokens, under a cap on
+running sequences and a token budget. There are no prefill or decode phases: a running sequence asks
+for the tokens it has not computed yet (one when decoding), and a long prompt is cut to the budget."""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from serving.engine.kv_cache import KVCacheManager
+from serving.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    block_size: int = 16
+    max_running_per_tenant: int | None = None
+    max_blocks_per_tenant: int | None = None
+    eos_token_id: int | None = None
+    is_chunked_prefill_enabled: bool = True
+    # Virtual token counter weights (Sheng et al., OSDI 2024): an output token costs more service
+    # than a prompt token because it takes a whole sequential step.
+    prompt_token_weight: float = 1.0
+    output_token_weight: float = 2.0
+    # Free blocks kept back at admission beyond what running sequences are known to need next.
+    watermark_fraction: float = 0.01
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("max_running_per_tenant", "max_blocks_per_tenant"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must leave room for at least one prompt and one output token")
+        if not self.is_chunked_prefill_enabled and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        if not (self.prompt_token_weight >= 0 and self.output_token_weight >= 0):
+            raise ValueError("token weights must be >= 0")
+        if not 0 <= self.watermark_fraction < 1:
+            raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction!r}")
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """Compute seq.token_ids[num_computed : num_computed + num_new_tokens] this step; sample a token
+    iff that range reaches the end of seq.token_ids."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    preempted: list[Sequence]
+    num_batched_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerStats:
+    num_steps: int
+    num_running: int
+    num_waiting: int
+    num_scheduled_seqs: int  # in the last step
+    num_batched_tokens: int  # in the last step
+    num_preempted: int  # in the last step
+    num_preemptions: int  # since start
+    kv_usage: float
+    num_free_blocks: int
+    prefix_cache_hit_rate: float
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config.validate()
+        if config.block_size != kv_cache.block_size:
+            raise ValueError(f"block_size {config.block_size} != the KV cache's {kv_cache.block_size}")
+        self.config = config
+        self.kv_cache = kv_cache
+        self._clock = clock
+        self._requests: dict[str, Sequence] = {}  # every unfinished sequence
+        self._running: dict[str, Sequence] = {}  # in admission order: the last is preempted first
+        self._waiting_by_tenant: dict[str, collections.deque[Sequence]] = {}  # FIFO each; never empty
+        self._num_waiting = 0
+        self._tenant_to_num_running: dict[str, int] = {}
+        self._tenant_to_service: dict[str, float] = {}  # the virtual token counters
+        self._num_watermark_blocks = math.ceil(config.watermark_fraction * kv_cache.num_blocks)
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self._last_output = SchedulerOutput([], [], 0)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._requests.get(request_id)
+
+    def running_seqs(self) -> list[Sequence]:
+        """Running sequences in admission order: the last is preempted first."""
+        return list(self._running.values())
+
+    def service_of(self, tenant_id: str) -> float:
+        return self._tenant_to_service.get(tenant_id, 0.0)
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache
+        return SchedulerStats(
+            num_steps=self.num_steps,
+            num_running=len(self._running),
+            num_waiting=self._num_waiting,
+            num_scheduled_seqs=len(self._last_output.scheduled),
+            num_batched_tokens=self._last_output.num_batched_tokens,
+            num_preempted=len(self._last_output.preempted),
+            num_preemptions=self.num_preemptions,
+            kv_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+        )
+
+    # --- requests in and out ----------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; raise ValueError (with nothing allocated) if it can never run."""
+        cfg = self.config
+        if seq.request_id in self._requests:
+            raise ValueError(f"request {seq.request_id!r} is already queued or running")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"request {seq.request_id!r} is not a fresh sequence")
+        if not seq.prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        seq.params.validate()
+        if seq.num_prompt_tokens >= cfg.max_model_len:
+            raise ValueError(
+                f"the prompt has {seq.num_prompt_tokens} tokens; the context limit is {cfg.max_model_len}, "
+                "which must leave room for at least one output token"
+            )
+        if seq.params.max_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"max_tokens {seq.params.max_tokens} exceeds the context limit {cfg.max_model_len}"
+            )
+        # The last token is sampled but never computed, so this many positions need slots at most.
+        max_num_positions = min(seq.num_prompt_tokens + seq.params.max_tokens, cfg.max_model_len) - 1
+        num_blocks_alone = -(-max_num_positions // cfg.block_size)
+        max_blocks = self.kv_cache.num_blocks
+        if cfg.max_blocks_per_tenant is not None:
+            max_blocks = min(max_blocks, cfg.max_blocks_per_tenant)
+        if num_blocks_alone > max_blocks:
+            raise ValueError(
+                f"request {seq.request_id!r} needs up to {num_blocks_alone} KV blocks; at most {max_blocks} "
+                "can ever be available to it"
+            )
+        self._requests[seq.request_id] = seq
+        self._enqueue(seq, is_preempted=False)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a waiting or running request and free its blocks at once; None if unknown."""
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def finish(self, request_id: str, reason: FinishReason) -> Sequence | None:
+        """End a request from outside the step (a stop string matched, the client left)."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            queue = self._waiting_by_tenant[seq.tenant_id]
+            # By identity: Sequence equality compares every field.
+            del queue[next(i for i, queued in enumerate(queue) if queued is seq)]
+            if not queue:
+                del self._waiting_by_tenant[seq.tenant_id]
+            self._num_waiting -= 1
+            del self._requests[request_id]
+            self._mark_finished(seq, reason)
+        else:
+            self._finish_running(seq, reason)
+        return seq
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv_cache
+        bs = cfg.block_size
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+        prefilling: list[Sequence] = []
+
+        # Decodes first, in admission order, so a long prompt never stalls them.
+        for seq in list(self._running.values()):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            if len(seq.token_ids) - seq.num_computed_tokens != 1:
+                prefilling.append(seq)
+                continue
+            if seq.num_computed_tokens >= len(seq.block_table) * bs:  # its last block is full
+                if not self._make_room(seq, preempted):
+                    continue
+                kv.allocate(seq, 1)
+            scheduled.append(ScheduledSequence(seq, 1))
+            budget -= 1
+
+        # Then the next chunk of each running prefill. A chunk takes no blocks from others (the likely
+        # victims are decodes scheduled above); it shrinks to the blocks left. With none left it gives
+        # up its own and requeues, so prefills stuck on each other's blocks cannot deadlock; its full
+        # blocks stay in the prefix cache, which makes the recompute cheap.
+        for seq in prefilling:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            num_remaining = len(seq.token_ids) - seq.num_computed_tokens
+            num_free_slots = self._num_free_slots(seq)
+            if num_free_slots == 0:
+                self._preempt(seq)
+                preempted.append(seq)
+                continue
+            num_new = min(num_remaining, budget, num_free_slots)
+            if num_new < num_remaining and not cfg.is_chunked_prefill_enabled:
+                continue
+            kv.allocate(seq, num_new)
+            scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+
+        # A step that had to preempt admits nobody: blocks are short, and the victims would come
+        # straight back in.
+        if self._num_waiting and budget and not preempted and len(self._running) < cfg.max_num_seqs:
+            budget = self._admit(budget, scheduled)
+
+        self.num_steps += 1
+        output = SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget)
+        self._last_output = output
+        if __debug__:
+            self._assert_step_invariants(output)
+        return output
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Sequence]:
+        """Account for a finished forward pass: advance computed tokens, append sampled ones, finish
+        sequences that hit a stop condition (freeing their blocks) and return those."""
+        missing = [
+            item.seq.request_id
+            for item in output.scheduled
+            if item.seq.status is SequenceStatus.RUNNING
+            and item.seq.num_computed_tokens + item.num_new_tokens == len(item.seq.token_ids)
+            and item.seq.request_id not in sampled_token_ids
+        ]
+        if missing:
+            raise ValueError(f"no sampled token for {missing[:5]}")
+        cfg = self.config
+        kv = self.kv_cache
+        is_caching = kv.is_prefix_caching_enabled
+        service = self._tenant_to_service
+        output_weight = cfg.output_token_weight
+        eos_token_id = cfg.eos_token_id
+        max_model_len = cfg.max_model_len
+        now: float | None = None
+        finished: list[Sequence] = []
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:  # aborted or finished since schedule()
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            if is_caching:
+                kv.commit_computed(seq)
+            if seq.num_computed_tokens < len(seq.token_ids):  # a prefill chunk that did not finish
+                continue
+            token_id = sampled_token_ids[seq.request_id]
+            seq.token_ids.append(token_id)
+            service[seq.tenant_id] += output_weight
+            if seq.first_token_time is None:
+                now = self._clock() if now is None else now
+                seq.first_token_time = now
+            params = seq.params
+            reason: FinishReason | None = None
+            if (token_id == eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+                reason = FinishReason.STOP
+            elif (
+                len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens
+                or len(seq.token_ids) >= max_model_len
+            ):
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._finish_running(seq, reason)
+                finished.append(seq)
+        return finished
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _enqueue(self, seq: Sequence, *, is_preempted: bool) -> None:
+        tenant = seq.tenant_id
+        queue = self._waiting_by_tenant.get(tenant)
+        if queue is None:
+            if not is_preempted and not self._tenant_to_num_running.get(tenant):
+                self._lift_idle_tenant(tenant)
+            queue = self._waiting_by_tenant[tenant] = collections.deque()
+        if is_preempted:
+            queue.appendleft(seq)  # it was admitted before everything still waiting
+        else:
+            queue.append(seq)
+        self._num_waiting += 1
+
+    def _lift_idle_tenant(self, tenant: str) -> None:
+        """A tenant returning from idle starts at the least counter among active tenants, so time spent
+        idle earns no credit to spend later (VTC's counter lift)."""
+        active = [
+            service
+            for other, service in self._tenant_to_service.items()
+            if other in self._waiting_by_tenant or self._tenant_to_num_running.get(other)
+        ]
+        own = self._tenant_to_service.get(tenant, 0.0)
+        self._tenant_to_service[tenant] = max(own, min(active)) if active else own
+
+    def _admit(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
+        """Admit waiting sequences, least-served tenant first, while seats, budget and blocks allow."""
+        cfg = self.config
+        kv = self.kv_cache
+        bs = cfg.block_size
+        # Blocks that running sequences still need to finish their known tokens and take one more step.
+        num_reserved = 0
+        tenant_to_num_reserved: dict[str, int] = collections.defaultdict(int)
+        for seq in self._running.values():
+            num_short = (len(seq.token_ids) + bs) // bs - len(seq.block_table)
+            if num_short > 0:
+                num_reserved += num_short
+                tenant_to_num_reserved[seq.tenant_id] += num_short
+        skipped: set[str] = set()
+        while budget and len(self._running) < cfg.max_num_seqs:
+            candidates = [t for t in self._waiting_by_tenant if t not in skipped]
+            if not candidates:
+                break
+            tenant = min(candidates, key=self._tenant_to_service.__getitem__)
+            num_tenant_running = self._tenant_to_num_running.get(tenant, 0)
+            if cfg.max_running_per_tenant is not None and num_tenant_running >= cfg.max_running_per_tenant:
+                skipped.add(tenant)
+                continue
+            queue = self._waiting_by_tenant[tenant]
+            seq = queue[0]
+            prefix = kv.match_prefix(seq)
+            num_remaining = len(seq.token_ids) - prefix.num_tokens
+            num_new = min(num_remaining, budget)
+            if num_new < num_remaining and not cfg.is_chunked_prefill_enabled:
+                break  # the least-served tenant's head waits for a fuller budget; nobody jumps it
+            num_eventual = (len(seq.token_ids) + bs) // bs  # blocks to finish its tokens and step once
+            if (
+                cfg.max_blocks_per_tenant is not None
+                and num_tenant_running
+                and kv.num_blocks_by_tenant.get(tenant, 0) + tenant_to_num_reserved[tenant] + num_eventual
+                > cfg.max_blocks_per_tenant
+            ):
+                skipped.add(tenant)
+                continue
+            # With others running, admit only if that cannot force a preemption on the next step,
+            # plus a small watermark for the decodes after it; alone, it always fits (checked in add).
+            num_taken_eventually = kv.num_blocks_needed(seq, num_eventual * bs - prefix.num_tokens, prefix)
+            if self._running and (
+                num_taken_eventually + num_reserved + self._num_watermark_blocks > kv.num_free_blocks
+            ):
+                break
+            num_taken_now = kv.num_blocks_needed(seq, num_new, prefix)
+            if not self._running and num_taken_now > kv.num_free_blocks:
+                break
+            queue.popleft()
+            if not queue:
+                del self._waiting_by_tenant[tenant]
+            self._num_waiting -= 1
+            kv.allocate(seq, num_new, prefix)
+            num_reserved += num_taken_eventually - num_taken_now
+            tenant_to_num_reserved[tenant] += max(0, num_eventual - len(seq.block_table))
+            seq.status = SequenceStatus.RUNNING
+            self._running[seq.request_id] = seq
+            self._tenant_to_num_running[tenant] = num_tenant_running + 1
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = self._clock()
+            if seq.num_preemptions == 0:  # recompute is our doing, not the tenant's
+                self._tenant_to_service[tenant] += cfg.prompt_token_weight * seq.num_prompt_tokens
+            scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _make_room(self, seq: Sequence, preempted: list[Sequence]) -> bool:
+        """Preempt until `seq` gets one more slot; False if `seq` itself had to go."""
+        kv = self.kv_cache
+        cap = self.config.max_blocks_per_tenant
+        while True:
+            num_needed = kv.num_blocks_needed(seq, 1)
+            if cap is not None and kv.num_blocks_by_tenant.get(seq.tenant_id, 0) + num_needed > cap:
+                victim = next(s for s in reversed(self._running.values()) if s.tenant_id == seq.tenant_id)
+            elif num_needed > kv.num_free_blocks:
+                victim = next(reversed(self._running.values()))
+            else:
+                return True
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+
+    def _num_free_slots(self, seq: Sequence) -> int:
+        """Tokens `seq` could still compute this step without preempting anyone."""
+        kv = self.kv_cache
+        num_blocks = kv.num_free_blocks
+        cap = self.config.max_blocks_per_tenant
+        if cap is not None:
+            num_blocks = min(num_blocks, cap - kv.num_blocks_by_tenant.get(seq.tenant_id, 0))
+        return len(seq.block_table) * kv.block_size - seq.num_computed_tokens + num_blocks * kv.block_size
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop the blocks and go back to the front of the tenant's queue."""
+        del self._running[seq.request_id]
+        self._tenant_to_num_running[seq.tenant_id] -= 1
+        self.kv_cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq, is_preempted=True)
+
+    def _finish_running(self, seq: Sequence, reason: FinishReason) -> None:
+        del self._running[seq.request_id]
+        del self._requests[seq.request_id]
+        self._tenant_to_num_running[seq.tenant_id] -= 1
+        self._mark_finished(seq, reason)
+
+    def _mark_finished(self, seq: Sequence, reason: FinishReason) -> None:
+        self.kv_cache.free(seq)  # frees nothing for a waiting sequence, which holds no blocks
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = self._clock()
+
+    # --- invariants -------------------------------------------------------------------------------
+
+    def _assert_step_invariants(self, output: SchedulerOutput) -> None:
+        bs = self.config.block_size
+        assert output.num_batched_tokens <= self.config.max_num_batched_tokens, "token budget respected"
+        assert len(self._running) <= self.config.max_num_seqs, "max_num_seqs respected"
+        assert self._num_waiting + len(self._running) == len(self._requests), "each request in one place"
+        for item in output.scheduled:
+            seq = item.seq
+            assert item.num_new_tokens >= 1
+            assert seq.status is SequenceStatus.RUNNING
+            assert len(seq.block_table) * bs >= seq.num_computed_tokens + item.num_new_tokens, seq.request_id
+
+    def check_invariants(self) -> None:
+        """Full O(requests + blocks) check of scheduler and KV cache state; for tests."""
+        cfg = self.config
+        waiting = [seq for queue in self._waiting_by_tenant.values() for seq in queue]
+        assert all(queue for queue in self._waiting_by_tenant.values()), "no empty tenant queues"
+        assert len(waiting) == self._num_waiting
+        waiting_ids = {seq.request_id for seq in waiting}
+        assert len(waiting_ids) == len(waiting), "no request waits twice"
+        assert not waiting_ids & self._running.keys(), "no request both waiting and running"
+        assert waiting_ids | self._running.keys() == self._requests.keys()
+        for seq in waiting:
+            assert seq.status is SequenceStatus.WAITING
+            assert not seq.block_table
+            assert not seq.num_computed_tokens
+        for seq in self._running.values():
+            assert seq.status is SequenceStatus.RUNNING
+            assert len(seq.block_table) * cfg.block_size >= seq.num_computed_tokens
+            assert seq.num_computed_tokens < len(seq.token_ids) <= cfg.max_model_len
+        running_by_tenant = collections.Counter(seq.tenant_id for seq in self._running.values())
+        assert all(self._tenant_to_num_running.get(t, 0) == n for t, n in running_by_tenant.items())
+        assert sum(self._tenant_to_num_running.values()) == len(self._running)
+        if cfg.max_running_per_tenant is not None:
+            assert all(n <= cfg.max_running_per_tenant for n in running_by_tenant.values())
+        if cfg.max_blocks_per_tenant is not None:
+            assert all(n <= cfg.max_blocks_per_tenant for n in self.kv_cache.num_blocks_by_tenant.values())
+        self.kv_cache.check_invariants(self._running.values())
