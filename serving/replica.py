@@ -50,6 +50,7 @@ class Replica:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replica-{ref.version}")
         self._pending: collections.deque[dict[str, Any]] = collections.deque()
         self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()  # nothing queued, nothing running
         self._aborted: set[str] = set()
         self._outbox: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -91,6 +92,10 @@ class Replica:
         await self._settled.wait()
         return self.is_ready
 
+    async def wait_idle(self) -> None:
+        """Until nothing is queued or running (used by drain, and by tests after an abort)."""
+        await self._idle.wait()
+
     def _load(self) -> Any:
         from serving.engine.naive import NaiveGenerator
 
@@ -127,6 +132,7 @@ class Replica:
                     )
                     continue
                 self._pending.append(message)
+                self._idle.clear()
                 self._wakeup.set()
             elif message.get("type") == ABORT:
                 self._aborted.add(message["request_id"])
@@ -152,9 +158,11 @@ class Replica:
         loop = asyncio.get_running_loop()
         while True:
             if not self._pending:
+                self._idle.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            self._idle.clear()
             message = self._pending.popleft()
             self.num_running = 1
             try:

@@ -1,0 +1,121 @@
+"""WebSocket streaming: `ws://host/v1/models/{model}/stream`.
+
+Auth by the `Authorization: Bearer` header of the handshake, or by a first message
+`{"type": "auth", "api_key": "..."}`. Then `{"type": "infer", "input": ..., "max_tokens": ..., ...}` (the
+/infer body without `stream`) starts a generation; the server answers `{"type": "token", "token", "index"}`
+per token and `{"type": "done", "finish_reason", "usage", "timings", "version"}` at the end, or
+`{"type": "error", "error": {"type", "message"}}`. `{"type": "cancel"}` stops the generation in flight and
+frees its blocks on the replica. One generation at a time per connection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from registry.errors import error_body
+from registry.selectors import TenantContext
+from serving.dispatch import Dispatch, authenticate, dispatch
+from serving.gateway import GatewayError
+from serving.requests import parse_infer
+
+CLOSE_UNAUTHENTICATED = 4401
+
+
+class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
+    context: TenantContext | None = None
+    task: asyncio.Task[None] | None = None
+
+    def _header(self, name: bytes) -> str | None:
+        for key, value in self.scope.get("headers", ()):
+            if key.lower() == name:
+                return str(value.decode("latin-1"))
+        return None
+
+    async def connect(self) -> None:
+        await self.accept()
+        authorization = self._header(b"authorization")
+        if authorization is not None:
+            await self._authenticate(authorization)
+
+    async def _authenticate(self, authorization: str) -> None:
+        try:
+            self.context = await authenticate(authorization)
+        except GatewayError as exc:
+            await self._error(exc)
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+
+    async def _error(self, exc: GatewayError) -> None:
+        await self.send_json({"type": "error", **error_body(exc.status, exc.message)})
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        kind = content.get("type") if isinstance(content, dict) else None
+        if kind == "auth":
+            await self._authenticate(f"Bearer {content.get('api_key', '')}")
+        elif kind == "cancel":
+            await self._cancel()
+        elif kind == "infer":
+            await self._start(content)
+        else:
+            await self._error(GatewayError(400, "message type must be auth, infer or cancel"))
+
+    async def _start(self, content: dict[str, Any]) -> None:
+        if self.context is None:
+            await self._error(
+                GatewayError(401, "authenticate first (an Authorization header or auth message)")
+            )
+            return
+        if self.task is not None and not self.task.done():
+            await self._error(GatewayError(409, "a generation is already running on this connection"))
+            return
+        body = {k: v for k, v in content.items() if k not in {"type", "version_pin"}}
+        try:
+            request = parse_infer(body)
+            if request.stream:
+                raise GatewayError(400, "stream is implied on a WebSocket")
+            handle = await dispatch(
+                context=self.context,
+                path_model=self.scope["url_route"]["kwargs"]["model"],
+                pin=content.get("version_pin") or self._header(b"x-version-pin"),
+                params=request.sampling_params(),
+                text=request.input,
+            )
+        except GatewayError as exc:
+            await self._error(exc)
+            return
+        self.task = asyncio.get_running_loop().create_task(self._forward(handle))
+
+    async def _forward(self, handle: Dispatch) -> None:
+        try:
+            async for event in handle.events():
+                if "token" in event:
+                    await self.send_json({"type": "token", "token": event["token"], "index": event["index"]})
+                elif event.get("finish_reason") == "error":
+                    await self.send_json({"type": "error", "error": event.get("error", {})})
+                else:
+                    await self.send_json({"type": "done", "version": handle.version, **event})
+        except asyncio.CancelledError:
+            await handle.close()  # aborts on the replica, freeing the sequence's blocks
+            with contextlib.suppress(Exception):
+                await self.send_json(
+                    {
+                        "type": "done",
+                        "version": handle.version,
+                        "finish_reason": "abort",
+                        "usage": {"completion_tokens": handle.num_completion_tokens},
+                    }
+                )
+            raise
+        finally:
+            await handle.close()
+
+    async def _cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    async def disconnect(self, code: int) -> None:
+        await self._cancel()

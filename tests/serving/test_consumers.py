@@ -1,0 +1,80 @@
+"""WebSocket streaming through Channels' communicator, against an in-process replica."""
+
+import pytest
+from channels.testing import WebsocketCommunicator
+
+from config.asgi import application
+
+pytestmark = pytest.mark.django_db(transaction=True)
+PATH = "/v1/models/demo-chat/stream"
+
+
+@pytest.fixture
+async def acme(make_tenant, runtime):
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(make_tenant)("acme")
+
+
+async def _connect(headers: list[tuple[bytes, bytes]] | None = None) -> WebsocketCommunicator:
+    communicator = WebsocketCommunicator(application, PATH, headers=headers or [])
+    connected, _ = await communicator.connect()
+    assert connected
+    return communicator
+
+
+async def test_header_auth_then_one_message_per_token_and_a_done_message(acme) -> None:
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 5, "temperature": 0})
+    messages = [await ws.receive_json_from(timeout=10) for _ in range(6)]
+    assert [m["type"] for m in messages] == ["token"] * 5 + ["done"]
+    assert [m["index"] for m in messages[:5]] == list(range(5))
+    assert messages[-1]["finish_reason"] == "length"
+    assert messages[-1]["version"] == "v1"
+    assert messages[-1]["usage"]["completion_tokens"] == 5
+    await ws.disconnect()
+
+
+async def test_first_message_auth(acme) -> None:
+    ws = await _connect()
+    await ws.send_json_to({"type": "infer", "input": "hello"})
+    assert (await ws.receive_json_from())["error"]["type"] == "authentication_error"
+    await ws.send_json_to({"type": "auth", "api_key": acme.key})
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
+    messages = [await ws.receive_json_from(timeout=10) for _ in range(3)]
+    assert messages[-1]["type"] == "done"
+    await ws.disconnect()
+
+
+async def test_a_bad_key_gets_an_error_and_the_socket_closes(registered_model) -> None:
+    ws = await _connect([(b"authorization", b"Bearer sy-wrong")])
+    assert (await ws.receive_json_from())["error"]["type"] == "authentication_error"
+    assert (await ws.receive_output())["code"] == 4401
+
+
+async def test_bad_requests_get_the_json_error_and_the_socket_stays_usable(acme) -> None:
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 0})
+    assert (await ws.receive_json_from())["error"]["type"] == "invalid_request_error"
+    await ws.send_json_to({"type": "dance"})
+    assert "message type" in (await ws.receive_json_from())["error"]["message"]
+    await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1})
+    assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(2)] == ["token", "done"]
+    await ws.disconnect()
+
+
+async def test_cancel_stops_the_generation_and_frees_the_replica(acme, runtime) -> None:
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2000, "temperature": 0})
+    assert (await ws.receive_json_from(timeout=10))["type"] == "token"
+    await ws.send_json_to({"type": "cancel"})
+    message = await ws.receive_json_from(timeout=10)
+    while message["type"] == "token":
+        message = await ws.receive_json_from(timeout=10)
+    assert message == {"type": "done", "version": "v1", "finish_reason": "abort",
+                       "usage": {"completion_tokens": message["usage"]["completion_tokens"]}}
+    assert message["usage"]["completion_tokens"] < 2000
+    (replica,) = runtime.replicas.values()
+    await replica.wait_idle()
+    assert replica.load == 0
+    await ws.disconnect()
