@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from serving.engine.fairness import VirtualTokenCounter
 from serving.engine.kv_cache import KVCacheManager
 from serving.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -99,7 +100,9 @@ class Scheduler:
         self._waiting_by_tenant: dict[str, collections.deque[Sequence]] = {}  # FIFO each; never empty
         self._num_waiting = 0
         self._tenant_to_num_running: dict[str, int] = {}
-        self._tenant_to_service: dict[str, float] = {}  # the virtual token counters
+        self._vtc = VirtualTokenCounter(
+            prompt_token_weight=config.prompt_token_weight, output_token_weight=config.output_token_weight
+        )
         self._num_watermark_blocks = math.ceil(config.watermark_fraction * kv_cache.num_blocks)
         self.num_steps = 0
         self.num_preemptions = 0
@@ -124,7 +127,7 @@ class Scheduler:
         return list(self._running.values())
 
     def service_of(self, tenant_id: str) -> float:
-        return self._tenant_to_service.get(tenant_id, 0.0)
+        return self._vtc.service_of(tenant_id)
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
@@ -274,12 +277,11 @@ class Scheduler:
         cfg = self.config
         kv = self.kv_cache
         is_caching = kv.is_prefix_caching_enabled
-        service = self._tenant_to_service
-        output_weight = cfg.output_token_weight
         eos_token_id = cfg.eos_token_id
         max_model_len = cfg.max_model_len
         now: float | None = None
         finished: list[Sequence] = []
+        sampled_tenant_ids: list[str] = []
         for item in output.scheduled:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:  # aborted or finished since schedule()
@@ -291,7 +293,7 @@ class Scheduler:
                 continue
             token_id = sampled_token_ids[seq.request_id]
             seq.token_ids.append(token_id)
-            service[seq.tenant_id] += output_weight
+            sampled_tenant_ids.append(seq.tenant_id)
             if seq.first_token_time is None:
                 now = self._clock() if now is None else now
                 seq.first_token_time = now
@@ -307,6 +309,7 @@ class Scheduler:
             if reason is not None:
                 self._finish_running(seq, reason)
                 finished.append(seq)
+        self._vtc.charge_output(sampled_tenant_ids)
         return finished
 
     # --- helpers ----------------------------------------------------------------------------------
@@ -316,7 +319,8 @@ class Scheduler:
         queue = self._waiting_by_tenant.get(tenant)
         if queue is None:
             if not is_preempted and not self._tenant_to_num_running.get(tenant):
-                self._lift_idle_tenant(tenant)
+                # Back from idle (a preempted sequence's tenant never left): no credit for the idle time.
+                self._vtc.lift(tenant, active_tenant_ids=self._active_tenant_ids())
             queue = self._waiting_by_tenant[tenant] = collections.deque()
         if is_preempted:
             queue.appendleft(seq)  # it was admitted before everything still waiting
@@ -324,16 +328,10 @@ class Scheduler:
             queue.append(seq)
         self._num_waiting += 1
 
-    def _lift_idle_tenant(self, tenant: str) -> None:
-        """A tenant returning from idle starts at the least counter among active tenants, so time spent
-        idle earns no credit to spend later (VTC's counter lift)."""
-        active = [
-            service
-            for other, service in self._tenant_to_service.items()
-            if other in self._waiting_by_tenant or self._tenant_to_num_running.get(other)
-        ]
-        own = self._tenant_to_service.get(tenant, 0.0)
-        self._tenant_to_service[tenant] = max(own, min(active)) if active else own
+    def _active_tenant_ids(self) -> list[str]:
+        """Tenants with a sequence waiting or running."""
+        running = [tenant for tenant, num_running in self._tenant_to_num_running.items() if num_running]
+        return [*self._waiting_by_tenant, *running]
 
     def _admit(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
         """Admit waiting sequences, least-served tenant first, while seats, budget and blocks allow."""
@@ -353,7 +351,7 @@ class Scheduler:
             candidates = [t for t in self._waiting_by_tenant if t not in skipped]
             if not candidates:
                 break
-            tenant = min(candidates, key=self._tenant_to_service.__getitem__)
+            tenant = self._vtc.least_served(candidates)
             num_tenant_running = self._tenant_to_num_running.get(tenant, 0)
             if cfg.max_running_per_tenant is not None and num_tenant_running >= cfg.max_running_per_tenant:
                 skipped.add(tenant)
@@ -397,7 +395,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = self._clock()
             if seq.num_preemptions == 0:  # recompute is our doing, not the tenant's
-                self._tenant_to_service[tenant] += cfg.prompt_token_weight * seq.num_prompt_tokens
+                self._vtc.charge_prompt(tenant, seq.num_prompt_tokens)
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         return budget
