@@ -160,6 +160,11 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
 # The embedded runtime: in-process replicas supervised from the server's event loop.
 EMBEDDED_REPLICAS = _env_bool("SWITCHYARD_EMBEDDED_REPLICAS", not REDIS_URL)
 REPLICA_SYNC_INTERVAL_S = float(os.environ.get("SWITCHYARD_REPLICA_SYNC_INTERVAL_S", "2"))
+# Engine sizing per replica (override per process with run_replica's flags).
+REPLICA_MAX_NUM_SEQS = int(os.environ.get("SWITCHYARD_MAX_NUM_SEQS", "64"))
+REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_TOKENS", "512"))
+REPLICA_KV_CACHE_BYTES = int(os.environ.get("SWITCHYARD_KV_CACHE_MB", "128")) * 1024 * 1024
+REPLICA_COMPILE = _env_bool("SWITCHYARD_COMPILE", False)
 # Prompts and completions are never logged unless sampled logging is turned on (then redacted).
 LOG_PROMPTS_SAMPLE_RATE = float(os.environ.get("SWITCHYARD_LOG_PROMPTS_SAMPLE_RATE", "0"))
 

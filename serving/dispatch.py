@@ -119,7 +119,8 @@ async def dispatch(
                 "input": text,
                 "messages": messages,
                 "params": params,
-                "tenant": context.cache_group,
+                "tenant": context.tenant_name,
+            "cache_group": context.cache_group,
                 "submitted_at": time.time(),
             },
         )

@@ -1,21 +1,26 @@
-"""A replica: one model version loaded once, serving requests that arrive on its channel.
+"""A replica: one model version loaded once, serving the requests that arrive on its channel.
 
-Embedded mode runs replicas as tasks on the server's event loop, with model work in a one-thread
-executor so the loop stays free for I/O. For now each replica serves with the naive generator, one
-request at a time; the engine replaces it (issue 2 of the engine work)."""
+The engine loop runs as a task on the event loop; each engine step (schedule -> forward -> sample) runs
+in a one-thread executor, so the loop stays free for channel I/O while the model works. Requests and
+aborts are handed to the engine between steps, on the model thread, because the engine is not
+thread-safe. After each step the new events of every request go out as ONE message per receiving
+server process (inbox), never one per token: see ARCHITECTURE.md's transport measurements."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import enum
 import logging
 import time
 import uuid
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from django.conf import settings
 
 from registry import artifacts
 from registry.selectors import VersionRef
@@ -39,42 +44,73 @@ def replica_channel_prefix(ref: VersionRef) -> str:
     return f"switchyard.replica.{ref.model_name}.{ref.version}."
 
 
+@dataclass(slots=True)
+class _Route:
+    """Where a request's events go, and what the replica needs to word its final event."""
+
+    reply_to: str
+    submitted_at: float  # wall clock, so a gateway in another process can be compared
+
+
+@dataclass(slots=True)
+class _StepResult:
+    events_by_inbox: dict[str, dict[str, list[dict[str, Any]]]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )
+
+    def add(self, route: _Route, request_id: str, event: dict[str, Any]) -> None:
+        self.events_by_inbox[route.reply_to].setdefault(request_id, []).append(event)
+
+
+def engine_config_from_settings() -> Any:
+    from serving.engine.engine import EngineConfig
+
+    return EngineConfig(
+        max_num_seqs=settings.REPLICA_MAX_NUM_SEQS,
+        max_num_batched_tokens=settings.REPLICA_MAX_NUM_BATCHED_TOKENS,
+        kv_cache_bytes=settings.REPLICA_KV_CACHE_BYTES,
+        compile=settings.REPLICA_COMPILE,
+    )
+
+
 class Replica:
-    def __init__(self, ref: VersionRef, *, layer: Any) -> None:
+    def __init__(self, ref: VersionRef, *, layer: Any, engine_config: Any = None) -> None:
         self.ref = ref
         self.replica_id = uuid.uuid4().hex[:12]
         self.state = ReplicaState.LOADING
         self.channel_name = f"{replica_channel_prefix(ref)}{self.replica_id}"
         self.error: str | None = None
         self._layer = layer
+        self._engine_config = engine_config
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replica-{ref.version}")
-        self._pending: collections.deque[dict[str, Any]] = collections.deque()
+        self._engine: Any = None
+        self._submissions: list[dict[str, Any]] = []  # arrived since the last step
+        self._aborts: list[str] = []
+        self._routes: dict[str, _Route] = {}  # every request the engine holds
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # nothing queued, nothing running
-        self._aborted: set[str] = set()
-        self._outbox: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        self._settled = asyncio.Event()  # loading ended, ready or failed
         self._tasks: list[asyncio.Task[None]] = []
-        self._generator: Any = None
+        self.num_waiting = 0
         self.num_running = 0
-        self.started_at = time.monotonic()
-        self._settled = asyncio.Event()  # set once loading ended, ready or failed
-
-    @property
-    def num_queued(self) -> int:
-        return len(self._pending)
+        self.kv_cache_usage = 0.0
 
     @property
     def load(self) -> int:
-        return self.num_queued + self.num_running
+        return len(self._submissions) + self.num_waiting + self.num_running
 
     @property
     def is_ready(self) -> bool:
         return self.state is ReplicaState.READY
 
+    @property
+    def engine(self) -> Any:
+        return self._engine
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            self._generator = await loop.run_in_executor(self._executor, self._load)
+            self._engine = await loop.run_in_executor(self._executor, self._load)
         except Exception as exc:
             self.state = ReplicaState.FAILED
             self.error = str(exc)
@@ -83,9 +119,18 @@ class Replica:
             return
         self.state = ReplicaState.READY
         self._settled.set()
-        for coro, name in ((self._listen(), "listen"), (self._work(), "work"), (self._send(), "send")):
+        for coro, name in ((self._listen(), "listen"), (self._work(), "work")):
             self._tasks.append(loop.create_task(coro, name=f"replica-{self.replica_id}-{name}"))
         logger.info("replica %s:%s ready on %s", self.ref.model_name, self.ref.version, self.channel_name)
+
+    def _load(self) -> Any:
+        from serving.engine.engine import Engine
+
+        path = Path(self.ref.artifact_uri)
+        artifacts.verify(path, expected_files=self.ref.files, expected_sha256=self.ref.sha256)
+        engine = Engine(path, config=self._engine_config or engine_config_from_settings())
+        engine.warmup()  # allocate scratch and (if enabled) compile before reporting ready
+        return engine
 
     async def wait_loaded(self) -> bool:
         """Wait until loading has ended; True when the replica is ready."""
@@ -96,17 +141,10 @@ class Replica:
         """Until nothing is queued or running (used by drain, and by tests after an abort)."""
         await self._idle.wait()
 
-    def _load(self) -> Any:
-        from serving.engine.naive import NaiveGenerator
-
-        path = Path(self.ref.artifact_uri)
-        artifacts.verify(path, expected_files=self.ref.files, expected_sha256=self.ref.sha256)
-        generator = NaiveGenerator(path)
-        # Warm-up: the first forward pass allocates and initialises kernels; do it before ready.
-        from serving.engine.sequence import SamplingParams
-
-        generator.generate(generator.encode("warm up"), SamplingParams(max_tokens=2, temperature=0.0))
-        return generator
+    def drain(self) -> None:
+        """Admit nothing new; requests already accepted run to their end."""
+        if self.state is ReplicaState.READY:
+            self.state = ReplicaState.DRAINING
 
     async def stop(self) -> None:
         self.state = ReplicaState.STOPPED
@@ -117,116 +155,140 @@ class Replica:
                 await task
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def drain(self) -> None:
-        self.state = ReplicaState.DRAINING
+    # --- I/O on the event loop ---------------------------------------------------------------------
 
     async def _listen(self) -> None:
         while True:
             message = await self._layer.receive(self.channel_name)
-            if message.get("type") == SUBMIT:
+            kind = message.get("type")
+            if kind == SUBMIT:
                 if self.state is not ReplicaState.READY:
-                    self._reply(
+                    await self._send(
                         message["reply_to"],
-                        message["request_id"],
-                        [_error_event("replica_unavailable", "the replica is draining")],
+                        {
+                            message["request_id"]: [
+                                _error_event("replica_unavailable", f"the replica is {self.state}")
+                            ]
+                        },
                     )
                     continue
-                self._pending.append(message)
-                self._idle.clear()
-                self._wakeup.set()
-            elif message.get("type") == ABORT:
-                self._aborted.add(message["request_id"])
-                self._pending = collections.deque(
-                    m for m in self._pending if m["request_id"] != message["request_id"]
-                )
+                self._submissions.append(message)
+            elif kind == ABORT:
+                self._aborts.append(message["request_id"])
+            else:
+                continue
+            self._idle.clear()
+            self._wakeup.set()
 
-    def _reply(self, reply_to: str, request_id: str, events: list[dict[str, Any]]) -> None:
-        self._outbox.put_nowait(
-            (reply_to, {"type": STEP_MESSAGE, "items": [{"request_id": request_id, "events": events}]})
-        )
-
-    async def _send(self) -> None:
-        # One sender keeps messages in the order they were produced.
-        while True:
-            channel, message = await self._outbox.get()
-            try:
-                await self._layer.send(channel, message)
-            except Exception:
-                logger.exception("replica %s: could not deliver to %s", self.replica_id, channel)
+    async def _send(self, inbox: str, items: dict[str, list[dict[str, Any]]]) -> None:
+        message = {"type": STEP_MESSAGE, "items": [{"request_id": r, "events": e} for r, e in items.items()]}
+        try:
+            await self._layer.send(inbox, message)
+        except Exception:
+            logger.exception("replica %s: could not deliver a step to %s", self.replica_id, inbox)
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self._pending:
+            if not self._submissions and not self._aborts and not self._routes:
                 self._idle.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            self._idle.clear()
-            message = self._pending.popleft()
-            self.num_running = 1
+            submissions, self._submissions = self._submissions, []
+            aborts, self._aborts = self._aborts, []
             try:
-                await loop.run_in_executor(self._executor, self._serve_one, message, loop)
+                result = await loop.run_in_executor(self._executor, self._step, submissions, aborts)
             except Exception as exc:
-                logger.exception("replica %s: request failed", self.replica_id)
-                self._reply(
-                    message["reply_to"], message["request_id"], [_error_event("internal_error", str(exc))]
-                )
-            finally:
-                self.num_running = 0
-                self._aborted.discard(message["request_id"])
+                # A failed forward pass fails every request in it; the replica keeps serving new ones.
+                logger.exception("replica %s: engine step failed", self.replica_id)
+                result = self._fail_all(str(exc))
+            for inbox, items in result.events_by_inbox.items():
+                await self._send(inbox, items)
+            await asyncio.sleep(0)  # let submissions that arrived during the step join the next one
 
-    def _serve_one(self, message: dict[str, Any], loop: asyncio.AbstractEventLoop) -> None:
-        """Runs on the model thread; hands events to the loop without blocking on it."""
+    # --- the model thread --------------------------------------------------------------------------
+
+    def _step(self, submissions: list[dict[str, Any]], aborts: list[str]) -> _StepResult:
+        engine = self._engine
+        result = _StepResult()
+        for request_id in aborts:
+            if self._routes.pop(request_id, None) is not None:
+                engine.abort(request_id)
+        for message in submissions:
+            self._admit(message, result)
+        if engine.has_unfinished():
+            for output in engine.step():
+                route = self._routes.get(output.request_id)
+                if route is None:
+                    continue
+                for i, _ in enumerate(output.new_token_ids):
+                    index = output.num_output_tokens - len(output.new_token_ids) + i
+                    result.add(
+                        route, output.request_id, {"token": output.new_text if i == 0 else "", "index": index}
+                    )
+                if output.is_finished:
+                    del self._routes[output.request_id]
+                    result.add(route, output.request_id, _final_event(output, route))
+        stats = engine.stats()
+        self.num_waiting, self.num_running, self.kv_cache_usage = (
+            stats.num_waiting,
+            stats.num_running,
+            stats.kv_cache_usage,
+        )
+        return result
+
+    def _admit(self, message: dict[str, Any], result: _StepResult) -> None:
+        from serving.engine.chat import render_chat_prompt
         from serving.engine.sequence import SamplingParams
 
-        request_id, reply_to = message["request_id"], message["reply_to"]
-
-        def emit(events: list[dict[str, Any]]) -> None:
-            loop.call_soon_threadsafe(self._reply, reply_to, request_id, events)
-
-        if request_id in self._aborted:
-            return
-        generator = self._generator
+        engine = self._engine
+        request_id = message["request_id"]
+        route = _Route(message["reply_to"], message.get("submitted_at") or time.time())
         try:
-            params = SamplingParams(**{**message["params"], "stop": tuple(message["params"].get("stop", ()))})
+            raw = message["params"]
+            params = SamplingParams(**{**raw, "stop": tuple(raw.get("stop") or ())})
             text = message.get("input")
             if text is None:
-                from serving.engine.chat import render_chat_prompt
-
-                text = render_chat_prompt(generator.tokenizer, message["messages"])
-            prompt_ids = generator.encode(text)
-            generator.check(prompt_ids, params)
-        except (TypeError, ValueError) as exc:
-            emit([_error_event("invalid_request_error", str(exc))])
+                text = render_chat_prompt(engine.tokenizer, message["messages"])
+            prompt_ids = engine.encode(text)
+            engine.add_request(
+                request_id,
+                prompt_ids,
+                params,
+                tenant_id=message.get("tenant") or "default",
+                cache_group=message.get("cache_group"),
+                arrival_time=time.monotonic() - max(0.0, time.time() - route.submitted_at),
+            )
+        except (TypeError, ValueError, KeyError) as exc:
+            result.add(route, request_id, _error_event("invalid_request_error", str(exc)))
             return
-        emit([{"accepted": True, "num_prompt_tokens": len(prompt_ids)}])
-        queued_s = max(0.0, time.time() - message.get("submitted_at", time.time()))
+        self._routes[request_id] = route
+        result.add(route, request_id, {"accepted": True, "num_prompt_tokens": len(prompt_ids)})
 
-        def on_token(token_id: int, index: int, delta: str) -> bool:
-            emit([{"token": delta, "index": index}])
-            return request_id not in self._aborted
+    def _fail_all(self, message: str) -> _StepResult:
+        result = _StepResult()
+        for request_id, route in self._routes.items():
+            result.add(route, request_id, _error_event("internal_error", message))
+            with contextlib.suppress(Exception):
+                self._engine.abort(request_id)
+        self._routes.clear()
+        return result
 
-        result = generator.generate(
-            prompt_ids, params, on_token, should_abort=lambda: request_id in self._aborted
-        )
-        emit(
-            [
-                {
-                    "finish_reason": str(result.finish_reason),
-                    "usage": {
-                        "prompt_tokens": result.num_prompt_tokens,
-                        "completion_tokens": len(result.output_token_ids),
-                        "total_tokens": result.num_prompt_tokens + len(result.output_token_ids),
-                    },
-                    "timings": {
-                        "queue_s": round(queued_s, 6),
-                        "ttft_s": round(result.ttft_s or 0.0, 6),
-                        "total_s": round(result.total_s, 6),
-                    },
-                }
-            ]
-        )
+
+def _final_event(output: Any, route: _Route) -> dict[str, Any]:
+    ttft = output.first_token_time - output.arrival_time if output.first_token_time is not None else None
+    total = (output.finished_time or time.monotonic()) - output.arrival_time
+    return {
+        "finish_reason": str(output.finish_reason),
+        "usage": {
+            "prompt_tokens": output.num_prompt_tokens,
+            "completion_tokens": output.num_output_tokens,
+            "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
+            "cached_prompt_tokens": output.num_cached_prompt_tokens,
+        },
+        "timings": {"ttft_s": round(ttft, 6) if ttft is not None else None, "total_s": round(total, 6)},
+    }
 
 
 def _error_event(error_type: str, message: str) -> dict[str, Any]:

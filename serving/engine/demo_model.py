@@ -54,7 +54,7 @@ def build_tokenizer(vocab_size: int) -> object:
         show_progress=False,
     )
     tok.train_from_iterator([line for line in _CORPUS.splitlines() if line], trainer=trainer)
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=2048
     )
 

@@ -44,5 +44,5 @@ def load_causal_lm(
     }
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     return model.to(device or default_device).eval()

@@ -1,0 +1,269 @@
+"""The engine facade of one replica: schedule -> run -> postprocess, one step at a time.
+
+    engine = Engine(model_dir, config=EngineConfig(max_num_seqs=64))
+    engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32), tenant_id="acme")
+    while engine.has_unfinished():
+        for out in engine.step(): ...   # new tokens and text per request, finish reasons, timings
+
+Not thread-safe: one thread (the replica's model thread) owns an engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.kv_cache import KVCacheManager
+from serving.engine.loading import load_tokenizer
+from serving.engine.runner import ModelRunner
+from serving.engine.sampling import Sampler, make_generator
+from serving.engine.scheduler import Scheduler, SchedulerConfig
+from serving.engine.sequence import FinishReason, SamplingParams, Sequence
+
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    kv_cache_bytes: int | None = None  # None: a fraction of free GPU memory, or 256 MiB on CPU
+    gpu_memory_fraction: float = 0.8
+    block_size: int = 16
+    max_running_per_tenant: int | None = None
+    max_blocks_per_tenant: int | None = None
+    enable_prefix_caching: bool = True
+    compile: bool = False  # torch.compile the decode attention (slow warm-up, faster steps)
+    device: str | None = None
+    seed: int | None = None  # the shared sampler's seed, for reproducible unseeded sampling in tests
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    is_finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_prompt_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float | None
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    num_batched_tokens: int  # in the last step
+    num_scheduled_seqs: int  # in the last step
+    kv_allocated_slots: int  # token slots in blocks held by running sequences
+    kv_used_slots: int  # tokens those sequences hold in the cache
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    num_steps: int
+
+
+@dataclass(slots=True)
+class _RequestState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    text: str = ""  # emitted so far
+    held_text: str = ""  # decoded but held back: it might be the start of a stop string
+    num_reported_tokens: int = 0
+
+
+def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return int(free_bytes * config.gpu_memory_fraction)
+    return DEFAULT_CPU_KV_CACHE_BYTES
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, *, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        device = torch.device(config.device) if config.device else None
+        self.runner = ModelRunner(
+            model_dir,
+            device=device,
+            kv_cache_bytes=_kv_cache_bytes(
+                config, device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            ),
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            compile_attention=config.compile,
+        )
+        self.tokenizer: Any = load_tokenizer(model_dir)
+        eos = self.runner.model.generation_config.eos_token_id
+        eos_ids = list(eos) if isinstance(eos, list | tuple) else [eos] if eos is not None else []
+        self._extra_eos_ids = tuple(eos_ids[1:])
+        self.kv_cache = KVCacheManager(
+            self.runner.num_blocks, config.block_size, is_prefix_caching_enabled=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.runner.max_model_len,
+                block_size=config.block_size,
+                max_running_per_tenant=config.max_running_per_tenant,
+                max_blocks_per_tenant=config.max_blocks_per_tenant,
+                eos_token_id=eos_ids[0] if eos_ids else None,
+            ),
+            self.kv_cache,
+        )
+        self.sampler = Sampler(seed=config.seed)
+        self._requests: dict[str, _RequestState] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def warmup(self) -> None:
+        self.runner.warmup()
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        tenant_id: str = "default",
+        cache_group: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError, with nothing allocated, for a request this engine can
+        never serve (empty or too-long prompt, max_tokens beyond the context, bad sampling values)."""
+        params.validate()
+        if any(not 0 <= t < self.runner.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
+        if self._extra_eos_ids and not params.ignore_eos:
+            params = dataclasses.replace(
+                params, stop_token_ids=(*params.stop_token_ids, *self._extra_eos_ids)
+            )
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            tenant_id=tenant_id,
+            cache_group=cache_group,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        self.scheduler.add(seq)
+        self._requests[request_id] = _RequestState(
+            seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids), make_generator(params)
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks at once. False if it was unknown or already finished."""
+        self._requests.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            return []
+        seqs = [item.seq for item in scheduled.scheduled]
+        batch = self.runner.build_batch(seqs, [item.num_new_tokens for item in scheduled.scheduled])
+        logits = self.runner.execute(batch)
+        sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices.tolist()]
+        states = [self._requests[seq.request_id] for seq in sampled_seqs]
+        token_ids = self.sampler(
+            logits, [s.seq.params for s in states], [s.generator for s in states]
+        ).tolist()
+        finished = self.scheduler.update(
+            scheduled, {seq.request_id: t for seq, t in zip(sampled_seqs, token_ids, strict=True)}
+        )
+        finished_ids = {seq.request_id for seq in finished}
+        return [self._postprocess(state, state.seq.request_id in finished_ids) for state in states]
+
+    def _postprocess(self, state: _RequestState, is_finished: bool) -> RequestOutput:
+        seq = state.seq
+        new_token_ids = seq.output_token_ids[state.num_reported_tokens :]
+        state.num_reported_tokens = seq.num_output_tokens
+        new_text = "".join(state.detokenizer.add(t) for t in new_token_ids)
+        if is_finished:
+            new_text += state.detokenizer.flush()
+        if seq.params.stop:
+            new_text, is_finished = self._apply_stop_strings(state, new_text, is_finished=is_finished)
+        state.text += new_text
+        if is_finished:
+            del self._requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            new_text=new_text,
+            is_finished=is_finished,
+            finish_reason=seq.finish_reason if is_finished else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finished_time=seq.finished_time,
+        )
+
+    def _apply_stop_strings(
+        self, state: _RequestState, new_text: str, *, is_finished: bool
+    ) -> tuple[str, bool]:
+        """Return the text safe to emit now. The last len(longest stop) - 1 characters are held back, since
+        they may begin a stop string the next token completes; a completed stop string cuts the text there
+        and finishes the request (the stop string itself is not emitted, as in the OpenAI API)."""
+        stops = state.seq.params.stop
+        pending = state.held_text + new_text
+        hits = [i for i in (pending.find(s) for s in stops) if i != -1]
+        if hits:
+            state.held_text = ""
+            if is_finished:
+                state.seq.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(state.seq.request_id, FinishReason.STOP)
+            return pending[: min(hits)], True
+        if is_finished:
+            state.held_text = ""
+            return pending, True
+        num_held = min(len(pending), max(len(s) for s in stops) - 1)
+        state.held_text = pending[len(pending) - num_held :]
+        return pending[: len(pending) - num_held], False
+
+    # --- observability -----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        running = self.scheduler.running_seqs()
+        block_size = self.config.block_size
+        return EngineStats(
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            kv_cache_usage=s.kv_usage,
+            num_batched_tokens=s.num_batched_tokens,
+            num_scheduled_seqs=s.num_scheduled_seqs,
+            kv_allocated_slots=sum(len(seq.block_table) for seq in running) * block_size,
+            kv_used_slots=sum(seq.num_computed_tokens for seq in running),
+            num_preemptions=s.num_preemptions,
+            prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+            num_steps=s.num_steps,
+        )

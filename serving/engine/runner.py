@@ -1,0 +1,285 @@
+"""ModelRunner: loads a causal LM and runs one forward pass per engine step over a paged KV cache.
+
+A step's work (prefill chunks and decodes together) is flattened into one `[1, T]` batch with per-token
+positions; the registered paged attention (attention.py) writes and reads the K/V pool. Only the rows
+that are sampled go through the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from serving.engine.attention import (
+    AttentionScratch,
+    DecodeKernel,
+    build_attention_metadata,
+    compile_decode_kernel,
+    register_paged_attention,
+)
+from serving.engine.loading import default_device_and_dtype, load_causal_lm
+from serving.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """One step's input, built by `ModelRunner.build_batch`. The tensors are views of the runner's
+    persistent buffers: a batch is valid until the next `build_batch` call."""
+
+    input_ids: torch.Tensor  # [T] long: the new tokens of every sequence, concatenated in batch order
+    positions: torch.Tensor  # [T] long: each token's position in its own sequence
+    slot_mapping: torch.Tensor  # [T] long: pool slot where each token's key/value is written
+    block_tables: torch.Tensor  # [B, W] long, padded with block 0 (masked out by context_lens)
+    query_lens: np.ndarray  # [B] int64: new tokens per sequence
+    context_lens: np.ndarray  # [B] int64: cached + new tokens per sequence
+    sample_indices: torch.Tensor  # [S] long: rows of T whose logits `execute` returns, in batch order
+    sampled_seq_indices: np.ndarray  # [S] int64: which sequences of the batch those rows belong to
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class ModelRunner:
+    """Owns the model and the K/V pool. Size the KV manager from `num_blocks` and `block_size`;
+    `bytes_per_block` covers every layer's K and V. Per step: `build_batch` (before the scheduler
+    advances num_computed_tokens), then `execute`."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        kv_cache_bytes: int,
+        block_size: int = 16,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        compile_attention: bool = False,
+    ) -> None:
+        for name, value in (
+            ("kv_cache_bytes", kv_cache_bytes),
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.device = torch.device(device) if device is not None else default_device_and_dtype()[0]
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        attn_name = register_paged_attention()
+        # load_causal_lm refuses a directory without *.safetensors (ModelLoadError, a ValueError) and
+        # never runs remote code.
+        self.model = load_causal_lm(
+            model_dir, device=self.device, dtype=self.dtype, attn_implementation=attn_name
+        )
+        config = self.model.config.get_text_config()
+        self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.vocab_size: int = config.vocab_size
+        self.max_model_len: int = config.max_position_embeddings
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_blocks_per_seq = -(-self.max_model_len // block_size)
+
+        elem_bytes = torch.empty((), dtype=self.dtype).element_size()
+        self.bytes_per_block: int = (
+            2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem_bytes
+        )
+        self.num_blocks: int = kv_cache_bytes // self.bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={kv_cache_bytes} is below one block ({self.bytes_per_block} bytes for "
+                f"{self.num_layers} layers x {block_size} tokens)"
+            )
+        with torch.inference_mode():
+            # Zeros, not empty: padded rows read unused slots with weight 0, and 0 * NaN would be NaN.
+            pool = torch.zeros(
+                (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads, self.head_dim),
+                dtype=self.dtype,
+                device=self.device,
+            )
+        self._kv_pool = pool
+        self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(self.num_layers)]
+        self.scratch = AttentionScratch(
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.decode_kernel: DecodeKernel | None = compile_decode_kernel() if compile_attention else None
+
+        # Host-side metadata lives in persistent arrays filled in place each step; building tensors
+        # from Python lists every step was measured at milliseconds per step at a few hundred sequences.
+        pin = self.device.type == "cuda"
+        max_tokens = max_num_batched_tokens
+        self._host_tokens = torch.zeros((3, max_tokens), dtype=torch.long, pin_memory=pin)  # ids, pos, slot
+        # A table lists distinct blocks, so no row is wider than the pool.
+        max_table_width = min(self.max_blocks_per_seq, self.num_blocks)
+        self._host_tables = torch.zeros(max_num_seqs * max_table_width, dtype=torch.long, pin_memory=pin)
+        if pin:
+            self._dev_tokens = torch.zeros_like(self._host_tokens, device=self.device)
+            self._dev_tables = torch.zeros_like(self._host_tables, device=self.device)
+        else:
+            self._dev_tokens, self._dev_tables = self._host_tokens, self._host_tables
+
+    @property
+    def kv_cache_bytes_allocated(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def build_batch(self, seqs: list[Sequence], num_new_tokens: list[int]) -> ForwardBatch:
+        """The step's tokens are seq.token_ids[num_computed_tokens : num_computed_tokens + n] for each
+        sequence; a sequence is sampled iff that range reaches the end of its token_ids."""
+        num_seqs = len(seqs)
+        if len(num_new_tokens) != num_seqs:
+            raise ValueError(f"{num_seqs} sequences but {len(num_new_tokens)} token counts")
+        if not 1 <= num_seqs <= self.max_num_seqs:
+            raise ValueError(f"a batch holds 1..{self.max_num_seqs} sequences, got {num_seqs}")
+        bs = self.block_size
+        query_lens = np.fromiter(num_new_tokens, np.int64, num_seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
+        num_held = np.fromiter((len(s.token_ids) for s in seqs), np.int64, num_seqs)
+        num_owned_blocks = np.fromiter((len(s.block_table) for s in seqs), np.int64, num_seqs)
+        context_lens = starts + query_lens
+        num_needed_blocks = (context_lens + bs - 1) // bs
+        num_tokens = int(query_lens.sum())
+        if (query_lens < 1).any():
+            raise ValueError(f"every sequence needs >= 1 new token, got {query_lens.tolist()}")
+        if (context_lens > num_held).any():
+            row = int(np.argmax(context_lens > num_held))
+            raise ValueError(
+                f"{seqs[row].request_id}: computing up to {context_lens[row]} tokens but it holds "
+                f"{num_held[row]}"
+            )
+        if (context_lens > self.max_model_len).any():
+            raise ValueError(f"a sequence exceeds the model's context of {self.max_model_len} tokens")
+        if (num_owned_blocks < num_needed_blocks).any():
+            row = int(np.argmax(num_owned_blocks < num_needed_blocks))
+            raise ValueError(
+                f"{seqs[row].request_id}: {context_lens[row]} tokens need {num_needed_blocks[row]} "
+                f"blocks, its block table has {num_owned_blocks[row]}"
+            )
+        if num_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"{num_tokens} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
+
+        host_ids, host_pos, host_slots = self._host_tokens.numpy()[:, :num_tokens]
+        if num_tokens == num_seqs:  # all single-token rows, the common decode step
+            host_ids[:] = np.fromiter(
+                (s.token_ids[c] for s, c in zip(seqs, starts.tolist(), strict=True)), np.int64, num_seqs
+            )
+        else:
+            host_ids[:] = np.fromiter(
+                chain.from_iterable(
+                    s.token_ids[c : c + n]
+                    for s, c, n in zip(seqs, starts.tolist(), query_lens.tolist(), strict=True)
+                ),
+                np.int64,
+                num_tokens,
+            )
+        width = int(num_needed_blocks.max())
+        tables = self._host_tables.numpy()[: num_seqs * width].reshape(num_seqs, width)
+        tables.fill(0)
+        total_blocks = int(num_needed_blocks.sum())
+        flat_blocks = np.fromiter(
+            chain.from_iterable(
+                s.block_table[:n] for s, n in zip(seqs, num_needed_blocks.tolist(), strict=True)
+            ),
+            np.int64,
+            total_blocks,
+        )
+        if total_blocks and not 0 <= int(flat_blocks.min()) <= int(flat_blocks.max()) < self.num_blocks:
+            bad = flat_blocks[(flat_blocks < 0) | (flat_blocks >= self.num_blocks)]
+            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {bad[:8].tolist()}")
+        block_rows = np.repeat(np.arange(num_seqs), num_needed_blocks)
+        block_cols = np.arange(total_blocks) - np.repeat(
+            np.cumsum(num_needed_blocks) - num_needed_blocks, num_needed_blocks
+        )
+        tables[block_rows, block_cols] = flat_blocks
+
+        token_ends = np.cumsum(query_lens)
+        token_rows = np.repeat(np.arange(num_seqs), query_lens)
+        host_pos[:] = np.arange(num_tokens) + np.repeat(starts - (token_ends - query_lens), query_lens)
+        host_slots[:] = tables[token_rows, host_pos // bs] * bs + host_pos % bs
+        is_sampled = context_lens == num_held
+        sampled_seq_indices = np.flatnonzero(is_sampled)
+
+        dev_tokens = self._dev_tokens[:, :num_tokens]
+        dev_tables = self._dev_tables[: num_seqs * width]
+        if self._dev_tokens is not self._host_tokens:
+            dev_tokens.copy_(self._host_tokens[:, :num_tokens], non_blocking=True)
+            dev_tables.copy_(self._host_tables[: num_seqs * width], non_blocking=True)
+        sample_indices = torch.from_numpy(token_ends[sampled_seq_indices] - 1).to(self.device)
+        return ForwardBatch(
+            input_ids=dev_tokens[0],
+            positions=dev_tokens[1],
+            slot_mapping=dev_tokens[2],
+            block_tables=dev_tables.view(num_seqs, width),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            sample_indices=sample_indices,
+            sampled_seq_indices=sampled_seq_indices,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """One forward pass; returns logits [S, vocab] for the sampled rows, in batch order."""
+        metadata = build_attention_metadata(
+            kv_caches=self.kv_caches,
+            scratch=self.scratch,
+            block_size=self.block_size,
+            query_lens=batch.query_lens,
+            context_lens=batch.context_lens,
+            block_tables=batch.block_tables,
+            slot_mapping=batch.slot_mapping,
+            decode_kernel=self.decode_kernel,
+        )
+        # use_cache=False: the config default would build a throwaway DynamicCache every forward.
+        output = self.model(
+            input_ids=batch.input_ids.view(1, -1),
+            position_ids=batch.positions.view(1, -1),
+            use_cache=False,
+            logits_to_keep=batch.sample_indices,
+            paged_metadata=metadata,
+        )
+        logits: torch.Tensor = output.logits[0]
+        return logits
+
+    def warmup(self) -> None:
+        """Run a full-width decode step and a prefill chunk before serving so that scratch buffers,
+        allocator pools and (when enabled) the compiled kernel exist before the first request. It writes
+        into block 0 only and clears the pool afterwards: call it before any sequence holds blocks."""
+        # Spans >= 2 blocks when the pool allows (compiled kernels specialise on sizes 0 and 1).
+        context = min(self.max_model_len, 2 * self.block_size + 1, self.num_blocks * self.block_size)
+        num_blocks = -(-context // self.block_size)
+
+        def fake(num_tokens: int, num_computed: int) -> Sequence:
+            seq = Sequence(request_id="warmup", prompt_token_ids=[0] * num_tokens)
+            seq.num_computed_tokens = num_computed
+            seq.block_table = [0] * num_blocks
+            return seq
+
+        num_decodes = min(self.max_num_seqs, self.max_num_batched_tokens)
+        decodes = [fake(context, context - 1) for _ in range(num_decodes)]
+        self.execute(self.build_batch(decodes, [1] * num_decodes))
+        chunk = min(context, self.max_num_batched_tokens)
+        self.execute(self.build_batch([fake(context, context - chunk)], [chunk]))
+        if chunk > 1 and context > chunk:
+            self.execute(self.build_batch([fake(chunk, 0)], [chunk]))
+        with torch.inference_mode():
+            self._kv_pool.zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
