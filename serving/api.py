@@ -51,7 +51,7 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
         )
     except GatewayError as exc:
         return _gateway_error(exc)
-    headers = {"X-Served-Version": handle.version, "X-Request-Id": handle.request_id}
+    headers = handle.response_headers()
     if body.stream:
         response = StreamingHttpResponse(
             _sse_events(handle), content_type="text/event-stream", headers=headers
@@ -105,11 +105,13 @@ def _database_ok() -> bool:
 async def readyz(request: HttpRequest) -> JsonResponse:
     database_ok = await sync_to_async(_database_ok, thread_sensitive=False)()
     runtime = await get_runtime()
+    handles = await runtime.all_replicas()
     replicas = [
-        {"model": m, "version": v, "state": str(r.state), "replica_id": r.replica_id}
-        for (m, v), r in runtime.replicas.items()
+        {"model": h.model_name, "version": h.version, "state": h.state, "replica_id": h.replica_id,
+         "load": h.load, "kv_cache_usage": round(h.kv_cache_usage, 4), "local": h.is_local}
+        for h in handles
     ]
-    num_ready = sum(1 for r in runtime.replicas.values() if r.is_ready)
+    num_ready = sum(1 for h in handles if h.is_ready)
     is_ready = database_ok and num_ready > 0
     return JsonResponse(
         {"ready": is_ready, "database": database_ok, "num_ready_replicas": num_ready, "replicas": replicas},

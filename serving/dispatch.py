@@ -1,6 +1,8 @@
 """From an admitted request to a stream of events: route, submit to a replica, wait, abort on exit.
 
-Shared by every inference endpoint; the views only parse and format."""
+Shared by every inference endpoint; the views only parse and format. A replica that dies before a
+request's first token gets the request retried once on another replica; after the first token the
+client gets a terminal error event instead (a retry would repeat text it has already seen)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -18,51 +19,130 @@ from asgiref.sync import sync_to_async
 from registry.models import Model
 from registry.selectors import TenantContext
 from serving import gateway
+from serving.breaker import breaker
 from serving.gateway import GatewayError, Ticket
 from serving.replica import ABORT, SUBMIT
 from serving.router import choose_replica, choose_version, routing_cache, split_model_name
-from serving.runtime import get_runtime
-from serving.streams import iterate_events
+from serving.runtime import ReplicaHandle, Runtime, get_runtime
 
 ACCEPT_TIMEOUT_S = 30.0
 INACTIVITY_TIMEOUT_S = 60.0
+LIVENESS_CHECK_S = 0.5
 _rng = random.Random()
 
+_REPLICA_LOST = "replica_lost"
 
-@dataclass(slots=True)
+
+def _error_event(error_type: str, message: str) -> dict[str, Any]:
+    return {"finish_reason": "error", "error": {"type": error_type, "message": message}}
+
+
 class Dispatch:
     """An accepted request on its replica: iterate `events()` to the end, or close it to abort."""
 
-    request_id: str
-    model_name: str
-    version: str
-    num_prompt_tokens: int
-    _queue: asyncio.Queue[dict[str, Any]]
-    _replica_channel: str
-    _ticket: Ticket
-    _runtime: Any
-    num_completion_tokens: int = 0
-    is_finished: bool = False
-    _closed: bool = field(default=False)
+    def __init__(
+        self, runtime: Runtime, ticket: Ticket, model_name: str, version: str, submission: dict[str, Any]
+    ) -> None:
+        self._runtime = runtime
+        self._ticket = ticket
+        self.model_name = model_name
+        self.version = version
+        self._submission = submission
+        self.request_id = uuid.uuid4().hex
+        self._wire_id = self.request_id  # changes on a retry, so late events of the dead try are dropped
+        self._queue: asyncio.Queue[dict[str, Any]] = runtime.hub.open(self._wire_id)
+        self.replica: ReplicaHandle | None = None
+        self.num_prompt_tokens = 0
+        self.num_completion_tokens = 0
+        self.num_retries = 0
+        self.is_finished = False
+        self._is_closed = False
+
+    def response_headers(self) -> dict[str, str]:
+        headers = {"X-Served-Version": self.version, "X-Request-Id": self.request_id}
+        if self.replica is not None:
+            headers["X-Served-Replica"] = self.replica.replica_id
+        return headers
+
+    async def submit(self, *, exclude: frozenset[str] = frozenset()) -> None:
+        """Pick a replica, send, and wait until it accepts. Raises GatewayError (400, 503)."""
+        candidates = [
+            r
+            for r in await self._runtime.candidates(self.model_name, self.version)
+            if r.is_ready and r.replica_id not in exclude and breaker.allows(r.replica_id)
+        ]
+        replica = choose_replica(candidates, rng=_rng)
+        if replica is None:
+            raise GatewayError(503, f"no ready replica for {self.model_name}:{self.version}", retry_after_s=2)
+        self.replica = replica
+        await self._runtime.layer.send(
+            replica.channel_name,
+            {**self._submission, "type": SUBMIT, "request_id": self._wire_id, "submitted_at": time.time()},
+        )
+        first = await self._next_event(timeout_s=ACCEPT_TIMEOUT_S)
+        if first.get("finish_reason") == "error":
+            error = first["error"]
+            if error.get("type") == "invalid_request_error":
+                self.is_finished = True
+                raise GatewayError(400, error.get("message", "invalid request"))
+            breaker.record_failure(replica.replica_id)
+            if self.num_retries == 0:
+                await self._retry()
+                return
+            raise GatewayError(503, error.get("message", "the replica refused the request"), retry_after_s=2)
+        self.num_prompt_tokens = int(first.get("num_prompt_tokens", 0))
+
+    async def _retry(self) -> None:
+        assert self.replica is not None
+        failed = self.replica.replica_id
+        self.num_retries += 1
+        self._runtime.hub.close(self._wire_id)
+        self._wire_id = f"{self.request_id}-{self.num_retries}"
+        self._queue = self._runtime.hub.open(self._wire_id)
+        await self.submit(exclude=frozenset({failed}))
+
+    async def _next_event(self, *, timeout_s: float) -> dict[str, Any]:
+        """The next event, checking every LIVENESS_CHECK_S that the replica still has a heartbeat."""
+        assert self.replica is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return await asyncio.wait_for(self._queue.get(), timeout=LIVENESS_CHECK_S)
+            except TimeoutError:
+                if not await self._runtime.is_alive(self.replica):
+                    return _error_event(_REPLICA_LOST, "the replica serving this request stopped")
+                if time.monotonic() > deadline:
+                    return _error_event("replica_timeout", "the replica stopped answering")
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
-        async for event in iterate_events(self._queue, inactivity_timeout_s=INACTIVITY_TIMEOUT_S):
+        while not self.is_finished:
+            event = await self._next_event(timeout_s=INACTIVITY_TIMEOUT_S)
+            if event.get("finish_reason") == "error" and self.replica is not None:
+                breaker.record_failure(self.replica.replica_id)
+                if self.num_completion_tokens == 0 and self.num_retries == 0:
+                    try:
+                        await self._retry()
+                        continue
+                    except GatewayError as exc:
+                        event = _error_event("replica_unavailable", exc.message)
             if "token" in event:
                 self.num_completion_tokens += 1
             if "finish_reason" in event:
                 self.is_finished = True
+                if event["finish_reason"] != "error" and self.replica is not None:
+                    breaker.record_success(self.replica.replica_id)
             yield event
 
     async def close(self) -> None:
         """Idempotent. A request that has not finished is aborted on its replica, freeing its blocks."""
-        if self._closed:
+        if self._is_closed:
             return
-        self._closed = True
-        self._runtime.hub.close(self.request_id)
-        if not self.is_finished:
+        self._is_closed = True
+        self._runtime.hub.close(self._wire_id)
+        if not self.is_finished and self.replica is not None:
             with contextlib.suppress(Exception):
                 await self._runtime.layer.send(
-                    self._replica_channel, {"type": ABORT, "request_id": self.request_id}
+                    self.replica.channel_name, {"type": ABORT, "request_id": self._wire_id}
                 )
         used = self.num_prompt_tokens + self.num_completion_tokens
         await sync_to_async(gateway.quota_store().release, thread_sensitive=False)(
@@ -86,6 +166,8 @@ async def dispatch(
 ) -> Dispatch:
     """Route and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a replica
     when it can; a prompt the replica refuses (too long for the model) comes back as a 400."""
+    if (text is None) == (messages is None):
+        raise ValueError("dispatch needs exactly one of text or messages")
     model_name, alias = split_model_name(path_model)
     pin = pin.strip() if pin else None
     snapshot = await sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
@@ -97,51 +179,27 @@ async def dispatch(
             400, f"model {model_name!r} is a {snapshot.kind} model; this endpoint serves {kind}"
         )
     version = choose_version(snapshot, pin=pin, alias=alias, rng=_rng)
-    if (text is None) == (messages is None):
-        raise ValueError("dispatch needs exactly one of text or messages")
     input_chars = len(text) if text is not None else sum(len(m["content"]) for m in messages or ())
     tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=params.get("max_tokens", 1))
     ticket = await sync_to_async(gateway.quota_store().admit, thread_sensitive=False)(context, tokens=tokens)
     runtime = await get_runtime()
-    request_id = uuid.uuid4().hex
-    handle: Dispatch | None = None
-    try:
-        replica = choose_replica(runtime.replicas_for(model_name, version), rng=_rng)
-        if replica is None:
-            raise GatewayError(503, f"no ready replica for {model_name}:{version}", retry_after_s=2)
-        queue = runtime.hub.open(request_id)
-        await runtime.layer.send(
-            replica.channel_name,
-            {
-                "type": SUBMIT,
-                "request_id": request_id,
-                "reply_to": runtime.hub.channel_name,
-                "input": text,
-                "messages": messages,
-                "params": params,
-                "tenant": context.tenant_name,
+    handle = Dispatch(
+        runtime,
+        ticket,
+        model_name,
+        version,
+        {
+            "reply_to": runtime.hub.channel_name,
+            "input": text,
+            "messages": messages,
+            "params": params,
+            "tenant": context.tenant_name,
             "cache_group": context.cache_group,
-                "submitted_at": time.time(),
-            },
-        )
-        handle = Dispatch(request_id, model_name, version, 0, queue, replica.channel_name, ticket, runtime)
-        try:
-            first = await asyncio.wait_for(queue.get(), timeout=ACCEPT_TIMEOUT_S)
-        except TimeoutError:
-            await handle.close()
-            raise GatewayError(
-                503, "the replica did not accept the request in time", retry_after_s=2
-            ) from None
-        if first.get("finish_reason") == "error":
-            handle.is_finished = True
-            await handle.close()
-            error = first.get("error", {})
-            status = 400 if error.get("type") == "invalid_request_error" else 503
-            raise GatewayError(status, error.get("message", "the replica refused the request"))
-        handle.num_prompt_tokens = int(first.get("num_prompt_tokens", 0))
-        return handle
+        },
+    )
+    try:
+        await handle.submit()
     except BaseException:
-        runtime.hub.close(request_id)
-        if handle is None:  # once a handle exists, its close() gives the quota back
-            await sync_to_async(gateway.quota_store().release, thread_sensitive=False)(ticket, used_tokens=0)
+        await handle.close()
         raise
+    return handle

@@ -133,7 +133,7 @@ async def _collect(handle: Dispatch) -> tuple[str, dict[str, Any]]:
 
 
 def _headers(handle: Dispatch) -> dict[str, str]:
-    return {"X-Served-Version": handle.version, "X-Request-Id": handle.request_id}
+    return handle.response_headers()
 
 
 async def _start(

@@ -24,6 +24,7 @@ from django.conf import settings
 
 from registry import artifacts
 from registry.selectors import VersionRef
+from serving.replica_directory import HEARTBEAT_INTERVAL_S, Heartbeat, HeartbeatPublisher
 from serving.streams import STEP_MESSAGE
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,14 @@ def engine_config_from_settings() -> Any:
 
 
 class Replica:
-    def __init__(self, ref: VersionRef, *, layer: Any, engine_config: Any = None) -> None:
+    def __init__(
+        self,
+        ref: VersionRef,
+        *,
+        layer: Any,
+        engine_config: Any = None,
+        publisher: HeartbeatPublisher | None = None,
+    ) -> None:
         self.ref = ref
         self.replica_id = uuid.uuid4().hex[:12]
         self.state = ReplicaState.LOADING
@@ -82,6 +90,7 @@ class Replica:
         self.error: str | None = None
         self._layer = layer
         self._engine_config = engine_config
+        self._publisher = publisher
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replica-{ref.version}")
         self._engine: Any = None
         self._submissions: list[dict[str, Any]] = []  # arrived since the last step
@@ -119,7 +128,10 @@ class Replica:
             return
         self.state = ReplicaState.READY
         self._settled.set()
-        for coro, name in ((self._listen(), "listen"), (self._work(), "work")):
+        coros = [(self._listen(), "listen"), (self._work(), "work")]
+        if self._publisher is not None:
+            coros.append((self._beat(), "heartbeat"))
+        for coro, name in coros:
             self._tasks.append(loop.create_task(coro, name=f"replica-{self.replica_id}-{name}"))
         logger.info("replica %s:%s ready on %s", self.ref.model_name, self.ref.version, self.channel_name)
 
@@ -153,7 +165,32 @@ class Replica:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._publisher is not None:
+            with contextlib.suppress(Exception):
+                await self._publisher.withdraw(self.heartbeat())
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            replica_id=self.replica_id,
+            model_name=self.ref.model_name,
+            version=self.ref.version,
+            channel_name=self.channel_name,
+            state=str(self.state),
+            num_waiting=self.num_waiting + len(self._submissions),
+            num_running=self.num_running,
+            kv_cache_usage=self.kv_cache_usage,
+            sent_at=time.time(),
+        )
+
+    async def _beat(self) -> None:
+        assert self._publisher is not None
+        while True:
+            try:
+                await self._publisher.publish(self.heartbeat())
+            except Exception:
+                logger.warning("replica %s: heartbeat failed", self.replica_id, exc_info=True)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     # --- I/O on the event loop ---------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The per-process runtime of the data plane: the reply hub and, in embedded mode, the replicas.
+"""The per-process runtime of the data plane: the reply hub, the replicas this process hosts (embedded
+mode) and, with Redis, the directory of replicas in other processes.
 
 daphne has no ASGI lifespan, so the runtime starts on first use (the `serve` command also starts it as
 soon as the server listens). It belongs to one event loop; a new loop (a test's) gets a new runtime."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -16,9 +18,39 @@ from django.conf import settings
 
 from registry.selectors import VersionRef, versions_with_traffic
 from serving.replica import Replica, ReplicaState
+from serving.replica_directory import ReplicaDirectory
 from serving.streams import ReplyHub
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaHandle:
+    """What the router needs of a replica, wherever it runs."""
+
+    replica_id: str
+    model_name: str
+    version: str
+    channel_name: str
+    state: str
+    load: int
+    kv_cache_usage: float
+    is_ready: bool
+    is_local: bool
+
+
+def _local_handle(replica: Replica) -> ReplicaHandle:
+    return ReplicaHandle(
+        replica_id=replica.replica_id,
+        model_name=replica.ref.model_name,
+        version=replica.ref.version,
+        channel_name=replica.channel_name,
+        state=str(replica.state),
+        load=replica.load,
+        kv_cache_usage=replica.kv_cache_usage,
+        is_ready=replica.is_ready,
+        is_local=True,
+    )
 
 
 class Runtime:
@@ -26,6 +58,8 @@ class Runtime:
         self.layer = layer
         self.hub = ReplyHub(layer)
         self.replicas: dict[tuple[str, str], Replica] = {}
+        self._draining: dict[str, Replica] = {}  # by replica id: no new work, finishing what they hold
+        self.directory = ReplicaDirectory(settings.REDIS_URL) if settings.REDIS_URL else None
         self._supervisor: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
 
@@ -35,20 +69,71 @@ class Runtime:
             self._supervisor = asyncio.get_running_loop().create_task(
                 self._supervise(), name="replica-supervisor"
             )
+        else:
+            self._synced.set()
 
     async def stop(self) -> None:
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._supervisor
-        for replica in list(self.replicas.values()):
+        for replica in [*self.replicas.values(), *self._draining.values()]:
             await replica.stop()
         self.replicas.clear()
+        self._draining.clear()
         await self.hub.stop()
+        if self.directory is not None:
+            await self.directory.close()
 
-    def replicas_for(self, model_name: str, version: str) -> list[Replica]:
-        replica = self.replicas.get((model_name, version))
-        return [replica] if replica is not None else []
+    async def candidates(self, model_name: str, version: str) -> list[ReplicaHandle]:
+        handles = [_local_handle(r) for (m, v), r in self.replicas.items() if (m, v) == (model_name, version)]
+        if self.directory is not None:
+            local_ids = {h.replica_id for h in handles}
+            for beat in await self.directory.replicas(model_name, version):
+                if beat.replica_id not in local_ids:
+                    handles.append(
+                        ReplicaHandle(
+                            replica_id=beat.replica_id,
+                            model_name=beat.model_name,
+                            version=beat.version,
+                            channel_name=beat.channel_name,
+                            state=beat.state,
+                            load=beat.load,
+                            kv_cache_usage=beat.kv_cache_usage,
+                            is_ready=beat.is_ready,
+                            is_local=False,
+                        )
+                    )
+        return handles
+
+    async def is_alive(self, handle: ReplicaHandle) -> bool:
+        if handle.is_local:
+            local = {r.replica_id: r for r in (*self.replicas.values(), *self._draining.values())}
+            replica = local.get(handle.replica_id)
+            return replica is not None and replica.state in (ReplicaState.READY, ReplicaState.DRAINING)
+        assert self.directory is not None
+        return await self.directory.is_alive(handle.model_name, handle.version, handle.replica_id)
+
+    async def all_replicas(self) -> list[ReplicaHandle]:
+        handles = [_local_handle(r) for r in self.replicas.values()]
+        if self.directory is not None:
+            local_ids = {h.replica_id for h in handles}
+            for beat in await self.directory.all_replicas():
+                if beat.replica_id not in local_ids and beat.is_fresh:
+                    handles.append(
+                        ReplicaHandle(
+                            beat.replica_id,
+                            beat.model_name,
+                            beat.version,
+                            beat.channel_name,
+                            beat.state,
+                            beat.load,
+                            beat.kv_cache_usage,
+                            beat.is_ready,
+                            False,
+                        )
+                    )
+        return handles
 
     async def wait_ready(self) -> bool:
         """Wait for the supervisor's first pass and for every replica it started to finish loading."""
@@ -73,16 +158,22 @@ class Runtime:
         wanted_keys = {(ref.model_name, ref.version): ref for ref in wanted}
         for key, ref in wanted_keys.items():
             replica = self.replicas.get(key)
-            if replica is None or replica.state in (ReplicaState.FAILED, ReplicaState.STOPPED):
-                if replica is not None and replica.state is ReplicaState.FAILED:
-                    continue  # a broken artifact stays down until an operator acts; the error is logged
-                replica = Replica(ref, layer=self.layer)
-                self.replicas[key] = replica
-                asyncio.get_running_loop().create_task(replica.start(), name=f"replica-start-{ref.version}")
+            if replica is not None and replica.state is not ReplicaState.STOPPED:
+                continue  # a FAILED replica stays down until an operator acts; the error is logged
+            replica = Replica(ref, layer=self.layer)
+            self.replicas[key] = replica
+            asyncio.get_running_loop().create_task(replica.start(), name=f"replica-start-{ref.version}")
         for key in set(self.replicas) - set(wanted_keys):
             replica = self.replicas.pop(key)
             replica.drain()
-            await replica.stop()
+            self._draining[replica.replica_id] = replica
+            asyncio.get_running_loop().create_task(self._drain_then_stop(replica), name=f"drain-{key[1]}")
+
+    async def _drain_then_stop(self, replica: Replica) -> None:
+        """Scale-down waits for the requests already accepted, then frees the model."""
+        await replica.wait_idle()
+        await replica.stop()
+        self._draining.pop(replica.replica_id, None)
 
 
 _runtimes: dict[asyncio.AbstractEventLoop, Runtime] = {}

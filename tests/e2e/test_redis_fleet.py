@@ -1,0 +1,153 @@
+"""Production mode: a gateway process and replica processes on the Redis channel layer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tests.conftest import REPO_ROOT, require_service
+from tests.e2e.conftest import LiveServer, _free_port
+
+pytestmark = [pytest.mark.live_server_process, pytest.mark.redis]
+REDIS_URL = "redis://127.0.0.1:6379/14"
+
+
+@dataclass
+class Fleet:
+    server: LiveServer
+    replicas: dict[str, subprocess.Popen[bytes]]  # replica id -> process
+    log: object
+
+    def ready_replicas(self) -> set[str]:
+        beats = httpx.get(f"{self.server.url}/readyz").json()["replicas"]
+        return {r["replica_id"] for r in beats if r["state"] == "ready"}
+
+    def start_replica(self) -> None:
+        before = self.ready_replicas()
+        process = subprocess.Popen(
+            [sys.executable, "manage.py", "run_replica", "--model", "demo-chat", "--version", "v1",
+             "--kv-cache-mb", "32"],
+            cwd=REPO_ROOT, env=self.server.env, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        self.server.wait_until(lambda: len(self.ready_replicas() - before) == 1, timeout_s=120)
+        (replica_id,) = self.ready_replicas() - before
+        self.replicas[replica_id] = process
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    require_service("Redis", "127.0.0.1", 6379)
+    redis.Redis.from_url(REDIS_URL).flushdb()
+    state = tmp_path_factory.mktemp("fleet")
+    env = {**os.environ, "SWITCHYARD_STATE_DIR": str(state), "REDIS_URL": REDIS_URL}
+    for name in ("DATABASE_URL", "SECRET_KEY", "DJANGO_SETTINGS_MODULE"):
+        env.pop(name, None)
+
+    def manage(*args: str) -> str:
+        return subprocess.run([sys.executable, "manage.py", *args], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, check=True).stdout
+
+    manage("migrate", "--noinput", "-v0")
+    key = manage("seed_demo").strip().splitlines()[-1]
+    port = _free_port()
+    log = (state / "server.log").open("wb")
+    web = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port)], cwd=REPO_ROOT, env=env,
+                           stdout=log, stderr=subprocess.STDOUT)
+    server = LiveServer(f"http://127.0.0.1:{port}", key, env, web)
+    fleet = Fleet(server, {}, log)
+    try:
+        server.wait_until(lambda: httpx.get(f"{server.url}/healthz").status_code == 200)
+        fleet.start_replica()
+        fleet.start_replica()
+        yield fleet
+    finally:
+        for process in [web, *fleet.replicas.values()]:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        log.close()
+        redis.Redis.from_url(REDIS_URL).flushdb()
+
+
+def _stream(server: LiveServer, max_tokens: int, first_token: threading.Event | None = None) -> dict:
+    """Stream /infer; return the served replica and every event."""
+    events: list[dict] = []
+    with httpx.stream("POST", f"{server.url}/v1/models/demo-chat/infer",
+                      headers={"Authorization": f"Bearer {server.key}"},
+                      json={"input": "hello", "max_tokens": max_tokens, "stream": True}, timeout=60) as response:
+        replica = response.headers["X-Served-Replica"]
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if first_token is not None and len(events) == 1:
+                    first_token.set()
+    return {"replica": replica, "events": events}
+
+
+def test_openai_client_streams_through_the_redis_layer(fleet: Fleet) -> None:
+    client = openai.OpenAI(base_url=f"{fleet.server.url}/v1", api_key=fleet.server.key, max_retries=0)
+    chunks = list(client.completions.create(model="demo-chat", prompt="hello", max_tokens=12, stream=True,
+                                            temperature=0))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    whole = client.completions.create(model="demo-chat", prompt="hello", max_tokens=12, temperature=0)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+def test_both_replicas_take_traffic(fleet: Fleet) -> None:
+    served = {_stream(fleet.server, 4)["replica"] for _ in range(12)}
+    assert served == set(fleet.replicas)
+
+
+def test_killing_a_replica_mid_stream_ends_its_streams_with_an_error_and_spares_the_others(fleet: Fleet) -> None:
+    results: list[dict] = []
+    started = [threading.Event() for _ in range(8)]
+    threads = [threading.Thread(target=lambda i=i: results.append(_stream(fleet.server, 150, started[i])))
+               for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for event in started:
+        assert event.wait(60)
+    victim = next(iter(fleet.replicas))
+    fleet.replicas.pop(victim).send_signal(signal.SIGKILL)
+    for thread in threads:
+        thread.join(120)
+
+    on_victim = [r for r in results if r["replica"] == victim]
+    on_others = [r for r in results if r["replica"] != victim]
+    assert on_victim and on_others, "the load should have spread over both replicas"
+    for result in on_victim:
+        final = result["events"][-1]
+        assert final["finish_reason"] == "error"
+        assert final["error"]["type"] == "replica_lost"
+    for result in on_others:
+        assert result["events"][-1]["finish_reason"] == "length"
+        assert len(result["events"]) == 151
+    # The router stops choosing the dead replica: every new request lands on the survivor.
+    assert {_stream(fleet.server, 2)["replica"] for _ in range(6)} == set(fleet.replicas)
+
+
+def test_sigterm_drains_a_replica_before_it_exits(fleet: Fleet) -> None:
+    fleet.start_replica()
+    first_token = threading.Event()
+    results: list[dict] = []
+    streams = [threading.Thread(target=lambda: results.append(_stream(fleet.server, 150, first_token)))]
+    streams[0].start()
+    assert first_token.wait(60)
+    replica_id = results and results[0]["replica"] or None
+    for rid, process in list(fleet.replicas.items()):
+        process.send_signal(signal.SIGTERM)  # every replica drains; in-flight work must still finish
+        fleet.replicas.pop(rid)
+        assert process.wait(60) == 0
+    streams[0].join(60)
+    assert results[0]["events"][-1]["finish_reason"] == "length", replica_id
