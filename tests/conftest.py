@@ -60,6 +60,7 @@ def _isolated_state(settings: pytest.FixtureRequest, tmp_path: Path) -> Iterator
 class TenantWithKey:
     tenant: object
     key: str
+    context: object  # the gateway's TenantContext for this tenant
 
     @property
     def auth(self) -> dict[str, str]:
@@ -68,12 +69,13 @@ class TenantWithKey:
 
 @pytest.fixture
 def make_tenant(db: None):  # type: ignore[no-untyped-def]
+    from registry.selectors import tenant_context
     from registry.services import api_key_create, tenant_create
 
     def make(name: str = "acme", **quota: object) -> TenantWithKey:
         tenant = tenant_create(name=name, **quota)  # type: ignore[arg-type]
         _, key = api_key_create(tenant=tenant)
-        return TenantWithKey(tenant, key)
+        return TenantWithKey(tenant, key, tenant_context(tenant=tenant))
 
     return make
 

@@ -1,6 +1,7 @@
 """The README's promise, checked against a real server process with a real HTTP client."""
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -64,3 +65,31 @@ def test_a_newly_registered_model_gets_a_replica_without_a_restart(
     )
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_sequence_on_the_replica(platform_server) -> None:
+    def replica_state() -> dict:
+        (replica,) = [
+            r
+            for r in httpx.get(f"{platform_server.url}/readyz").json()["replicas"]
+            if r["model"] == "demo-chat" and r["version"] == "v1"
+        ]
+        return replica
+
+    with httpx.stream(
+        "POST",
+        f"{platform_server.url}/v1/models/demo-chat/infer",
+        headers={"Authorization": f"Bearer {platform_server.key}"},
+        json={"input": "hello", "max_tokens": 1800, "stream": True},
+        timeout=30,
+    ) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        busy = replica_state()
+        assert busy["load"] == 1 and busy["kv_cache_usage"] > 0
+    disconnected_at = time.monotonic()  # leaving the block closed the connection
+
+    # 1,800 tokens take the demo model several seconds; an abort frees the sequence at the next step.
+    platform_server.wait_until(lambda: replica_state()["load"] == 0, timeout_s=30)
+    assert time.monotonic() - disconnected_at < 2.0
+    assert replica_state()["kv_cache_usage"] == 0

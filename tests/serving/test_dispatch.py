@@ -1,0 +1,80 @@
+"""Replica failure handling in the gateway: circuit breaker and the one retry before the first token."""
+
+import dataclasses
+
+import pytest
+
+from serving.breaker import CircuitBreaker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_after_consecutive_failures_then_lets_one_trial_through() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=3, open_s=5.0, clock=clock)
+    for _ in range(2):
+        breaker.record_failure("r1")
+    assert breaker.allows("r1")
+    breaker.record_success("r1")  # a success resets the count
+    for _ in range(3):
+        breaker.record_failure("r1")
+    assert not breaker.allows("r1")
+    assert breaker.allows("r2")
+    clock.now = 5.1
+    assert breaker.allows("r1")  # half-open: one trial
+    assert not breaker.allows("r1")  # and only one
+    breaker.record_failure("r1")  # the trial failed: open again
+    assert not breaker.allows("r1")
+    clock.now = 10.2
+    assert breaker.allows("r1")
+    breaker.record_success("r1")
+    assert breaker.allows("r1")
+    assert breaker.allows("r1")
+
+
+async def test_a_request_whose_replica_dies_before_its_first_token_is_retried_elsewhere(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    from serving import dispatch as dispatch_module
+    from serving.breaker import breaker
+
+    acme = await sync_to_async(make_tenant)("acme")
+    (good,) = await runtime.candidates("demo-chat", "v1")
+    dead = dataclasses.replace(good, replica_id="dead-replica", channel_name="switchyard.replica.nobody.here")
+    real_candidates = runtime.candidates
+
+    async def candidates(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        return [dead, *await real_candidates(model_name, version)]
+
+    async def is_alive(handle):  # type: ignore[no-untyped-def]
+        return handle.replica_id != "dead-replica"
+
+    # The router picks the dead replica whenever it is offered.
+    monkeypatch.setattr(dispatch_module, "choose_replica", lambda replicas, rng: replicas[0])
+    monkeypatch.setattr(runtime, "candidates", candidates)
+    monkeypatch.setattr(runtime, "is_alive", is_alive)
+
+    handle = await dispatch_module.dispatch(
+        context=acme.context,
+        path_model="demo-chat",
+        pin=None,
+        params={"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []},
+        text="hello",
+    )
+    events = [event async for event in handle.events()]
+    await handle.close()
+    assert handle.num_retries == 1
+    assert handle.replica.replica_id == good.replica_id
+    assert [e["index"] for e in events if "token" in e] == [0, 1, 2]
+    assert events[-1]["finish_reason"] == "length"
+    breaker.record_success("dead-replica")  # one failure was recorded; leave no state for other tests
