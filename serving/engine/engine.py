@@ -153,8 +153,13 @@ class Engine:
         """Queue a request. Raises ValueError, with nothing allocated, for a request this engine can
         never serve (empty or too-long prompt, max_tokens beyond the context, bad sampling values)."""
         params.validate()
-        if any(not 0 <= t < self.runner.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
+        vocab_size = self.runner.vocab_size
+        if any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids
+        ):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        if params.seed is not None and not 0 <= params.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
         if self._extra_eos_ids and not params.ignore_eos:
             params = dataclasses.replace(
                 params, stop_token_ids=(*params.stop_token_ids, *self._extra_eos_ids)
@@ -167,9 +172,10 @@ class Engine:
             cache_group=cache_group,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
+        generator = make_generator(params)  # before queueing: nothing may be left behind on failure
         self.scheduler.add(seq)
         self._requests[request_id] = _RequestState(
-            seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids), make_generator(params)
+            seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids), generator
         )
 
     def abort(self, request_id: str) -> bool:

@@ -246,7 +246,10 @@ class KVCacheManager:
                 table.append(block_id)
             num_added = len(prefix.block_ids)
             seq.num_computed_tokens = prefix.num_tokens
-            seq.num_cached_prompt_tokens = prefix.num_tokens
+            if seq.num_preemptions == 0:
+                # What the user is told was served from the prompt cache. A recompute after our own
+                # preemption reuses the sequence's own blocks: an internal saving, not a prompt-cache hit.
+                seq.num_cached_prompt_tokens = min(prefix.num_tokens, seq.num_prompt_tokens)
             self._request_to_chain[seq.request_id] = _CacheChain(num_added, prefix.parent)
             if self.is_prefix_caching_enabled:
                 self.num_prefix_cache_queries += 1

@@ -65,7 +65,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    num_cached_prompt_tokens: int = 0  # served from the prefix cache at the last admission
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

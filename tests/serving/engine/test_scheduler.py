@@ -295,7 +295,8 @@ def test_a_prefill_stalled_by_decodes_requeues_and_resumes_from_the_prefix_cache
     assert batch(outputs[4]) == [("a", 1)]
     assert outputs[4].preempted == [b]
     assert batch(outputs[7]) == [("b", 2)]  # a finished; b's two full blocks came from the cache
-    assert b.num_cached_prompt_tokens == 8
+    assert scheduler.kv_cache.num_prefix_cache_hit_tokens == 8  # b's own blocks, reused on resume
+    assert b.num_cached_prompt_tokens == 0  # not reported to the user as a prompt-cache hit
     run_to_completion(scheduler)
     assert (a.num_output_tokens, b.num_output_tokens) == (6, 10)
 
