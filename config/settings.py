@@ -116,7 +116,16 @@ CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {}
+# One source for the schedule: Celery beat reads it in production; the embedded scheduler
+# (rollouts.scheduler.run_periodic_tasks) runs the same tasks on it inside the server process.
+ROLLOUT_JUDGE_INTERVAL_S = float(os.environ.get("SWITCHYARD_ROLLOUT_JUDGE_INTERVAL_S", "5"))
+CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
+    "rollout-judge": {
+        "task": "rollouts.tasks.rollout_judge_tick",
+        "schedule": ROLLOUT_JUDGE_INTERVAL_S,
+        "options": {"expires": ROLLOUT_JUDGE_INTERVAL_S},  # a tick not run in time is dropped, not queued
+    },
+}
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -165,6 +174,35 @@ REPLICA_MAX_NUM_SEQS = int(os.environ.get("SWITCHYARD_MAX_NUM_SEQS", "64"))
 REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_TOKENS", "512"))
 REPLICA_KV_CACHE_BYTES = int(os.environ.get("SWITCHYARD_KV_CACHE_MB", "128")) * 1024 * 1024
 REPLICA_COMPILE = _env_bool("SWITCHYARD_COMPILE", False)
+# Rollouts: defaults for a deployment that does not say (thresholds: rollouts.judge.Thresholds).
+ROLLOUT_DEFAULT_STEPS = [1, 5, 25, 100]
+ROLLOUT_BAKE_SECONDS = int(os.environ.get("SWITCHYARD_ROLLOUT_BAKE_SECONDS", "60"))
+ROLLOUT_THRESHOLDS: dict[str, float] = {
+    "min_samples": 50,
+    "ttft_sla_ms": 1000.0,
+    "tpot_sla_ms": 100.0,
+    "latency_ratio": 1.25,
+    "alpha": 0.01,
+    "min_rate_increase": 0.005,
+    "min_output_length_ratio": 0.5,
+}
+# Where the judge reads a version's window: f(*, model_name, version, start, end) -> window (dotted path).
+ROLLOUT_WINDOW_READER = os.environ.get("SWITCHYARD_ROLLOUT_WINDOW_READER", "serving.selectors.version_window")
+# Is the candidate's replica ready? f(deployment) -> bool (dotted path; see rollouts.services).
+ROLLOUT_READINESS_CHECK = "rollouts.services.candidate_is_ready"
+ROLLOUT_PROVISION_TIMEOUT_S = int(os.environ.get("SWITCHYARD_ROLLOUT_PROVISION_TIMEOUT_S", "600"))
+# Metrics: each replica flushes its 5 s windows to the store this often (seconds, at most 5).
+METRICS_FLUSH_INTERVAL_S = float(os.environ.get("SWITCHYARD_METRICS_FLUSH_INTERVAL_S", "5"))
+# Fault injection (serving/faults.py), for demos and tests: refused unless DEBUG or explicitly allowed.
+ALLOW_FAULT_INJECTION = _env_bool("SWITCHYARD_ALLOW_FAULT_INJECTION", False)
+FAULTS = os.environ.get("SWITCHYARD_FAULTS", "").strip()  # "model:version=delay_ms:40,error_rate:0.2;…"
+if FAULTS and not (DEBUG or ALLOW_FAULT_INJECTION):
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        "SWITCHYARD_FAULTS is set but fault injection is refused when DEBUG is off; "
+        "set SWITCHYARD_ALLOW_FAULT_INJECTION=1 to allow it"
+    )
 # Prompts and completions are never logged unless sampled logging is turned on (then redacted).
 LOG_PROMPTS_SAMPLE_RATE = float(os.environ.get("SWITCHYARD_LOG_PROMPTS_SAMPLE_RATE", "0"))
 

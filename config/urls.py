@@ -3,10 +3,12 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
 
 from serving import api as serving_api
+from serving.prometheus import metrics_view
 
 urlpatterns = [
     path("healthz", serving_api.healthz, name="healthz"),
     path("readyz", serving_api.readyz, name="readyz"),
+    path("metrics", metrics_view, name="metrics"),
     path("v1/schema", SpectacularAPIView.as_view(), name="schema"),
     path("v1/", include("serving.urls")),
     path("v1/", include("registry.urls")),

@@ -31,6 +31,10 @@ LIVENESS_CHECK_S = 0.5
 _rng = random.Random()
 
 _REPLICA_LOST = "replica_lost"
+# Failures of the replica, not of the request: retried elsewhere (before the first token) and counted by
+# the circuit breaker. A request-level error (a model failure, an injected fault) is neither: retrying
+# it would hide a bad version from the metrics the rollout judge reads.
+REPLICA_FAILURES = frozenset({_REPLICA_LOST, "replica_unavailable", "replica_timeout"})
 
 
 def _error_event(error_type: str, message: str) -> dict[str, Any]:
@@ -57,6 +61,7 @@ class Dispatch:
         self.num_retries = 0
         self.is_finished = False
         self._is_closed = False
+        self._first_event: dict[str, Any] | None = None  # an error that arrived in place of acceptance
 
     def response_headers(self) -> dict[str, str]:
         headers = {"X-Served-Version": self.version, "X-Request-Id": self.request_id}
@@ -85,6 +90,9 @@ class Dispatch:
             if error.get("type") == "invalid_request_error":
                 self.is_finished = True
                 raise GatewayError(400, error.get("message", "invalid request"))
+            if error.get("type") not in REPLICA_FAILURES:
+                self._first_event = first  # a request-level failure: the client sees it as a stream error
+                return
             breaker.record_failure(replica.replica_id)
             if self.num_retries == 0:
                 await self._retry()
@@ -116,8 +124,12 @@ class Dispatch:
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         while not self.is_finished:
-            event = await self._next_event(timeout_s=INACTIVITY_TIMEOUT_S)
-            if event.get("finish_reason") == "error" and self.replica is not None:
+            if self._first_event is not None:
+                event, self._first_event = self._first_event, None
+            else:
+                event = await self._next_event(timeout_s=INACTIVITY_TIMEOUT_S)
+            is_replica_failure = event.get("error", {}).get("type") in REPLICA_FAILURES
+            if is_replica_failure and self.replica is not None:
                 breaker.record_failure(self.replica.replica_id)
                 if self.num_completion_tokens == 0 and self.num_retries == 0:
                     try:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import random
 import time
 import uuid
 from collections import defaultdict
@@ -20,10 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import close_old_connections
 
 from registry import artifacts
 from registry.selectors import VersionRef
+from serving.faults import INJECTED_FAULT, Faults, check_fault_injection_allowed, configured_faults
+from serving.metrics import MetricsRecorder, RequestSample, StepSample, register_recorder, unregister_recorder
 from serving.replica_directory import HEARTBEAT_INTERVAL_S, Heartbeat, HeartbeatPublisher
 from serving.streams import STEP_MESSAGE
 
@@ -51,6 +56,8 @@ class _Route:
 
     reply_to: str
     submitted_at: float  # wall clock, so a gateway in another process can be compared
+    seq: Any = None  # the engine's Sequence, read for its queue wait when it ends
+    last_token_at: float | None = None  # monotonic, for inter-token latency
 
 
 @dataclass(slots=True)
@@ -82,7 +89,9 @@ class Replica:
         layer: Any,
         engine_config: Any = None,
         publisher: HeartbeatPublisher | None = None,
+        faults: Faults | None = None,
     ) -> None:
+        """`faults` None: whatever settings.FAULTS sets for this version (normally nothing)."""
         self.ref = ref
         self.replica_id = uuid.uuid4().hex[:12]
         self.state = ReplicaState.LOADING
@@ -103,6 +112,16 @@ class Replica:
         self.num_waiting = 0
         self.num_running = 0
         self.kv_cache_usage = 0.0
+        self.metrics = MetricsRecorder(
+            model_name=ref.model_name,
+            version=ref.version,
+            version_id=ref.version_id,
+            replica_id=self.replica_id,
+        )
+        self.faults = faults
+        self._step_delay_s = 0.0
+        self._error_rate = 0.0
+        self._fault_rng: random.Random | None = None
 
     @property
     def load(self) -> int:
@@ -119,6 +138,7 @@ class Replica:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         try:
+            self._arm_faults()
             self._engine = await loop.run_in_executor(self._executor, self._load)
         except Exception as exc:
             self.state = ReplicaState.FAILED
@@ -128,12 +148,26 @@ class Replica:
             return
         self.state = ReplicaState.READY
         self._settled.set()
-        coros = [(self._listen(), "listen"), (self._work(), "work")]
+        register_recorder(self.metrics)
+        coros = [(self._listen(), "listen"), (self._work(), "work"), (self._flush_periodically(), "metrics")]
         if self._publisher is not None:
             coros.append((self._beat(), "heartbeat"))
         for coro, name in coros:
             self._tasks.append(loop.create_task(coro, name=f"replica-{self.replica_id}-{name}"))
         logger.info("replica %s:%s ready on %s", self.ref.model_name, self.ref.version, self.channel_name)
+
+    def _arm_faults(self) -> None:
+        if self.faults is None:
+            self.faults = configured_faults(self.ref.model_name, self.ref.version)
+        if self.faults is None or not self.faults.is_active:
+            return
+        check_fault_injection_allowed()  # refused: the replica fails to start, saying why
+        self._step_delay_s = self.faults.step_delay_ms / 1000
+        self._error_rate = self.faults.error_rate
+        self._fault_rng = random.Random(self.faults.seed)
+        logger.warning(
+            "replica %s:%s: FAULT INJECTION on: %s", self.ref.model_name, self.ref.version, self.faults
+        )
 
     def _load(self) -> Any:
         from serving.engine.engine import Engine
@@ -165,6 +199,8 @@ class Replica:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.flush_metrics()
+        unregister_recorder(self.metrics)
         if self._publisher is not None:
             with contextlib.suppress(Exception):
                 await self._publisher.withdraw(self.heartbeat())
@@ -192,6 +228,19 @@ class Replica:
                 logger.warning("replica %s: heartbeat failed", self.replica_id, exc_info=True)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
+    async def flush_metrics(self) -> int:
+        """Write pending metrics to the store. Never raises: a store that is down only delays them."""
+        try:
+            return await sync_to_async(_flush_recorder, thread_sensitive=False)(self.metrics)
+        except Exception:
+            logger.warning("replica %s: metrics flush failed; will retry", self.replica_id, exc_info=True)
+            return 0
+
+    async def _flush_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(settings.METRICS_FLUSH_INTERVAL_S)
+            await self.flush_metrics()
+
     # --- I/O on the event loop ---------------------------------------------------------------------
 
     async def _listen(self) -> None:
@@ -200,6 +249,7 @@ class Replica:
             kind = message.get("type")
             if kind == SUBMIT:
                 if self.state is not ReplicaState.READY:
+                    self.metrics.record(requests=[RequestSample("error", error_type="replica_unavailable")])
                     await self._send(
                         message["reply_to"],
                         {
@@ -249,16 +299,30 @@ class Replica:
     def _step(self, submissions: list[dict[str, Any]], aborts: list[str]) -> _StepResult:
         engine = self._engine
         result = _StepResult()
+        ended: list[RequestSample] = []
         for request_id in aborts:
             if self._routes.pop(request_id, None) is not None:
                 engine.abort(request_id)
+                ended.append(RequestSample("abort"))
         for message in submissions:
-            self._admit(message, result)
+            self._admit(message, result, ended)
+        model_time_s: float | None = None
+        itl_s: list[float] = []
         if engine.has_unfinished():
-            for output in engine.step():
+            started = time.perf_counter()
+            if self._step_delay_s:
+                time.sleep(self._step_delay_s)  # injected: a slow model, so it counts as model time
+            outputs = engine.step()
+            model_time_s = time.perf_counter() - started
+            now = time.monotonic()
+            for output in outputs:
                 route = self._routes.get(output.request_id)
                 if route is None:
                     continue
+                if output.new_token_ids:
+                    if route.last_token_at is not None:
+                        itl_s.append(now - route.last_token_at)
+                    route.last_token_at = now
                 for i, _ in enumerate(output.new_token_ids):
                     index = output.num_output_tokens - len(output.new_token_ids) + i
                     result.add(
@@ -267,15 +331,28 @@ class Replica:
                 if output.is_finished:
                     del self._routes[output.request_id]
                     result.add(route, output.request_id, _final_event(output, route))
+                    ended.append(_request_sample(output, route))
         stats = engine.stats()
         self.num_waiting, self.num_running, self.kv_cache_usage = (
             stats.num_waiting,
             stats.num_running,
             stats.kv_cache_usage,
         )
+        step = None
+        if model_time_s is not None:
+            step = StepSample(
+                model_time_s=model_time_s,
+                batch_size=stats.num_scheduled_seqs,
+                num_waiting=stats.num_waiting,
+                num_running=stats.num_running,
+                kv_cache_usage=stats.kv_cache_usage,
+                itl_s=itl_s,
+            )
+        if step is not None or ended:
+            self.metrics.record(step=step, requests=ended)
         return result
 
-    def _admit(self, message: dict[str, Any], result: _StepResult) -> None:
+    def _admit(self, message: dict[str, Any], result: _StepResult, ended: list[RequestSample]) -> None:
         from serving.engine.chat import render_chat_prompt
         from serving.engine.sequence import SamplingParams
 
@@ -299,9 +376,18 @@ class Replica:
             )
         except (TypeError, ValueError, KeyError) as exc:
             result.add(route, request_id, _error_event("invalid_request_error", str(exc)))
+            ended.append(RequestSample("error", error_type="invalid_request_error"))
             return
-        self._routes[request_id] = route
         result.add(route, request_id, {"accepted": True, "num_prompt_tokens": len(prompt_ids)})
+        if self._fault_rng is not None and self._fault_rng.random() < self._error_rate:
+            engine.abort(request_id)
+            result.add(
+                route, request_id, _error_event(INJECTED_FAULT, "injected fault (fault injection is on)")
+            )
+            ended.append(RequestSample("error", num_prompt_tokens=len(prompt_ids), error_type=INJECTED_FAULT))
+            return
+        route.seq = engine.scheduler.get(request_id)
+        self._routes[request_id] = route
 
     def _fail_all(self, message: str) -> _StepResult:
         result = _StepResult()
@@ -309,8 +395,38 @@ class Replica:
             result.add(route, request_id, _error_event("internal_error", message))
             with contextlib.suppress(Exception):
                 self._engine.abort(request_id)
+        self.metrics.record(
+            requests=[RequestSample("error", error_type="internal_error") for _ in self._routes]
+        )
         self._routes.clear()
         return result
+
+
+def _flush_recorder(recorder: MetricsRecorder) -> int:
+    """On a worker thread: that thread's database connection is closed when stale, as after a request."""
+    close_old_connections()
+    try:
+        return recorder.flush()
+    finally:
+        close_old_connections()
+
+
+def _request_sample(output: Any, route: _Route) -> RequestSample:
+    arrival, first, finished = output.arrival_time, output.first_token_time, output.finished_time
+    finished = finished if finished is not None else time.monotonic()
+    num_output_tokens = output.num_output_tokens
+    first_scheduled = route.seq.first_scheduled_time if route.seq is not None else None
+    return RequestSample(
+        finish_reason=str(output.finish_reason),
+        num_prompt_tokens=output.num_prompt_tokens,
+        num_output_tokens=num_output_tokens,
+        ttft_s=first - arrival if first is not None else None,
+        tpot_s=(finished - first) / (num_output_tokens - 1)
+        if first is not None and num_output_tokens > 1
+        else None,
+        e2e_s=finished - arrival,
+        queue_wait_s=first_scheduled - arrival if first_scheduled is not None else None,
+    )
 
 
 def _final_event(output: Any, route: _Route) -> dict[str, Any]:

@@ -27,11 +27,34 @@ class Command(BaseCommand):
             "--kv-cache-mb", type=int, default=settings.REPLICA_KV_CACHE_BYTES // (1024 * 1024)
         )
         parser.add_argument("--compile", action="store_true", default=settings.REPLICA_COMPILE)
+        parser.add_argument(
+            "--metrics-port", type=int, default=None, help="serve this replica's /metrics text on this port"
+        )
+        faults = parser.add_argument_group(
+            "fault injection",
+            "for demos and tests; refused unless DEBUG or SWITCHYARD_ALLOW_FAULT_INJECTION=1",
+        )
+        faults.add_argument("--inject-step-delay-ms", type=float, default=0.0, help="added to every step")
+        faults.add_argument(
+            "--inject-error-rate", type=float, default=0.0, help="fraction of requests failed at admission"
+        )
+        faults.add_argument("--inject-seed", type=int, default=0, help="seed of the error draws")
 
     def handle(self, *args: object, **options: object) -> None:
         from registry.selectors import version_ref
         from serving.engine.engine import EngineConfig
+        from serving.faults import FaultInjectionRefused, Faults, check_fault_injection_allowed
 
+        try:
+            faults = Faults(
+                step_delay_ms=float(options["inject_step_delay_ms"]),  # type: ignore[arg-type]
+                error_rate=float(options["inject_error_rate"]),  # type: ignore[arg-type]
+                seed=int(options["inject_seed"]),  # type: ignore[call-overload]
+            )
+            if faults.is_active:
+                check_fault_injection_allowed()
+        except (FaultInjectionRefused, ValueError) as exc:
+            raise CommandError(str(exc)) from exc
         if not settings.REDIS_URL:
             raise CommandError("run_replica needs REDIS_URL; without it the server hosts its replicas itself")
         ref = version_ref(model_name=str(options["model"]), version=str(options["version"]))
@@ -44,18 +67,32 @@ class Command(BaseCommand):
             compile=bool(options["compile"]),
             device=options["device"],  # type: ignore[arg-type]
         )
-        code = asyncio.run(self._serve(ref, config))
+        code = asyncio.run(
+            self._serve(ref, config, faults if faults.is_active else None, options["metrics_port"])
+        )
         if code:
             raise CommandError(f"replica of {ref.model_name}:{ref.version} failed to start")
 
-    async def _serve(self, ref: object, config: object) -> int:
+    async def _serve(self, ref: object, config: object, faults: object, metrics_port: object) -> int:
         from channels.layers import get_channel_layer
 
         from serving.replica import Replica
         from serving.replica_directory import HeartbeatPublisher
 
+        if metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            from serving.prometheus import registry
+
+            start_http_server(int(metrics_port), registry=registry)  # type: ignore[call-overload]
         publisher = HeartbeatPublisher(settings.REDIS_URL)
-        replica = Replica(ref, layer=get_channel_layer(), engine_config=config, publisher=publisher)  # type: ignore[arg-type]
+        replica = Replica(
+            ref,  # type: ignore[arg-type]
+            layer=get_channel_layer(),
+            engine_config=config,
+            publisher=publisher,
+            faults=faults,  # type: ignore[arg-type]
+        )
         stop_requested = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

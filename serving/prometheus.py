@@ -1,0 +1,141 @@
+"""`GET /metrics`: the replicas of this process in Prometheus text format, labelled by model, version
+and replica. Counters and histograms are totals since each replica started; histograms are our
+log-bucket histograms reported at a reduced set of `le` bounds (aggregate them in PromQL with
+histogram_quantile over sum by (le, model, version)). In production each `run_replica` process
+serves the same text on its own port (`--metrics-port`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from django.http import HttpRequest, HttpResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
+from prometheus_client.utils import floatToGoString
+
+from serving import metrics as m
+from serving.histogram import Histogram
+
+SECONDS_BOUNDS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    25.0,
+    50.0,
+    100.0,
+)
+BATCH_SIZE_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+LABELS = ("model", "version", "replica")
+
+# (recorder's name, exposed name, help, bounds)
+_HISTOGRAMS = (
+    (
+        "ttft_s",
+        "switchyard_ttft_seconds",
+        "Time to first token, from arrival at the gateway.",
+        SECONDS_BOUNDS,
+    ),
+    (
+        "tpot_s",
+        "switchyard_tpot_seconds",
+        "Mean time per output token after the first, per request.",
+        SECONDS_BOUNDS,
+    ),
+    (
+        "itl_s",
+        "switchyard_inter_token_latency_seconds",
+        "Time between a request's consecutive tokens.",
+        SECONDS_BOUNDS,
+    ),
+    ("queue_wait_s", "switchyard_queue_wait_seconds", "From arrival to first scheduled.", SECONDS_BOUNDS),
+    (
+        "model_time_s",
+        "switchyard_step_seconds",
+        "Time of one engine step (forward pass and sampling).",
+        SECONDS_BOUNDS,
+    ),
+    ("e2e_s", "switchyard_request_duration_seconds", "From arrival to the last token.", SECONDS_BOUNDS),
+    ("batch_size", "switchyard_batch_size", "Sequences scheduled per engine step.", BATCH_SIZE_BOUNDS),
+)
+_TOKEN_COUNTERS = (
+    (m.PROMPT_TOKENS, "switchyard_prompt_tokens", "Prompt tokens of ended requests."),
+    (m.OUTPUT_TOKENS, "switchyard_output_tokens", "Output tokens of ended requests."),
+)
+# (labelled counter prefix, exposed name, label, help)
+_LABELLED_COUNTERS = (
+    (m.FINISH_PREFIX, "switchyard_requests", "finish_reason", "Requests ended, by finish reason."),
+    (m.ERROR_PREFIX, "switchyard_errors", "type", "Requests ended in an error, by type."),
+    (m.REJECTED_PREFIX, "switchyard_rejected_requests", "type", "Requests refused before any model work."),
+)
+_GAUGES = (
+    ("queue_depth", "switchyard_queue_depth", "Requests waiting in the engine after the last step."),
+    ("running", "switchyard_running_requests", "Requests running in the engine after the last step."),
+    ("kv_cache_usage", "switchyard_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use."),
+    ("batch_size", "switchyard_last_batch_size", "Sequences scheduled in the last engine step."),
+)
+
+
+class SwitchyardCollector:
+    def __init__(self, source: Callable[[], list[m.MetricsRecorder]] = m.live_recorders) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = sorted(
+            (recorder.snapshot() for recorder in self._source()),
+            key=lambda s: (s.model_name, s.version, s.replica_id),
+        )
+        for key, name, documentation, bounds in _HISTOGRAMS:
+            histograms = HistogramMetricFamily(name, documentation, labels=LABELS)
+            les = [floatToGoString(bound) for bound in bounds]
+            for snapshot in snapshots:
+                histogram = snapshot.totals.histograms.get(key) or Histogram()
+                counts = histogram.cumulative_counts(bounds)
+                histograms.add_metric(
+                    _labels(snapshot),
+                    [*zip(les, counts, strict=True), ("+Inf", histogram.count)],
+                    sum_value=histogram.sum,
+                )
+            yield histograms
+        for key, name, documentation in _TOKEN_COUNTERS:
+            counter = CounterMetricFamily(name, documentation, labels=LABELS)
+            for snapshot in snapshots:
+                counter.add_metric(_labels(snapshot), snapshot.totals.counters.get(key, 0))
+            yield counter
+        for prefix, name, label, documentation in _LABELLED_COUNTERS:
+            counter = CounterMetricFamily(name, documentation, labels=(*LABELS, label))
+            for snapshot in snapshots:
+                for counter_name, value in sorted(snapshot.totals.counters.items()):
+                    if counter_name.startswith(prefix):
+                        counter.add_metric([*_labels(snapshot), counter_name.removeprefix(prefix)], value)
+            yield counter
+        for key, name, documentation in _GAUGES:
+            gauge = GaugeMetricFamily(name, documentation, labels=LABELS)
+            for snapshot in snapshots:
+                if key in snapshot.gauges:
+                    gauge.add_metric(_labels(snapshot), snapshot.gauges[key])
+            yield gauge
+
+
+def _labels(snapshot: m.RecorderSnapshot) -> list[str]:
+    return [snapshot.model_name, snapshot.version, snapshot.replica_id]
+
+
+registry = CollectorRegistry(auto_describe=False)
+registry.register(SwitchyardCollector())
+
+
+async def metrics_view(request: HttpRequest) -> HttpResponse:
+    if request.method not in ("GET", "HEAD"):
+        return HttpResponse(status=405, headers={"Allow": "GET, HEAD"})
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
