@@ -94,8 +94,10 @@ DATABASES = {
     )
 }
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
-    # Several threads (the server's and the replicas') write; wait for the lock instead of failing.
-    DATABASES["default"]["OPTIONS"] = {"timeout": 20}
+    # Several threads (the server's and the replicas') write. IMMEDIATE takes the write lock when a
+    # transaction begins, so one that read first cannot fail with "database is locked" when it writes;
+    # the timeout makes the others wait for it instead of failing.
+    DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
     DATABASES["default"]["CONN_MAX_AGE"] = 0
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -125,7 +127,10 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
         "schedule": ROLLOUT_JUDGE_INTERVAL_S,
         "options": {"expires": ROLLOUT_JUDGE_INTERVAL_S},  # a tick not run in time is dropped, not queued
     },
+    "metrics-maintain": {"task": "serving.tasks.metrics_maintain_tick", "schedule": 60.0},
 }
+# Started by the `serve` command when there is no Redis (so no Celery beat): the same tasks, in-process.
+EMBEDDED_SCHEDULER_STARTER = "rollouts.scheduler.start_embedded_scheduler"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -174,6 +179,10 @@ REPLICA_MAX_NUM_SEQS = int(os.environ.get("SWITCHYARD_MAX_NUM_SEQS", "64"))
 REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_TOKENS", "512"))
 REPLICA_KV_CACHE_BYTES = int(os.environ.get("SWITCHYARD_KV_CACHE_MB", "128")) * 1024 * 1024
 REPLICA_COMPILE = _env_bool("SWITCHYARD_COMPILE", False)
+# torch's intra-op threads. A replica process has the cores to itself; replicas inside the server share
+# them with its event loop, and OpenMP threads spinning against the loop made batches crawl on 2 cores.
+REPLICA_TORCH_THREADS = int(os.environ.get("SWITCHYARD_TORCH_THREADS", "0")) or None  # None: by mode
+EMBEDDED_TORCH_THREADS = max(1, (os.cpu_count() or 2) - 1)
 # Rollouts: defaults for a deployment that does not say (thresholds: rollouts.judge.Thresholds).
 ROLLOUT_DEFAULT_STEPS = [1, 5, 25, 100]
 ROLLOUT_BAKE_SECONDS = int(os.environ.get("SWITCHYARD_ROLLOUT_BAKE_SECONDS", "60"))

@@ -11,6 +11,7 @@ urlpatterns = [
     path("metrics", metrics_view, name="metrics"),
     path("v1/schema", SpectacularAPIView.as_view(), name="schema"),
     path("v1/", include("serving.urls")),
+    path("v1/", include("rollouts.urls")),  # before registry.urls: it extends /v1/models/{model}/versions
     path("v1/", include("registry.urls")),
     path("admin/", admin.site.urls),
 ]

@@ -51,40 +51,34 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
         )
     except GatewayError as exc:
         return _gateway_error(exc)
-    headers = handle.response_headers()
     if body.stream:
-        response = StreamingHttpResponse(
-            _sse_events(handle), content_type="text/event-stream", headers=headers
-        )
-        response["Cache-Control"] = "no-cache"
-        response["X-Accel-Buffering"] = "no"
-        return response
-    pieces: list[str] = []
-    final: dict[str, Any] = {}
+        return sse_response(_sse_events(handle), handle)
     try:
-        async for event in handle.events():
-            if "token" in event:
-                pieces.append(event["token"])
-            if "finish_reason" in event:
-                final = event
-    finally:
-        await handle.close()
-    if final.get("finish_reason") == "error" and not pieces:
-        error = final.get("error", {})
-        return error_response(503, error.get("message", "the replica failed"), headers=headers)
+        text, final = await handle.collect()
+    except GatewayError as exc:
+        return error_response(exc.status, exc.message, headers=handle.response_headers())
     return JsonResponse(
         {
             "id": handle.request_id,
             "object": "inference",
             "model": handle.model_name,
             "version": handle.version,
-            "output": "".join(pieces),
+            "output": text,
             "finish_reason": final.get("finish_reason"),
             "usage": final.get("usage", {}),
             "timings": final.get("timings", {}),
         },
-        headers=headers,
+        headers=handle.response_headers(),
     )
+
+
+def sse_response(events: AsyncIterator[bytes], handle: Dispatch) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(
+        events, content_type="text/event-stream", headers=handle.response_headers()
+    )
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"  # a proxy in front must not buffer the stream
+    return response
 
 
 async def healthz(request: HttpRequest) -> JsonResponse:
@@ -107,8 +101,15 @@ async def readyz(request: HttpRequest) -> JsonResponse:
     runtime = await get_runtime()
     handles = await runtime.all_replicas()
     replicas = [
-        {"model": h.model_name, "version": h.version, "state": h.state, "replica_id": h.replica_id,
-         "load": h.load, "kv_cache_usage": round(h.kv_cache_usage, 4), "local": h.is_local}
+        {
+            "model": h.model_name,
+            "version": h.version,
+            "state": h.state,
+            "replica_id": h.replica_id,
+            "load": h.load,
+            "kv_cache_usage": round(h.kv_cache_usage, 4),
+            "local": h.is_local,
+        }
         for h in handles
     ]
     num_ready = sum(1 for h in handles if h.is_ready)

@@ -145,6 +145,23 @@ class Dispatch:
                     breaker.record_success(self.replica.replica_id)
             yield event
 
+    async def collect(self) -> tuple[str, dict[str, Any]]:
+        """Run to the end and return the whole text and the final event; closes the request. A request
+        that failed before producing any text raises GatewayError(503)."""
+        pieces: list[str] = []
+        final: dict[str, Any] = {}
+        try:
+            async for event in self.events():
+                if "token" in event:
+                    pieces.append(event["token"])
+                elif "finish_reason" in event:
+                    final = event
+        finally:
+            await self.close()
+        if final.get("finish_reason") == "error" and not pieces:
+            raise GatewayError(503, final.get("error", {}).get("message", "the replica failed"))
+        return "".join(pieces), final
+
     async def close(self) -> None:
         """Idempotent. A request that has not finished is aborted on its replica, freeing its blocks."""
         if self._is_closed:

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from registry.errors import error_response
-from registry.selectors import TenantContext
+from serving.api import sse_response
 from serving.dispatch import Dispatch, authenticate, dispatch
 from serving.gateway import GatewayError
 from serving.requests import parse_json_body, parse_sampling
@@ -116,121 +116,93 @@ async def _stream(
         await handle.close()
 
 
-async def _collect(handle: Dispatch) -> tuple[str, dict[str, Any]]:
-    pieces: list[str] = []
-    final: dict[str, Any] = {}
+async def _serve(
+    request: HttpRequest,
+    parse: Callable[[dict[str, Any]], tuple[str, dict[str, Any], bool, Any]],
+    payload_name: str,
+    make_chunk: Callable[[dict[str, Any]], Callable[[str | None, str | None], dict[str, Any]]],
+    make_whole: Callable[[dict[str, Any], str, dict[str, Any]], dict[str, Any]],
+) -> HttpResponse:
+    """The shared body of both endpoints: parse, dispatch, then stream chunks or answer once."""
+    if request.method != "POST":
+        return error_response(405, "use POST")
     try:
-        async for event in handle.events():
-            if "token" in event:
-                pieces.append(event["token"])
-            elif "finish_reason" in event:
-                final = event
-    finally:
-        await handle.close()
-    if final.get("finish_reason") == "error" and not pieces:
-        raise GatewayError(503, final.get("error", {}).get("message", "the replica failed"))
-    return "".join(pieces), final
-
-
-def _headers(handle: Dispatch) -> dict[str, str]:
-    return handle.response_headers()
-
-
-async def _start(
-    request: HttpRequest, context: TenantContext, *, model: str, sampling: dict[str, Any], **payload: Any
-) -> Dispatch:
-    params = {k: v for k, v in sampling.items() if k != "stream"}
-    params["stop"] = list(params["stop"])
-    return await dispatch(
-        context=context, path_model=model, pin=request.headers.get("X-Version-Pin"), params=params, **payload
+        context = await authenticate(request.headers.get("Authorization"))
+        model, sampling, include_usage, payload = parse(parse_json_body(request))
+        params = {k: v for k, v in sampling.items() if k != "stream"}
+        params["stop"] = list(params["stop"])
+        handle = await dispatch(
+            context=context,
+            path_model=model,
+            pin=request.headers.get("X-Version-Pin"),
+            params=params,
+            **{payload_name: payload},
+        )
+    except GatewayError as exc:
+        return error_response(exc.status, exc.message, headers=exc.headers)
+    base = {
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": f"{handle.model_name}:{handle.version}",
+        "request_id": handle.request_id,
+    }
+    chunk = make_chunk(base)
+    if sampling["stream"]:
+        return sse_response(_stream(handle, chunk, include_usage), handle)
+    try:
+        text, final = await handle.collect()
+    except GatewayError as exc:
+        return error_response(exc.status, exc.message, headers=handle.response_headers())
+    return JsonResponse(
+        make_whole(chunk(text, _finish_reason(final)), text, final), headers=handle.response_headers()
     )
+
+
+def _completion_chunk(base: dict[str, Any]) -> Callable[[str | None, str | None], dict[str, Any]]:
+    head = {"id": f"cmpl-{base.pop('request_id')}", "object": "text_completion", **base}
+
+    def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
+        choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        return {**head, "choices": [choice]}
+
+    return chunk
+
+
+def _chat_chunk(base: dict[str, Any]) -> Callable[[str | None, str | None], dict[str, Any]]:
+    head = {"id": f"chatcmpl-{base.pop('request_id')}", "object": "chat.completion.chunk", **base}
+
+    def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
+        if text is None and finish_reason is None:
+            delta: dict[str, str] = {"role": "assistant", "content": ""}  # the stream's first chunk
+        else:
+            delta = {"content": text} if text else {}
+        return {
+            **head,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+
+    return chunk
+
+
+def _completion_whole(last_chunk: dict[str, Any], text: str, final: dict[str, Any]) -> dict[str, Any]:
+    return {**last_chunk, "usage": final.get("usage", {})}
+
+
+def _chat_whole(last_chunk: dict[str, Any], text: str, final: dict[str, Any]) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": last_chunk["choices"][0]["finish_reason"],
+    }
+    return {**last_chunk, "object": "chat.completion", "choices": [choice], "usage": final.get("usage", {})}
 
 
 @csrf_exempt
 async def completions(request: HttpRequest) -> HttpResponse:
-    if request.method != "POST":
-        return error_response(405, "use POST")
-    try:
-        context = await authenticate(request.headers.get("Authorization"))
-        model, sampling, include_usage, prompt = _parse_completion(parse_json_body(request))
-        handle = await _start(request, context, model=model, sampling=sampling, text=prompt)
-    except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers=exc.headers)
-    base = {
-        "id": f"cmpl-{handle.request_id}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": f"{handle.model_name}:{handle.version}",
-    }
-
-    def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
-        return {
-            **base,
-            "choices": [{"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}],
-        }
-
-    if sampling["stream"]:
-        return StreamingHttpResponse(
-            _stream(handle, chunk, include_usage), content_type="text/event-stream", headers=_headers(handle)
-        )
-    try:
-        text, final = await _collect(handle)
-    except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers=_headers(handle))
-    body = chunk(text, _finish_reason(final))
-    return JsonResponse({**body, "usage": final.get("usage", {})}, headers=_headers(handle))
+    return await _serve(request, _parse_completion, "text", _completion_chunk, _completion_whole)
 
 
 @csrf_exempt
 async def chat_completions(request: HttpRequest) -> HttpResponse:
-    if request.method != "POST":
-        return error_response(405, "use POST")
-    try:
-        context = await authenticate(request.headers.get("Authorization"))
-        model, sampling, include_usage, messages = _parse_chat(parse_json_body(request))
-        handle = await _start(request, context, model=model, sampling=sampling, messages=messages)
-    except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers=exc.headers)
-    base = {
-        "id": f"chatcmpl-{handle.request_id}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": f"{handle.model_name}:{handle.version}",
-    }
-
-    def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
-        if text is None and finish_reason is None:
-            delta: dict[str, str] = {"role": "assistant", "content": ""}
-        else:
-            delta = {"content": text} if text else {}
-        return {
-            **base,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-        }
-
-    if sampling["stream"]:
-        return StreamingHttpResponse(
-            _stream(handle, chunk, include_usage), content_type="text/event-stream", headers=_headers(handle)
-        )
-    try:
-        text, final = await _collect(handle)
-    except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers=_headers(handle))
-    return JsonResponse(
-        {
-            **base,
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": _finish_reason(final),
-                }
-            ],
-            "usage": final.get("usage", {}),
-        },
-        headers=_headers(handle),
-    )
+    return await _serve(request, _parse_chat, "messages", _chat_chunk, _chat_whole)

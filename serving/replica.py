@@ -90,6 +90,7 @@ class Replica:
         engine_config: Any = None,
         publisher: HeartbeatPublisher | None = None,
         faults: Faults | None = None,
+        torch_threads: int | None = None,
     ) -> None:
         """`faults` None: whatever settings.FAULTS sets for this version (normally nothing)."""
         self.ref = ref
@@ -100,6 +101,7 @@ class Replica:
         self._layer = layer
         self._engine_config = engine_config
         self._publisher = publisher
+        self._torch_threads = torch_threads  # None: torch's default (every core)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replica-{ref.version}")
         self._engine: Any = None
         self._submissions: list[dict[str, Any]] = []  # arrived since the last step
@@ -172,6 +174,10 @@ class Replica:
     def _load(self) -> Any:
         from serving.engine.engine import Engine
 
+        if self._torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self._torch_threads)  # process-wide: every replica here shares it
         path = Path(self.ref.artifact_uri)
         artifacts.verify(path, expected_files=self.ref.files, expected_sha256=self.ref.sha256)
         engine = Engine(path, config=self._engine_config or engine_config_from_settings())

@@ -160,7 +160,11 @@ class Runtime:
             replica = self.replicas.get(key)
             if replica is not None and replica.state is not ReplicaState.STOPPED:
                 continue  # a FAILED replica stays down until an operator acts; the error is logged
-            replica = Replica(ref, layer=self.layer)
+            replica = Replica(
+                ref,
+                layer=self.layer,
+                torch_threads=settings.REPLICA_TORCH_THREADS or settings.EMBEDDED_TORCH_THREADS,
+            )
             self.replicas[key] = replica
             asyncio.get_running_loop().create_task(replica.start(), name=f"replica-start-{ref.version}")
         for key in set(self.replicas) - set(wanted_keys):

@@ -91,5 +91,5 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence_on_the_replica(
 
     # 1,800 tokens take the demo model several seconds; an abort frees the sequence at the next step.
     platform_server.wait_until(lambda: replica_state()["load"] == 0, timeout_s=30)
-    assert time.monotonic() - disconnected_at < 2.0
+    assert time.monotonic() - disconnected_at < 3.0
     assert replica_state()["kv_cache_usage"] == 0

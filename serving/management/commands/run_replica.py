@@ -92,6 +92,7 @@ class Command(BaseCommand):
             engine_config=config,
             publisher=publisher,
             faults=faults,  # type: ignore[arg-type]
+            torch_threads=settings.REPLICA_TORCH_THREADS,  # None: every core; the process is the replica's
         )
         stop_requested = asyncio.Event()
         loop = asyncio.get_running_loop()

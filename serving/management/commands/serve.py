@@ -1,7 +1,9 @@
 import asyncio
 import logging
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
+from django.utils.module_loading import import_string
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +25,11 @@ class Command(BaseCommand):
 
         def on_ready() -> None:
             # daphne has no ASGI lifespan: start the runtime ourselves once the loop exists, so replicas
-            # load before the first request instead of on it.
-            asyncio.get_event_loop().create_task(get_runtime())
+            # load before the first request instead of on it; and, without Redis (so without Celery
+            # beat), the periodic tasks (rollout judge, metrics maintenance) on the same schedule.
+            loop = asyncio.get_event_loop()
+            self._runtime_start = loop.create_task(get_runtime())
+            loop.call_soon(import_string(settings.EMBEDDED_SCHEDULER_STARTER))
             self.stdout.write(
                 f"Switchyard listening on http://{options['host']}:{options['port']}/", ending="\n"
             )

@@ -1,0 +1,37 @@
+from django.contrib import admin
+
+from rollouts.models import Deployment, DeploymentEvent
+
+
+class DeploymentEventInline(admin.TabularInline):
+    model = DeploymentEvent
+    extra = 0
+    can_delete = False
+    readonly_fields = ("at", "from_state", "to_state", "actor", "reason", "figures")
+
+    def has_add_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+        return False
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(admin.ModelAdmin):
+    """Read-only: deployments change through the API (services), so every change leaves an event."""
+
+    list_display = (
+        "id",
+        "model",
+        "candidate",
+        "incumbent",
+        "strategy",
+        "state",
+        "current_step",
+        "created_at",
+    )
+    list_filter = ("state", "strategy")
+    inlines = [DeploymentEventInline]
+
+    def get_readonly_fields(self, request, obj=None):  # type: ignore[no-untyped-def]
+        return [f.name for f in Deployment._meta.fields]
+
+    def has_add_permission(self, request):  # type: ignore[no-untyped-def]
+        return False

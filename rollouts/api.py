@@ -1,0 +1,208 @@
+"""Deployment endpoints under /v1/. Thin: authorize, call one service or selector, format.
+
+Allowed to staff (session) and to tenants whose quota has may_deploy and allows the model; anyone else
+gets 403, an unknown model or deployment 404. Refusals use the one error shape (registry.errors)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.utils import extend_schema, inline_serializer
+from rest_framework import serializers, status
+from rest_framework.exceptions import APIException, NotFound, PermissionDenied
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from registry import api as registry_api
+from registry.models import Model
+from registry.selectors import TenantContext
+from rollouts import selectors, services
+from rollouts.models import Deployment
+
+CREATE_FIELDS = frozenset(
+    {"model", "version", "strategy", "steps", "bake_seconds", "thresholds", "mirror_pct"}
+)
+
+
+class Refused(APIException):
+    def __init__(self, status_code: int, message: str) -> None:
+        self.status_code = status_code
+        super().__init__(message)
+
+
+def _actor(request: Request) -> str:
+    if isinstance(request.auth, TenantContext):
+        return f"tenant:{request.auth.tenant_name}"
+    return f"staff:{request.user.get_username()}"
+
+
+def _authorize(request: Request, model: Model | None = None) -> None:
+    """Without a model: may the caller deploy anything at all? With one: that model too?"""
+    context = request.auth if isinstance(request.auth, TenantContext) else None
+    if context is None:
+        if not getattr(request.user, "is_staff", False):
+            raise PermissionDenied("deployments are for staff and for tenants allowed to deploy")
+        return
+    if not context.may_deploy:
+        raise PermissionDenied(f"tenant {context.tenant_name!r} may not deploy")
+    if model is not None and not context.may_use(model.name):
+        raise PermissionDenied(f"tenant {context.tenant_name!r} may not deploy {model.name!r}")
+
+
+def _deployment(request: Request, deployment_id: int) -> Deployment:
+    _authorize(request)
+    deployment = selectors.deployment_get(deployment_id=deployment_id)
+    if deployment is None:
+        raise NotFound(f"deployment {deployment_id} not found")
+    _authorize(request, deployment.model)
+    return deployment
+
+
+def _accepted(deployment: Deployment) -> Response:
+    body: dict[str, Any] = {"deployment_id": deployment.pk, "state": deployment.state}
+    if deployment.rollback_decided_at is not None:
+        body["rollback"] = {
+            "decided_at": deployment.rollback_decided_at,
+            "edit_ms": deployment.rollback_edit_ms,
+        }
+    return Response(
+        body, status=status.HTTP_202_ACCEPTED, headers={"Location": f"/v1/deployments/{deployment.pk}"}
+    )
+
+
+_ACCEPTED_SCHEMA = inline_serializer(
+    "DeploymentAccepted", {"deployment_id": serializers.IntegerField(), "state": serializers.CharField()}
+)
+_CREATE_SCHEMA = inline_serializer(
+    "DeploymentCreate",
+    {
+        "model": serializers.CharField(),
+        "version": serializers.CharField(),
+        "strategy": serializers.ChoiceField(choices=Deployment.Strategy.values, required=False),
+        "steps": serializers.ListField(child=serializers.DictField(), required=False),
+        "bake_seconds": serializers.IntegerField(min_value=0, required=False),
+        "thresholds": serializers.DictField(required=False),
+        "mirror_pct": serializers.IntegerField(min_value=1, max_value=100, required=False),
+    },
+)
+_ACTION_SCHEMA = inline_serializer("DeploymentAction", {"reason": serializers.CharField(required=False)})
+
+
+class DeploymentListView(APIView):
+    @extend_schema(
+        operation_id="deployments_create", request=_CREATE_SCHEMA, responses={202: _ACCEPTED_SCHEMA}
+    )
+    def post(self, request: Request) -> Response:
+        _authorize(request)
+        body = request.data
+        if not isinstance(body, dict):
+            raise Refused(400, "the body must be a JSON object")
+        unknown = sorted(set(body) - CREATE_FIELDS)
+        if unknown:
+            raise Refused(400, f"unknown field(s): {', '.join(unknown)}")
+        for name in ("model", "version"):
+            if not isinstance(body.get(name), str) or not body[name]:
+                raise Refused(400, f"{name} is required (a string)")
+        model = Model.objects.filter(name=body["model"]).first()
+        if model is None:
+            raise NotFound(f"model {body['model']!r} not found")
+        _authorize(request, model)
+        try:
+            deployment = services.deployment_create(
+                model=model,
+                version=body["version"],
+                created_by=_actor(request),
+                strategy=body.get("strategy", Deployment.Strategy.CANARY),
+                steps=body.get("steps"),
+                bake_seconds=body.get("bake_seconds"),
+                thresholds=body.get("thresholds"),
+                mirror_pct=body.get("mirror_pct"),
+            )
+        except services.DeploymentError as exc:
+            raise Refused(exc.status, str(exc)) from exc
+        return _accepted(deployment)
+
+
+class DeploymentDetailView(APIView):
+    @extend_schema(
+        responses=inline_serializer(
+            "Deployment",
+            {
+                "deployment_id": serializers.IntegerField(),
+                "model": serializers.CharField(),
+                "version": serializers.CharField(),
+                "incumbent": serializers.CharField(),
+                "strategy": serializers.CharField(),
+                "state": serializers.CharField(),
+                "current_step": serializers.IntegerField(allow_null=True),
+                "current_pct": serializers.IntegerField(),
+                "steps": serializers.ListField(child=serializers.DictField()),
+                "events": serializers.ListField(child=serializers.DictField()),
+            },
+        )
+    )
+    def get(self, request: Request, deployment_id: int) -> Response:
+        return Response(selectors.deployment_detail(deployment=_deployment(request, deployment_id)))
+
+
+def _reason(request: Request) -> str:
+    body = request.data if isinstance(request.data, dict) else {}
+    reason = body.get("reason", "")
+    return reason[:500] if isinstance(reason, str) else ""
+
+
+class DeploymentRollbackView(APIView):
+    @extend_schema(request=_ACTION_SCHEMA, responses={202: _ACCEPTED_SCHEMA})
+    def post(self, request: Request, deployment_id: int) -> Response:
+        deployment = _deployment(request, deployment_id)
+        try:
+            deployment = services.deployment_rollback(
+                deployment=deployment, actor=_actor(request), reason=_reason(request)
+            )
+        except services.DeploymentError as exc:
+            raise Refused(exc.status, str(exc)) from exc
+        return _accepted(deployment)
+
+
+class DeploymentPromoteView(APIView):
+    @extend_schema(request=_ACTION_SCHEMA, responses={202: _ACCEPTED_SCHEMA})
+    def post(self, request: Request, deployment_id: int) -> Response:
+        deployment = _deployment(request, deployment_id)
+        try:
+            deployment = services.deployment_promote(
+                deployment=deployment, actor=_actor(request), reason=_reason(request)
+            )
+        except services.DeploymentError as exc:
+            raise Refused(exc.status, str(exc)) from exc
+        return _accepted(deployment)
+
+
+class ModelVersionListView(registry_api.ModelVersionListView):
+    """The registry's /v1/models/{model}/versions with each version's state from deployments merged in
+    (routed before the registry's own view: the registry may not import rollouts)."""
+
+    @extend_schema(
+        operation_id="models_versions_list",
+        responses=inline_serializer(
+            "ModelVersionWithDeploymentState",
+            many=True,
+            fields={
+                "version": serializers.CharField(),
+                "traffic_pct": serializers.IntegerField(),
+                "state": serializers.CharField(
+                    help_text="serving / idle, or from deployments: pending, provisioning, ramping, "
+                    "shadowing, promoted, completed, rolling_back, rolled_back, incumbent"
+                ),
+                "aliases": serializers.ListField(child=serializers.CharField()),
+                "sha256": serializers.CharField(),
+                "created_at": serializers.DateTimeField(),
+            },
+        ),
+    )
+    def get(self, request: Request, model: str) -> Response:
+        response = super().get(request, model)  # 404 for a model the caller may not see
+        states = selectors.version_states(model=Model.objects.get(name=model))
+        for row in response.data:
+            row["state"] = states.get(row["version"], row["state"])
+        return response

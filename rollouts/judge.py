@@ -1,0 +1,288 @@
+"""The rollout judge's decision: a pure function of two metric windows over the same interval.
+
+No Django, no database, no clock: `decide(canary, incumbent, ...)` takes what the metrics store reported
+for each version over [step start, now) and returns a Verdict with every figure behind it, so that it
+can be tested on synthetic windows and replayed from the figures stored with each DeploymentEvent.
+
+Rules, in order:
+1. INSUFFICIENT_DATA while either version has fewer than `min_samples` finished requests.
+2. ROLLBACK at once when any regression holds:
+   - latency: the canary's p99 TTFT (or p99 TPOT) > max(SLA, incumbent's p99 x `latency_ratio`). The
+     SLA is a floor: a canary well inside the SLA is never rolled back for being relatively slower.
+   - errors: the canary's error rate is higher than the incumbent's by a statistically significant
+     margin: one-sided test of H0 "p_canary <= p_incumbent". The test is Fisher's exact test
+     (hypergeometric upper tail) when the canary's expected count of errors or of successes is below 5,
+     else the two-proportion z-test with a pooled variance. The difference must also be at least
+     `min_rate_increase` (absolute), so that huge windows do not turn harmless differences into rollbacks.
+   - quality proxy: the empty-output rate (among requests that did not fail), tested the same way; and
+     the canary's mean output length below the incumbent's x `min_output_length_ratio`.
+   `alpha` is the false-rollback rate allowed per step. The judge looks at a growing window every few
+   seconds (`num_looks` per bake window) and runs two rate tests per look, so each single test is run at
+   alpha / (2 x num_looks) (Bonferroni); testing every look at alpha would roll back roughly one healthy
+   canary in twenty (measured by the simulated rollouts in tests/rollouts/test_judge.py).
+3. ADVANCE when healthy and the step's bake window has elapsed.
+4. HOLD otherwise.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+FISHER_TEST = "fisher_exact_one_sided"
+Z_TEST = "two_proportion_z_one_sided"
+MIN_EXPECTED_COUNT_FOR_Z = 5.0
+RATE_TESTS = ("errors", "empty_outputs")
+
+
+class VerdictKind(enum.StrEnum):
+    INSUFFICIENT_DATA = "insufficient_data"
+    HOLD = "hold"
+    ADVANCE = "advance"
+    ROLLBACK = "rollback"
+
+
+@dataclass(frozen=True, slots=True)
+class VersionWindow:
+    """One version's requests over an interval, as the metrics store reports them (merged replicas)."""
+
+    num_requests: int  # finished requests, failed ones included
+    num_errors: int
+    num_empty_outputs: int  # finished without an error and without a single output token
+    ttft_p99_ms: float | None  # None when nothing produced a first token
+    tpot_p99_ms: float | None
+    mean_output_tokens: float | None
+
+    @property
+    def num_ok(self) -> int:
+        return self.num_requests - self.num_errors
+
+    @property
+    def error_rate(self) -> float | None:
+        return self.num_errors / self.num_requests if self.num_requests else None
+
+    @property
+    def empty_output_rate(self) -> float | None:
+        return self.num_empty_outputs / self.num_ok if self.num_ok else None
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """Per-deployment limits. Defaults come from settings.ROLLOUT_THRESHOLDS; a deployment may override
+    any of them by name (unknown names are refused)."""
+
+    min_samples: int = 50
+    ttft_sla_ms: float = 1000.0
+    tpot_sla_ms: float = 100.0
+    latency_ratio: float = 1.25
+    alpha: float = 0.01
+    min_rate_increase: float = 0.005
+    min_output_length_ratio: float = 0.5
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Thresholds:
+        unknown = set(values) - cls.names()
+        if unknown:
+            raise ValueError(f"unknown threshold(s): {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ProportionTest:
+    """One-sided test that the canary's rate of something bad exceeds the incumbent's."""
+
+    name: str
+    statistic: float | None  # z for the z-test; the canary's count for Fisher's test
+    p_value: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "test": self.name,
+            "statistic": _round(self.statistic),
+            "p_value": float(f"{self.p_value:.4g}"),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    kind: VerdictKind
+    reasons: tuple[str, ...]
+    figures: dict[str, Any]
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _normal_sf(z: float) -> float:
+    """P(Z > z) for a standard normal."""
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def _log_comb(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def fisher_exact_greater(x1: int, n1: int, x2: int, n2: int) -> float:
+    """One-sided Fisher's exact test: P(X >= x1) where X, the canary's share of all x1 + x2 events, is
+    hypergeometric given the margins. Exact for any counts; used when the z-test's normal
+    approximation is poor."""
+    total_events = x1 + x2
+    total = n1 + n2
+    lo = max(x1, total_events - n2)
+    hi = min(n1, total_events)
+    if lo > hi:
+        return 0.0
+    log_denominator = _log_comb(total, total_events)
+    p = sum(
+        math.exp(_log_comb(n1, k) + _log_comb(n2, total_events - k) - log_denominator)
+        for k in range(lo, hi + 1)
+    )
+    return min(1.0, p)
+
+
+def two_proportion_z_greater(x1: int, n1: int, x2: int, n2: int) -> tuple[float, float]:
+    """One-sided two-proportion z-test with a pooled variance: (z, P(Z >= z))."""
+    pooled = (x1 + x2) / (n1 + n2)
+    variance = pooled * (1.0 - pooled) * (1.0 / n1 + 1.0 / n2)
+    if variance <= 0.0:
+        return 0.0, 1.0
+    z = (x1 / n1 - x2 / n2) / math.sqrt(variance)
+    return z, _normal_sf(z)
+
+
+def proportion_greater(x1: int, n1: int, x2: int, n2: int) -> ProportionTest:
+    """Is x1/n1 (canary) significantly greater than x2/n2 (incumbent)? Picks the test by the counts."""
+    if n1 <= 0 or n2 <= 0:
+        return ProportionTest(name=Z_TEST, statistic=None, p_value=1.0)
+    pooled = (x1 + x2) / (n1 + n2)
+    min_expected = min(n1, n2) * min(pooled, 1.0 - pooled)
+    if min_expected < MIN_EXPECTED_COUNT_FOR_Z:
+        return ProportionTest(
+            name=FISHER_TEST, statistic=float(x1), p_value=fisher_exact_greater(x1, n1, x2, n2)
+        )
+    z, p = two_proportion_z_greater(x1, n1, x2, n2)
+    return ProportionTest(name=Z_TEST, statistic=z, p_value=p)
+
+
+def _window_figures(window: VersionWindow) -> dict[str, Any]:
+    return {
+        "num_requests": window.num_requests,
+        "num_errors": window.num_errors,
+        "num_empty_outputs": window.num_empty_outputs,
+        "error_rate": _round(window.error_rate, 6),
+        "empty_output_rate": _round(window.empty_output_rate, 6),
+        "ttft_p99_ms": _round(window.ttft_p99_ms, 3),
+        "tpot_p99_ms": _round(window.tpot_p99_ms, 3),
+        "mean_output_tokens": _round(window.mean_output_tokens, 3),
+    }
+
+
+def decide(
+    canary: VersionWindow,
+    incumbent: VersionWindow,
+    *,
+    thresholds: Thresholds,
+    bake_elapsed_s: float,
+    bake_seconds: float,
+    num_looks: int = 1,
+) -> Verdict:
+    alpha_per_test = thresholds.alpha / (len(RATE_TESTS) * max(1, num_looks))
+    figures: dict[str, Any] = {
+        "canary": _window_figures(canary),
+        "incumbent": _window_figures(incumbent),
+        "min_samples": thresholds.min_samples,
+        "bake_elapsed_s": round(bake_elapsed_s, 3),
+        "bake_seconds": bake_seconds,
+        "num_looks": max(1, num_looks),
+    }
+    short = [
+        f"{name} has {w.num_requests} of {thresholds.min_samples} requests"
+        for name, w in (("canary", canary), ("incumbent", incumbent))
+        if w.num_requests < thresholds.min_samples
+    ]
+    if short:
+        return Verdict(VerdictKind.INSUFFICIENT_DATA, tuple(short), figures)
+
+    regressions: list[str] = []
+    for metric, sla_ms in (("ttft", thresholds.ttft_sla_ms), ("tpot", thresholds.tpot_sla_ms)):
+        canary_p99 = getattr(canary, f"{metric}_p99_ms")
+        incumbent_p99 = getattr(incumbent, f"{metric}_p99_ms")
+        limit = max(sla_ms, incumbent_p99 * thresholds.latency_ratio) if incumbent_p99 is not None else sla_ms
+        figures[f"{metric}_limit_ms"] = _round(limit, 3)
+        if canary_p99 is not None and canary_p99 > limit:
+            regressions.append(
+                f"canary p99 {metric.upper()} {canary_p99:.1f} ms > limit {limit:.1f} ms "
+                f"(max of SLA {sla_ms:g} ms, incumbent {_fmt(incumbent_p99)} ms "
+                f"x {thresholds.latency_ratio:g})"
+            )
+
+    rate_checks = (
+        (
+            "errors",
+            "error rate",
+            canary.num_errors,
+            canary.num_requests,
+            incumbent.num_errors,
+            incumbent.num_requests,
+        ),
+        (
+            "empty_outputs",
+            "empty-output rate",
+            canary.num_empty_outputs,
+            canary.num_ok,
+            incumbent.num_empty_outputs,
+            incumbent.num_ok,
+        ),
+    )
+    for key, label, x1, n1, x2, n2 in rate_checks:
+        test = proportion_greater(x1, n1, x2, n2)
+        rate1 = x1 / n1 if n1 else 0.0
+        rate2 = x2 / n2 if n2 else 0.0
+        figures[f"{key}_test"] = {
+            **test.as_dict(),
+            "alpha": float(f"{alpha_per_test:.4g}"),
+            "min_rate_increase": thresholds.min_rate_increase,
+        }
+        if test.p_value < alpha_per_test and rate1 - rate2 >= thresholds.min_rate_increase:
+            regressions.append(
+                f"canary {label} {rate1:.2%} vs incumbent {rate2:.2%}: {test.name} p={test.p_value:.2g} "
+                f"< {alpha_per_test:.2g} (alpha {thresholds.alpha:g} over {len(RATE_TESTS)} tests x "
+                f"{max(1, num_looks)} looks)"
+            )
+
+    if canary.mean_output_tokens is not None and incumbent.mean_output_tokens:
+        floor = incumbent.mean_output_tokens * thresholds.min_output_length_ratio
+        figures["min_mean_output_tokens"] = _round(floor, 3)
+        if canary.mean_output_tokens < floor:
+            regressions.append(
+                f"canary mean output {canary.mean_output_tokens:.1f} tokens < {floor:.1f} "
+                f"(incumbent {incumbent.mean_output_tokens:.1f} x {thresholds.min_output_length_ratio:g})"
+            )
+
+    if regressions:
+        return Verdict(VerdictKind.ROLLBACK, tuple(regressions), figures)
+    if bake_elapsed_s >= bake_seconds:
+        return Verdict(
+            VerdictKind.ADVANCE, (f"healthy for the whole bake window ({bake_seconds:g} s)",), figures
+        )
+    return Verdict(
+        VerdictKind.HOLD, (f"healthy so far; baked {bake_elapsed_s:.0f} of {bake_seconds:g} s",), figures
+    )
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"

@@ -1,0 +1,109 @@
+"""Deployments of a candidate version against the incumbent, and the log of every transition.
+Writes go through rollouts.services."""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+from registry.models import Model, ModelVersion
+
+
+class Deployment(models.Model):
+    class Strategy(models.TextChoices):
+        CANARY = "canary", "Canary (stepped traffic split)"
+        SHADOW = "shadow", "Shadow (mirrored traffic, output discarded)"
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        PROVISIONING = "provisioning"
+        RAMPING = "ramping"  # canary: taking the current step's share of traffic
+        SHADOWING = "shadowing"  # shadow: receiving mirrored traffic
+        PROMOTED = "promoted"
+        COMPLETED = "completed"  # shadow: ran its window healthy; traffic never moved
+        ROLLING_BACK = "rolling_back"
+        ROLLED_BACK = "rolled_back"
+
+    # At most one of these per model (a partial unique constraint below keeps it so under races).
+    IN_FLIGHT_STATES = (
+        State.PENDING,
+        State.PROVISIONING,
+        State.RAMPING,
+        State.SHADOWING,
+        State.ROLLING_BACK,
+    )
+
+    model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="deployments")
+    candidate = models.ForeignKey(ModelVersion, on_delete=models.PROTECT, related_name="deployments")
+    incumbent = models.ForeignKey(
+        ModelVersion, on_delete=models.PROTECT, related_name="+", help_text="The stable version at creation."
+    )
+    strategy = models.CharField(max_length=16, choices=Strategy.choices, default=Strategy.CANARY)
+    steps = models.JSONField(help_text='Canary: [{"pct": 1}, ..., {"pct": 100}], strictly increasing.')
+    mirror_pct = models.PositiveSmallIntegerField(
+        null=True,
+        blank=True,
+        help_text="Shadow: share of the incumbent's requests mirrored to the candidate.",
+    )
+    current_step = models.PositiveSmallIntegerField(default=0)
+    bake_seconds = models.PositiveIntegerField()
+    thresholds = models.JSONField(help_text="Resolved at creation: settings defaults plus overrides.")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING, db_index=True)
+    created_by = models.CharField(max_length=150)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+    provisioning_started_at = models.DateTimeField(null=True, blank=True)
+    step_started_at = models.DateTimeField(null=True, blank=True)
+    last_judged_at = models.DateTimeField(null=True, blank=True)
+    last_verdict = models.JSONField(default=dict, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    # Rollback timings: when it was decided, how long the routing edit took inside the transaction, and
+    # when the transaction committed (from then on every gateway sees the new table within its
+    # revalidation interval).
+    rollback_decided_at = models.DateTimeField(null=True, blank=True)
+    rollback_edit_ms = models.FloatField(null=True, blank=True)
+    rollback_committed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["model"],
+                condition=models.Q(
+                    state__in=["pending", "provisioning", "ramping", "shadowing", "rolling_back"]
+                ),
+                name="one_in_flight_deployment_per_model",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"deployment {self.pk}: {self.model.name} {self.candidate.version} ({self.state})"
+
+    @property
+    def is_in_flight(self) -> bool:
+        return self.state in self.IN_FLIGHT_STATES
+
+    @property
+    def current_pct(self) -> int:
+        """The candidate's share of traffic in the current state."""
+        if self.state == self.State.PROMOTED:
+            return 100
+        if self.state != self.State.RAMPING or not self.steps:
+            return 0
+        return int(self.steps[self.current_step]["pct"])
+
+
+class DeploymentEvent(models.Model):
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(default=timezone.now)
+    from_state = models.CharField(max_length=16, blank=True)
+    to_state = models.CharField(max_length=16)
+    actor = models.CharField(max_length=150)
+    reason = models.TextField()
+    figures = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id}: {self.from_state or '-'} -> {self.to_state} ({self.reason[:60]})"

@@ -1,0 +1,166 @@
+"""Reads for rollouts: deployments for the API and the judge, version states for /versions, and the
+metrics windows the judge compares (through the metrics store's selector, never its tables)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from django.conf import settings
+from django.db.models import Prefetch
+from django.utils.module_loading import import_string
+
+from registry.models import Model
+from rollouts.judge import VersionWindow
+from rollouts.models import Deployment, DeploymentEvent
+
+
+class WindowReader(Protocol):
+    def __call__(
+        self, *, model_name: str, version: str, start: dt.datetime, end: dt.datetime
+    ) -> VersionWindow: ...
+
+
+class MetricsUnavailable(Exception):
+    """The metrics store could not be read; the judge holds (never advances or rolls back blind)."""
+
+
+def deployment_get(*, deployment_id: int, with_events: bool = True) -> Deployment | None:
+    deployments = Deployment.objects.filter(pk=deployment_id).select_related(
+        "model", "candidate", "incumbent"
+    )
+    if with_events:
+        deployments = deployments.prefetch_related(
+            Prefetch("events", queryset=DeploymentEvent.objects.order_by("at", "id"))
+        )
+    return deployments.first()
+
+
+def deployment_ids_to_judge() -> list[int]:
+    """Deployments the judge has work on: everything in flight, oldest first."""
+    return list(
+        Deployment.objects.filter(state__in=Deployment.IN_FLIGHT_STATES)
+        .order_by("created_at", "id")
+        .values_list("pk", flat=True)
+    )
+
+
+def deployment_in_flight(*, model: Model) -> Deployment | None:
+    return Deployment.objects.filter(model=model, state__in=Deployment.IN_FLIGHT_STATES).first()
+
+
+def deployment_detail(*, deployment: Deployment) -> dict[str, Any]:
+    """The API's view of one deployment, events included."""
+    steps = deployment.steps or []
+    return {
+        "deployment_id": deployment.pk,
+        "model": deployment.model.name,
+        "version": deployment.candidate.version,
+        "incumbent": deployment.incumbent.version,
+        "strategy": deployment.strategy,
+        "state": deployment.state,
+        "current_step": deployment.current_step if steps else None,
+        "current_pct": deployment.current_pct,
+        "steps": steps,
+        "mirror_pct": deployment.mirror_pct,
+        "bake_seconds": deployment.bake_seconds,
+        "thresholds": deployment.thresholds,
+        "created_by": deployment.created_by,
+        "created_at": deployment.created_at,
+        "step_started_at": deployment.step_started_at,
+        "last_judged_at": deployment.last_judged_at,
+        "last_verdict": deployment.last_verdict or None,
+        "finished_at": deployment.finished_at,
+        "rollback": {
+            "decided_at": deployment.rollback_decided_at,
+            "edit_ms": deployment.rollback_edit_ms,
+            "committed_at": deployment.rollback_committed_at,
+        }
+        if deployment.rollback_decided_at
+        else None,
+        "events": [
+            {
+                "at": e.at,
+                "from_state": e.from_state or None,
+                "to_state": e.to_state,
+                "actor": e.actor,
+                "reason": e.reason,
+                "figures": e.figures,
+            }
+            for e in deployment.events.all()
+        ],
+    }
+
+
+def version_states(*, model: Model) -> dict[str, str]:
+    """What deployments say about a model's versions, for GET /v1/models/{model}/versions.
+
+    A candidate reports the state of the latest deployment it was the candidate of, when that
+    deployment is the model's latest one (so an old `promoted` does not outlive a newer rollout) or when
+    it ended `rolled_back` (that stays true of the version). The incumbent of an in-flight canary
+    reports `incumbent`. Versions not mentioned keep the registry's own state (serving / idle)."""
+    deployments = list(
+        Deployment.objects.filter(model=model)
+        .select_related("candidate", "incumbent")
+        .order_by("-created_at", "-id")
+    )
+    states: dict[str, str] = {}
+    for index, deployment in enumerate(deployments):
+        version = deployment.candidate.version
+        if version in states:
+            continue
+        if index == 0 or deployment.state == Deployment.State.ROLLED_BACK:
+            states[version] = deployment.state
+    if deployments and deployments[0].is_in_flight:
+        states.setdefault(deployments[0].incumbent.version, "incumbent")
+    return states
+
+
+def shadow_target(*, model_name: str) -> tuple[str, int] | None:
+    """For the data plane's mirroring hook: (candidate version, mirror percent) while a shadow
+    deployment of the model is shadowing, else None."""
+    row = (
+        Deployment.objects.filter(
+            model__name=model_name, strategy=Deployment.Strategy.SHADOW, state=Deployment.State.SHADOWING
+        )
+        .values_list("candidate__version", "mirror_pct")
+        .first()
+    )
+    return (row[0], int(row[1] or 0)) if row else None
+
+
+# --- metrics -----------------------------------------------------------------------------------------
+
+
+def window_reader() -> WindowReader:
+    """The metrics store's selector named by settings.ROLLOUT_WINDOW_READER."""
+    try:
+        reader: Callable[..., Any] = import_string(settings.ROLLOUT_WINDOW_READER)
+    except ImportError as exc:
+        raise MetricsUnavailable(f"metrics reader {settings.ROLLOUT_WINDOW_READER!r}: {exc}") from exc
+
+    def read(*, model_name: str, version: str, start: dt.datetime, end: dt.datetime) -> VersionWindow:
+        return as_version_window(reader(model_name=model_name, version=version, start=start, end=end))
+
+    return read
+
+
+def as_version_window(window: Any) -> VersionWindow:
+    """The judge's view of serving.selectors.VersionWindow: counts as they are, p99s in ms (the store
+    reports seconds, from merged histogram buckets), no mean output length when nothing completed."""
+    if isinstance(window, VersionWindow):
+        return window
+    try:
+        ttft_p99_s, tpot_p99_s = window.p99_ttft_s, window.p99_tpot_s
+        num_ok = int(window.num_requests) - int(window.num_errors)
+        return VersionWindow(
+            num_requests=int(window.num_requests),
+            num_errors=int(window.num_errors),
+            num_empty_outputs=int(window.num_empty_outputs),
+            ttft_p99_ms=None if ttft_p99_s is None else float(ttft_p99_s) * 1000.0,
+            tpot_p99_ms=None if tpot_p99_s is None else float(tpot_p99_s) * 1000.0,
+            mean_output_tokens=float(window.mean_output_tokens) if num_ok > 0 else None,
+        )
+    except AttributeError as exc:
+        raise MetricsUnavailable(f"the metrics window lacks a field the judge needs: {exc}") from exc

@@ -1,0 +1,32 @@
+"""Celery tasks of the rollouts. Thin: load rows, call the service of the same name.
+
+Production runs them from `celery -A config beat` (schedule: settings.CELERY_BEAT_SCHEDULE); the embedded
+mode runs the same functions on the same schedule (rollouts.scheduler)."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+from rollouts import selectors, services
+
+logger = logging.getLogger(__name__)
+
+
+@shared_task(name="rollouts.tasks.rollout_judge_tick", ignore_result=True)
+def rollout_judge_tick() -> int:
+    """One judge tick for every deployment in flight; returns how many were judged. One deployment that
+    fails does not stop the others."""
+    num_judged = 0
+    for deployment_id in selectors.deployment_ids_to_judge():
+        deployment = selectors.deployment_get(deployment_id=deployment_id, with_events=False)
+        if deployment is None:
+            continue
+        try:
+            services.deployment_judge(deployment=deployment)
+        except Exception:
+            logger.exception("rollout judge: deployment %s failed this tick", deployment_id)
+            continue
+        num_judged += 1
+    return num_judged

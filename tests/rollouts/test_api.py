@@ -1,0 +1,210 @@
+"""The deployments API: who may call it, what it answers, and bad input that changes nothing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+
+from registry.models import Alias, AliasEvent, RoutingEntry, RoutingTable
+from rollouts import services
+from rollouts.models import Deployment, DeploymentEvent
+from tests.rollouts.conftest import FakeMetrics
+
+pytestmark = pytest.mark.django_db
+
+BODY = {
+    "model": "chat",
+    "version": "v2",
+    "strategy": "canary",
+    "steps": [{"pct": 1}, {"pct": 5}, {"pct": 25}, {"pct": 100}],
+    "bake_seconds": 30,
+    "thresholds": {"tpot_sla_ms": 50, "min_samples": 40},
+}
+
+
+def post(client, path: str, body: Any = None, **headers: str):  # type: ignore[no-untyped-def]
+    return client.post(
+        path,
+        data=json.dumps(body if body is not None else {}),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+@pytest.fixture
+def staff_client(client):  # type: ignore[no-untyped-def]
+    user = get_user_model().objects.create_user("alice", is_staff=True)
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def chat(make_model):  # type: ignore[no-untyped-def]
+    return make_model()
+
+
+def everything(model) -> tuple[Any, ...]:  # type: ignore[no-untyped-def]
+    """Every row a deployment request could touch."""
+    return (
+        list(Deployment.objects.values_list("id", "state")),
+        DeploymentEvent.objects.count(),
+        AliasEvent.objects.count(),
+        sorted(Alias.objects.values_list("name", "version__version")),
+        RoutingTable.objects.get(model=model).revision,
+        sorted(RoutingEntry.objects.values_list("version__version", "weight")),
+    )
+
+
+def test_staff_create_get_rollback(staff_client, chat) -> None:
+    response = post(staff_client, "/v1/deployments", BODY)
+    assert response.status_code == 202, response.content
+    body = response.json()
+    assert body == {"deployment_id": body["deployment_id"], "state": "provisioning"}
+    assert response["Location"] == f"/v1/deployments/{body['deployment_id']}"
+
+    detail = staff_client.get(f"/v1/deployments/{body['deployment_id']}").json()
+    assert detail["state"] == "provisioning"
+    assert detail["steps"] == BODY["steps"]
+    assert detail["current_step"] == 0
+    assert detail["thresholds"]["tpot_sla_ms"] == 50
+    assert detail["thresholds"]["alpha"] == 0.01
+    assert detail["created_by"] == "staff:alice"
+    assert [e["to_state"] for e in detail["events"]] == ["pending", "provisioning"]
+    assert all(e["reason"] for e in detail["events"])
+
+    rolled = post(staff_client, f"/v1/deployments/{body['deployment_id']}/rollback", {"reason": "not today"})
+    assert rolled.status_code == 202
+    assert rolled.json()["state"] == "rolled_back"
+    assert rolled.json()["rollback"]["edit_ms"] >= 0
+    detail = staff_client.get(f"/v1/deployments/{body['deployment_id']}").json()
+    assert detail["events"][-2]["reason"] == "not today"
+    assert detail["rollback"]["decided_at"]
+    again = post(staff_client, f"/v1/deployments/{body['deployment_id']}/rollback")
+    assert again.status_code == 409
+    assert again.json()["error"]["type"] == "conflict_error"
+
+
+def test_tenant_allowed_to_deploy_promotes(client, chat, make_tenant) -> None:
+    acme = make_tenant("acme", may_deploy=True, allowed_models=[chat])
+    response = post(client, "/v1/deployments", BODY, **acme.auth)
+    assert response.status_code == 202, response.content
+    deployment_id = response.json()["deployment_id"]
+    assert Deployment.objects.get(pk=deployment_id).created_by == "tenant:acme"
+
+    promoted = post(client, f"/v1/deployments/{deployment_id}/promote", **acme.auth)
+    assert promoted.status_code == 202
+    assert promoted.json()["state"] == "promoted"
+    assert Alias.objects.get(model=chat, name="stable").version.version == "v2"
+    assert AliasEvent.objects.filter(alias__name="stable").last().actor == "tenant:acme"
+
+
+def test_callers_without_the_right_get_403_and_change_nothing(client, chat, make_model, make_tenant) -> None:
+    other = make_model("other", versions=("v1",))
+    viewer = make_tenant("viewer", may_deploy=False)
+    elsewhere = make_tenant("elsewhere", may_deploy=True, allowed_models=[other])
+    deployment = services.deployment_create(model=chat, version="v2", created_by="staff:alice")
+    before = everything(chat)
+
+    for tenant in (viewer, elsewhere):
+        for method, path in (
+            ("post", "/v1/deployments"),
+            ("get", f"/v1/deployments/{deployment.pk}"),
+            ("post", f"/v1/deployments/{deployment.pk}/rollback"),
+            ("post", f"/v1/deployments/{deployment.pk}/promote"),
+        ):
+            if method == "get":
+                response = client.get(path, headers=tenant.auth)
+            else:
+                response = post(client, path, {**BODY, "version": "v3"}, **tenant.auth)
+            assert response.status_code == 403, (tenant.tenant, path, response.content)
+            assert response.json()["error"]["type"] == "permission_error"
+
+    plain = get_user_model().objects.create_user("bob", is_staff=False)
+    client.force_login(plain)
+    assert post(client, "/v1/deployments", BODY).status_code == 403
+    client.logout()
+    anonymous = post(client, "/v1/deployments", BODY)
+    assert anonymous.status_code == 401
+    assert anonymous.json()["error"]["type"] == "authentication_error"
+    assert everything(chat) == before
+
+
+def test_unknown_deployment_or_model_is_404(staff_client, chat) -> None:
+    assert staff_client.get("/v1/deployments/999").status_code == 404
+    assert post(staff_client, "/v1/deployments/999/rollback").status_code == 404
+    response = post(staff_client, "/v1/deployments", {**BODY, "model": "nope"})
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found_error"
+
+
+BAD_INPUT = [
+    ({"version": "v9"}, 400, "has no version 'v9'"),
+    ({"version": "only-elsewhere"}, 400, "belongs to other"),
+    ({"steps": [{"pct": 5}, {"pct": 5}, {"pct": 100}]}, 400, "strictly increasing"),
+    ({"steps": [{"pct": 25}, {"pct": 5}, {"pct": 100}]}, 400, "strictly increasing"),
+    ({"steps": [{"pct": 5}, {"pct": 50}]}, 400, "last step must be 100%"),
+    ({"steps": [{"pct": 0}, {"pct": 100}]}, 400, "from 1 to 100"),
+    ({"steps": [{"pct": 5}, {"pct": 101}]}, 400, "from 1 to 100"),
+    ({"steps": [{"pct": 2.5}, {"pct": 100}]}, 400, "integer"),
+    ({"steps": []}, 400, "non-empty"),
+    ({"steps": [{"pct": 5, "bake": 3}, {"pct": 100}]}, 400, "exactly one key"),
+    ({"bake_seconds": -1}, 400, "non-negative"),
+    ({"bake_seconds": 10**9}, 400, "up to 604800"),
+    ({"bake_seconds": "soon"}, 400, "non-negative integer"),
+    ({"thresholds": {"p999_ms": 5}}, 400, "unknown threshold(s): p999_ms"),
+    ({"thresholds": {"alpha": 0}}, 400, "alpha"),
+    ({"thresholds": {"min_samples": 0}}, 400, "positive integer"),
+    ({"thresholds": {"latency_ratio": True}}, 400, "must be a number"),
+    ({"strategy": "blue-green"}, 400, "strategy must be one of"),
+    ({"replicas": 3}, 400, "unknown field(s): replicas"),
+    ({"version": "v1"}, 409, "already the stable version"),
+]
+
+
+@pytest.mark.parametrize(("change", "status", "message"), BAD_INPUT)
+def test_bad_input_is_refused_with_the_error_shape_and_nothing_changes(
+    staff_client, chat, make_model, change, status, message
+) -> None:
+    make_model("other", versions=("v1", "only-elsewhere"))
+    before = everything(chat)
+    response = post(staff_client, "/v1/deployments", {**BODY, **change})
+    assert response.status_code == status, response.content
+    error = response.json()["error"]
+    assert set(error) == {"type", "message"}
+    assert message in error["message"]
+    assert everything(chat) == before
+
+
+def test_malformed_json_and_non_object_bodies_are_400(staff_client, chat) -> None:
+    broken = staff_client.post("/v1/deployments", data="{not json", content_type="application/json")
+    assert broken.status_code == 400
+    assert broken.json()["error"]["type"] == "invalid_request_error"
+    assert post(staff_client, "/v1/deployments", [1, 2]).status_code == 400
+    assert Deployment.objects.count() == 0
+
+
+def test_a_second_deployment_for_a_model_with_one_in_flight_is_409_and_changes_nothing(staff_client, chat):
+    assert post(staff_client, "/v1/deployments", BODY).status_code == 202
+    before = everything(chat)
+    response = post(staff_client, "/v1/deployments", {**BODY, "version": "v3"})
+    assert response.status_code == 409
+    assert "already has deployment" in response.json()["error"]["message"]
+    assert everything(chat) == before
+
+
+def test_versions_endpoint_reports_state_from_deployments(staff_client, chat) -> None:
+    deployment_id = post(staff_client, "/v1/deployments", BODY).json()["deployment_id"]
+    services.deployment_judge(deployment=Deployment.objects.get(pk=deployment_id), read_window=FakeMetrics())
+    rows = {r["version"]: r for r in staff_client.get("/v1/models/chat/versions").json()}
+    assert (rows["v1"]["traffic_pct"], rows["v1"]["state"]) == (99, "incumbent")
+    assert (rows["v2"]["traffic_pct"], rows["v2"]["state"]) == (1, "ramping")
+    assert (rows["v3"]["traffic_pct"], rows["v3"]["state"]) == (0, "idle")
+    assert rows["v2"]["aliases"] == ["canary"]
+    post(staff_client, f"/v1/deployments/{deployment_id}/rollback")
+    rows = {r["version"]: r for r in staff_client.get("/v1/models/chat/versions").json()}
+    assert (rows["v1"]["traffic_pct"], rows["v1"]["state"]) == (100, "serving")
+    assert (rows["v2"]["traffic_pct"], rows["v2"]["state"]) == (0, "rolled_back")
+    assert staff_client.get("/v1/models/nope/versions").status_code == 404

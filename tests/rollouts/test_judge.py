@@ -1,0 +1,268 @@
+"""The judge's verdicts on synthetic windows: pure, no database."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from rollouts.judge import (
+    FISHER_TEST,
+    Z_TEST,
+    Thresholds,
+    VerdictKind,
+    VersionWindow,
+    decide,
+    fisher_exact_greater,
+    proportion_greater,
+    two_proportion_z_greater,
+)
+from tests.rollouts.conftest import window
+
+DEFAULTS = Thresholds()
+
+
+def judge(canary: VersionWindow, incumbent: VersionWindow, *, bake_elapsed_s: float = 120.0, **limits):
+    return decide(
+        canary,
+        incumbent,
+        thresholds=Thresholds(**limits) if limits else DEFAULTS,
+        bake_elapsed_s=bake_elapsed_s,
+        bake_seconds=60,
+    )
+
+
+def test_a_healthy_canary_holds_during_the_bake_window_and_advances_after_it() -> None:
+    canary, incumbent = window(num_requests=200, num_errors=1), window(num_requests=4000, num_errors=20)
+    during = judge(canary, incumbent, bake_elapsed_s=30)
+    after = judge(canary, incumbent, bake_elapsed_s=60)
+    assert during.kind is VerdictKind.HOLD
+    assert "baked 30 of 60 s" in during.reason
+    assert after.kind is VerdictKind.ADVANCE
+    assert after.figures["canary"]["num_requests"] == 200
+    assert after.figures["incumbent"]["error_rate"] == 0.005
+    assert after.figures["errors_test"]["p_value"] > 0.01
+
+
+def test_a_canary_with_2_5x_the_p99_tpot_is_rolled_back_at_once_with_the_figures() -> None:
+    verdict = judge(window(tpot_p99_ms=50.0), window(tpot_p99_ms=20.0), bake_elapsed_s=1, tpot_sla_ms=30)
+    assert verdict.kind is VerdictKind.ROLLBACK  # before the bake window ends
+    assert "p99 TPOT 50.0 ms > limit 30.0 ms" in verdict.reason
+    assert verdict.figures["canary"]["tpot_p99_ms"] == 50.0
+    assert verdict.figures["incumbent"]["tpot_p99_ms"] == 20.0
+    assert verdict.figures["tpot_limit_ms"] == 30.0  # max(SLA 30, 20 x 1.25)
+
+
+def test_latency_limit_is_the_larger_of_the_sla_and_the_incumbent_times_the_ratio() -> None:
+    # 2x slower than the incumbent, but inside the SLA: not a regression.
+    inside_sla = judge(window(ttft_p99_ms=240.0), window(ttft_p99_ms=120.0), ttft_sla_ms=500)
+    assert inside_sla.kind is VerdictKind.ADVANCE
+    assert inside_sla.figures["ttft_limit_ms"] == 500.0
+    # Over the SLA but within 1.25x of an incumbent that is itself over it: not a regression either.
+    near_incumbent = judge(window(ttft_p99_ms=740.0), window(ttft_p99_ms=600.0), ttft_sla_ms=500)
+    assert near_incumbent.kind is VerdictKind.ADVANCE
+    over_both = judge(window(ttft_p99_ms=760.0), window(ttft_p99_ms=600.0), ttft_sla_ms=500)
+    assert over_both.kind is VerdictKind.ROLLBACK
+    assert "TTFT" in over_both.reason
+
+
+def test_an_erroring_canary_is_rolled_back_by_the_z_test() -> None:
+    canary = window(num_requests=1000, num_errors=50)  # 5%
+    incumbent = window(num_requests=8000, num_errors=80)  # 1%
+    verdict = judge(canary, incumbent, bake_elapsed_s=5)
+    assert verdict.kind is VerdictKind.ROLLBACK
+    test = verdict.figures["errors_test"]
+    assert test["test"] == Z_TEST
+    assert test["statistic"] > 5
+    assert test["p_value"] < 1e-6
+    assert "error rate 5.00% vs incumbent 1.00%" in verdict.reason
+
+
+def test_few_errors_against_a_clean_incumbent_use_fishers_exact_test() -> None:
+    canary = window(num_requests=60, num_errors=4)
+    incumbent = window(num_requests=3000, num_errors=2)
+    verdict = judge(canary, incumbent)
+    assert verdict.figures["errors_test"]["test"] == FISHER_TEST
+    assert verdict.kind is VerdictKind.ROLLBACK
+    # One error in 60 against 2 in 3000 is not significant at 0.01: no rollback on a single failure.
+    one = judge(window(num_requests=60, num_errors=1), incumbent)
+    assert one.figures["errors_test"]["test"] == FISHER_TEST
+    assert one.kind is VerdictKind.ADVANCE
+
+
+def test_significant_but_negligible_error_increases_are_not_rollbacks() -> None:
+    canary = window(num_requests=200_000, num_errors=2_300)  # 1.15%
+    incumbent = window(num_requests=2_000_000, num_errors=20_000)  # 1.00%
+    verdict = judge(canary, incumbent, min_rate_increase=0.005)
+    assert verdict.figures["errors_test"]["p_value"] < 0.01
+    assert verdict.kind is VerdictKind.ADVANCE
+    assert judge(canary, incumbent, min_rate_increase=0.0).kind is VerdictKind.ROLLBACK
+
+
+def test_too_few_samples_gives_no_verdict_however_bad_the_canary_looks() -> None:
+    awful = window(num_requests=49, num_errors=49, ttft_p99_ms=10_000.0, tpot_p99_ms=5_000.0)
+    verdict = judge(awful, window(num_requests=5000))
+    assert verdict.kind is VerdictKind.INSUFFICIENT_DATA
+    assert "canary has 49 of 50 requests" in verdict.reason
+    starved_incumbent = judge(window(), window(num_requests=10), min_samples=20)
+    assert starved_incumbent.kind is VerdictKind.INSUFFICIENT_DATA
+    assert "incumbent has 10 of 20" in starved_incumbent.reason
+
+
+def test_the_quality_proxy_rolls_back_empty_or_short_outputs() -> None:
+    empty = judge(
+        window(num_requests=300, num_empty_outputs=30), window(num_requests=6000, num_empty_outputs=6)
+    )
+    assert empty.kind is VerdictKind.ROLLBACK
+    assert "empty-output rate" in empty.reason
+    short = judge(window(mean_output_tokens=20.0), window(mean_output_tokens=60.0))
+    assert short.kind is VerdictKind.ROLLBACK
+    assert "mean output 20.0 tokens < 30.0" in short.reason
+
+
+def test_unknown_thresholds_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown threshold"):
+        Thresholds.from_dict({"p999_ms": 3})
+
+
+def test_fisher_and_z_match_reference_values() -> None:
+    # Fisher's tea-tasting table [[3, 1], [1, 3]], one-sided: 17/70.
+    assert fisher_exact_greater(3, 4, 1, 4) == pytest.approx(17 / 70)
+    assert fisher_exact_greater(0, 10, 5, 10) == pytest.approx(1.0)
+    z, p = two_proportion_z_greater(30, 200, 20, 200)
+    assert z == pytest.approx(1.5119, abs=1e-4)
+    assert p == pytest.approx(0.06528, abs=1e-4)
+    assert proportion_greater(0, 100, 0, 1000).p_value == 1.0
+
+
+# --- noisy but fine, and slow, over seeded random traffic -------------------------------------------
+
+
+def _p99(samples: list[float]) -> float | None:
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]  # nearest rank
+
+
+@dataclass
+class Requests:
+    """Per-request outcomes of one version, as a replica would record them."""
+
+    ttft_ms: list[float] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+    num_errors: int = 0
+
+    def add(self, rng: random.Random, *, tpot_scale: float = 1.0, error_rate: float = 0.01) -> None:
+        if rng.random() < error_rate:
+            self.num_errors += 1
+            return
+        # Latency of a busy replica: lognormal jitter with a heavy-ish tail.
+        self.ttft_ms.append(80.0 * rng.lognormvariate(0.0, 0.35))
+        self.tpot_ms.append(20.0 * tpot_scale * rng.lognormvariate(0.0, 0.2))
+        self.output_tokens.append(0 if rng.random() < 0.005 else rng.randint(20, 100))
+
+    def window(self) -> VersionWindow:
+        ok = len(self.output_tokens)
+        return VersionWindow(
+            num_requests=ok + self.num_errors,
+            num_errors=self.num_errors,
+            num_empty_outputs=sum(1 for n in self.output_tokens if n == 0),
+            ttft_p99_ms=_p99(self.ttft_ms),
+            tpot_p99_ms=_p99(self.tpot_ms),
+            mean_output_tokens=sum(self.output_tokens) / ok if ok else None,
+        )
+
+
+def simulate_rollout(
+    seed: int,
+    *,
+    steps: tuple[int, ...] = (5, 25, 50, 100),
+    requests_per_s: float = 40.0,
+    tick_s: float = 5.0,
+    bake_s: float = 30.0,
+    canary_tpot_scale: float = 1.0,
+    canary_error_rate: float = 0.01,
+    thresholds: Thresholds = DEFAULTS,
+) -> tuple[str, float, list[VerdictKind]]:
+    """A whole canary rollout, one judge tick every `tick_s`, each over [step start, now) as the service
+    reads it, with the service's count of looks per bake window. Returns how it ended, when, and every
+    verdict."""
+    rng = random.Random(seed)
+    num_looks = math.ceil(bake_s / tick_s) + 1
+    verdicts: list[VerdictKind] = []
+    clock = 0.0
+    for pct in steps:
+        if pct == 100:
+            return "promoted", clock, verdicts
+        canary, incumbent = Requests(), Requests()
+        step_start = clock
+        while True:
+            for _ in range(round(requests_per_s * tick_s)):
+                if rng.random() < pct / 100:
+                    canary.add(rng, tpot_scale=canary_tpot_scale, error_rate=canary_error_rate)
+                else:
+                    incumbent.add(rng)
+            clock += tick_s
+            verdict = decide(
+                canary.window(),
+                incumbent.window(),
+                thresholds=thresholds,
+                bake_elapsed_s=clock - step_start,
+                bake_seconds=bake_s,
+                num_looks=num_looks,
+            )
+            verdicts.append(verdict.kind)
+            if verdict.kind is VerdictKind.ROLLBACK:
+                return "rolled_back", clock, verdicts
+            if verdict.kind is VerdictKind.ADVANCE:
+                break
+    return "promoted", clock, verdicts
+
+
+def test_noisy_but_fine_canary_windows_are_never_rolled_back_in_20_seeds() -> None:
+    """Same distribution for both versions, 200 canary vs 3800 incumbent requests per window."""
+    kinds = []
+    for seed in range(20):
+        rng = random.Random(seed)
+        canary, incumbent = Requests(), Requests()
+        for _ in range(4000):
+            (canary if rng.random() < 0.05 else incumbent).add(rng)
+        kinds.append(judge(canary.window(), incumbent.window()).kind)
+    assert kinds == [VerdictKind.ADVANCE] * 20
+
+
+def test_a_healthy_canary_is_promoted_in_20_seeded_rollouts_with_every_tick_judged() -> None:
+    outcomes = [simulate_rollout(seed) for seed in range(20)]
+    assert [o[0] for o in outcomes] == ["promoted"] * 20
+    assert all(VerdictKind.ROLLBACK not in verdicts for _, _, verdicts in outcomes)
+
+
+def test_a_2_5x_tpot_canary_at_5pct_is_rolled_back_within_one_bake_window_plus_one_tick() -> None:
+    thresholds = Thresholds(tpot_sla_ms=30.0)
+    for seed in range(20):
+        outcome, at_s, verdicts = simulate_rollout(seed, canary_tpot_scale=2.5, thresholds=thresholds)
+        assert outcome == "rolled_back"
+        assert at_s <= 30.0 + 5.0
+        assert VerdictKind.ADVANCE not in verdicts
+
+
+def test_a_canary_failing_10pct_of_requests_is_rolled_back_before_it_reaches_50pct() -> None:
+    # 5% traffic at 40 requests/s gives the canary ~60 requests per 30 s step: enough to see 10% vs 1%
+    # at the per-look alpha most of the time in the first step, always by the end of the second.
+    outcomes = [simulate_rollout(seed, canary_error_rate=0.10) for seed in range(20)]
+    assert [o[0] for o in outcomes] == ["rolled_back"] * 20
+    assert max(at_s for _, at_s, _ in outcomes) <= 2 * (30.0 + 5.0)
+
+
+def test_repeated_looks_divide_alpha_bonferroni_style() -> None:
+    canary = window(num_requests=300, num_errors=10)  # 3.3% vs 1%: Fisher p = 0.0016
+    incumbent = window(num_requests=6000, num_errors=60)
+    single = judge(canary, incumbent)
+    assert single.kind is VerdictKind.ROLLBACK
+    many = decide(canary, incumbent, thresholds=DEFAULTS, bake_elapsed_s=120, bake_seconds=60, num_looks=13)
+    assert many.figures["errors_test"]["alpha"] == pytest.approx(0.01 / 26, rel=1e-3)
+    assert many.kind is VerdictKind.ADVANCE
