@@ -180,7 +180,17 @@ class Dispatch:
 
 
 async def authenticate(authorization: str | None) -> TenantContext:
+    cached = gateway.authenticate_from_cache(authorization)
+    if cached is not None:
+        return cached
     return await sync_to_async(gateway.authenticate, thread_sensitive=False)(authorization)
+
+
+async def _admit(context: TenantContext, tokens: int) -> Ticket:
+    store = gateway.quota_store()
+    if isinstance(store, gateway.MemoryQuotaStore):  # in-memory: no I/O, no thread hop
+        return store.admit(context, tokens=tokens)
+    return await sync_to_async(store.admit, thread_sensitive=False)(context, tokens=tokens)
 
 
 async def dispatch(
@@ -199,7 +209,9 @@ async def dispatch(
         raise ValueError("dispatch needs exactly one of text or messages")
     model_name, alias = split_model_name(path_model)
     pin = pin.strip() if pin else None
-    snapshot = await sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
+    is_fresh, snapshot = routing_cache.get_fresh(model_name)
+    if not is_fresh:
+        snapshot = await sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
     if snapshot is None:
         raise GatewayError(404, f"model {model_name!r} not found")
     gateway.authorize_model(context, model_name, pinned_version=pin)
@@ -210,7 +222,7 @@ async def dispatch(
     version = choose_version(snapshot, pin=pin, alias=alias, rng=_rng)
     input_chars = len(text) if text is not None else sum(len(m["content"]) for m in messages or ())
     tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=params.get("max_tokens", 1))
-    ticket = await sync_to_async(gateway.quota_store().admit, thread_sensitive=False)(context, tokens=tokens)
+    ticket = await _admit(context, tokens)
     runtime = await get_runtime()
     handle = Dispatch(
         runtime,

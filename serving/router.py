@@ -33,6 +33,15 @@ class RoutingCache:
         self._lock = threading.Lock()
         self._revalidate_s = revalidate_s
 
+    def get_fresh(self, model_name: str) -> tuple[bool, RoutingSnapshot | None]:
+        """(True, snapshot) when the cached entry needs no revalidation yet; (False, None) otherwise.
+        No database access, so async callers can skip the thread hop while the entry is fresh."""
+        with self._lock:
+            entry = self._entries.get(model_name)
+        if entry is not None and time.monotonic() - entry.checked_at < self._revalidate_s:
+            return True, entry.snapshot
+        return False, None
+
     def get(self, model_name: str) -> RoutingSnapshot | None:
         """Blocking (database); call from a thread in async code."""
         now = time.monotonic()
