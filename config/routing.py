@@ -11,6 +11,7 @@ from channels.auth import AuthMiddlewareStack
 from channels.security.websocket import AllowedHostsOriginValidator
 from django.urls import URLPattern, path
 
+from dashboard.consumers import LiveFeedConsumer
 from serving.consumers import InferenceStreamConsumer
 
 
@@ -20,4 +21,5 @@ def session_route(route: str, consumer: Any) -> URLPattern:
 
 websocket_urlpatterns: list[URLPattern] = [
     path("v1/models/<str:model>/stream", InferenceStreamConsumer.as_asgi()),
+    session_route("dashboard/ws/models/<str:model>/", LiveFeedConsumer),
 ]

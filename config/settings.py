@@ -141,6 +141,11 @@ STATIC_URL = "static/"
 STATIC_ROOT = STATE_DIR / "static"
 SERVE_STATIC = _env_bool("SWITCHYARD_SERVE_STATIC", not IS_PRODUCTION)
 STATICFILES_DIRS = [BASE_DIR / "static"]
+STATICFILES_FINDERS = [
+    "django.contrib.staticfiles.finders.FileSystemFinder",
+    "django.contrib.staticfiles.finders.AppDirectoriesFinder",
+    "dashboard.finders.PlotlyJsFinder",  # plotly.js from the plotly package: no CDN, no vendored copy
+]
 LOGIN_URL = "/admin/login/"
 
 REST_FRAMEWORK = {

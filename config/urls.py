@@ -1,5 +1,6 @@
 from django.contrib import admin
 from django.urls import include, path
+from django.views.generic.base import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
 from serving import api as serving_api
@@ -14,4 +15,7 @@ urlpatterns = [
     path("v1/", include("rollouts.urls")),  # before registry.urls: it extends /v1/models/{model}/versions
     path("v1/", include("registry.urls")),
     path("admin/", admin.site.urls),
+    path("dashboard/", include("dashboard.urls")),
+    # Pages without an icon link (the admin's) make browsers ask for /favicon.ico; answer, not 404.
+    path("favicon.ico", RedirectView.as_view(url="/static/dashboard/favicon.svg", permanent=True)),
 ]

@@ -99,6 +99,7 @@ class Ticket:
 class QuotaStore(Protocol):
     def admit(self, context: TenantContext, *, tokens: int) -> Ticket: ...
     def release(self, ticket: Ticket, *, used_tokens: int) -> None: ...
+    def refusals(self) -> dict[int, int]: ...
 
 
 @dataclass(slots=True)
@@ -115,6 +116,7 @@ class MemoryQuotaStore:
     def __init__(self, clock: object = time.monotonic) -> None:
         self._clock = clock
         self._states: dict[int, _TenantState] = {}
+        self._num_refused: dict[int, int] = {}  # tenant id -> 429s since this process started
         self._lock = threading.Lock()
 
     def _refill(self, context: TenantContext, now: float) -> _TenantState:
@@ -142,6 +144,7 @@ class MemoryQuotaStore:
                 tokens=tokens,
             )
             if refusal is not None:
+                self._num_refused[context.tenant_id] = self._num_refused.get(context.tenant_id, 0) + 1
                 raise refusal
             state.request_tokens -= 1.0
             state.token_tokens -= tokens
@@ -156,6 +159,11 @@ class MemoryQuotaStore:
             state.num_in_flight = max(0, state.num_in_flight - 1)
             # Settle the estimate charged at admission against what the request really used.
             state.token_tokens += ticket.charged_tokens - used_tokens
+
+    def refusals(self) -> dict[int, int]:
+        """429s per tenant id since this process started."""
+        with self._lock:
+            return dict(self._num_refused)
 
 
 def _refusal(

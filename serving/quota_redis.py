@@ -51,6 +51,7 @@ class RedisQuotaStore:
         self._prefix = key_prefix
         self._admit = self._redis.register_script(_ADMIT)
         self._release = self._redis.register_script(_RELEASE)
+        self._refused_key = f"{key_prefix}refused"  # tenant id -> 429s, over every gateway process
 
     def _key(self, tenant_id: int) -> str:
         return f"{self._prefix}{tenant_id}"
@@ -75,6 +76,8 @@ class RedisQuotaStore:
             refusal = _refusal(
                 context, request_tokens=float(rt), token_tokens=float(tt), num_in_flight=int(n), tokens=tokens
             )
+            with contextlib.suppress(redis.RedisError):  # a lost count must not turn a 429 into a 503
+                self._redis.hincrby(self._refused_key, str(context.tenant_id), 1)
             raise refusal or GatewayError(429, "over quota", retry_after_s=1)
         return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
 
@@ -82,6 +85,14 @@ class RedisQuotaStore:
         # On failure the idle expiry clears the count we could not give back.
         with contextlib.suppress(redis.RedisError):
             self._release(keys=[self._key(ticket.tenant_id)], args=[ticket.charged_tokens - used_tokens])
+
+    def refusals(self) -> dict[int, int]:
+        """429s per tenant id, counted by every gateway process (empty when Redis cannot be read)."""
+        try:
+            raw = self._redis.hgetall(self._refused_key)
+        except redis.RedisError:
+            return {}
+        return {int(tenant_id): int(n) for tenant_id, n in raw.items()}
 
     def clear(self) -> None:
         for key in self._redis.scan_iter(f"{self._prefix}*"):

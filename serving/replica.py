@@ -13,6 +13,7 @@ import contextlib
 import enum
 import logging
 import random
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -33,6 +34,8 @@ from serving.replica_directory import HEARTBEAT_INTERVAL_S, Heartbeat, Heartbeat
 from serving.streams import STEP_MESSAGE
 
 logger = logging.getLogger(__name__)
+
+_ENGINE_IMPORT_LOCK = threading.Lock()
 
 SUBMIT = "replica.submit"
 ABORT = "replica.abort"
@@ -172,7 +175,8 @@ class Replica:
         )
 
     def _load(self) -> Any:
-        from serving.engine.engine import Engine
+        with _ENGINE_IMPORT_LOCK:  # transformers' lazy module import is not thread-safe
+            from serving.engine.engine import Engine
 
         if self._torch_threads is not None:
             import torch

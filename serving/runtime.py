@@ -115,7 +115,9 @@ class Runtime:
         return await self.directory.is_alive(handle.model_name, handle.version, handle.replica_id)
 
     async def all_replicas(self) -> list[ReplicaHandle]:
-        handles = [_local_handle(r) for r in self.replicas.values()]
+        """Every replica: this process's, draining ones included (for /readyz and the dashboard), and
+        with Redis the fresh heartbeats of the others."""
+        handles = [_local_handle(r) for r in (*self.replicas.values(), *self._draining.values())]
         if self.directory is not None:
             local_ids = {h.replica_id for h in handles}
             for beat in await self.directory.all_replicas():

@@ -1,0 +1,226 @@
+// The model page: per-version charts drawn with plotly.js, updated live over the dashboard's WebSocket.
+//
+// The page embeds its first data (#dashboard-config); the live feed then pushes an "update" every 1-2 s
+// with the last few points of each version (replacing points with the same time), the versions' traffic
+// and state, and the replicas' gauges. Every trace belongs to exactly one version (legendgroup = the
+// version): a canary is never blended with the incumbent.
+(function () {
+  "use strict";
+
+  var config = JSON.parse(document.getElementById("dashboard-config").textContent);
+  var PALETTE = ["#1f5fbf", "#d9480f", "#2b8a3e", "#7048e8", "#c2255c", "#0b7285", "#5c940d", "#e67700",
+    "#495057", "#862e9c", "#1098ad", "#a61e4d"];
+  var DASH = { p50: "dot", p95: "dash", p99: "solid" };
+  var STAT_INDEX = { p50: 0, p95: 1, p99: 2 };
+  var MAX_LIVE_POINTS = 600;
+  var PLOT_CONFIG = { displaylogo: false, responsive: true,
+    modeBarButtonsToRemove: ["select2d", "lasso2d", "autoScale2d", "toggleSpikelines"] };
+
+  var colors = {};
+  config.versions.forEach(function (v, i) { colors[v.version] = PALETTE[i % PALETTE.length]; });
+  function colorOf(version) {
+    if (!(version in colors)) {
+      colors[version] = PALETTE[Object.keys(colors).length % PALETTE.length];
+    }
+    return colors[version];
+  }
+
+  // --- state --------------------------------------------------------------------------------------
+  var charted = [];      // versions, in the order they are drawn
+  var points = {};       // version -> Map(time -> point)
+  var replicas = {};     // replica id -> {version, x: [], kv: [], load: []}
+
+  function parseUtc(t) { return Date.parse(t.replace(" ", "T") + "Z"); }
+
+  function addPoints(pointsByVersion, versions) {
+    versions.forEach(function (version) {
+      if (charted.indexOf(version) < 0) { charted.push(version); }
+      if (!points[version]) { points[version] = new Map(); }
+    });
+    Object.keys(pointsByVersion).forEach(function (version) {
+      if (!points[version]) { return; }
+      pointsByVersion[version].forEach(function (p) { points[version].set(p.t, p); });
+    });
+    var cutoff = Date.now() - (config.range.span_s + config.range.step_s) * 1000;
+    Object.keys(points).forEach(function (version) {
+      points[version].forEach(function (_, t) { if (parseUtc(t) < cutoff) { points[version].delete(t); } });
+    });
+  }
+
+  function sorted(version) {
+    return Array.from(points[version].values()).sort(function (a, b) {
+      return a.t < b.t ? -1 : (a.t > b.t ? 1 : 0);
+    });
+  }
+
+  function addReplicaSample(at, rows) {
+    rows.forEach(function (r) {
+      var s = replicas[r.replica_id];
+      if (!s) { s = replicas[r.replica_id] = { version: r.version, x: [], kv: [], load: [] }; }
+      s.x.push(at); s.kv.push(r.kv_pct); s.load.push(r.load);
+      if (s.x.length > MAX_LIVE_POINTS) { s.x.shift(); s.kv.shift(); s.load.shift(); }
+    });
+  }
+
+  // --- traces -------------------------------------------------------------------------------------
+  function timeTraces(chart) {
+    var traces = [];
+    charted.forEach(function (version) {
+      var pts = sorted(version);
+      var x = pts.map(function (p) { return p.t; });
+      var stats = chart.stats.length ? chart.stats : [null];
+      stats.forEach(function (stat) {
+        traces.push({
+          type: "scatter", mode: "lines+markers", connectgaps: false,
+          name: stat ? version + " " + stat : version, legendgroup: version,
+          x: x,
+          y: pts.map(function (p) { return stat ? p[chart.id][STAT_INDEX[stat]] : p[chart.id]; }),
+          line: { color: colorOf(version), dash: stat ? DASH[stat] : "solid", width: stat === "p50" ? 1.5 : 2 },
+          marker: { size: 5, color: colorOf(version) },
+        });
+      });
+    });
+    return traces;
+  }
+
+  function batchTraces() {
+    return charted.map(function (version) {
+      var sums = config.batch_bins.map(function () { return 0; });
+      points[version].forEach(function (p) { p.batch.forEach(function (n, i) { sums[i] += n; }); });
+      var total = sums.reduce(function (a, b) { return a + b; }, 0);
+      return {
+        type: "bar", name: version, legendgroup: version, x: config.batch_bins,
+        y: sums.map(function (n) { return total ? Math.round(1000 * n / total) / 10 : null; }),
+        marker: { color: colorOf(version) },
+      };
+    });
+  }
+
+  function replicaTraces(field) {
+    return Object.keys(replicas).sort().map(function (id) {
+      var s = replicas[id];
+      return {
+        type: "scatter", mode: "lines", name: s.version + " · " + id.slice(-6), legendgroup: s.version,
+        x: s.x.slice(), y: s[field].slice(), line: { color: colorOf(s.version), width: 2, shape: "hv" },
+      };
+    });
+  }
+
+  function hasData(traces) {
+    return traces.some(function (t) { return t.y.some(function (v) { return v !== null && v !== undefined; }); });
+  }
+
+  function layout(unit, traces, extra) {
+    var base = {
+      margin: { l: 52, r: 10, t: 6, b: 30 }, autosize: true, uirevision: config.range.key,
+      paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { size: 11 },
+      xaxis: { type: "date", automargin: true },
+      yaxis: { title: { text: unit }, rangemode: "tozero", automargin: true, zeroline: true },
+      legend: { orientation: "h", x: 0, y: -0.18, yanchor: "top" }, showlegend: true,
+      annotations: hasData(traces) ? [] : [{ text: "no data yet", showarrow: false, xref: "paper",
+        yref: "paper", x: 0.5, y: 0.5, font: { color: "#98a2b3", size: 13 } }],
+    };
+    return Object.assign(base, extra || {});
+  }
+
+  function draw(id, traces, unit, extra) {
+    var el = document.getElementById("chart-" + id);
+    if (!el) { return; }
+    Plotly.react(el, traces, layout(unit, traces, extra), PLOT_CONFIG);
+  }
+
+  function render() {
+    config.charts.forEach(function (chart) { draw(chart.id, timeTraces(chart), chart.unit); });
+    draw("batch", batchTraces(), "% of steps",
+      { barmode: "group", xaxis: { type: "category", title: { text: "batch size" }, automargin: true } });
+    draw("kv", replicaTraces("kv"), "%");
+    draw("load", replicaTraces("load"), "requests");
+  }
+
+  // --- tables -------------------------------------------------------------------------------------
+  function fmt(value, unit, digits) {
+    if (value === null || value === undefined) { return "—"; }
+    return value.toFixed(digits) + (unit ? unit : "");
+  }
+
+  function setText(row, field, text) {
+    var cell = row.querySelector('[data-field="' + field + '"]');
+    if (cell && cell.textContent !== text) { cell.textContent = text; }
+  }
+
+  function stateBadge(cell, state) {
+    if (!cell) { return; }
+    var badge = cell.querySelector(".state");
+    if (badge && badge.textContent !== state) {
+      badge.textContent = state;
+      badge.className = "state state-" + state;
+    }
+  }
+
+  function updateVersions(versions, lastMinute) {
+    versions.forEach(function (v) {
+      var row = document.querySelector('#versions-table tr[data-version="' + CSS.escape(v.version) + '"]');
+      if (!row) { return; }
+      setText(row, "traffic", v.traffic_pct + "%");
+      stateBadge(row.querySelector('[data-field="state"]'), v.state);
+      setText(row, "aliases", v.aliases.length ? v.aliases.join(", ") : "—");
+      var m = lastMinute[v.version];
+      if (m) {
+        setText(row, "req_s", fmt(m.req_s, "", 2));
+        setText(row, "err_pct", fmt(m.err_pct, "%", 2));
+        setText(row, "ttft_p99_ms", fmt(m.ttft_p99_ms, " ms", 1));
+        setText(row, "tpot_p99_ms", fmt(m.tpot_p99_ms, " ms", 1));
+        setText(row, "queue_wait_p99_ms", fmt(m.queue_wait_p99_ms, " ms", 1));
+      }
+    });
+    document.querySelectorAll("[data-swatch]").forEach(function (el) {
+      el.style.background = colorOf(el.dataset.swatch);
+    });
+  }
+
+  function updateReplicaTable(rows) {
+    var body = document.querySelector("#replicas-table tbody");
+    if (!body) { return; }
+    var html = rows.map(function (r) {
+      var kv = Math.max(0, Math.min(100, r.kv_pct));
+      return "<tr><td></td><td><code></code></td><td><span></span></td><td class=\"num\"></td>" +
+        "<td><div class=\"meter\"><span style=\"width: " + kv.toFixed(0) + "%\"></span></div> </td><td></td></tr>";
+    });
+    body.innerHTML = html.length ? html.join("") : "<tr><td colspan=\"6\" class=\"muted\">No replicas running.</td></tr>";
+    rows.forEach(function (r, i) {   // text through textContent: ids and versions are never parsed as HTML
+      var cells = body.rows[i].cells;
+      cells[0].textContent = r.version;
+      cells[1].firstChild.textContent = r.replica_id.length > 14 ? r.replica_id.slice(0, 13) + "…" : r.replica_id;
+      cells[1].firstChild.title = r.replica_id;
+      cells[2].firstChild.textContent = r.state;
+      cells[2].firstChild.className = "state state-" + r.state;
+      cells[3].textContent = String(r.load);
+      cells[4].appendChild(document.createTextNode(r.kv_pct.toFixed(1) + "%"));
+      cells[5].textContent = r.is_local ? "in process" : "replica process";
+    });
+  }
+
+  function updateDeployment(deployment) {
+    var el = document.getElementById("deployment-state");
+    if (el && deployment && el.textContent !== deployment.state) { el.textContent = deployment.state; }
+  }
+
+  // --- live feed ----------------------------------------------------------------------------------
+  var numUpdates = 0;
+  function apply(update) {
+    addPoints(update.points, update.charted);
+    addReplicaSample(update.at, update.replicas);
+    updateVersions(update.versions, update.last_minute);
+    updateReplicaTable(update.replicas);
+    updateDeployment(update.deployment);
+    render();
+    numUpdates += 1;
+    document.body.dataset.liveUpdates = String(numUpdates);
+  }
+
+  addPoints(config.points, config.charted);
+  addReplicaSample(config.at, config.replicas);
+  updateVersions(config.versions, config.last_minute);
+  render();
+  window.SwitchyardLive.connect(config.ws_path, apply);
+}());

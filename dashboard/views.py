@@ -1,0 +1,210 @@
+"""The dashboard's pages and its two kinds of action. Thin: check access, call one selector or service,
+render. Staff only: anonymous visitors go to the login page, signed-in non-staff users get 403.
+
+The overview and model pages are async: they read the replicas from the data plane's runtime, which
+lives on the server's event loop. Their database reads and the template run in a worker thread."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+from inspect import iscoroutinefunction
+from typing import Any
+from urllib.parse import urlencode
+
+from asgiref.sync import sync_to_async
+from django import forms
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth.views import redirect_to_login
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from dashboard import charts, selectors
+from dashboard.finders import PLOTLY_JS_PATH, PLOTLY_VERSION
+from registry.services import api_key_create
+from rollouts import selectors as rollout_selectors
+from rollouts import services as rollout_services
+
+View = Callable[..., Any]
+
+
+def _check_staff(request: HttpRequest, user: Any) -> HttpResponse | None:
+    if not user.is_authenticated:
+        return redirect_to_login(request.get_full_path(), settings.LOGIN_URL)
+    if not (user.is_active and user.is_staff):
+        raise PermissionDenied("the dashboard is for staff")
+    return None
+
+
+def staff_required(view: View) -> View:
+    """Anonymous: redirect to the login page (with ?next=). Authenticated but not staff: 403."""
+    if iscoroutinefunction(view):
+
+        @wraps(view)
+        async def async_wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            refusal = _check_staff(request, await request.auser())
+            return refusal or await view(request, *args, **kwargs)
+
+        return async_wrapper
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        refusal = _check_staff(request, request.user)
+        return refusal or view(request, *args, **kwargs)
+
+    return wrapper
+
+
+class ActionForm(forms.Form):
+    reason = forms.CharField(max_length=500, required=False)
+
+
+class ApiKeyForm(forms.Form):
+    name = forms.CharField(max_length=63, required=False)
+
+
+def _actor(request: HttpRequest) -> str:
+    return f"staff:{request.user.get_username()}"  # as rollouts.api names staff actors
+
+
+def _plotly() -> dict[str, str]:
+    return {"plotly_js": PLOTLY_JS_PATH, "plotly_version": PLOTLY_VERSION}
+
+
+# --- overview and model pages (async: replicas come from the runtime) -----------------------------------
+
+
+@staff_required
+async def overview(request: HttpRequest) -> HttpResponse:
+    replicas = await selectors.fleet_replicas()
+    page = await sync_to_async(selectors.overview)(replicas=replicas)
+    return await sync_to_async(render)(request, "dashboard/overview.html", page)
+
+
+def _model_page(request: HttpRequest, model_name: str, replicas: list[Any]) -> HttpResponse:
+    model = selectors.model_get(name=model_name)
+    if model is None:
+        raise Http404(f"no model {model_name!r}")
+    chart = charts.chart_range(request.GET.get("range"))
+    page = selectors.model_page(model=model, chart=chart, replicas=replicas)
+    context = {
+        "page": page,
+        "ranges": charts.RANGES.values(),
+        "chart": chart,
+        "config": {
+            **page,
+            "charts": charts.CHARTS,
+            "batch_bins": [label for label, _ in charts.BATCH_BINS],
+            "live_interval_s": selectors.LIVE_INTERVAL_S,
+            "ws_path": f"/dashboard/ws/models/{model.name}/?"
+            + urlencode({"range": chart.key, "versions": ",".join(page["charted"])}),
+        },
+        **_plotly(),
+    }
+    return render(request, "dashboard/model.html", context)
+
+
+@staff_required
+async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
+    replicas = await selectors.fleet_replicas()
+    return await sync_to_async(_model_page)(request, model, replicas)
+
+
+# --- rollouts ----------------------------------------------------------------------------------------
+
+
+@staff_required
+def rollouts(request: HttpRequest) -> HttpResponse:
+    return render(request, "dashboard/rollouts.html", {"deployments": selectors.deployments_list()})
+
+
+@staff_required
+def model_rollout(request: HttpRequest, model: str) -> HttpResponse:
+    """The model's current deployment (in flight, else the latest)."""
+    found = selectors.model_get(name=model)
+    if found is None:
+        raise Http404(f"no model {model!r}")
+    deployment = selectors.latest_deployment(model=found)
+    if deployment is None:
+        return render(request, "dashboard/rollout_none.html", {"model": found.name})
+    return redirect("dashboard:deployment", deployment_id=deployment.pk)
+
+
+@staff_required
+def deployment_detail(request: HttpRequest, deployment_id: int) -> HttpResponse:
+    page = selectors.deployment_page(deployment_id=deployment_id)
+    if page is None:
+        raise Http404(f"no deployment {deployment_id}")
+    live = {
+        "deployment_id": deployment_id,
+        "state": page["deployment"]["state"],
+        "ws_path": f"/dashboard/ws/models/{page['model']}/?points=0",
+    }
+    return render(request, "dashboard/deployment.html", {**page, "live": live})
+
+
+def _deployment_action(request: HttpRequest, deployment_id: int, action: str) -> HttpResponse:
+    deployment = rollout_selectors.deployment_get(deployment_id=deployment_id, with_events=False)
+    if deployment is None:
+        raise Http404(f"no deployment {deployment_id}")
+    form = ActionForm(request.POST)
+    reason = form.cleaned_data["reason"] if form.is_valid() else ""
+    service = {
+        "rollback": rollout_services.deployment_rollback,
+        "promote": rollout_services.deployment_promote,
+    }[action]
+    try:
+        done = service(deployment=deployment, actor=_actor(request), reason=reason)
+    except rollout_services.DeploymentError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"Deployment {done.pk}: {done.get_state_display()}.")
+    return redirect("dashboard:deployment", deployment_id=deployment_id)
+
+
+@staff_required
+@require_POST
+def deployment_rollback(request: HttpRequest, deployment_id: int) -> HttpResponse:
+    return _deployment_action(request, deployment_id, "rollback")
+
+
+@staff_required
+@require_POST
+def deployment_promote(request: HttpRequest, deployment_id: int) -> HttpResponse:
+    return _deployment_action(request, deployment_id, "promote")
+
+
+# --- tenants -----------------------------------------------------------------------------------------
+
+
+def _tenants(
+    request: HttpRequest, *, new_key: dict[str, Any] | None = None, status: int = 200
+) -> HttpResponse:
+    context = {"tenants": selectors.tenants_page(), "form": ApiKeyForm(), "new_key": new_key}
+    response = render(request, "dashboard/tenants.html", context, status=status)
+    if new_key is not None:
+        response["Cache-Control"] = "no-store"  # the raw key is in this page and nowhere else
+    return response
+
+
+@staff_required
+def tenants(request: HttpRequest) -> HttpResponse:
+    return _tenants(request)
+
+
+@staff_required
+@require_POST
+def tenant_api_key_create(request: HttpRequest, tenant_id: int) -> HttpResponse:
+    """Create a key and show it in this response only: it is stored as a hash, never in the session."""
+    tenant = selectors.tenant_get(tenant_id=tenant_id)
+    if tenant is None:
+        raise Http404(f"no tenant {tenant_id}")
+    form = ApiKeyForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "Key name: " + " ".join(form.errors.get("name", ["invalid"])))
+        return _tenants(request, status=400)
+    api_key, raw_key = api_key_create(tenant=tenant, name=form.cleaned_data["name"])
+    return _tenants(request, new_key={"tenant": tenant.name, "name": api_key.name, "raw": raw_key})

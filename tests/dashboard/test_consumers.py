@@ -1,0 +1,134 @@
+"""The model page's live feed, through Channels' communicator and the real ASGI routing (session auth and
+the origin check included)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.test import Client
+
+from config.asgi import application
+
+pytestmark = pytest.mark.django_db(transaction=True)
+PATH = "/dashboard/ws/models/chat/?range=5m"
+ORIGIN = (b"origin", b"http://127.0.0.1")
+
+
+@pytest.fixture(autouse=True)
+def fast_feed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dashboard.consumers import LiveFeedConsumer
+
+    monkeypatch.setattr(LiveFeedConsumer, "interval_s", 0.05)
+
+
+def _session_cookie(user: Any) -> bytes:
+    client = Client()
+    client.force_login(user)
+    return f"sessionid={client.cookies['sessionid'].value}".encode()
+
+
+async def _communicator(
+    user: Any | None, *, path: str = PATH, origin: bytes = ORIGIN[1]
+) -> WebsocketCommunicator:
+    headers = [(b"origin", origin)]
+    if user is not None:
+        headers.append((b"cookie", await sync_to_async(_session_cookie)(user)))
+    return WebsocketCommunicator(application, path, headers=headers)
+
+
+async def test_staff_get_updates_with_one_series_per_version(make_user: Any, chat_with_traffic: Any) -> None:
+    staff = await sync_to_async(make_user)("admin")
+    ws = await _communicator(staff)
+    connected, _ = await ws.connect()
+    assert connected
+    first = await ws.receive_json_from(timeout=10)
+    second = await ws.receive_json_from(timeout=10)
+    await ws.disconnect()
+
+    assert first["type"] == second["type"] == "update"
+    assert first["charted"] == ["v1"]  # active versions; the page passes the others it drew (below)
+    assert [v["version"] for v in first["versions"]] == ["v1", "v2"]
+    assert [(r["version"], r["state"], r["kv_pct"]) for r in first["replicas"]] == [
+        ("v1", "ready", 25.0),
+        ("v2", "loading", 50.0),
+    ]
+    with_data = [p for p in first["points"]["v1"] if p["n"]]
+    assert [p["n"] for p in with_data] == [20]
+    assert with_data[0]["ttft"][2] == pytest.approx(100.0, rel=0.02)
+    assert first["last_minute"]["v1"]["num_requests"] == 20
+
+
+async def test_versions_drawn_by_the_page_stay_separate_series(
+    make_user: Any, chat_with_traffic: Any
+) -> None:
+    staff = await sync_to_async(make_user)("admin")
+    ws = await _communicator(staff, path=PATH + "&versions=v1,v2,nope")
+    assert (await ws.connect())[0]
+    update = await ws.receive_json_from(timeout=10)
+    await ws.disconnect()
+    assert update["charted"] == ["v1", "v2"]  # an unknown version is dropped
+    series = {v: [p for p in update["points"][v] if p["n"]] for v in ("v1", "v2")}
+    assert [p["n"] for p in series["v1"]] == [20] and [p["n"] for p in series["v2"]] == [10]
+    assert series["v1"][0]["ttft"][2] == pytest.approx(100.0, rel=0.02)
+    assert series["v2"][0]["ttft"][2] == pytest.approx(400.0, rel=0.02)  # the canary's own latency
+
+
+async def test_a_deployment_shows_up_in_the_feed(make_user: Any, deployment: Any) -> None:
+    staff = await sync_to_async(make_user)("admin")
+    ws = await _communicator(staff)
+    assert (await ws.connect())[0]
+    update = await ws.receive_json_from(timeout=10)
+    await ws.disconnect()
+    assert update["charted"] == ["v1", "v2"]  # the candidate holds the canary alias: active
+    assert update["deployment"]["id"] == deployment.pk and update["deployment"]["state"] == "provisioning"
+
+
+async def test_anonymous_and_non_staff_are_refused(make_user: Any, chat: Any) -> None:
+    ws = await _communicator(None)
+    assert await ws.connect() == (False, 4403)
+    mallory = await sync_to_async(make_user)("mallory", is_staff=False)
+    ws = await _communicator(mallory)
+    assert await ws.connect() == (False, 4403)
+
+
+async def test_an_unknown_model_is_refused(make_user: Any, chat: Any) -> None:
+    staff = await sync_to_async(make_user)("admin")
+    ws = await _communicator(staff, path="/dashboard/ws/models/nope/")
+    assert await ws.connect() == (False, 4404)
+
+
+async def test_another_sites_origin_is_refused(make_user: Any, chat: Any) -> None:
+    staff = await sync_to_async(make_user)("admin")
+    ws = await _communicator(staff, origin=b"https://evil.example")
+    connected, _ = await ws.connect()
+    assert not connected
+
+
+async def test_the_rollout_pages_feed_carries_no_chart_points(make_user: Any, deployment: Any) -> None:
+    staff = await sync_to_async(make_user)("admin")
+    ws = await _communicator(staff, path="/dashboard/ws/models/chat/?points=0")
+    assert (await ws.connect())[0]
+    update = await ws.receive_json_from(timeout=10)
+    await ws.disconnect()
+    assert update["points"] == {} and update["last_minute"] == {}
+    assert {v["version"]: v["traffic_pct"] for v in update["versions"]} == {"v1": 100, "v2": 0}
+    assert update["deployment"]["state"] == "provisioning"
+
+
+async def test_each_update_reads_traffic_afresh(make_user: Any, chat: Any) -> None:
+    from registry.services import routing_table_set
+
+    staff = await sync_to_async(make_user)("admin")
+    ws = await _communicator(staff, path="/dashboard/ws/models/chat/?points=0")
+    assert (await ws.connect())[0]
+    first = await ws.receive_json_from(timeout=10)
+    assert {v["version"]: v["traffic_pct"] for v in first["versions"]} == {"v1": 100, "v2": 0}
+    await sync_to_async(routing_table_set)(model=chat, weights={"v1": 0, "v2": 100})
+    update = await ws.receive_json_from(timeout=10)
+    while {v["version"]: v["traffic_pct"] for v in update["versions"]} != {"v1": 0, "v2": 100}:
+        update = await ws.receive_json_from(timeout=10)  # at most one push was already on its way
+    assert update["charted"] == ["v1", "v2"]  # v2 now has traffic: it gets its own series
+    await ws.disconnect()
