@@ -8,6 +8,7 @@ up by every gateway within its revalidation interval (serving.router.REVALIDATE_
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import math
 import time
@@ -111,12 +112,73 @@ def resolve_thresholds(overrides: object) -> dict[str, Any]:
 
 
 def candidate_is_ready(deployment: Deployment) -> bool:
-    """Default readiness check: the candidate holds the `canary` alias, so the replica supervisor has been
-    told to start it; provisioning counts as done on the next judge tick. A real check (a ready
-    heartbeat for the candidate) plugs in through settings.ROLLOUT_READINESS_CHECK."""
+    """Default readiness check (settings.ROLLOUT_READINESS_CHECK): a replica of the candidate reports
+    ready. Two sources can say so: the replicas this process hosts itself (embedded mode: the judge runs
+    in the server process, next to them), and the heartbeats in Redis (replica processes). A source that
+    cannot answer (no runtime here; Redis down, or knowing no replica of this model at all) is skipped;
+    when neither can, the old rule stands: the candidate holds the `canary` alias, so the replica
+    supervisor has been told to start it, and one tick has passed since."""
+    model_name, version = deployment.model.name, deployment.candidate.version
+    answers = [
+        answer
+        for answer in (_embedded_replica_ready(model_name, version), _fleet_replica_ready(deployment))
+        if answer is not None
+    ]
+    if answers:
+        return any(answers)
     return Alias.objects.filter(
         model_id=deployment.model_id, name=CANARY_ALIAS, version_id=deployment.candidate_id
     ).exists()
+
+
+def _embedded_replica_ready(model_name: str, version: str) -> bool | None:
+    """Is a replica of (model, version) that this process hosts ready? None when this process hosts no
+    replicas (no live runtime, or replicas run as processes). Called from the judge's thread: it only
+    reads the runtimes' state, never touches their loops."""
+    if not settings.EMBEDDED_REPLICAS:
+        return None
+    from serving import runtime as data_plane  # rollouts may import serving; imported late, only here
+
+    runtimes = [rt for loop, rt in list(data_plane._runtimes.items()) if not loop.is_closed()]
+    if not runtimes:
+        return None
+    for rt in runtimes:
+        replica = rt.replicas.get((model_name, version))
+        if replica is not None and replica.is_ready:
+            return True
+    return False
+
+
+def _fleet_replica_ready(deployment: Deployment) -> bool | None:
+    """Does a replica process of the candidate publish a fresh `ready` heartbeat (the hash the gateways
+    read: serving.replica_directory)? None without Redis, when it cannot be read, or when it has no fresh
+    heartbeat of the candidate nor of the incumbent (then this model is not served by processes that
+    publish heartbeats, and their absence says nothing)."""
+    if not settings.REDIS_URL:
+        return None
+    import redis
+
+    from serving.replica_directory import Heartbeat, version_key
+
+    model_name = deployment.model.name
+
+    def beats(version: str) -> list[Heartbeat]:
+        raw = client.hgetall(version_key(model_name, version))
+        return [Heartbeat(**json.loads(value)) for value in raw.values()]
+
+    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        candidate = [beat for beat in beats(deployment.candidate.version) if beat.is_fresh]
+        if candidate:
+            return any(beat.is_ready for beat in candidate)
+        if any(beat.is_fresh for beat in beats(deployment.incumbent.version)):
+            return False
+        return None
+    except (redis.RedisError, ValueError, TypeError) as exc:
+        logger.warning("readiness of %s: replica heartbeats unreadable (%s)", deployment.candidate, exc)
+        return None
+    finally:
+        client.close()
 
 
 def _readiness_check() -> Any:

@@ -1,0 +1,455 @@
+"""`manage.py bench serve`: open-loop load over HTTP with streaming, against a running platform, and a
+comparison mode that runs the same workload through gateway + Channels + replica and through the engine
+alone, in one run, and prints the ratio.
+
+Prompts are text (the HTTP API takes text); the engine-alone run tokenizes the same text, so both paths
+do the same work. Every request is greedy and, through the API, runs to its max_tokens (the bench model
+never emits EOS: its special tokens have zero logits)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from serving.benchmarks.workload import BenchRequest, RequestRecord, compute_metrics, percentile
+
+# A fixed vocabulary of ordinary words, so prompt lengths in tokens vary little between runs.
+_WORDS = (
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "models",
+    "batch",
+    "tokens",
+    "across",
+    "shared",
+    "fleet",
+    "every",
+    "tenant",
+    "keeps",
+    "its",
+    "latency",
+    "promise",
+    "under",
+    "load",
+)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(slots=True, frozen=True)
+class TextRequest:
+    request_id: str
+    arrival_s: float
+    text: str
+    max_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class LoadSpec:
+    num_requests: int = 64
+    rate_per_s: float | None = None  # None: every request at t=0 (saturation)
+    min_prompt_words: int = 16
+    max_prompt_words: int = 128
+    min_output_tokens: int = 32
+    max_output_tokens: int = 128
+    seed: int = 0
+
+
+def make_text_workload(spec: LoadSpec) -> list[TextRequest]:
+    rng = random.Random(spec.seed)
+    requests, arrival_s = [], 0.0
+    for index in range(spec.num_requests):
+        if spec.rate_per_s and index:
+            arrival_s += rng.expovariate(spec.rate_per_s)
+        words = rng.randint(spec.min_prompt_words, spec.max_prompt_words)
+        text = " ".join(rng.choice(_WORDS) for _ in range(words))
+        requests.append(
+            TextRequest(
+                f"req-{index}", arrival_s, text, rng.randint(spec.min_output_tokens, spec.max_output_tokens)
+            )
+        )
+    return requests
+
+
+@dataclass(slots=True)
+class HttpRun:
+    records: list[RequestRecord]
+    inter_token_s: list[float]
+    statuses: Counter[str] = field(default_factory=Counter)
+    wall_s: float = 0.0
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, key: str, request: TextRequest, t0: float, run: HttpRun
+) -> None:
+    record = RequestRecord(request.request_id, request.arrival_s, request.max_tokens)
+    await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
+    body = {"input": request.text, "max_tokens": request.max_tokens, "stream": True, "temperature": 0}
+    last_token_at: float | None = None
+    try:
+        async with client.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+            run.statuses[str(resp.status_code)] += 1
+            if resp.status_code != 200:
+                await resp.aread()
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                now = time.perf_counter() - t0
+                event = json.loads(line[6:])
+                if "token" in event:
+                    record.num_output_tokens += 1
+                    if record.first_token_s is None:
+                        record.first_token_s = now
+                    elif last_token_at is not None:
+                        run.inter_token_s.append(now - last_token_at)
+                    last_token_at = now
+                elif "finish_reason" in event:
+                    record.finished_s = now
+                    if event["finish_reason"] == "error":
+                        run.statuses["stream_error"] += 1
+    except httpx.HTTPError as exc:
+        run.statuses[type(exc).__name__] += 1
+        return
+    run.records.append(record)
+
+
+async def run_http_load(base_url: str, key: str, model: str, requests: Sequence[TextRequest]) -> HttpRun:
+    run = HttpRun([], [])
+    url = f"{base_url}/v1/models/{model}/infer"
+    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_one(client, url, key, r, t0, run) for r in requests))
+        run.wall_s = time.perf_counter() - t0
+    return run
+
+
+def summarize(run: HttpRun, *, sla_ttft_s: float, sla_tpot_s: float) -> dict[str, float]:
+    complete = [r for r in run.records if r.is_complete]
+    metrics = compute_metrics(complete) if complete else None
+    good = [
+        r for r in complete if r.ttft_s <= sla_ttft_s and (r.time_per_output_token_s or 0.0) <= sla_tpot_s
+    ]
+    ttfts = [r.ttft_s for r in complete]
+    tpots = [t for r in complete if (t := r.time_per_output_token_s) is not None]
+    out = {
+        "requests": float(len(run.records)),
+        "complete": float(len(complete)),
+        "req_per_s": len(complete) / run.wall_s if run.wall_s else 0.0,
+        "output_tok_per_s": metrics.output_tokens_per_s if metrics else 0.0,
+        "goodput_req_per_s": len(good) / run.wall_s if run.wall_s else 0.0,
+    }
+    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", run.inter_token_s)):
+        for q in (50, 90, 99):
+            out[f"p{q}_{name}_ms"] = percentile(values, q) * 1000
+    return out
+
+
+def run_engine_alone(
+    model_dir: Path, requests: Sequence[TextRequest], engine_env: dict[str, str]
+) -> dict[str, float]:
+    from serving.benchmarks.engine_system import EngineSystem
+    from serving.engine.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    bench_requests = [
+        BenchRequest(r.request_id, r.arrival_s, tuple(tokenizer(r.text)["input_ids"]), r.max_tokens)
+        for r in requests
+    ]
+    system = EngineSystem(
+        model_dir,
+        max_num_seqs=int(engine_env["SWITCHYARD_MAX_NUM_SEQS"]),
+        max_num_batched_tokens=int(engine_env["SWITCHYARD_MAX_NUM_BATCHED_TOKENS"]),
+        kv_cache_bytes=int(engine_env["SWITCHYARD_KV_CACHE_MB"]) * 1024 * 1024,
+        block_size=16,
+        compile=False,
+    )
+    system.run(bench_requests[:4])  # warm-up, as the platform gets before its measured run
+    records = system.run(bench_requests)
+    metrics = compute_metrics(records)
+    return {
+        "output_tok_per_s": metrics.output_tokens_per_s,
+        "p50_ttft_ms": metrics.p50_ttft_s * 1000,
+        "p99_ttft_ms": metrics.p99_ttft_s * 1000,
+        "p50_tpot_ms": metrics.p50_tpot_s * 1000,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Platform:
+    """A throwaway platform in its own state directory: embedded (one process) or on Redis (a gateway
+    process and a `run_replica` process)."""
+
+    def __init__(self, model_dir: Path, *, layer: str, engine_env: dict[str, str], redis_url: str) -> None:
+        self.state = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
+        self.env = {**os.environ, **engine_env, "SWITCHYARD_STATE_DIR": str(self.state)}
+        for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY"):
+            self.env.pop(name, None)
+        if layer == "redis":
+            self.env["REDIS_URL"] = redis_url
+        self.layer = layer
+        self.model_dir = model_dir
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.key = ""
+
+    def _manage(self, *args: str) -> str:
+        return subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=REPO_ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+
+    def _spawn(self, *args: str) -> None:
+        log = (self.state / f"{args[0]}.log").open("wb")
+        self.processes.append(
+            subprocess.Popen(
+                [sys.executable, "manage.py", *args],
+                cwd=REPO_ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+
+    def start(self) -> None:
+        self._manage("migrate", "--noinput", "-v0")
+        self._manage("register_model", "bench", "v1", "--from", str(self.model_dir))
+        self._manage(
+            "create_tenant",
+            "bench",
+            "--requests-per-second",
+            "10000",
+            "--tokens-per-minute",
+            "100000000",
+            "--max-concurrent",
+            "10000",
+        )
+        self.key = self._manage("create_api_key", "--tenant", "bench").strip().splitlines()[-1]
+        self._spawn("serve", "--port", str(self.port))
+        if self.layer == "redis":
+            self._spawn("run_replica", "--model", "bench", "--version", "v1")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the platform did not become ready; logs in {self.state}")
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+async def quota_flood(
+    base_url: str, key: str, model: str, *, duration_s: float, concurrency: int
+) -> dict[str, float]:
+    """Requests from a tenant far over its quota: how many refusals one gateway process answers per second."""
+    statuses: Counter[str] = Counter()
+    url = f"{base_url}/v1/models/{model}/infer"
+    body = {"input": "hello", "max_tokens": 4}
+    deadline = time.perf_counter() + duration_s
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while time.perf_counter() < deadline:
+            response = await client.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
+            statuses[str(response.status_code)] += 1
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {
+        "wall_s": wall,
+        "rate_429_per_s": statuses["429"] / wall,
+        **{f"status_{k}": float(v) for k, v in statuses.items()},
+    }
+
+
+def add_serve_arguments(parser: object) -> None:
+    add = parser.add_argument  # type: ignore[attr-defined]
+    add("--url", help="a running platform (with --key); omit to start a throwaway one for --compare")
+    add("--key", default=os.environ.get("SWITCHYARD_API_KEY", ""))
+    add("--model", default="bench")
+    add("--rate", type=float, default=None, help="Poisson requests/s; default: all at once (saturation)")
+    add("--num-requests", type=int, default=64)
+    add("--prompt-words", default="16-128")
+    add("--output-len", default="32-128")
+    add("--seed", type=int, default=0)
+    add("--sla-ttft-ms", type=float, default=2000.0)
+    add("--sla-tpot-ms", type=float, default=200.0)
+    add("--compare", action="store_true", help="engine alone vs. gateway + Channels + replica, one run")
+    add("--layer", choices=["embedded", "redis"], default="embedded")
+    add("--redis-url", default="redis://127.0.0.1:6379/12")
+    add("--model-dir", default=None, help="for --compare (default: the engine benchmark's model)")
+    add("--max-num-seqs", type=int, default=64)
+    add("--max-num-batched-tokens", type=int, default=2048)
+    add("--kv-cache-mb", type=int, default=512)
+    add(
+        "--quota-flood",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also measure 429s/s from an over-quota tenant for this long (needs --compare's platform)",
+    )
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def _table(rows: dict[str, dict[str, float]]) -> str:
+    keys = sorted({k for row in rows.values() for k in row})
+    lines = [f"{'':<28}" + "".join(f"{name:>22}" for name in rows)]
+    for key in keys:
+        lines.append(f"{key:<28}" + "".join(f"{row.get(key, float('nan')):>22.2f}" for row in rows.values()))
+    return "\n".join(lines)
+
+
+def run_serve_from_options(options: dict[str, object], *, default_model_dir: Path, log=print) -> str:  # type: ignore[no-untyped-def]
+    prompt_words, output_len = _range(str(options["prompt_words"])), _range(str(options["output_len"]))
+    spec = LoadSpec(
+        num_requests=int(options["num_requests"]),  # type: ignore[call-overload]
+        rate_per_s=options["rate"],  # type: ignore[arg-type]
+        min_prompt_words=prompt_words[0],
+        max_prompt_words=prompt_words[1],
+        min_output_tokens=output_len[0],
+        max_output_tokens=output_len[1],
+        seed=int(options["seed"]),  # type: ignore[call-overload]
+    )
+    requests = make_text_workload(spec)
+    sla = {
+        "sla_ttft_s": float(options["sla_ttft_ms"]) / 1000,
+        "sla_tpot_s": float(options["sla_tpot_ms"]) / 1000,
+    }  # type: ignore[arg-type]
+    if not options["compare"]:
+        if not options["url"]:
+            raise ValueError("give --url and --key of a running platform, or --compare")
+        run = asyncio.run(
+            run_http_load(str(options["url"]), str(options["key"]), str(options["model"]), requests)
+        )
+        summary = summarize(run, **sla)
+        return _table({"through the API": summary}) + f"\nstatuses: {dict(run.statuses)}"
+
+    from serving.benchmarks.bench_model import ensure_bench_model
+
+    model_dir = (
+        Path(str(options["model_dir"]))
+        if options["model_dir"]
+        else ensure_bench_model(default_model_dir, log=log)
+    )
+    engine_env = {
+        "SWITCHYARD_MAX_NUM_SEQS": str(options["max_num_seqs"]),
+        "SWITCHYARD_MAX_NUM_BATCHED_TOKENS": str(options["max_num_batched_tokens"]),
+        "SWITCHYARD_KV_CACHE_MB": str(options["kv_cache_mb"]),
+    }
+    import logging
+
+    import torch
+    from django.conf import settings
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # The same torch threads as the replica gets: an embedded replica shares the cores with the server's
+    # event loop (settings.EMBEDDED_TORCH_THREADS); a replica process has them all.
+    threads = settings.EMBEDDED_TORCH_THREADS if options["layer"] == "embedded" else (os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    log(f"engine alone ({threads} torch threads) ...")
+    alone = run_engine_alone(model_dir, requests, engine_env)
+    platform = Platform(
+        model_dir, layer=str(options["layer"]), engine_env=engine_env, redis_url=str(options["redis_url"])
+    )
+    log(f"starting a {options['layer']} platform in {platform.state} ...")
+    platform.start()
+    try:
+        asyncio.run(
+            run_http_load(
+                platform.url,
+                platform.key,
+                "bench",
+                make_text_workload(
+                    LoadSpec(num_requests=4, min_output_tokens=4, max_output_tokens=4, seed=99)
+                ),
+            )
+        )  # warm-up
+        log("through gateway + Channels + replica ...")
+        run = asyncio.run(run_http_load(platform.url, platform.key, "bench", requests))
+        through = summarize(run, **sla)
+        flood = {}
+        if float(options["quota_flood"]) > 0:  # type: ignore[arg-type]
+            subprocess.run(
+                [sys.executable, "manage.py", "create_tenant", "flooder", "--requests-per-second", "0.001"],
+                cwd=REPO_ROOT,
+                env=platform.env,
+                check=True,
+                capture_output=True,
+            )
+            flood_key = (
+                subprocess.run(
+                    [sys.executable, "manage.py", "create_api_key", "--tenant", "flooder"],
+                    cwd=REPO_ROOT,
+                    env=platform.env,
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
+            flood = asyncio.run(
+                quota_flood(
+                    platform.url, flood_key, "bench", duration_s=float(options["quota_flood"]), concurrency=32
+                )
+            )  # type: ignore[arg-type]
+    finally:
+        platform.stop()
+    ratio = through["output_tok_per_s"] / alone["output_tok_per_s"]
+    added_ttft = through["p50_ttft_ms"] - alone["p50_ttft_ms"]
+    lines = [
+        _table({"engine alone": alone, f"API ({options['layer']})": through}),
+        f"statuses: {dict(run.statuses)}",
+        f"throughput kept through the API: {ratio:.1%} of engine alone",
+        f"p50 TTFT added by the API path: {added_ttft:+.1f} ms",
+    ]
+    if flood:
+        lines.append(
+            f"over-quota refusals: {flood['rate_429_per_s']:.0f} 429s/s from one gateway process ({flood})"
+        )
+    return "\n".join(lines)

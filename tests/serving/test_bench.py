@@ -1,0 +1,126 @@
+"""Smoke tests of the engine benchmark on the tiny demo model: every system yields complete records and
+exactly each request's max_tokens; the workload is deterministic; `manage.py bench engine` runs."""
+
+from __future__ import annotations
+
+import importlib.util
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from serving.benchmarks.bench_model import read_model_info
+from serving.benchmarks.engine_bench import BenchConfig, _build_system
+from serving.benchmarks.engine_system import EngineSystem
+from serving.benchmarks.limits import concurrency_at_budget
+from serving.benchmarks.workload import BenchRequest, WorkloadSpec, compute_metrics, make_workload
+
+SMALL = WorkloadSpec(
+    num_requests=4,
+    seed=3,
+    min_prompt_tokens=4,
+    max_prompt_tokens=24,
+    min_output_tokens=3,
+    max_output_tokens=9,
+)
+HAS_ENGINE = importlib.util.find_spec("serving.engine.engine") is not None
+
+
+def test_the_workload_is_deterministic_under_a_seed() -> None:
+    spec = WorkloadSpec(num_requests=32, seed=7, arrival="poisson", rate_per_s=4.0)
+    first = make_workload(spec, vocab_size=500, special_token_ids=[0, 1, 2])
+    assert first == make_workload(spec, vocab_size=500, special_token_ids=[0, 1, 2])
+    other_seed = WorkloadSpec(num_requests=32, seed=8, arrival="poisson", rate_per_s=4.0)
+    assert first != make_workload(other_seed, vocab_size=500, special_token_ids=[0, 1, 2])
+    for request in first:
+        assert 16 <= len(request.prompt_token_ids) <= 256
+        assert 32 <= request.max_tokens <= 256
+        assert not {0, 1, 2} & set(request.prompt_token_ids)
+        assert max(request.prompt_token_ids) < 500
+        assert request.params.is_greedy
+        assert request.params.ignore_eos
+    arrivals = [r.arrival_s for r in first]
+    assert arrivals[0] == 0.0
+    assert arrivals == sorted(arrivals)
+    assert arrivals[-1] > 0
+    all_at_once = make_workload(WorkloadSpec(num_requests=5), vocab_size=500)
+    assert {r.arrival_s for r in all_at_once} == {0.0}
+
+
+def test_a_bad_workload_spec_is_refused() -> None:
+    with pytest.raises(ValueError, match="poisson"):
+        make_workload(WorkloadSpec(arrival="poisson"), vocab_size=100)
+    with pytest.raises(ValueError, match="prompt"):
+        make_workload(WorkloadSpec(min_prompt_tokens=10, max_prompt_tokens=5), vocab_size=100)
+
+
+def _systems() -> list[str]:
+    return ["a", "b", "c"] + (["d"] if HAS_ENGINE else [])
+
+
+@pytest.mark.parametrize("key", _systems())
+def test_each_system_yields_every_requests_max_tokens(key: str, demo_model_dir: Path) -> None:
+    model = read_model_info(demo_model_dir)
+    requests = make_workload(SMALL, vocab_size=model.vocab_size, special_token_ids=model.special_ids)
+    config = BenchConfig(workload=SMALL, max_num_seqs=4, max_num_batched_tokens=32, static_batch_size=3)
+    system = _build_system(key, demo_model_dir, config, kv_cache_bytes=64 * 16 * model.kv_bytes_per_token)
+    records = system.run(requests)
+    assert sorted(r.request_id for r in records) == sorted(r.request_id for r in requests)
+    by_id = {r.request_id: r for r in requests}
+    for record in records:
+        assert record.is_complete, record
+        assert record.num_output_tokens == by_id[record.request_id].max_tokens
+    metrics = compute_metrics(records)
+    assert metrics.num_output_tokens == sum(r.max_tokens for r in requests)
+    assert metrics.output_tokens_per_s > 0
+    assert metrics.p50_ttft_s <= metrics.p99_ttft_s
+    if isinstance(system, EngineSystem):
+        assert system.last_run.num_kv_samples > 0
+        assert 0 <= system.last_run.mean_kv_waste <= system.last_run.max_kv_waste < 1
+
+
+def test_paged_blocks_fit_more_sequences_than_max_length_reservations(demo_model_dir: Path) -> None:
+    model = read_model_info(demo_model_dir)
+    requests = [
+        BenchRequest("r0", 0.0, tuple(range(3, 23)), 12),  # 32 tokens: 2 blocks of 16
+        BenchRequest("r1", 0.0, tuple(range(3, 13)), 7),  # 17 tokens: 2 blocks
+    ]
+    budget_slots = 4 * model.max_position_embeddings
+    report = concurrency_at_budget(requests, model, budget_slots * model.kv_bytes_per_token, 16)
+    assert report.budget_slots == budget_slots
+    assert report.num_contiguous == 4
+    assert report.num_paged == budget_slots // 32
+    assert report.ratio == report.num_paged / 4
+
+
+def test_the_bench_command_prints_the_table(demo_model_dir: Path) -> None:
+    out, err = StringIO(), StringIO()
+    call_command(
+        "bench",
+        "engine",
+        "--model-dir",
+        str(demo_model_dir),
+        "--num-requests",
+        "2",
+        "--prompt-tokens",
+        "4-8",
+        "--output-tokens",
+        "2-4",
+        "--systems",
+        "a,b",
+        "--repeat",
+        "2",
+        stdout=out,
+        stderr=err,
+    )
+    text = out.getvalue()
+    for expected in ("(a) naive", "(b) static", "out tok/s", "(f) KV budget", "(g) CPU", "(h) scheduler"):
+        assert expected in text
+    assert "torch threads:" in text
+    assert "run 2/2" in err.getvalue()
+
+
+def test_the_bench_command_refuses_unknown_systems(demo_model_dir: Path) -> None:
+    with pytest.raises(CommandError, match="systems"):
+        call_command("bench", "engine", "--model-dir", str(demo_model_dir), "--systems", "a,z")
