@@ -115,7 +115,10 @@ class Dispatch:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return await asyncio.wait_for(self._queue.get(), timeout=LIVENESS_CHECK_S)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
+                # (Django cancels the stream when the client goes away).
+                async with asyncio.timeout(LIVENESS_CHECK_S):
+                    return await self._queue.get()
             except TimeoutError:
                 if not await self._runtime.is_alive(self.replica):
                     return _error_event(_REPLICA_LOST, "the replica serving this request stopped")

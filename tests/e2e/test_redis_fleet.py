@@ -21,6 +21,7 @@ from tests.e2e.conftest import LiveServer, _free_port
 
 pytestmark = [pytest.mark.live_server_process, pytest.mark.redis]
 REDIS_URL = "redis://127.0.0.1:6379/14"
+_STARTED_ON: list[str] = []  # the replica of every stream, as soon as its headers arrive
 
 
 @dataclass
@@ -114,6 +115,7 @@ def _stream(server: LiveServer, max_tokens: int, first_token: threading.Event | 
         timeout=60,
     ) as response:
         replica = response.headers["X-Served-Replica"]
+        _STARTED_ON.append(replica)
         for line in response.iter_lines():
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
@@ -143,23 +145,40 @@ def test_killing_a_replica_mid_stream_ends_its_streams_with_an_error_and_spares_
     fleet: Fleet,
 ) -> None:
     results: list[dict] = []
-    started = [threading.Event() for _ in range(8)]
-    threads = [
-        threading.Thread(target=lambda i=i: results.append(_stream(fleet.server, 150, started[i])))
-        for i in range(8)
-    ]
-    for thread in threads:
+    threads: list[threading.Thread] = []
+    started: list[threading.Event] = []
+
+    def start_stream() -> None:
+        event = threading.Event()
+        started.append(event)
+        thread = threading.Thread(target=lambda: results.append(_stream(fleet.server, 150, event)))
+        threads.append(thread)
         thread.start()
-    for event in started:
-        assert event.wait(60)
+
+    def replicas_streaming() -> set[str]:
+        return {r["replica"] for r in results}  # filled when a stream ends; see started_on below
+
+    # Start streams until both replicas hold at least one (power of two choices spreads them, but a
+    # heartbeat arriving late on a loaded machine can send a burst to one replica).
+    started_on: set[str] = set()
+    _STARTED_ON.clear()  # only this test's streams
+    for _ in range(16):
+        start_stream()
+        assert started[-1].wait(60)
+        started_on = set(_STARTED_ON)
+        if started_on == set(fleet.replicas) and len(threads) >= 4:
+            break
+    assert started_on == set(fleet.replicas), "the load should have spread over both replicas"
     victim = next(iter(fleet.replicas))
     fleet.replicas.pop(victim).send_signal(signal.SIGKILL)
     for thread in threads:
         thread.join(120)
+    assert replicas_streaming() <= started_on
 
     on_victim = [r for r in results if r["replica"] == victim]
     on_others = [r for r in results if r["replica"] != victim]
-    assert on_victim and on_others, "the load should have spread over both replicas"
+    assert on_victim
+    assert on_others
     for result in on_victim:
         final = result["events"][-1]
         assert final["finish_reason"] == "error"
