@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test install lint bench-engine clean
+.PHONY: serve test install lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

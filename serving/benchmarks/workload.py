@@ -63,12 +63,15 @@ def make_workload(
     if not allowed:
         raise ValueError("the vocabulary has no ordinary tokens to draw prompts from")
     rng = random.Random(spec.seed)
+    # Arrivals draw from their own stream, so the same seed gives the same requests (prompts and
+    # lengths) whether they arrive all at once or as a Poisson process.
+    arrival_rng = random.Random(f"arrivals-{spec.seed}")
     requests = []
     arrival_s = 0.0
     for index in range(spec.num_requests):
         if spec.arrival == "poisson" and index:
             assert spec.rate_per_s is not None
-            arrival_s += rng.expovariate(spec.rate_per_s)
+            arrival_s += arrival_rng.expovariate(spec.rate_per_s)
         num_prompt_tokens = rng.randint(spec.min_prompt_tokens, spec.max_prompt_tokens)
         prompt = tuple(rng.choice(allowed) for _ in range(num_prompt_tokens))
         max_tokens = rng.randint(spec.min_output_tokens, spec.max_output_tokens)

@@ -44,8 +44,14 @@ def test_the_workload_is_deterministic_under_a_seed() -> None:
     assert arrivals[0] == 0.0
     assert arrivals == sorted(arrivals)
     assert arrivals[-1] > 0
-    all_at_once = make_workload(WorkloadSpec(num_requests=5), vocab_size=500)
+    all_at_once = make_workload(
+        WorkloadSpec(num_requests=32, seed=7), vocab_size=500, special_token_ids=[0, 1, 2]
+    )
     assert {r.arrival_s for r in all_at_once} == {0.0}
+    # Only the arrivals differ between the two arrival patterns.
+    assert [(r.prompt_token_ids, r.max_tokens) for r in all_at_once] == [
+        (r.prompt_token_ids, r.max_tokens) for r in first
+    ]
 
 
 def test_a_bad_workload_spec_is_refused() -> None:
