@@ -9,6 +9,13 @@ Rules, in order:
 2. ROLLBACK at once when any regression holds:
    - latency: the canary's p99 TTFT (or p99 TPOT) > max(SLA, incumbent's p99 x `latency_ratio`). The
      SLA is a floor: a canary well inside the SLA is never rolled back for being relatively slower.
+     A p99 over the few dozen requests a 1% canary gets is close to the sample maximum, so one slow
+     request would do; when the windows carry both latency distributions the breach must also be
+     significant: the canary's share of requests over the limit must exceed the incumbent's share over
+     the same limit, by the same one-sided two-proportion test as the rates below. (Testing the
+     canary alone against a fixed 1% needs ~2x the samples to see a 2.5x slowdown under heavy tails.)
+     A breach that is not significant yet is no rollback, but no advance either: the judge HOLDs (past
+     the bake window if need be) until the p99 falls within the limit or the breach is significant.
    - errors: the canary's error rate is higher than the incumbent's by a statistically significant
      margin: one-sided test of H0 "p_canary <= p_incumbent". The test is Fisher's exact test
      (hypergeometric upper tail) when the canary's expected count of errors or of successes is below 5,
@@ -17,10 +24,11 @@ Rules, in order:
    - quality proxy: the empty-output rate (among requests that did not fail), tested the same way; and
      the canary's mean output length below the incumbent's x `min_output_length_ratio`.
    `alpha` is the false-rollback rate allowed per step. The judge looks at a growing window every few
-   seconds (`num_looks` per bake window) and runs two rate tests per look, so each single test is run at
-   alpha / (2 x num_looks) (Bonferroni); testing every look at alpha would roll back roughly one healthy
-   canary in twenty (measured by the simulated rollouts in tests/rollouts/test_judge.py).
-3. ADVANCE when healthy and the step's bake window has elapsed.
+   seconds (`num_looks` per bake window) and runs four tests per look (two latency, two rates), so each
+   single test is run at alpha / (4 x num_looks) (Bonferroni); testing every look at alpha would roll
+   back roughly one healthy canary in twenty (measured by the simulated rollouts in
+   tests/rollouts/test_judge.py).
+3. ADVANCE when healthy (no breach at all) and the step's bake window has elapsed.
 4. HOLD otherwise.
 """
 
@@ -29,12 +37,24 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 FISHER_TEST = "fisher_exact_one_sided"
 Z_TEST = "two_proportion_z_one_sided"
 MIN_EXPECTED_COUNT_FOR_Z = 5.0
 RATE_TESTS = ("errors", "empty_outputs")
+LATENCY_METRICS = ("ttft", "tpot")
+NUM_TESTS = len(RATE_TESTS) + len(LATENCY_METRICS)
+
+
+class LatencyTail(Protocol):
+    """A version's latency samples in ms, as far as the judge needs them: how many there are and how
+    many are over a value (the metrics store answers from its histogram buckets)."""
+
+    @property
+    def count(self) -> int: ...
+
+    def count_above(self, value_ms: float) -> int: ...
 
 
 class VerdictKind(enum.StrEnum):
@@ -54,6 +74,9 @@ class VersionWindow:
     ttft_p99_ms: float | None  # None when nothing produced a first token
     tpot_p99_ms: float | None
     mean_output_tokens: float | None
+    # The distributions behind the p99s; without them the latency rule compares point estimates only.
+    ttft_tail: LatencyTail | None = None
+    tpot_tail: LatencyTail | None = None
 
     @property
     def num_ok(self) -> int:
@@ -200,7 +223,7 @@ def decide(
     bake_seconds: float,
     num_looks: int = 1,
 ) -> Verdict:
-    alpha_per_test = thresholds.alpha / (len(RATE_TESTS) * max(1, num_looks))
+    alpha_per_test = thresholds.alpha / (NUM_TESTS * max(1, num_looks))
     figures: dict[str, Any] = {
         "canary": _window_figures(canary),
         "incumbent": _window_figures(incumbent),
@@ -218,17 +241,41 @@ def decide(
         return Verdict(VerdictKind.INSUFFICIENT_DATA, tuple(short), figures)
 
     regressions: list[str] = []
-    for metric, sla_ms in (("ttft", thresholds.ttft_sla_ms), ("tpot", thresholds.tpot_sla_ms)):
+    unconfirmed: list[str] = []  # p99 over the limit, not (yet) significantly
+    slas = {"ttft": thresholds.ttft_sla_ms, "tpot": thresholds.tpot_sla_ms}
+    for metric in LATENCY_METRICS:
+        sla_ms = slas[metric]
         canary_p99 = getattr(canary, f"{metric}_p99_ms")
         incumbent_p99 = getattr(incumbent, f"{metric}_p99_ms")
         limit = max(sla_ms, incumbent_p99 * thresholds.latency_ratio) if incumbent_p99 is not None else sla_ms
         figures[f"{metric}_limit_ms"] = _round(limit, 3)
-        if canary_p99 is not None and canary_p99 > limit:
-            regressions.append(
-                f"canary p99 {metric.upper()} {canary_p99:.1f} ms > limit {limit:.1f} ms "
-                f"(max of SLA {sla_ms:g} ms, incumbent {_fmt(incumbent_p99)} ms "
-                f"x {thresholds.latency_ratio:g})"
-            )
+        if canary_p99 is None or canary_p99 <= limit:
+            continue
+        breach = (
+            f"canary p99 {metric.upper()} {canary_p99:.1f} ms > limit {limit:.1f} ms "
+            f"(max of SLA {sla_ms:g} ms, incumbent {_fmt(incumbent_p99)} ms x {thresholds.latency_ratio:g})"
+        )
+        canary_tail: LatencyTail | None = getattr(canary, f"{metric}_tail")
+        incumbent_tail: LatencyTail | None = getattr(incumbent, f"{metric}_tail")
+        if not canary_tail or not incumbent_tail or not canary_tail.count or not incumbent_tail.count:
+            regressions.append(breach)
+            continue
+        over, n = canary_tail.count_above(limit), canary_tail.count
+        incumbent_over, incumbent_n = incumbent_tail.count_above(limit), incumbent_tail.count
+        test = proportion_greater(over, n, incumbent_over, incumbent_n)
+        figures[f"{metric}_test"] = {
+            **test.as_dict(),
+            "canary_over_limit": over,
+            "canary_samples": n,
+            "incumbent_over_limit": incumbent_over,
+            "incumbent_samples": incumbent_n,
+            "alpha": float(f"{alpha_per_test:.4g}"),
+        }
+        counts = f"{over} of {n} canary requests over it vs {incumbent_over} of {incumbent_n}"
+        if test.p_value < alpha_per_test:
+            regressions.append(f"{breach}: {counts}, {test.name} p={test.p_value:.2g} < {alpha_per_test:.2g}")
+        else:
+            unconfirmed.append(f"{breach}, not significant yet ({counts}, p={test.p_value:.2g})")
 
     rate_checks = (
         (
@@ -260,7 +307,7 @@ def decide(
         if test.p_value < alpha_per_test and rate1 - rate2 >= thresholds.min_rate_increase:
             regressions.append(
                 f"canary {label} {rate1:.2%} vs incumbent {rate2:.2%}: {test.name} p={test.p_value:.2g} "
-                f"< {alpha_per_test:.2g} (alpha {thresholds.alpha:g} over {len(RATE_TESTS)} tests x "
+                f"< {alpha_per_test:.2g} (alpha {thresholds.alpha:g} over {NUM_TESTS} tests x "
                 f"{max(1, num_looks)} looks)"
             )
 
@@ -275,6 +322,9 @@ def decide(
 
     if regressions:
         return Verdict(VerdictKind.ROLLBACK, tuple(regressions), figures)
+    if unconfirmed:
+        # Neither proven slow nor shown fast: more samples settle it one way or the other.
+        return Verdict(VerdictKind.HOLD, tuple(unconfirmed), figures)
     if bake_elapsed_s >= bake_seconds:
         return Verdict(
             VerdictKind.ADVANCE, (f"healthy for the whole bake window ({bake_seconds:g} s)",), figures

@@ -146,6 +146,22 @@ def window_reader() -> WindowReader:
     return read
 
 
+class _TailInMs:
+    """The judge's LatencyTail over a metrics-store histogram, which holds seconds."""
+
+    __slots__ = ("_histogram",)
+
+    def __init__(self, histogram: Any) -> None:
+        self._histogram = histogram
+
+    @property
+    def count(self) -> int:
+        return int(self._histogram.count)
+
+    def count_above(self, value_ms: float) -> int:
+        return int(self._histogram.count_above(value_ms / 1000.0))
+
+
 def as_version_window(window: Any) -> VersionWindow:
     """The judge's view of serving.selectors.VersionWindow: counts as they are, p99s in ms (the store
     reports seconds, from merged histogram buckets), no mean output length when nothing completed."""
@@ -161,6 +177,8 @@ def as_version_window(window: Any) -> VersionWindow:
             ttft_p99_ms=None if ttft_p99_s is None else float(ttft_p99_s) * 1000.0,
             tpot_p99_ms=None if tpot_p99_s is None else float(tpot_p99_s) * 1000.0,
             mean_output_tokens=float(window.mean_output_tokens) if num_ok > 0 else None,
+            ttft_tail=_TailInMs(window.ttft),
+            tpot_tail=_TailInMs(window.tpot),
         )
     except AttributeError as exc:
         raise MetricsUnavailable(f"the metrics window lacks a field the judge needs: {exc}") from exc

@@ -151,6 +151,11 @@ class Histogram:
             result.append(seen)
         return result
 
+    def count_above(self, value: float) -> int:
+        """How many samples are > value, as well as buckets can tell (the complement of
+        cumulative_counts([value]))."""
+        return self.count - self.cumulative_counts([value])[0]
+
     # --- storage -------------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
