@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +20,14 @@ from django.conf import settings
 from registry.selectors import VersionRef, versions_with_traffic
 from serving.replica import Replica, ReplicaState
 from serving.replica_directory import ReplicaDirectory
+from serving.router import REVALIDATE_S
 from serving.streams import ReplyHub
 
 logger = logging.getLogger(__name__)
+
+# How long a replica whose version left the routing table keeps admitting before it drains: every
+# gateway revalidates its routing table within REVALIDATE_S, twice that covers a slow database read.
+DRAIN_GRACE_S = 2 * REVALIDATE_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,7 @@ class Runtime:
         self.hub = ReplyHub(layer)
         self.replicas: dict[tuple[str, str], Replica] = {}
         self._draining: dict[str, Replica] = {}  # by replica id: no new work, finishing what they hold
+        self._unwanted_since: dict[tuple[str, str], float] = {}  # out of the routing table, not yet draining
         self.directory = ReplicaDirectory(settings.REDIS_URL) if settings.REDIS_URL else None
         self._supervisor: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
@@ -169,7 +176,17 @@ class Runtime:
             )
             self.replicas[key] = replica
             asyncio.get_running_loop().create_task(replica.start(), name=f"replica-start-{ref.version}")
+        now = time.monotonic()
+        for key in list(self._unwanted_since):
+            if key in wanted_keys or key not in self.replicas:
+                del self._unwanted_since[key]
         for key in set(self.replicas) - set(wanted_keys):
+            # Gateways learn of a routing edit up to REVALIDATE_S later; until every one has, a request
+            # may still be routed here, so the replica keeps admitting for a grace period first.
+            since = self._unwanted_since.setdefault(key, now)
+            if now - since < DRAIN_GRACE_S:
+                continue
+            del self._unwanted_since[key]
             replica = self.replicas.pop(key)
             replica.drain()
             self._draining[replica.replica_id] = replica

@@ -16,7 +16,8 @@ def test_a_real_websocket_client_streams_and_cancels(platform_server) -> None:
         assert [m["type"] for m in messages] == ["token"] * 4 + ["done"]
 
         ws.send(json.dumps({"type": "infer", "input": "hello", "max_tokens": 1500}))
-        assert json.loads(ws.recv(timeout=10))["type"] == "token"
+        first = json.loads(ws.recv(timeout=10))
+        assert first["type"] == "token", first
         ws.send(json.dumps({"type": "cancel"}))
         message = json.loads(ws.recv(timeout=10))
         while message["type"] == "token":
