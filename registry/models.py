@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator, RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
 NAME_VALIDATOR = RegexValidator(
@@ -110,6 +110,12 @@ class RoutingTable(models.Model):
     model = models.OneToOneField(Model, on_delete=models.CASCADE, related_name="routing_table")
     revision = models.PositiveBigIntegerField(default=0)
     updated_at = models.DateTimeField(auto_now=True)
+    # Shadow traffic: this share of the requests served by other versions is copied to mirror_version,
+    # whose output is discarded (a shadow deployment sets and clears it).
+    mirror_version = models.ForeignKey(
+        ModelVersion, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    mirror_pct = models.PositiveSmallIntegerField(default=0, validators=[MaxValueValidator(100)])
 
     def __str__(self) -> str:
         return f"routing for {self.model.name} (rev {self.revision})"

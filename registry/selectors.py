@@ -48,6 +48,7 @@ class RoutingSnapshot:
     weights: dict[str, int]  # version -> percent; only versions with a weight > 0
     aliases: dict[str, str]  # alias -> version
     versions: frozenset[str]  # every registered version
+    mirror: tuple[str, int] | None = None  # (version, percent) that shadow copies go to
 
 
 def tenant_context_for_api_key(raw_key: str) -> TenantContext | None:
@@ -92,7 +93,7 @@ def routing_revision(*, model_name: str) -> int | None:
 def routing_snapshot(*, model_name: str) -> RoutingSnapshot | None:
     model = (
         Model.objects.filter(name=model_name)
-        .select_related("routing_table")
+        .select_related("routing_table", "routing_table__mirror_version")
         .prefetch_related(
             Prefetch("aliases", queryset=Alias.objects.select_related("version")),
             "versions",
@@ -112,6 +113,9 @@ def routing_snapshot(*, model_name: str) -> RoutingSnapshot | None:
         weights={e.version.version: e.weight for e in entries},
         aliases={a.name: a.version.version for a in model.aliases.all()},
         versions=frozenset(v.version for v in model.versions.all()),
+        mirror=(table.mirror_version.version, table.mirror_pct)
+        if table is not None and table.mirror_version is not None and table.mirror_pct > 0
+        else None,
     )
 
 

@@ -148,6 +148,24 @@ def routing_table_set(*, model: Model, weights: Mapping[str, int]) -> RoutingTab
 
 
 @transaction.atomic
+def routing_mirror_set(*, model: Model, version: ModelVersion | None, pct: int = 0) -> RoutingTable:
+    """Copy `pct`% of the model's requests (those served by any other version) to `version`, output
+    discarded; `version=None` stops mirroring. Gateways pick it up with the routing table."""
+    if version is None:
+        pct = 0
+    elif version.model_id != model.pk:
+        raise RegistryError(f"version {version.version} is not a version of {model.name}")
+    elif isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100:
+        raise RegistryError(f"mirror percentage must be an integer from 1 to 100, got {pct!r}")
+    table, _ = RoutingTable.objects.select_for_update().get_or_create(model=model)
+    RoutingTable.objects.filter(pk=table.pk).update(
+        mirror_version=version, mirror_pct=pct, revision=F("revision") + 1
+    )
+    table.refresh_from_db()
+    return table
+
+
+@transaction.atomic
 def tenant_create(
     *,
     name: str,

@@ -77,6 +77,9 @@ class VersionWindow:
     # The distributions behind the p99s; without them the latency rule compares point estimates only.
     ttft_tail: LatencyTail | None = None
     tpot_tail: LatencyTail | None = None
+    # Shadow copies whose text could be compared with the incumbent's, and how many matched.
+    num_shadow_compared: int = 0
+    num_shadow_matched: int = 0
 
     @property
     def num_ok(self) -> int:

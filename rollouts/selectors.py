@@ -117,19 +117,6 @@ def version_states(*, model: Model) -> dict[str, str]:
     return states
 
 
-def shadow_target(*, model_name: str) -> tuple[str, int] | None:
-    """For the data plane's mirroring hook: (candidate version, mirror percent) while a shadow
-    deployment of the model is shadowing, else None."""
-    row = (
-        Deployment.objects.filter(
-            model__name=model_name, strategy=Deployment.Strategy.SHADOW, state=Deployment.State.SHADOWING
-        )
-        .values_list("candidate__version", "mirror_pct")
-        .first()
-    )
-    return (row[0], int(row[1] or 0)) if row else None
-
-
 # --- metrics -----------------------------------------------------------------------------------------
 
 
@@ -179,6 +166,8 @@ def as_version_window(window: Any) -> VersionWindow:
             mean_output_tokens=float(window.mean_output_tokens) if num_ok > 0 else None,
             ttft_tail=_TailInMs(window.ttft),
             tpot_tail=_TailInMs(window.tpot),
+            num_shadow_compared=int(getattr(window, "num_shadow_compared", 0)),
+            num_shadow_matched=int(getattr(window, "num_shadow_matched", 0)),
         )
     except AttributeError as exc:
         raise MetricsUnavailable(f"the metrics window lacks a field the judge needs: {exc}") from exc

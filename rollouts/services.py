@@ -19,8 +19,14 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from registry.models import Alias, Model, ModelVersion
-from registry.services import STABLE_ALIAS, RegistryError, alias_set, routing_table_set
+from registry.models import Alias, Model, ModelVersion, RoutingTable
+from registry.services import (
+    STABLE_ALIAS,
+    RegistryError,
+    alias_set,
+    routing_mirror_set,
+    routing_table_set,
+)
 from rollouts import judge
 from rollouts.models import Deployment, DeploymentEvent
 from rollouts.selectors import MetricsUnavailable, WindowReader, window_reader
@@ -417,6 +423,9 @@ def _tick_provisioning(deployment: Deployment, *, now: dt.datetime) -> None:
     if _readiness_check()(deployment):
         if deployment.strategy == Deployment.Strategy.SHADOW:
             deployment.step_started_at = now
+            routing_mirror_set(
+                model=deployment.model, version=deployment.candidate, pct=int(deployment.mirror_pct or 0)
+            )
             _transition(
                 deployment,
                 State.SHADOWING,
@@ -488,6 +497,13 @@ def _verdict(deployment: Deployment, *, now: dt.datetime, read_window: WindowRea
         num_looks=num_looks(bake_seconds=deployment.bake_seconds),
     )
     verdict.figures["window"] = {"start": start.isoformat(), "end": now.isoformat()}
+    if deployment.strategy == Deployment.Strategy.SHADOW:
+        compared, matched = canary.num_shadow_compared, canary.num_shadow_matched
+        verdict.figures["output_match"] = {
+            "compared": compared,
+            "matched": matched,
+            "rate": round(matched / compared, 4) if compared else None,
+        }
     if deployment.strategy == Deployment.Strategy.CANARY:
         verdict.figures["step"] = deployment.current_step
         verdict.figures["pct"] = deployment.current_pct
@@ -532,9 +548,16 @@ def _advance(deployment: Deployment, *, verdict: judge.Verdict, now: dt.datetime
 # --- rollback and promote -----------------------------------------------------------------------------
 
 
+def _stop_mirroring(deployment: Deployment) -> None:
+    if RoutingTable.objects.filter(model=deployment.model, mirror_version=deployment.candidate).exists():
+        routing_mirror_set(model=deployment.model, version=None)
+
+
 def _park_canary_alias(deployment: Deployment, *, actor: str, outcome: str) -> None:
     """Point `canary` back at the incumbent (logged), so the candidate keeps no alias and, with no
-    traffic either, its replicas drain. (Deleting the alias would delete its logged history.)"""
+    traffic either, its replicas drain. (Deleting the alias would delete its logged history.) A shadow
+    deployment's mirroring stops with it."""
+    _stop_mirroring(deployment)
     alias = Alias.objects.filter(model=deployment.model, name=CANARY_ALIAS).first()
     if alias is not None and alias.version_id == deployment.candidate_id:
         alias_set(
@@ -585,6 +608,7 @@ def _rollback(
 def _promote(
     deployment: Deployment, *, actor: str, reason: str, figures: dict[str, Any], now: dt.datetime
 ) -> None:
+    _stop_mirroring(deployment)
     alias_set(
         model=deployment.model,
         name=STABLE_ALIAS,

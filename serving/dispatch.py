@@ -18,7 +18,7 @@ from asgiref.sync import sync_to_async
 
 from registry.models import Model
 from registry.selectors import TenantContext
-from serving import gateway
+from serving import gateway, shadow
 from serving.breaker import breaker
 from serving.gateway import GatewayError, Ticket
 from serving.replica import ABORT, SUBMIT
@@ -45,7 +45,12 @@ class Dispatch:
     """An accepted request on its replica: iterate `events()` to the end, or close it to abort."""
 
     def __init__(
-        self, runtime: Runtime, ticket: Ticket, model_name: str, version: str, submission: dict[str, Any]
+        self,
+        runtime: Runtime,
+        ticket: Ticket | None,  # None: not charged to a tenant (a shadow copy)
+        model_name: str,
+        version: str,
+        submission: dict[str, Any],
     ) -> None:
         self._runtime = runtime
         self._ticket = ticket
@@ -62,6 +67,19 @@ class Dispatch:
         self.is_finished = False
         self._is_closed = False
         self._first_event: dict[str, Any] | None = None  # an error that arrived in place of acceptance
+        self._text: list[str] | None = None  # kept only when a shadow copy will compare against it
+        self._text_done: asyncio.Future[str | None] | None = None
+
+    def capture_text(self) -> asyncio.Future[str | None]:
+        """A future for the whole text once the request ends normally (None if it fails or is aborted)."""
+        if self._text_done is None:
+            self._text = []
+            self._text_done = asyncio.get_running_loop().create_future()
+        return self._text_done
+
+    def _settle_text(self, text: str | None) -> None:
+        if self._text_done is not None and not self._text_done.done():
+            self._text_done.set_result(text)
 
     def response_headers(self) -> dict[str, str]:
         headers = {"X-Served-Version": self.version, "X-Request-Id": self.request_id}
@@ -142,8 +160,12 @@ class Dispatch:
                         event = _error_event("replica_unavailable", exc.message)
             if "token" in event:
                 self.num_completion_tokens += 1
+                if self._text is not None:
+                    self._text.append(event["token"])
             if "finish_reason" in event:
                 self.is_finished = True
+                ok = event["finish_reason"] != "error" and self._text is not None
+                self._settle_text("".join(self._text or ()) if ok else None)
                 if event["finish_reason"] != "error" and self.replica is not None:
                     breaker.record_success(self.replica.replica_id)
             yield event
@@ -170,12 +192,15 @@ class Dispatch:
         if self._is_closed:
             return
         self._is_closed = True
+        self._settle_text(None)  # no-op when it finished normally
         self._runtime.hub.close(self._wire_id)
         if not self.is_finished and self.replica is not None:
             with contextlib.suppress(Exception):
                 await self._runtime.layer.send(
                     self.replica.channel_name, {"type": ABORT, "request_id": self._wire_id}
                 )
+        if self._ticket is None:
+            return
         used = self.num_prompt_tokens + self.num_completion_tokens
         await sync_to_async(gateway.quota_store().release, thread_sensitive=False)(
             self._ticket, used_tokens=used
@@ -227,23 +252,21 @@ async def dispatch(
     tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=params.get("max_tokens", 1))
     ticket = await _admit(context, tokens)
     runtime = await get_runtime()
-    handle = Dispatch(
-        runtime,
-        ticket,
-        model_name,
-        version,
-        {
-            "reply_to": runtime.hub.channel_name,
-            "input": text,
-            "messages": messages,
-            "params": params,
-            "tenant": context.tenant_name,
-            "cache_group": context.cache_group,
-        },
-    )
+    submission = {
+        "reply_to": runtime.hub.channel_name,
+        "input": text,
+        "messages": messages,
+        "params": params,
+        "tenant": context.tenant_name,
+        "cache_group": context.cache_group,
+    }
+    handle = Dispatch(runtime, ticket, model_name, version, submission)
     try:
         await handle.submit()
     except BaseException:
         await handle.close()
         raise
+    if shadow.should_mirror(snapshot.mirror, version, _rng):
+        assert snapshot.mirror is not None
+        shadow.start_mirror(handle, runtime=runtime, version=snapshot.mirror[0], submission=submission)
     return handle

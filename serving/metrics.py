@@ -14,6 +14,8 @@ Counters (names used by the store and the selectors):
     prompt_tokens, output_tokens
     aborted             client went away (not in `requests`)
     rejected, rejected.<type>   refused before any model work: invalid input, replica not ready
+    shadow.compared, shadow.matched   shadow copies whose text could be compared with the primary's
+                        (serving.shadow), and of those, the ones that matched
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ PROMPT_TOKENS = "prompt_tokens"
 OUTPUT_TOKENS = "output_tokens"
 ABORTED = "aborted"
 REJECTED = "rejected"
+SHADOW_COMPARED = "shadow.compared"
+SHADOW_MATCHED = "shadow.matched"
 FINISH_PREFIX = "finish."
 ERROR_PREFIX = "errors."
 REJECTED_PREFIX = "rejected."
@@ -290,6 +294,17 @@ class MetricsRecorder:
                     kv_cache_usage=step.kv_cache_usage,
                     batch_size=step.batch_size,
                 )
+
+    def count(self, counts: dict[str, int], *, now: float | None = None) -> None:
+        """Add to counters that are not about one step or request (shadow comparisons)."""
+        start = window_start(self._clock() if now is None else now, self.window_s)
+        with self._lock:
+            window = self._pending.get(start)
+            if window is None:
+                window = self._pending[start] = MetricsWindow()
+                self._trim()
+            for name, n in counts.items():
+                window.count(name, n)
 
     def _trim(self) -> None:
         while len(self._pending) > MAX_PENDING_WINDOWS:

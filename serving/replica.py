@@ -28,9 +28,11 @@ from django.db import close_old_connections
 
 from registry import artifacts
 from registry.selectors import VersionRef
+from serving import metrics as m
 from serving.faults import INJECTED_FAULT, Faults, check_fault_injection_allowed, configured_faults
 from serving.metrics import MetricsRecorder, RequestSample, StepSample, register_recorder, unregister_recorder
 from serving.replica_directory import HEARTBEAT_INTERVAL_S, Heartbeat, HeartbeatPublisher
+from serving.shadow import SHADOW_RESULT
 from serving.streams import STEP_MESSAGE
 
 logger = logging.getLogger(__name__)
@@ -272,6 +274,10 @@ class Replica:
                 self._submissions.append(message)
             elif kind == ABORT:
                 self._aborts.append(message["request_id"])
+            elif kind == SHADOW_RESULT:
+                matched = bool(message.get("matched"))
+                self.metrics.count({m.SHADOW_COMPARED: 1, m.SHADOW_MATCHED: int(matched)})
+                continue
             else:
                 continue
             self._idle.clear()

@@ -48,6 +48,8 @@ class VersionWindow:
     num_aborted: int = 0
     num_rejected: int = 0
     errors_by_type: dict[str, int] = field(default_factory=dict)
+    num_shadow_compared: int = 0  # shadow copies whose text was compared with the primary's
+    num_shadow_matched: int = 0
     gauges: dict[str, GaugeStat] = field(default_factory=dict)  # queue_depth, running, kv_cache_usage, …
 
     @property
@@ -132,6 +134,8 @@ def _version_window(
         prompt_tokens=counters.get(m.PROMPT_TOKENS, 0),
         num_aborted=counters.get(m.ABORTED, 0),
         num_rejected=counters.get(m.REJECTED, 0),
+        num_shadow_compared=counters.get(m.SHADOW_COMPARED, 0),
+        num_shadow_matched=counters.get(m.SHADOW_MATCHED, 0),
         errors_by_type={
             name.removeprefix(m.ERROR_PREFIX): n
             for name, n in counters.items()

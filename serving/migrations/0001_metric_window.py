@@ -5,31 +5,56 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('registry', '0001_initial'),
+        ("registry", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='MetricWindow',
+            name="MetricWindow",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('replica_id', models.CharField(blank=True, help_text='Empty on rows merged over replicas.', max_length=64)),
-                ('start', models.DateTimeField(help_text='UTC, aligned to the resolution.')),
-                ('resolution_s', models.PositiveSmallIntegerField(choices=[(5, '5 s'), (60, '1 min')])),
-                ('histograms', models.JSONField(default=dict)),
-                ('counters', models.JSONField(default=dict)),
-                ('gauges', models.JSONField(default=dict)),
-                ('is_rolled_up', models.BooleanField(default=False)),
-                ('version', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='metric_windows', to='registry.modelversion')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "replica_id",
+                    models.CharField(
+                        blank=True, help_text="Empty on rows merged over replicas.", max_length=64
+                    ),
+                ),
+                ("start", models.DateTimeField(help_text="UTC, aligned to the resolution.")),
+                ("resolution_s", models.PositiveSmallIntegerField(choices=[(5, "5 s"), (60, "1 min")])),
+                ("histograms", models.JSONField(default=dict)),
+                ("counters", models.JSONField(default=dict)),
+                ("gauges", models.JSONField(default=dict)),
+                ("is_rolled_up", models.BooleanField(default=False)),
+                (
+                    "version",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="metric_windows",
+                        to="registry.modelversion",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['start'],
-                'indexes': [models.Index(fields=['resolution_s', 'is_rolled_up', 'start'], name='metric_window_rollup'), models.Index(fields=['resolution_s', 'start'], name='metric_window_retention')],
-                'constraints': [models.UniqueConstraint(fields=('version', 'resolution_s', 'start', 'replica_id'), name='unique_metric_window')],
+                "ordering": ["start"],
+                "indexes": [
+                    models.Index(
+                        fields=["resolution_s", "is_rolled_up", "start"], name="metric_window_rollup"
+                    ),
+                    models.Index(fields=["resolution_s", "start"], name="metric_window_retention"),
+                ],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("version", "resolution_s", "start", "replica_id"), name="unique_metric_window"
+                    )
+                ],
             },
         ),
     ]

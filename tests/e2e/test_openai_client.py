@@ -22,10 +22,16 @@ def test_completion_json_and_stream_agree_under_greedy_decoding(client: openai.O
     assert whole.usage is not None and whole.usage.completion_tokens == 8
     assert whole.system_fingerprint == "demo-chat:v1"
 
-    chunks = list(client.completions.create(
-        model="demo-chat", prompt="hello", max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model="demo-chat",
+            prompt="hello",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -59,9 +65,11 @@ def test_openai_errors_are_raised_as_typed_exceptions(client: openai.OpenAI, pla
 
 def test_streams_end_with_done(platform_server) -> None:
     with httpx.stream(
-        "POST", f"{platform_server.url}/v1/completions",
+        "POST",
+        f"{platform_server.url}/v1/completions",
         headers={"Authorization": f"Bearer {platform_server.key}"},
-        json={"model": "demo-chat", "prompt": "hi", "max_tokens": 3, "stream": True}, timeout=30,
+        json={"model": "demo-chat", "prompt": "hi", "max_tokens": 3, "stream": True},
+        timeout=30,
     ) as response:
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"

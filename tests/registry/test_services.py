@@ -12,6 +12,7 @@ from registry.services import (
     alias_set,
     api_key_create,
     model_version_register,
+    routing_mirror_set,
     routing_table_set,
     tenant_create,
 )
@@ -81,6 +82,26 @@ def test_routing_change_bumps_the_revision_and_must_sum_to_100(demo_model_dir: P
     assert RoutingTable.objects.get(model=v1.model).revision == before + 1
     routing_table_set(model=v1.model, weights={"v2": 100})
     assert routing_snapshot(model_name="chat").weights == {"v2": 100}  # type: ignore[union-attr]
+
+
+def test_mirroring_is_part_of_the_routing_table_and_refuses_bad_input(demo_model_dir: Path) -> None:
+    v1 = model_version_register(name="chat", version="v1", source_dir=demo_model_dir)
+    v2 = model_version_register(name="chat", version="v2", source_dir=demo_model_dir)
+    other = model_version_register(name="other", version="v1", source_dir=demo_model_dir)
+    before = RoutingTable.objects.get(model=v1.model).revision
+
+    routing_mirror_set(model=v1.model, version=v2, pct=20)
+    snapshot = routing_snapshot(model_name="chat")
+    assert snapshot is not None and snapshot.mirror == ("v2", 20)
+    assert snapshot.revision == before + 1
+    assert snapshot.weights == {"v1": 100}  # mirroring moves no traffic
+
+    for version, pct in ((other, 20), (v2, 0), (v2, 101), (v2, True)):
+        with pytest.raises(RegistryError):
+            routing_mirror_set(model=v1.model, version=version, pct=pct)  # type: ignore[arg-type]
+    assert routing_snapshot(model_name="chat").mirror == ("v2", 20)  # type: ignore[union-attr]
+    routing_mirror_set(model=v1.model, version=None)
+    assert routing_snapshot(model_name="chat").mirror is None  # type: ignore[union-attr]
 
 
 def test_api_keys_are_stored_only_as_hash_and_prefix() -> None:

@@ -8,7 +8,7 @@ import pytest
 from django.utils import timezone
 
 from registry.models import AliasEvent, ModelVersion
-from registry.selectors import versions_with_traffic
+from registry.selectors import routing_snapshot, versions_with_traffic
 from rollouts import selectors, services
 from rollouts.judge import VerdictKind
 from rollouts.models import Deployment, DeploymentEvent
@@ -256,16 +256,29 @@ def test_the_database_refuses_two_in_flight_deployments_even_past_the_check(ramp
 def test_shadow_deployments_never_move_traffic(make_model) -> None:
     model = make_model()
     deployment = create(model, strategy="shadow", steps=None, mirror_pct=20)
-    metrics = FakeMetrics({"v2": window(), "v1": window()})
+    metrics = FakeMetrics({"v2": window(num_shadow_compared=40, num_shadow_matched=38), "v1": window()})
     tick(deployment, 0, metrics)
     assert deployment.state == State.SHADOWING
-    assert selectors.shadow_target(model_name="chat") == ("v2", 20)
+    assert routing_snapshot(model_name="chat").mirror == ("v2", 20)
     tick(deployment, 60, metrics)
     assert deployment.state == State.COMPLETED
+    assert deployment.last_verdict["figures"]["output_match"] == {"compared": 40, "matched": 38, "rate": 0.95}
     _, weights, aliases = routing_state(model)
     assert weights == {"v1": 100}
     assert aliases == {"stable": "v1", "canary": "v1"}
-    assert selectors.shadow_target(model_name="chat") is None
+    assert routing_snapshot(model_name="chat").mirror is None
+
+
+@pytest.mark.parametrize("end", ["rollback", "promote"])
+def test_ending_a_shadow_deployment_by_hand_stops_the_mirroring(make_model, end) -> None:
+    model = make_model()
+    deployment = create(model, strategy="shadow", steps=None, mirror_pct=50)
+    tick(deployment, 0, FakeMetrics({"v2": window(), "v1": window()}))
+    revision = routing_snapshot(model_name="chat").revision
+    getattr(services, f"deployment_{end}")(deployment=deployment, actor="staff:bob")
+    snapshot = routing_snapshot(model_name="chat")
+    assert snapshot.mirror is None
+    assert snapshot.revision > revision  # gateways see the change at their next revalidation
 
 
 def test_version_states_report_the_latest_deployment_and_rollbacks(ramping) -> None:

@@ -71,8 +71,12 @@ async def test_cancel_stops_the_generation_and_frees_the_replica(acme, runtime) 
     message = await ws.receive_json_from(timeout=10)
     while message["type"] == "token":
         message = await ws.receive_json_from(timeout=10)
-    assert message == {"type": "done", "version": "v1", "finish_reason": "abort",
-                       "usage": {"completion_tokens": message["usage"]["completion_tokens"]}}
+    assert message == {
+        "type": "done",
+        "version": "v1",
+        "finish_reason": "abort",
+        "usage": {"completion_tokens": message["usage"]["completion_tokens"]},
+    }
     assert message["usage"]["completion_tokens"] < 2000
     (replica,) = runtime.replicas.values()
     await replica.wait_idle()

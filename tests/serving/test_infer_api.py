@@ -161,4 +161,3 @@ async def test_a_pinned_version_is_served_when_allowed(make_tenant, runtime, dem
     assert response.status_code == 200 and response["X-Served-Version"] == "v1"
     response = await _post(client, {"input": "hi"}, {**pinner.auth, "X-Version-Pin": "v9"})
     assert response.status_code == 404
-

@@ -1,0 +1,102 @@
+"""Shadow traffic: a copy of some requests goes to a candidate version, whose output nobody sees.
+
+The routing table names the candidate and a percentage (registry.services.routing_mirror_set, set by a
+shadow deployment). For that share of the requests served by any other version, the gateway submits
+the same request to a candidate replica once the primary is accepted, runs it to the end and throws the
+text away. The candidate's replica records its latency and errors like any request, which is what the
+rollout judge compares; when the request is reproducible (greedy, or seeded) the gateway also tells
+that replica whether its text matched the primary's, and the replica counts it (shadow.compared,
+shadow.matched in its metrics).
+
+A mirror never holds up or fails the primary: it is not charged to the tenant's quota, it is skipped
+when this process already has MAX_IN_FLIGHT mirrors running, and any failure is only logged."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from serving.dispatch import Dispatch
+    from serving.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT = 32
+PRIMARY_WAIT_S = 300.0  # how long a finished mirror waits for its primary's text before giving up
+SHADOW_RESULT = "replica.shadow_result"
+
+_in_flight: set[asyncio.Task[None]] = set()
+
+
+def is_comparable(params: dict[str, Any]) -> bool:
+    """Two versions can be expected to write the same text only when sampling is reproducible."""
+    return float(params.get("temperature", 1.0) or 0.0) == 0.0 or params.get("seed") is not None
+
+
+def should_mirror(mirror: tuple[str, int] | None, served_version: str, rng: random.Random) -> bool:
+    if mirror is None or mirror[0] == served_version:
+        return False
+    return rng.random() * 100 < mirror[1]
+
+
+def start_mirror(primary: Dispatch, *, runtime: Runtime, version: str, submission: dict[str, Any]) -> bool:
+    """Run a copy of `primary` on `version` in the background. False when skipped (too many running)."""
+    if len(_in_flight) >= MAX_IN_FLIGHT:
+        return False
+    comparable = is_comparable(submission.get("params", {}))
+    primary_text = primary.capture_text() if comparable else None
+    task = asyncio.get_running_loop().create_task(
+        _run(runtime, primary.model_name, version, submission, primary_text),
+        name=f"mirror-{primary.request_id}",
+    )
+    _in_flight.add(task)
+    task.add_done_callback(_in_flight.discard)
+    return True
+
+
+async def _run(
+    runtime: Runtime,
+    model_name: str,
+    version: str,
+    submission: dict[str, Any],
+    primary_text: asyncio.Future[str | None] | None,
+) -> None:
+    from serving.dispatch import Dispatch
+    from serving.gateway import GatewayError
+
+    handle = Dispatch(runtime, None, model_name, version, submission)
+    try:
+        await handle.submit()
+        text, final = await handle.collect()
+    except GatewayError as exc:
+        logger.info("shadow copy to %s:%s not served: %s", model_name, version, exc.message)
+        return
+    except Exception:
+        logger.exception("shadow copy to %s:%s failed", model_name, version)
+        return
+    finally:
+        await handle.close()
+    if primary_text is None or final.get("finish_reason") == "error" or handle.replica is None:
+        return
+    try:
+        async with asyncio.timeout(PRIMARY_WAIT_S):
+            expected = await primary_text
+    except TimeoutError:
+        return
+    if expected is None:  # the primary failed or its client went away: nothing to compare
+        return
+    try:
+        await runtime.layer.send(
+            handle.replica.channel_name, {"type": SHADOW_RESULT, "matched": text == expected}
+        )
+    except Exception:
+        logger.warning("shadow result for %s:%s not delivered", model_name, version, exc_info=True)
+
+
+async def wait_idle() -> None:
+    """Until every mirror this process started has ended (tests, shutdown)."""
+    while _in_flight:
+        await asyncio.wait(set(_in_flight))

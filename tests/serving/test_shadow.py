@@ -1,0 +1,115 @@
+"""Shadow traffic in the embedded mode: a copy of each request runs on the mirror version, the client
+only ever sees the primary, and the candidate's replica records the copies and how their text compared."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import AsyncClient
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def other_weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from serving.engine.demo_model import DemoModelSpec, build_demo_model
+
+    # The conftest demo model's shape with other random weights: same tokenizer, different text.
+    spec = DemoModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    return build_demo_model(tmp_path_factory.mktemp("other-weights"), replace(spec, seed=1))
+
+
+def _mirror_to(source_dir: Path, pct: int) -> None:
+    from registry.services import alias_set, model_version_register, routing_mirror_set
+
+    v2 = model_version_register(name="demo-chat", version="v2", source_dir=source_dir, created_by="test")
+    alias_set(model=v2.model, name="canary", version=v2, actor="test")  # the alias gives it a replica
+    routing_mirror_set(model=v2.model, version=v2, pct=pct)
+
+
+async def _serve(acme, num_requests: int, **body: object) -> list[str]:
+    served = []
+    for i in range(num_requests):
+        response = await AsyncClient().post(
+            "/v1/models/demo-chat/infer",
+            data=json.dumps({"input": f"hello {i}", "max_tokens": 8, **body}),
+            content_type="application/json",
+            headers=acme.auth,
+        )
+        assert response.status_code == 200, response.content
+        served.append(response.headers["X-Served-Version"])
+    return served
+
+
+async def _windows(runtime, started: datetime) -> dict[str, object]:
+    from serving import shadow
+    from serving.selectors import version_window
+
+    await shadow.wait_idle()
+    for replica in runtime.replicas.values():
+        await replica.flush_metrics()
+    end = datetime.now(tz=UTC) + timedelta(seconds=5)
+    return {
+        version: await sync_to_async(version_window)(
+            model_name="demo-chat", version=version, start=started, end=end
+        )
+        for version in ("v1", "v2")
+    }
+
+
+async def _start(make_tenant):  # type: ignore[no-untyped-def]
+    from serving.runtime import get_runtime
+
+    runtime = await get_runtime()
+    assert await runtime.wait_ready()
+    assert ("demo-chat", "v2") in runtime.replicas
+    return runtime, await sync_to_async(make_tenant)("acme")
+
+
+async def test_every_request_is_copied_to_the_mirror_and_same_weights_match(
+    make_tenant, registered_model, demo_model_dir
+) -> None:
+    await sync_to_async(_mirror_to)(demo_model_dir, 100)
+    runtime, acme = await _start(make_tenant)
+    started = datetime.now(tz=UTC) - timedelta(seconds=5)
+
+    assert await _serve(acme, 6, temperature=0) == ["v1"] * 6  # clients only see the primary
+    windows = await _windows(runtime, started)
+    v1, v2 = windows["v1"], windows["v2"]
+    assert v1.num_requests == 6 and v2.num_requests == 6  # the copies are recorded like requests
+    assert (v2.num_shadow_compared, v2.num_shadow_matched) == (6, 6)
+    assert v2.output_tokens == 6 * 8
+
+
+async def test_other_weights_do_not_match_and_unseeded_sampling_is_not_compared(
+    make_tenant, registered_model, other_weights_dir
+) -> None:
+    await sync_to_async(_mirror_to)(other_weights_dir, 100)
+    runtime, acme = await _start(make_tenant)
+    started = datetime.now(tz=UTC) - timedelta(seconds=5)
+
+    await _serve(acme, 4, temperature=0)
+    await _serve(acme, 3, temperature=1.0)  # no seed: two versions need not agree, so no comparison
+    v2 = (await _windows(runtime, started))["v2"]
+    assert v2.num_requests == 7
+    assert v2.num_shadow_compared == 4
+    assert v2.num_shadow_matched == 0
+
+
+async def test_no_mirror_no_copies(make_tenant, registered_model, demo_model_dir) -> None:
+    from registry.services import alias_set, model_version_register
+
+    v2 = await sync_to_async(model_version_register)(
+        name="demo-chat", version="v2", source_dir=demo_model_dir, created_by="test"
+    )
+    await sync_to_async(alias_set)(model=v2.model, name="canary", version=v2, actor="test")
+    runtime, acme = await _start(make_tenant)
+    started = datetime.now(tz=UTC) - timedelta(seconds=5)
+    await _serve(acme, 3, temperature=0)
+    v2_window = (await _windows(runtime, started))["v2"]
+    assert v2_window.num_requests == 0
