@@ -292,10 +292,11 @@ def test_attention_refuses_to_run_without_metadata() -> None:
 
 def _random_decode_case(num_rows: int, context_lens: list[int]) -> tuple:
     torch.manual_seed(1)
-    num_blocks, kv_heads, heads, dim = 64, 2, 6, 8
+    kv_heads, heads, dim = 2, 6, 8
+    width = max(-(-c // BLOCK_SIZE) for c in context_lens)
+    num_blocks = max(64, num_rows * width)
     k_pool = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim)
     v_pool = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim)
-    width = max(-(-c // BLOCK_SIZE) for c in context_lens)
     tables = torch.randperm(num_blocks)[: num_rows * width].view(num_rows, width)
     q = torch.randn(num_rows, heads, dim)
     return q, k_pool, v_pool, tables, torch.tensor(context_lens)
@@ -312,6 +313,63 @@ def _reference_decode(q, k_pool, v_pool, tables, context_lens) -> torch.Tensor:
         weights = torch.softmax(q[row, :, None, :] @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
         outs.append((weights @ v)[:, 0])
     return torch.stack(outs)
+
+
+def _eager_decode(q, k_pool, v_pool, tables, context_lens) -> torch.Tensor:
+    """The registered function over decode rows whose new keys are already in the pool."""
+    import numpy as np
+
+    num_rows, num_kv_heads, dim = q.shape[0], k_pool.shape[2], q.shape[2]
+    positions = (context_lens - 1).tolist()
+    slots = torch.tensor(
+        [int(tables[r, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for r, p in enumerate(positions)]
+    )
+    kv_caches = [(k_pool, v_pool)]
+    metadata = build_attention_metadata(
+        kv_caches=kv_caches,
+        scratch=AttentionScratch(
+            block_size=BLOCK_SIZE,
+            num_kv_heads=num_kv_heads,
+            head_dim=dim,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        ),
+        block_size=BLOCK_SIZE,
+        query_lens=np.ones(num_rows, dtype=np.int64),
+        context_lens=context_lens.numpy(),
+        block_tables=tables,
+        slot_mapping=slots,
+    )
+    module = torch.nn.Module()
+    module.layer_idx = 0  # type: ignore[assignment]
+    flat = k_pool.view(-1, num_kv_heads, dim)
+    new_k = flat[slots].transpose(0, 1)[None]  # rewrite what is there: the pool stays as it was
+    new_v = v_pool.view(-1, num_kv_heads, dim)[slots].transpose(0, 1)[None]
+    out, _ = paged_attention_forward(
+        module, q.transpose(0, 1)[None], new_k, new_v, None, scaling=dim**-0.5, paged_metadata=metadata
+    )
+    return out[0], metadata
+
+
+def test_decode_rows_of_spread_lengths_are_bucketed_and_agree_with_the_reference() -> None:
+    lengths = [1 + (i * 37) % 150 for i in range(40)]  # 1..150 tokens, shuffled
+    q, k_pool, v_pool, tables, context_lens = _random_decode_case(40, lengths)
+    out, metadata = _eager_decode(q, k_pool, v_pool, tables, context_lens)
+    assert len(metadata.decode_buckets) == 4
+    assert sum(len(b.rows) for b in metadata.decode_buckets) == 40
+    padded = sum(len(b.rows) * b.num_blocks for b in metadata.decode_buckets)
+    assert padded < 0.8 * 40 * max(b.num_blocks for b in metadata.decode_buckets)
+    expected = _reference_decode(q, k_pool, v_pool, tables, context_lens)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_rows_of_similar_lengths_stay_in_one_batch() -> None:
+    q, k_pool, v_pool, tables, context_lens = _random_decode_case(40, [100 + i % 5 for i in range(40)])
+    out, metadata = _eager_decode(q, k_pool, v_pool, tables, context_lens)
+    assert len(metadata.decode_buckets) == 1 and metadata.decode_buckets[0].rows is None
+    torch.testing.assert_close(
+        out, _reference_decode(q, k_pool, v_pool, tables, context_lens), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_decode_paths_agree_with_a_naive_reference() -> None:
