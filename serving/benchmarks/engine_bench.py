@@ -242,6 +242,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     parser.add_argument("--static-batch-size", type=int, default=defaults.static_batch_size)
     parser.add_argument("--kv-cache-mib", type=float, default=None)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="engine KV block, tokens")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile)
     parser.add_argument(
         "--repeat", type=int, default=defaults.repeat, help="runs per system; medians reported"
@@ -278,6 +279,7 @@ def config_from_options(options: dict[str, Any]) -> BenchConfig:
         max_num_seqs=options["max_num_seqs"],
         max_num_batched_tokens=options["max_num_batched_tokens"],
         static_batch_size=options["static_batch_size"],
+        block_size=options.get("block_size") or BenchConfig.block_size,
         kv_cache_bytes=None if kv_mib is None else math.ceil(kv_mib * 2**20),
         compile=options["compile"],
         repeat=options["repeat"],

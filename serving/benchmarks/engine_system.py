@@ -16,11 +16,13 @@ from serving.benchmarks.workload import BenchRequest, RequestRecord, new_records
 @dataclass(slots=True)
 class EngineRunStats:
     """What engine.stats() showed after each step of one run. KV waste: allocated token slots not
-    holding a token, as a fraction of the slots allocated."""
+    holding a token, as a fraction of the slots allocated: per step (max, mean of steps) and over the
+    whole run (slot-steps: every step's empty slots over every step's allocated slots)."""
 
     num_steps: int = 0
     max_kv_waste: float = 0.0
     mean_kv_waste: float = 0.0
+    run_kv_waste: float = 0.0
     num_kv_samples: int = 0
     max_num_running: int = 0
     num_batched_tokens: int = 0  # prompt and output tokens run through the model, all steps
@@ -73,6 +75,7 @@ class EngineSystem:
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         stats = EngineRunStats()
         waste_sum = 0.0
+        allocated_slot_steps = empty_slot_steps = 0
         started = time.monotonic()
         while pending or engine.has_unfinished():
             now = time.monotonic()
@@ -109,6 +112,9 @@ class EngineSystem:
                 stats.max_kv_waste = max(stats.max_kv_waste, waste)
                 waste_sum += waste
                 stats.num_kv_samples += 1
+                allocated_slot_steps += engine_stats.kv_allocated_slots
+                empty_slot_steps += engine_stats.kv_allocated_slots - engine_stats.kv_used_slots
         stats.mean_kv_waste = waste_sum / stats.num_kv_samples if stats.num_kv_samples else 0.0
+        stats.run_kv_waste = empty_slot_steps / allocated_slot_steps if allocated_slot_steps else 0.0
         self.last_run = stats
         return list(records.values())

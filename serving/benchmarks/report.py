@@ -100,8 +100,9 @@ def format_report(report: BenchReport) -> str:
         lines.append("(e) KV waste: engine not measured")
     else:
         lines.append(
-            f"(e) KV waste (allocated slots not holding a token, after each of {run.num_kv_samples} steps): "
-            f"max {run.max_kv_waste:.1%}, mean {run.mean_kv_waste:.1%}; engine steps {run.num_steps}, "
+            f"(e) KV waste (allocated slots not holding a token) over the run's slot-steps "
+            f"{run.run_kv_waste:.1%}; after each of {run.num_kv_samples} steps: max {run.max_kv_waste:.1%}, "
+            f"mean {run.mean_kv_waste:.1%} (block size {config.block_size}); engine steps {run.num_steps}, "
             f"mean {run.mean_num_batched_tokens:.0f} tokens/step, max running {run.max_num_running}, "
             f"preemptions {run.num_preemptions}; {run.num_batched_tokens} tokens computed for a workload "
             f"of {num_workload_tokens} (fewer: prefix-cache hits; more: recomputation after preemption)"

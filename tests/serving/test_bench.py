@@ -84,6 +84,7 @@ def test_each_system_yields_every_requests_max_tokens(key: str, demo_model_dir: 
     if isinstance(system, EngineSystem):
         assert system.last_run.num_kv_samples > 0
         assert 0 <= system.last_run.mean_kv_waste <= system.last_run.max_kv_waste < 1
+        assert 0 < system.last_run.run_kv_waste <= system.last_run.max_kv_waste
 
 
 def test_paged_blocks_fit_more_sequences_than_max_length_reservations(demo_model_dir: Path) -> None:
