@@ -1,4 +1,4 @@
-"""Production mode: a gateway process and replica processes on the Redis channel layer."""
+"""Production mode: a gateway process and replica processes on the Redis channel layer and Postgres."""
 
 from __future__ import annotations
 
@@ -21,6 +21,23 @@ from tests.e2e.conftest import LiveServer, _free_port
 
 pytestmark = [pytest.mark.live_server_process, pytest.mark.redis]
 REDIS_URL = "redis://127.0.0.1:6379/14"
+POSTGRES_ADMIN_URL = os.environ.get("SWITCHYARD_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test")
+FLEET_DATABASE = "switchyard_e2e_fleet"
+
+
+def _fresh_postgres_database() -> str:
+    """Production mode runs on Postgres: a database of its own for the fleet's processes, recreated
+    empty (they migrate it). Skips outside CI when Postgres is not running; CI must have it."""
+    import psycopg
+
+    require_service("Postgres", "127.0.0.1", 5432)
+    admin = POSTGRES_ADMIN_URL.replace("postgres://", "postgresql://").rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(admin, autocommit=True) as connection:
+        connection.execute(f"DROP DATABASE IF EXISTS {FLEET_DATABASE} WITH (FORCE)")
+        connection.execute(f"CREATE DATABASE {FLEET_DATABASE}")
+    return POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + "/" + FLEET_DATABASE
+
+
 _STARTED_ON: list[str] = []  # the replica of every stream, as soon as its headers arrive
 
 
@@ -63,8 +80,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     require_service("Redis", "127.0.0.1", 6379)
     redis.Redis.from_url(REDIS_URL).flushdb()
     state = tmp_path_factory.mktemp("fleet")
-    env = {**os.environ, "SWITCHYARD_STATE_DIR": str(state), "REDIS_URL": REDIS_URL}
-    for name in ("DATABASE_URL", "SECRET_KEY", "DJANGO_SETTINGS_MODULE"):
+    env = {
+        **os.environ,
+        "SWITCHYARD_STATE_DIR": str(state),
+        "REDIS_URL": REDIS_URL,
+        "DATABASE_URL": _fresh_postgres_database(),
+    }
+    for name in ("SECRET_KEY", "DJANGO_SETTINGS_MODULE"):
         env.pop(name, None)
 
     def manage(*args: str) -> str:
