@@ -11,7 +11,7 @@ from channels.auth import AuthMiddlewareStack
 from channels.security.websocket import AllowedHostsOriginValidator
 from django.urls import URLPattern, path
 
-from dashboard.consumers import LiveFeedConsumer
+from dashboard.consumers import LiveFeedConsumer, OverviewFeedConsumer
 from serving.consumers import InferenceStreamConsumer
 
 
@@ -22,4 +22,5 @@ def session_route(route: str, consumer: Any) -> URLPattern:
 websocket_urlpatterns: list[URLPattern] = [
     path("v1/models/<str:model>/stream", InferenceStreamConsumer.as_asgi()),
     session_route("dashboard/ws/models/<str:model>/", LiveFeedConsumer),
+    session_route("dashboard/ws/overview/", OverviewFeedConsumer),
 ]

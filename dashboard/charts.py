@@ -1,8 +1,8 @@
 """Chart shapes: the time ranges the model page offers, and one version's metrics window as a chart point.
 
 Pure functions of serving.selectors.VersionWindow (no database): latency percentiles in ms from merged
-histograms, rates per second over the window's own length, batch sizes binned. The live feed and the
-page's first load share them, so a pushed point replaces a drawn one exactly."""
+histograms, rates per second over the window's own length, batch sizes and queue waits binned. The live
+feed and the page's first load share them, so a pushed point replaces a drawn one exactly."""
 
 from __future__ import annotations
 
@@ -51,12 +51,36 @@ BATCH_BINS: tuple[tuple[str, float], ...] = (
     ("129+", math.inf),
 )
 
+# Time to fill a batch slot. Generative models are batched continuously: a slot freed in the running batch
+# is filled at the next step by a waiting request, so the time to fill it is that request's queue wait
+# (arrival -> admitted to the running batch). Upper bounds in seconds; the histogram's buckets put a
+# sample within 1% of a bound on either side of it.
+QUEUE_WAIT_BINS: tuple[tuple[str, float], ...] = (
+    ("≤1 ms", 0.001),
+    ("1-5 ms", 0.005),
+    ("5-10 ms", 0.010),
+    ("10-25 ms", 0.025),
+    ("25-50 ms", 0.050),
+    ("50-100 ms", 0.100),
+    ("0.1-0.25 s", 0.250),
+    ("0.25-0.5 s", 0.500),
+    ("0.5-1 s", 1.0),
+    ("1-2.5 s", 2.5),
+    ("2.5-5 s", 5.0),
+    (">5 s", math.inf),
+)
+
 # What the model page charts; the JavaScript draws one trace per (version, stat).
 LATENCY_STATS = ("p50", "p95", "p99")
 CHARTS: tuple[dict[str, Any], ...] = (
     {"id": "ttft", "title": "Time to first token", "unit": "ms", "stats": LATENCY_STATS},
     {"id": "tpot", "title": "Time per output token", "unit": "ms", "stats": LATENCY_STATS},
-    {"id": "queue_wait", "title": "Queue wait (before the first step)", "unit": "ms", "stats": LATENCY_STATS},
+    {
+        "id": "queue_wait",
+        "title": "Queue wait (arrival to admission into the running batch)",
+        "unit": "ms",
+        "stats": LATENCY_STATS,
+    },
     {"id": "model_time", "title": "Model time per engine step", "unit": "ms", "stats": LATENCY_STATS},
     {"id": "req_s", "title": "Requests per second", "unit": "req/s", "stats": ()},
     {"id": "err_pct", "title": "Error rate", "unit": "%", "stats": ()},
@@ -83,10 +107,19 @@ def chart_time(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _binned(histogram: Any, bins: tuple[tuple[str, float], ...]) -> list[int]:
+    cumulative = histogram.cumulative_counts([bound for _, bound in bins])
+    return [n - previous for n, previous in zip(cumulative, [0, *cumulative[:-1]], strict=True)]
+
+
 def batch_bins(histogram: Any) -> list[int]:
     """Engine steps per batch-size bin (BATCH_BINS), from the merged batch-size histogram."""
-    cumulative = histogram.cumulative_counts([bound for _, bound in BATCH_BINS])
-    return [n - previous for n, previous in zip(cumulative, [0, *cumulative[:-1]], strict=True)]
+    return _binned(histogram, BATCH_BINS)
+
+
+def queue_wait_bins(histogram: Any) -> list[int]:
+    """Requests per queue-wait bin (QUEUE_WAIT_BINS), from the merged queue-wait histogram."""
+    return _binned(histogram, QUEUE_WAIT_BINS)
 
 
 def _rate(window: VersionWindow) -> float | None:
@@ -110,6 +143,7 @@ def chart_point(window: VersionWindow) -> dict[str, Any]:
         "queue_wait": _quantiles_ms(window.queue_wait),
         "model_time": _quantiles_ms(window.model_time),
         "batch": batch_bins(window.batch_size),
+        "fill": queue_wait_bins(window.queue_wait),
     }
 
 

@@ -1,10 +1,14 @@
-"""The model page's live feed: `ws://host/dashboard/ws/models/{model}/?range=15m`.
+"""The dashboard's live feeds, staff only, each pushing one `{"type": "update", ...}` message every
+LIVE_INTERVAL_S (the client sends nothing):
 
-Mounted with config.routing.session_route (session auth + the allowed-hosts origin check). Staff only:
-anyone else is refused at the handshake (close code 4403; an unknown model 4404). Once open, it pushes
-one `{"type": "update", ...}` message (dashboard.selectors.live_update) every LIVE_INTERVAL_S: the last
-few chart points of each version (one series per version, never merged), traffic and states, and the
-replicas' KV-cache use and load as they are now. The client sends nothing."""
+- the model page's: `ws://host/dashboard/ws/models/{model}/?range=15m` (dashboard.selectors.live_update):
+  the last few chart points of each version (one series per version, never merged), traffic and states,
+  and the replicas' KV-cache use and queue depth as they are now;
+- the overview's: `ws://host/dashboard/ws/overview/` (dashboard.selectors.overview_update):
+  replica states, each version's traffic and last-minute rates, fleet KV-cache use.
+
+Mounted with config.routing.session_route (session auth + the allowed-hosts origin check). Anyone but
+staff is refused at the handshake (close code 4403; an unknown model 4404)."""
 
 from __future__ import annotations
 
@@ -27,7 +31,9 @@ CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
 
 
-class LiveFeedConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
+class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
+    """Staff check at the handshake, then push() every interval_s until the socket closes."""
+
     interval_s: float = selectors.LIVE_INTERVAL_S
     _task: asyncio.Task[None] | None = None
 
@@ -36,17 +42,15 @@ class LiveFeedConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         if user is None or not (user.is_authenticated and user.is_active and user.is_staff):
             await self.close(code=CLOSE_FORBIDDEN)
             return
-        query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
-        self.chart = charts.chart_range((query.get("range") or [None])[0])
-        self.with_points = (query.get("points") or ["1"])[0] != "0"  # the rollout page needs no charts
-        # The versions the page drew at load (it may show a version with data but no traffic now).
-        self.charted: list[str] = [v for v in ",".join(query.get("versions", [])).split(",") if v]
-        self.model_name = self.scope["url_route"]["kwargs"]["model"]
-        if await database_sync_to_async(selectors.model_get)(name=self.model_name) is None:
+        if not await self.prepare():
             await self.close(code=CLOSE_NOT_FOUND)
             return
         await self.accept()
         self._task = asyncio.get_running_loop().create_task(self._push_forever())
+
+    async def prepare(self) -> bool:
+        """Read the handshake's parameters; False when what the feed follows does not exist."""
+        return True
 
     async def disconnect(self, code: int) -> None:
         if self._task is not None:
@@ -67,8 +71,32 @@ class LiveFeedConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                 await self.close(code=CLOSE_NOT_FOUND)
                 return
             except Exception:  # a failed read (database busy, runtime restarting) skips one push
-                logger.exception("dashboard live feed: update for %s failed", self.model_name)
+                logger.exception("dashboard live feed %s: update failed", self.scope.get("path"))
             await asyncio.sleep(self.interval_s)
+
+    async def push(self) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    async def encode_json(cls, content: Any) -> str:
+        return json.dumps(content, cls=DjangoJSONEncoder, separators=(",", ":"))
+
+
+class OverviewFeedConsumer(_PushingConsumer):
+    async def push(self) -> None:
+        replicas = await selectors.fleet_replicas()
+        await self.send_json(await database_sync_to_async(selectors.overview_update)(replicas=replicas))
+
+
+class LiveFeedConsumer(_PushingConsumer):
+    async def prepare(self) -> bool:
+        query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
+        self.chart = charts.chart_range((query.get("range") or [None])[0])
+        self.with_points = (query.get("points") or ["1"])[0] != "0"  # the rollout page needs no charts
+        # The versions the page drew at load (it may show a version with data but no traffic now).
+        self.charted: list[str] = [v for v in ",".join(query.get("versions", [])).split(",") if v]
+        self.model_name = self.scope["url_route"]["kwargs"]["model"]
+        return await database_sync_to_async(selectors.model_get)(name=self.model_name) is not None
 
     async def push(self) -> None:
         replicas = await selectors.fleet_replicas()
@@ -81,7 +109,3 @@ class LiveFeedConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         )
         self.charted = update["charted"]
         await self.send_json(update)
-
-    @classmethod
-    async def encode_json(cls, content: Any) -> str:
-        return json.dumps(content, cls=DjangoJSONEncoder, separators=(",", ":"))

@@ -17,12 +17,12 @@ from django.db.models import Prefetch
 from django.utils import timezone
 
 from dashboard import charts, verdicts
-from registry.models import ApiKey, Model, Tenant
+from registry.models import ApiKey, Model, Quota, Tenant
 from registry.selectors import model_versions_overview
 from rollouts import selectors as rollout_selectors
 from rollouts.models import Deployment
 from rollouts.services import JUDGE_ACTOR
-from serving.gateway import quota_store
+from serving.gateway import MemoryQuotaStore, QuotaUsage, quota_store
 from serving.runtime import ReplicaHandle, get_runtime
 from serving.selectors import version_series, version_window
 
@@ -116,6 +116,8 @@ def _replica_row(handle: ReplicaHandle) -> dict[str, Any]:
         "version": handle.version,
         "state": handle.state,
         "load": handle.load,
+        "queue_depth": handle.queue_depth,
+        "running": handle.num_running,
         "kv_pct": round(handle.kv_cache_usage * 100.0, 2),
         "is_local": handle.is_local,
     }
@@ -140,6 +142,7 @@ def _fleet_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "kv_mean_pct": round(sum(kv) / len(kv), 2) if kv else None,
         "kv_max_pct": max(kv) if kv else None,
         "load": sum(r["load"] for r in rows),
+        "queue_depth": sum(r["queue_depth"] for r in rows),
     }
 
 
@@ -168,6 +171,40 @@ def overview(*, replicas: Sequence[ReplicaHandle], now: datetime | None = None) 
             }
         )
     return {"models": models, "replicas": rows, "fleet": _fleet_summary(rows), "now": now}
+
+
+def overview_update(*, replicas: Sequence[ReplicaHandle], now: datetime | None = None) -> dict[str, Any]:
+    """One push of the overview's live feed: the page's own figures (overview), read afresh."""
+    page = overview(replicas=replicas, now=now)
+    return {
+        "type": "update",
+        "at": charts.chart_time(page["now"]),
+        "fleet": page["fleet"],
+        "models": [
+            {
+                "name": model["name"],
+                "versions": [
+                    {
+                        key: row.get(key)
+                        for key in (
+                            "version",
+                            "traffic_pct",
+                            "state",
+                            "aliases",
+                            "req_s",
+                            "err_pct",
+                            "ttft_p99_ms",
+                            "tpot_p99_ms",
+                        )
+                    }
+                    for row in model["versions"]
+                ],
+                "deployment": model["deployment"],
+            }
+            for model in page["models"]
+        ],
+        "replicas": page["replicas"],
+    }
 
 
 def model_page(
@@ -318,19 +355,49 @@ def deployment_page(*, deployment_id: int) -> dict[str, Any] | None:
 # --- tenants ---------------------------------------------------------------------------------------------
 
 
-def tenants_page() -> list[dict[str, Any]]:
-    """Tenants with their quotas and keys (prefixes only: keys are stored as hashes).
+def _pct(part: float, whole: float) -> float:
+    return round(min(100.0, max(0.0, 100.0 * part / whole)), 1) if whole > 0 else 0.0
 
-    429 counts come from the gateway's quota store (this process's, or every process's with Redis).
-    Usage against quota has no reader yet: it is reported as None, shown as "not available"."""
-    refusals = quota_store().refusals()
-    tenants = Tenant.objects.select_related("quota").prefetch_related(
-        "quota__allowed_models",
-        Prefetch("api_keys", queryset=ApiKey.objects.order_by("-created_at")),
+
+def _usage_row(usage: QuotaUsage) -> dict[str, Any]:
+    """Each limit's use now, with a bar's width (clamped to 0-100 %)."""
+    return {
+        "in_flight": {
+            "used": usage.num_in_flight,
+            "size": usage.max_concurrent_requests,
+            "pct": _pct(usage.num_in_flight, usage.max_concurrent_requests),
+        },
+        "requests": {
+            "used": round(usage.requests_drawn, 2),
+            "size": round(usage.request_bucket_size, 2),
+            "pct": _pct(usage.requests_drawn, usage.request_bucket_size),
+        },
+        "tokens": {
+            "used": round(usage.tokens_drawn),
+            "size": usage.token_bucket_size,
+            "pct": _pct(usage.tokens_drawn, usage.token_bucket_size),
+        },
+    }
+
+
+def tenants_page() -> dict[str, Any]:
+    """Tenants with their quotas, usage now and keys (prefixes only: keys are stored as hashes).
+
+    Usage and 429 counts come from the gateway's quota store: this process's counters in memory, or
+    every gateway's in Redis. A store that cannot be read leaves them out (the page says so)."""
+    store = quota_store()
+    refusals = store.refusals()
+    tenants = list(
+        Tenant.objects.select_related("quota").prefetch_related(
+            "quota__allowed_models",
+            Prefetch("api_keys", queryset=ApiKey.objects.order_by("-created_at")),
+        )
     )
+    quotas: dict[int, Quota | None] = {t.pk: getattr(t, "quota", None) for t in tenants}
+    usage = store.usage(q for q in quotas.values() if q is not None)
     rows = []
     for tenant in tenants:
-        quota = getattr(tenant, "quota", None)
+        quota = quotas[tenant.pk]
         rows.append(
             {
                 "tenant": tenant,
@@ -338,11 +405,12 @@ def tenants_page() -> list[dict[str, Any]]:
                 "allowed_models": [m.name for m in quota.allowed_models.all()] if quota else [],
                 "keys": list(tenant.api_keys.all()),
                 "num_active_keys": sum(1 for k in tenant.api_keys.all() if k.revoked_at is None),
-                "usage": None,
+                "usage": _usage_row(usage[tenant.pk]) if tenant.pk in usage else None,
                 "num_refused_429": refusals.get(tenant.pk, 0),
             }
         )
-    return rows
+    counted_by = "this server process" if isinstance(store, MemoryQuotaStore) else "every gateway (Redis)"
+    return {"tenants": rows, "counted_by": counted_by}
 
 
 def tenant_get(*, tenant_id: int) -> Tenant | None:

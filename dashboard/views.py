@@ -20,6 +20,7 @@ from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from dashboard import charts, selectors
@@ -81,7 +82,11 @@ def _plotly() -> dict[str, str]:
 async def overview(request: HttpRequest) -> HttpResponse:
     replicas = await selectors.fleet_replicas()
     page = await sync_to_async(selectors.overview)(replicas=replicas)
-    return await sync_to_async(render)(request, "dashboard/overview.html", page)
+    live = {
+        "ws_path": "/dashboard/ws/overview/",
+        "deployment_url": reverse("dashboard:deployment", args=[0]),  # the script puts the id in
+    }
+    return await sync_to_async(render)(request, "dashboard/overview.html", {**page, "live": live})
 
 
 def _model_page(request: HttpRequest, model_name: str, replicas: list[Any]) -> HttpResponse:
@@ -98,6 +103,7 @@ def _model_page(request: HttpRequest, model_name: str, replicas: list[Any]) -> H
             **page,
             "charts": charts.CHARTS,
             "batch_bins": [label for label, _ in charts.BATCH_BINS],
+            "fill_bins": [label for label, _ in charts.QUEUE_WAIT_BINS],
             "live_interval_s": selectors.LIVE_INTERVAL_S,
             "ws_path": f"/dashboard/ws/models/{model.name}/?"
             + urlencode({"range": chart.key, "versions": ",".join(page["charted"])}),
@@ -183,7 +189,7 @@ def deployment_promote(request: HttpRequest, deployment_id: int) -> HttpResponse
 def _tenants(
     request: HttpRequest, *, new_key: dict[str, Any] | None = None, status: int = 200
 ) -> HttpResponse:
-    context = {"tenants": selectors.tenants_page(), "form": ApiKeyForm(), "new_key": new_key}
+    context = {**selectors.tenants_page(), "form": ApiKeyForm(), "new_key": new_key}
     response = render(request, "dashboard/tenants.html", context, status=status)
     if new_key is not None:
         response["Cache-Control"] = "no-store"  # the raw key is in this page and nowhere else

@@ -10,6 +10,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -96,10 +97,84 @@ class Ticket:
     charged_tokens: int
 
 
+class QuotaLimits(Protocol):
+    """A tenant's limits: a TenantContext, or a registry Quota row (read by the dashboard)."""
+
+    @property
+    def tenant_id(self) -> int: ...
+    @property
+    def requests_per_second(self) -> float: ...
+    @property
+    def tokens_per_minute(self) -> int: ...
+    @property
+    def max_concurrent_requests(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaUsage:
+    """A tenant's counters now, as the next admission would see them: both buckets refilled to this
+    instant. A bucket's level is what is left; what was drawn refills at the quota's rate."""
+
+    num_in_flight: int  # admitted and not yet released
+    max_concurrent_requests: int
+    request_bucket_level: float  # requests that may start at once now; admission needs >= 1
+    request_bucket_size: float  # the burst: max(1, requests_per_second)
+    token_bucket_level: float  # tokens left; below zero when requests used more than their estimate
+    token_bucket_size: int  # tokens_per_minute
+
+    @property
+    def requests_drawn(self) -> float:
+        return self.request_bucket_size - self.request_bucket_level
+
+    @property
+    def tokens_drawn(self) -> float:
+        return self.token_bucket_size - self.token_bucket_level
+
+
+def _refilled(
+    limits: QuotaLimits, *, request_tokens: float, token_tokens: float, elapsed_s: float
+) -> tuple[float, float]:
+    """Both bucket levels after `elapsed_s` of refill, capped at their sizes (the Redis script does
+    the same in Lua)."""
+    elapsed_s = max(0.0, elapsed_s)
+    rps_burst = max(1.0, limits.requests_per_second)
+    return (
+        min(rps_burst, request_tokens + elapsed_s * limits.requests_per_second),
+        min(float(limits.tokens_per_minute), token_tokens + elapsed_s * limits.tokens_per_minute / 60.0),
+    )
+
+
+def quota_usage(
+    limits: QuotaLimits,
+    *,
+    request_tokens: float | None,
+    token_tokens: float | None,
+    num_in_flight: int,
+    elapsed_s: float,
+) -> QuotaUsage:
+    """Usage from stored counters (None: no state yet, so full buckets), refilled to now."""
+    rps_burst = max(1.0, limits.requests_per_second)
+    request_level, token_level = _refilled(
+        limits,
+        request_tokens=rps_burst if request_tokens is None else request_tokens,
+        token_tokens=float(limits.tokens_per_minute) if token_tokens is None else token_tokens,
+        elapsed_s=elapsed_s,
+    )
+    return QuotaUsage(
+        num_in_flight=num_in_flight,
+        max_concurrent_requests=limits.max_concurrent_requests,
+        request_bucket_level=request_level,
+        request_bucket_size=rps_burst,
+        token_bucket_level=token_level,
+        token_bucket_size=limits.tokens_per_minute,
+    )
+
+
 class QuotaStore(Protocol):
     def admit(self, context: TenantContext, *, tokens: int) -> Ticket: ...
     def release(self, ticket: Ticket, *, used_tokens: int) -> None: ...
     def refusals(self) -> dict[int, int]: ...
+    def usage(self, limits: Iterable[QuotaLimits]) -> dict[int, QuotaUsage]: ...
 
 
 @dataclass(slots=True)
@@ -121,14 +196,14 @@ class MemoryQuotaStore:
 
     def _refill(self, context: TenantContext, now: float) -> _TenantState:
         state = self._states.get(context.tenant_id)
-        rps_burst = max(1.0, context.requests_per_second)
         if state is None:
-            state = _TenantState(rps_burst, float(context.tokens_per_minute), now)
+            state = _TenantState(max(1.0, context.requests_per_second), float(context.tokens_per_minute), now)
             self._states[context.tenant_id] = state
-        elapsed = max(0.0, now - state.updated_at)
-        state.request_tokens = min(rps_burst, state.request_tokens + elapsed * context.requests_per_second)
-        state.token_tokens = min(
-            float(context.tokens_per_minute), state.token_tokens + elapsed * context.tokens_per_minute / 60.0
+        state.request_tokens, state.token_tokens = _refilled(
+            context,
+            request_tokens=state.request_tokens,
+            token_tokens=state.token_tokens,
+            elapsed_s=now - state.updated_at,
         )
         state.updated_at = now
         return state
@@ -164,6 +239,22 @@ class MemoryQuotaStore:
         """429s per tenant id since this process started."""
         with self._lock:
             return dict(self._num_refused)
+
+    def usage(self, limits: Iterable[QuotaLimits]) -> dict[int, QuotaUsage]:
+        """Each tenant's usage now, in this process; reading refills nothing (admission does that)."""
+        with self._lock:
+            now = self._clock()  # type: ignore[operator]
+            result = {}
+            for tenant in limits:
+                state = self._states.get(tenant.tenant_id)
+                result[tenant.tenant_id] = quota_usage(
+                    tenant,
+                    request_tokens=state.request_tokens if state else None,
+                    token_tokens=state.token_tokens if state else None,
+                    num_in_flight=state.num_in_flight if state else 0,
+                    elapsed_s=now - state.updated_at if state else 0.0,
+                )
+            return result
 
 
 def _refusal(

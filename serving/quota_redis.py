@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Iterable
 
 import redis
 
 from registry.selectors import TenantContext
-from serving.gateway import GatewayError, Ticket, _refusal
+from serving.gateway import GatewayError, QuotaLimits, QuotaUsage, Ticket, _refusal, quota_usage
 
 # KEYS[1] tenant hash. ARGV: rps, tokens/min, max concurrent, tokens asked, idle expiry (s).
 # Returns {admitted (0/1), request_tokens, token_tokens, in_flight} as strings (Lua numbers would be
@@ -93,6 +94,33 @@ class RedisQuotaStore:
         except redis.RedisError:
             return {}
         return {int(tenant_id): int(n) for tenant_id, n in raw.items()}
+
+    def usage(self, limits: Iterable[QuotaLimits]) -> dict[int, QuotaUsage]:
+        """Each tenant's usage now, over every gateway process (empty when Redis cannot be read).
+
+        Reads the hash _ADMIT keeps and refills it in Python, writing nothing: a look must not move a
+        bucket's timestamp. The clock is Redis's own TIME, as in the script, read in the same
+        MULTI/EXEC as the hashes so that no admission lands between them."""
+        limits = list(limits)
+        try:
+            with self._redis.pipeline(transaction=True) as pipe:
+                pipe.time()
+                for tenant in limits:
+                    pipe.hmget(self._key(tenant.tenant_id), "rt", "tt", "ts", "n")
+                (seconds, microseconds), *states = pipe.execute()
+        except redis.RedisError:
+            return {}
+        now = seconds + microseconds / 1e6
+        result = {}
+        for tenant, (rt, tt, ts, n) in zip(limits, states, strict=True):
+            result[tenant.tenant_id] = quota_usage(
+                tenant,
+                request_tokens=None if rt is None else float(rt),
+                token_tokens=None if tt is None else float(tt),
+                num_in_flight=0 if n is None else int(n),
+                elapsed_s=0.0 if ts is None else now - float(ts),
+            )
+        return result
 
     def clear(self) -> None:
         for key in self._redis.scan_iter(f"{self._prefix}*"):

@@ -19,7 +19,7 @@ from django.conf import settings
 
 from registry.selectors import VersionRef, versions_with_traffic
 from serving.replica import Replica, ReplicaState
-from serving.replica_directory import ReplicaDirectory
+from serving.replica_directory import Heartbeat, ReplicaDirectory
 from serving.router import REVALIDATE_S
 from serving.streams import ReplyHub
 
@@ -39,10 +39,12 @@ class ReplicaHandle:
     version: str
     channel_name: str
     state: str
-    load: int
+    load: int  # queue_depth + num_running: what the router balances on
     kv_cache_usage: float
     is_ready: bool
     is_local: bool
+    queue_depth: int = 0  # waiting for a slot in the running batch (Heartbeat.num_waiting)
+    num_running: int = 0
 
 
 def _local_handle(replica: Replica) -> ReplicaHandle:
@@ -56,6 +58,25 @@ def _local_handle(replica: Replica) -> ReplicaHandle:
         kv_cache_usage=replica.kv_cache_usage,
         is_ready=replica.is_ready,
         is_local=True,
+        # Counted as the heartbeat counts it: arrivals not yet handed to the engine wait too.
+        queue_depth=replica.load - replica.num_running,
+        num_running=replica.num_running,
+    )
+
+
+def _remote_handle(beat: Heartbeat) -> ReplicaHandle:
+    return ReplicaHandle(
+        replica_id=beat.replica_id,
+        model_name=beat.model_name,
+        version=beat.version,
+        channel_name=beat.channel_name,
+        state=beat.state,
+        load=beat.load,
+        kv_cache_usage=beat.kv_cache_usage,
+        is_ready=beat.is_ready,
+        is_local=False,
+        queue_depth=beat.num_waiting,
+        num_running=beat.num_running,
     )
 
 
@@ -98,19 +119,7 @@ class Runtime:
             local_ids = {h.replica_id for h in handles}
             for beat in await self.directory.replicas(model_name, version):
                 if beat.replica_id not in local_ids:
-                    handles.append(
-                        ReplicaHandle(
-                            replica_id=beat.replica_id,
-                            model_name=beat.model_name,
-                            version=beat.version,
-                            channel_name=beat.channel_name,
-                            state=beat.state,
-                            load=beat.load,
-                            kv_cache_usage=beat.kv_cache_usage,
-                            is_ready=beat.is_ready,
-                            is_local=False,
-                        )
-                    )
+                    handles.append(_remote_handle(beat))
         return handles
 
     async def is_alive(self, handle: ReplicaHandle) -> bool:
@@ -129,19 +138,7 @@ class Runtime:
             local_ids = {h.replica_id for h in handles}
             for beat in await self.directory.all_replicas():
                 if beat.replica_id not in local_ids and beat.is_fresh:
-                    handles.append(
-                        ReplicaHandle(
-                            beat.replica_id,
-                            beat.model_name,
-                            beat.version,
-                            beat.channel_name,
-                            beat.state,
-                            beat.load,
-                            beat.kv_cache_usage,
-                            beat.is_ready,
-                            False,
-                        )
-                    )
+                    handles.append(_remote_handle(beat))
         return handles
 
     async def wait_ready(self) -> bool:

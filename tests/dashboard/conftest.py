@@ -13,21 +13,29 @@ from serving.runtime import ReplicaHandle
 PASSWORD = "correct-horse-battery"
 
 
-def replica(version: str, *, kv: float = 0.25, load: int = 3, state: str = "ready") -> ReplicaHandle:
+def replica(
+    version: str, *, kv: float = 0.25, waiting: int = 1, running: int = 2, state: str = "ready"
+) -> ReplicaHandle:
     return ReplicaHandle(
         replica_id=f"replica-{version}-0001",
         model_name="chat",
         version=version,
         channel_name=f"switchyard.replica.chat.{version}.x",
         state=state,
-        load=load,
+        load=waiting + running,
         kv_cache_usage=kv,
         is_ready=state == "ready",
         is_local=True,
+        queue_depth=waiting,
+        num_running=running,
     )
 
 
-FLEET = [replica("v1", kv=0.25, load=3), replica("v2", kv=0.5, load=1, state="loading")]
+# Queue depths differ from loads (waiting + running), so a page showing the load would be caught.
+FLEET = [
+    replica("v1", kv=0.25, waiting=1, running=2),
+    replica("v2", kv=0.5, waiting=4, running=0, state="loading"),
+]
 
 
 @pytest.fixture(autouse=True)

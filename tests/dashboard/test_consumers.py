@@ -19,9 +19,10 @@ ORIGIN = (b"origin", b"http://127.0.0.1")
 
 @pytest.fixture(autouse=True)
 def fast_feed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dashboard.consumers import LiveFeedConsumer
+    from dashboard.consumers import LiveFeedConsumer, OverviewFeedConsumer
 
     monkeypatch.setattr(LiveFeedConsumer, "interval_s", 0.05)
+    monkeypatch.setattr(OverviewFeedConsumer, "interval_s", 0.05)
 
 
 def _session_cookie(user: Any) -> bytes:
@@ -132,3 +133,71 @@ async def test_each_update_reads_traffic_afresh(make_user: Any, chat: Any) -> No
         update = await ws.receive_json_from(timeout=10)  # at most one push was already on its way
     assert update["charted"] == ["v1", "v2"]  # v2 now has traffic: it gets its own series
     await ws.disconnect()
+
+
+# --- the overview's feed ---------------------------------------------------------------------------------
+
+OVERVIEW = "/dashboard/ws/overview/"
+
+
+async def test_the_overview_feed_pushes_the_fleet_versions_and_replicas(
+    make_user: Any, chat_with_traffic: Any
+) -> None:
+    staff = await sync_to_async(make_user)("admin")
+    ws = await _communicator(staff, path=OVERVIEW)
+    assert (await ws.connect())[0]
+    update = await ws.receive_json_from(timeout=10)
+    await ws.disconnect()
+
+    assert update["type"] == "update"
+    fleet = update["fleet"]
+    assert fleet["states"] == {"loading": 1, "ready": 1} and fleet["num_replicas"] == 2
+    assert fleet["kv_mean_pct"] == 25.0  # over ready replicas only: v2 is loading
+    assert (fleet["load"], fleet["queue_depth"]) == (7, 5)
+    (model,) = update["models"]
+    assert model["name"] == "chat" and model["deployment"] is None
+    (v1,) = model["versions"]  # v2 has no traffic, alias or deployment: not shown
+    assert (v1["version"], v1["traffic_pct"], v1["state"], v1["aliases"]) == (
+        "v1",
+        100,
+        "serving",
+        ["stable"],
+    )
+    assert v1["err_pct"] == pytest.approx(5.0)  # 1 error in 20 requests over the last minute
+    assert v1["ttft_p99_ms"] == pytest.approx(100.0, rel=0.02)
+    assert [(r["version"], r["state"], r["queue_depth"], r["running"]) for r in update["replicas"]] == [
+        ("v1", "ready", 1, 2),
+        ("v2", "loading", 4, 0),
+    ]
+
+
+async def test_the_overview_feed_follows_replicas_and_traffic_without_reconnecting(
+    make_user: Any, chat: Any, fake_fleet: list[Any]
+) -> None:
+    from registry.services import routing_table_set
+    from tests.dashboard.conftest import replica
+
+    staff = await sync_to_async(make_user)("admin")
+    ws = await _communicator(staff, path=OVERVIEW)
+    assert (await ws.connect())[0]
+    first = await ws.receive_json_from(timeout=10)
+    assert first["fleet"]["states"] == {"loading": 1, "ready": 1}
+
+    fake_fleet[1] = replica("v2", kv=0.75, waiting=0, running=3)  # v2's replica finished loading
+    await sync_to_async(routing_table_set)(model=chat, weights={"v1": 50, "v2": 50})
+
+    def caught_up(update: dict[str, Any]) -> bool:
+        traffic = {v["version"]: v["traffic_pct"] for v in update["models"][0]["versions"]}
+        return update["fleet"]["states"] == {"ready": 2} and traffic == {"v1": 50, "v2": 50}
+
+    update = await ws.receive_json_from(timeout=10)
+    while not caught_up(update):  # pushes read before the change may be queued; a stuck feed times out
+        update = await ws.receive_json_from(timeout=10)
+    await ws.disconnect()
+    assert update["fleet"]["kv_mean_pct"] == 50.0 and update["fleet"]["queue_depth"] == 1
+
+
+async def test_the_overview_feed_is_for_staff_only(make_user: Any, chat: Any) -> None:
+    assert await (await _communicator(None, path=OVERVIEW)).connect() == (False, 4403)
+    mallory = await sync_to_async(make_user)("mallory", is_staff=False)
+    assert await (await _communicator(mallory, path=OVERVIEW)).connect() == (False, 4403)

@@ -98,6 +98,18 @@ def test_overview_shows_versions_traffic_replicas_and_fleet_kv(
     assert "state-ready" in html and "state-loading" in html  # the fake fleet: v1 ready, v2 loading
     assert "25.0%" in html  # fleet KV use: the mean over ready replicas (v2 is still loading)
     assert "5.00%" in html  # v1's error rate over the last minute: 1 of 20
+    assert "5 waiting for a batch slot" in html  # queue depths 1 + 4 (the loads are 3 + 4)
+
+
+def test_overview_follows_its_live_feed(staff_client: Client, chat: Any) -> None:
+    html = staff_client.get("/dashboard/").text
+    match = re.search(r'<script id="overview-config" type="application/json">(.*?)</script>', html, re.S)
+    assert match, "the overview embeds where its live feed is"
+    live = json.loads(match.group(1))
+    assert live["ws_path"] == "/dashboard/ws/overview/"
+    assert live["deployment_url"] == "/dashboard/deployments/0/"
+    assert re.search(r'<script src="/static/dashboard/overview\.js"></script>', html)
+    assert 'id="live-status"' in html and 'data-model="chat"' in html
 
 
 def test_model_page_charts_one_series_per_version(staff_client: Client, chat_with_traffic: Any) -> None:
@@ -124,6 +136,33 @@ def test_model_page_charts_one_series_per_version(staff_client: Client, chat_wit
     ]
     assert [r["version"] for r in config["replicas"]] == ["v1", "v2"]
     assert config["ws_path"] == "/dashboard/ws/models/chat/?range=15m&versions=v1%2Cv2"
+
+
+def test_model_page_shows_time_to_fill_a_batch_slot_per_version(
+    staff_client: Client, chat_with_traffic: Any
+) -> None:
+    response = staff_client.get("/dashboard/models/chat/")
+    assert "Time to fill a batch slot = queue wait" in response.text
+    assert 'data-chart="fill"' in response.text and 'data-chart="batch"' in response.text
+    config = _config(response)
+    labels = config["fill_bins"]
+    (v1,), (v2,) = ([p["fill"] for p in config["points"][v] if p["n"]] for v in ("v1", "v2"))
+    v1_bins, v2_bins = dict(zip(labels, v1, strict=True)), dict(zip(labels, v2, strict=True))
+    # v1's 20 requests waited 50 ms each, v2's 10 waited 200 ms: each version's own distribution.
+    assert v1_bins["25-50 ms"] + v1_bins["50-100 ms"] == sum(v1) == 20  # 50 ms is a bin's bound
+    assert v2_bins["0.1-0.25 s"] == sum(v2) == 10
+
+
+def test_replicas_show_their_queue_depth_not_their_load(staff_client: Client, chat: Any) -> None:
+    response = staff_client.get("/dashboard/models/chat/")
+    config = _config(response)
+    assert [(r["version"], r["queue_depth"], r["running"]) for r in config["replicas"]] == [
+        ("v1", 1, 2),
+        ("v2", 4, 0),
+    ]
+    assert "Queue depth per replica" in response.text and "waiting for a batch slot" in response.text
+    cells = re.findall(r'data-field="queue_depth">(\d+)<', response.text)
+    assert cells == ["1", "4"]
 
 
 def test_model_page_ranges(staff_client: Client, chat: Any) -> None:
@@ -232,11 +271,61 @@ def test_promote_calls_the_rollouts_service(make_user: Any, deployment: Any) -> 
 # --- tenants and API keys ------------------------------------------------------------------------------
 
 
-def test_tenants_page_shows_quotas_and_429s_as_not_available(staff_client: Client, make_tenant: Any) -> None:
-    make_tenant("acme", requests_per_second=7, tokens_per_minute=12345, max_concurrent_requests=3)
+def _usage_cell(html: str, field: str) -> str:
+    match = re.search(rf'data-field="{field}">(.*?)</td>', html, re.S)
+    assert match, field
+    return re.sub(r"<[^>]+>", "", match.group(1)).strip()
+
+
+def test_tenants_page_shows_usage_against_quota(staff_client: Client, make_tenant: Any) -> None:
+    from serving.gateway import MemoryQuotaStore, reset_quota_store
+
+    store = MemoryQuotaStore(lambda: 1000.0)  # a stopped clock: nothing refills during the test
+    reset_quota_store(store)
+    acme = make_tenant("acme", requests_per_second=7, tokens_per_minute=12345, max_concurrent_requests=3)
+    store.admit(acme.context, tokens=1000)
+    store.admit(acme.context, tokens=1500)
     html = staff_client.get("/dashboard/tenants/").text
     assert "acme" in html and "12345" in html and ">7<" in html and ">3<" in html
+    assert _usage_cell(html, "in_flight") == "2 / 3"
+    assert _usage_cell(html, "requests_drawn") == "2 / 7"
+    assert _usage_cell(html, "tokens_drawn") == "2500 / 12345"
+    assert 'aria-valuenow="66.7"' in html  # the in-flight bar: 2 of 3
     assert re.search(r'data-field="num_refused_429">0<', html)
+    assert "counted by this server process" in html
+
+
+@pytest.mark.redis
+def test_tenants_page_reads_usage_from_redis(
+    staff_client: Client, make_tenant: Any, redis_url: str, settings: Any
+) -> None:
+    from serving.gateway import quota_store, reset_quota_store
+
+    settings.REDIS_URL = redis_url
+    reset_quota_store()
+    store = quota_store()
+    store.clear()  # type: ignore[attr-defined]
+    try:
+        acme = make_tenant("acme", requests_per_second=0.001, tokens_per_minute=60, max_concurrent_requests=5)
+        store.admit(acme.context, tokens=30)
+        html = staff_client.get("/dashboard/tenants/").text
+    finally:
+        store.clear()  # type: ignore[attr-defined]
+    assert _usage_cell(html, "in_flight") == "1 / 5"
+    assert _usage_cell(html, "requests_drawn") == "1 / 1"  # the burst of a rate under 1/s is 1
+    assert _usage_cell(html, "tokens_drawn") in ("30 / 60", "29 / 60")  # 1 token/s refills meanwhile
+    assert "counted by every gateway (Redis)" in html
+
+
+def test_tenants_page_says_when_usage_cannot_be_read(staff_client: Client, make_tenant: Any) -> None:
+    from serving.gateway import reset_quota_store
+    from serving.quota_redis import RedisQuotaStore
+
+    reset_quota_store(RedisQuotaStore("redis://127.0.0.1:1/15"))  # nothing listens on port 1
+    make_tenant("acme")
+    html = staff_client.get("/dashboard/tenants/").text
+    assert html.count('<td class="na">not available</td>') == 3
+    assert 'data-field="in_flight"' not in html
 
 
 def test_an_api_key_is_shown_once_and_stored_only_as_a_hash(staff_client: Client, make_tenant: Any) -> None:

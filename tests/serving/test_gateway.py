@@ -118,3 +118,87 @@ def test_redis_store_concurrency_and_settlement(redis_url: str) -> None:
     store.release(ticket, used_tokens=50)
     store.admit(context, tokens=500)  # 450 came back at settlement
     store.clear()
+
+
+# --- usage against quota (the dashboard's tenants page) -------------------------------------------------
+
+
+def test_usage_of_a_tenant_never_admitted_is_full_buckets_and_nothing_in_flight() -> None:
+    store = MemoryQuotaStore(FakeClock())
+    context = _context(5, requests_per_second=0.5, tokens_per_minute=600, max_concurrent_requests=3)
+    (usage,) = store.usage([context]).values()
+    assert (usage.num_in_flight, usage.max_concurrent_requests) == (0, 3)
+    assert (usage.request_bucket_level, usage.request_bucket_size) == (1.0, 1.0)  # burst: max(1, rps)
+    assert (usage.token_bucket_level, usage.token_bucket_size) == (600.0, 600)
+    assert usage.requests_drawn == 0.0 and usage.tokens_drawn == 0.0
+
+
+def test_usage_follows_admission_refill_and_settlement() -> None:
+    clock = FakeClock()
+    store = MemoryQuotaStore(clock)
+    context = _context(requests_per_second=2, tokens_per_minute=600, max_concurrent_requests=3)
+    ticket = store.admit(context, tokens=500)
+    store.admit(context, tokens=50)
+    usage = store.usage([context])[context.tenant_id]
+    assert usage.num_in_flight == 2
+    assert usage.requests_drawn == pytest.approx(2.0) and usage.tokens_drawn == pytest.approx(550.0)
+
+    clock.now += 3.0  # 10 tokens/s and 2 requests/s refill
+    usage = store.usage([context])[context.tenant_id]
+    assert usage.token_bucket_level == pytest.approx(80.0)
+    assert usage.request_bucket_level == pytest.approx(2.0)  # capped at the burst
+    store.release(ticket, used_tokens=100)  # 400 of the 500 charged come back
+    usage = store.usage([context])[context.tenant_id]
+    assert usage.num_in_flight == 1 and usage.token_bucket_level == pytest.approx(480.0)
+    # Admission sees what usage showed: 480 tokens left, so 481 are refused and 480 admitted.
+    with pytest.raises(GatewayError, match="token rate"):
+        store.admit(context, tokens=481)
+    store.admit(context, tokens=480)
+    assert store.usage([context])[context.tenant_id].tokens_drawn == pytest.approx(600.0)
+
+
+@pytest.mark.redis
+def test_redis_usage_is_what_every_gateway_admitted(redis_url: str) -> None:
+    import redis
+
+    from serving.quota_redis import RedisQuotaStore
+
+    a, b, reader = (RedisQuotaStore(redis_url, key_prefix="test:quota3:") for _ in range(3))
+    a.clear()
+    # Refill too slow to move a figure past the tolerance while the test runs (burst 1, 1 token/s).
+    first = _context(9, requests_per_second=0.001, tokens_per_minute=60, max_concurrent_requests=4)
+    second = _context(11, requests_per_second=0.001, tokens_per_minute=60, max_concurrent_requests=4)
+    idle = _context(10, requests_per_second=3, tokens_per_minute=900, max_concurrent_requests=2)
+    ticket = a.admit(first, tokens=40)
+    b.admit(second, tokens=5)
+
+    usage = reader.usage([first, second, idle])  # a gateway that admitted nothing sees both
+    assert (usage[9].num_in_flight, usage[9].max_concurrent_requests) == (1, 4)
+    assert usage[9].token_bucket_size == 60 and usage[9].tokens_drawn == pytest.approx(40.0, abs=0.5)
+    assert usage[9].request_bucket_size == 1.0 and usage[9].request_bucket_level == pytest.approx(
+        0.0, abs=0.01
+    )
+    assert usage[11].num_in_flight == 1 and usage[11].tokens_drawn == pytest.approx(5.0, abs=0.5)
+    assert (usage[10].num_in_flight, usage[10].token_bucket_level, usage[10].request_bucket_level) == (
+        0,
+        900.0,
+        3.0,
+    )
+
+    raw = redis.Redis.from_url(redis_url)
+    stamp = raw.hget("test:quota3:9", "ts")
+    reader.usage([first, idle])
+    assert raw.hget("test:quota3:9", "ts") == stamp  # reading writes nothing
+    assert not raw.exists("test:quota3:10")
+
+    a.release(ticket, used_tokens=10)  # 30 of the 40 charged come back
+    after = reader.usage([first])[9]
+    assert after.num_in_flight == 0 and after.tokens_drawn == pytest.approx(10.0, abs=0.5)
+    a.clear()
+
+
+def test_redis_usage_is_empty_when_redis_cannot_be_read() -> None:
+    from serving.quota_redis import RedisQuotaStore
+
+    store = RedisQuotaStore("redis://127.0.0.1:1/15")  # nothing listens on port 1
+    assert store.usage([_context()]) == {}

@@ -1,6 +1,7 @@
-// The dashboard's live feed: one WebSocket to /dashboard/ws/models/{model}/, reconnected with backoff.
+// The dashboard's live feeds: one WebSocket to /dashboard/ws/…, reconnected with backoff.
 // SwitchyardLive.connect(path, onUpdate) calls onUpdate(message) for every pushed update and keeps the
 // #live-status indicator (when the page has one) current. Close codes 4403/4404 are final.
+// The helpers below are shared by the pages that update their tables in place.
 (function () {
   "use strict";
 
@@ -38,5 +39,80 @@
     open();
   }
 
-  window.SwitchyardLive = { connect: connect, setStatus: setStatus };
+  function fmt(value, unit, digits) {
+    if (value === null || value === undefined) { return "—"; }
+    return value.toFixed(digits) + (unit ? unit : "");
+  }
+
+  // Writes only what changed, so a push does not disturb a selection or restart a transition.
+  function setField(root, field, text) {
+    var cell = root ? root.querySelector('[data-field="' + field + '"]') : null;
+    if (cell && cell.textContent !== text) { cell.textContent = text; }
+  }
+
+  function stateBadge(cell, state) {
+    var badge = cell ? cell.querySelector(".state") : null;
+    if (badge && badge.textContent !== state) {
+      badge.textContent = state;
+      badge.className = "state state-" + state;
+    }
+  }
+
+  // The replicas table (dashboard/_replicas.html) rebuilt from a push. Text goes in through
+  // textContent: ids and versions are never parsed as HTML.
+  function renderReplicas(container, rows, showModel) {
+    var body = container ? container.querySelector("tbody") : null;
+    if (!body) { return; }
+    var numColumns = showModel ? 8 : 7;
+    body.textContent = "";
+    if (!rows.length) {
+      var empty = body.insertRow();
+      var only = empty.insertCell();
+      only.colSpan = numColumns;
+      only.className = "muted";
+      only.textContent = "No replicas running.";
+      return;
+    }
+    rows.forEach(function (r) {
+      var tr = body.insertRow();
+      tr.dataset.replica = r.replica_id;
+      function cell(text, className, field) {
+        var td = tr.insertCell();
+        if (className) { td.className = className; }
+        if (field) { td.dataset.field = field; }
+        if (text !== null) { td.textContent = text; }
+        return td;
+      }
+      if (showModel) { cell(r.model); }
+      cell(r.version);
+      var code = document.createElement("code");
+      code.title = r.replica_id;
+      code.textContent = r.replica_id.length > 14 ? r.replica_id.slice(0, 13) + "…" : r.replica_id;
+      cell(null).appendChild(code);
+      var badge = document.createElement("span");
+      badge.className = "state state-" + r.state;
+      badge.textContent = r.state;
+      cell(null).appendChild(badge);
+      cell(String(r.queue_depth), "num", "queue_depth");
+      cell(String(r.running), "num", "running");
+      var kv = cell(null);
+      var meter = document.createElement("div");
+      meter.className = "meter";
+      meter.setAttribute("role", "meter");
+      meter.setAttribute("aria-valuenow", String(r.kv_pct));
+      meter.setAttribute("aria-valuemin", "0");
+      meter.setAttribute("aria-valuemax", "100");
+      var bar = document.createElement("span");
+      bar.style.width = Math.max(0, Math.min(100, r.kv_pct)).toFixed(0) + "%";
+      meter.appendChild(bar);
+      kv.appendChild(meter);
+      kv.appendChild(document.createTextNode(" " + r.kv_pct.toFixed(1) + "%"));
+      cell(r.is_local ? "in process" : "replica process");
+    });
+  }
+
+  window.SwitchyardLive = {
+    connect: connect, setStatus: setStatus, fmt: fmt, setField: setField, stateBadge: stateBadge,
+    renderReplicas: renderReplicas,
+  };
 }());

@@ -7,6 +7,7 @@
 (function () {
   "use strict";
 
+  var live = window.SwitchyardLive;
   var config = JSON.parse(document.getElementById("dashboard-config").textContent);
   var PALETTE = ["#1f5fbf", "#d9480f", "#2b8a3e", "#7048e8", "#c2255c", "#0b7285", "#5c940d", "#e67700",
     "#495057", "#862e9c", "#1098ad", "#a61e4d"];
@@ -28,7 +29,7 @@
   // --- state --------------------------------------------------------------------------------------
   var charted = [];      // versions, in the order they are drawn
   var points = {};       // version -> Map(time -> point)
-  var replicas = {};     // replica id -> {version, x: [], kv: [], load: []}
+  var replicas = {};     // replica id -> {version, x: [], kv: [], queue: []}
 
   function parseUtc(t) { return Date.parse(t.replace(" ", "T") + "Z"); }
 
@@ -56,9 +57,9 @@
   function addReplicaSample(at, rows) {
     rows.forEach(function (r) {
       var s = replicas[r.replica_id];
-      if (!s) { s = replicas[r.replica_id] = { version: r.version, x: [], kv: [], load: [] }; }
-      s.x.push(at); s.kv.push(r.kv_pct); s.load.push(r.load);
-      if (s.x.length > MAX_LIVE_POINTS) { s.x.shift(); s.kv.shift(); s.load.shift(); }
+      if (!s) { s = replicas[r.replica_id] = { version: r.version, x: [], kv: [], queue: [] }; }
+      s.x.push(at); s.kv.push(r.kv_pct); s.queue.push(r.queue_depth);
+      if (s.x.length > MAX_LIVE_POINTS) { s.x.shift(); s.kv.shift(); s.queue.shift(); }
     });
   }
 
@@ -83,13 +84,15 @@
     return traces;
   }
 
-  function batchTraces() {
+  // A distribution over the range, one bar series per version: field "batch" (engine steps per batch
+  // size) or "fill" (requests per queue-wait bin).
+  function binTraces(field, labels) {
     return charted.map(function (version) {
-      var sums = config.batch_bins.map(function () { return 0; });
-      points[version].forEach(function (p) { p.batch.forEach(function (n, i) { sums[i] += n; }); });
+      var sums = labels.map(function () { return 0; });
+      points[version].forEach(function (p) { p[field].forEach(function (n, i) { sums[i] += n; }); });
       var total = sums.reduce(function (a, b) { return a + b; }, 0);
       return {
-        type: "bar", name: version, legendgroup: version, x: config.batch_bins,
+        type: "bar", name: version, legendgroup: version, x: labels,
         y: sums.map(function (n) { return total ? Math.round(1000 * n / total) / 10 : null; }),
         marker: { color: colorOf(version) },
       };
@@ -131,72 +134,34 @@
 
   function render() {
     config.charts.forEach(function (chart) { draw(chart.id, timeTraces(chart), chart.unit); });
-    draw("batch", batchTraces(), "% of steps",
+    draw("batch", binTraces("batch", config.batch_bins), "% of steps",
       { barmode: "group", xaxis: { type: "category", title: { text: "batch size" }, automargin: true } });
+    draw("fill", binTraces("fill", config.fill_bins), "% of requests",
+      { barmode: "group", xaxis: { type: "category", title: { text: "queue wait" }, automargin: true } });
     draw("kv", replicaTraces("kv"), "%");
-    draw("load", replicaTraces("load"), "requests");
+    draw("queue", replicaTraces("queue"), "requests");
   }
 
   // --- tables -------------------------------------------------------------------------------------
-  function fmt(value, unit, digits) {
-    if (value === null || value === undefined) { return "—"; }
-    return value.toFixed(digits) + (unit ? unit : "");
-  }
-
-  function setText(row, field, text) {
-    var cell = row.querySelector('[data-field="' + field + '"]');
-    if (cell && cell.textContent !== text) { cell.textContent = text; }
-  }
-
-  function stateBadge(cell, state) {
-    if (!cell) { return; }
-    var badge = cell.querySelector(".state");
-    if (badge && badge.textContent !== state) {
-      badge.textContent = state;
-      badge.className = "state state-" + state;
-    }
-  }
 
   function updateVersions(versions, lastMinute) {
     versions.forEach(function (v) {
       var row = document.querySelector('#versions-table tr[data-version="' + CSS.escape(v.version) + '"]');
       if (!row) { return; }
-      setText(row, "traffic", v.traffic_pct + "%");
-      stateBadge(row.querySelector('[data-field="state"]'), v.state);
-      setText(row, "aliases", v.aliases.length ? v.aliases.join(", ") : "—");
+      live.setField(row, "traffic", v.traffic_pct + "%");
+      live.stateBadge(row.querySelector('[data-field="state"]'), v.state);
+      live.setField(row, "aliases", v.aliases.length ? v.aliases.join(", ") : "—");
       var m = lastMinute[v.version];
       if (m) {
-        setText(row, "req_s", fmt(m.req_s, "", 2));
-        setText(row, "err_pct", fmt(m.err_pct, "%", 2));
-        setText(row, "ttft_p99_ms", fmt(m.ttft_p99_ms, " ms", 1));
-        setText(row, "tpot_p99_ms", fmt(m.tpot_p99_ms, " ms", 1));
-        setText(row, "queue_wait_p99_ms", fmt(m.queue_wait_p99_ms, " ms", 1));
+        live.setField(row, "req_s", live.fmt(m.req_s, "", 2));
+        live.setField(row, "err_pct", live.fmt(m.err_pct, "%", 2));
+        live.setField(row, "ttft_p99_ms", live.fmt(m.ttft_p99_ms, " ms", 1));
+        live.setField(row, "tpot_p99_ms", live.fmt(m.tpot_p99_ms, " ms", 1));
+        live.setField(row, "queue_wait_p99_ms", live.fmt(m.queue_wait_p99_ms, " ms", 1));
       }
     });
     document.querySelectorAll("[data-swatch]").forEach(function (el) {
       el.style.background = colorOf(el.dataset.swatch);
-    });
-  }
-
-  function updateReplicaTable(rows) {
-    var body = document.querySelector("#replicas-table tbody");
-    if (!body) { return; }
-    var html = rows.map(function (r) {
-      var kv = Math.max(0, Math.min(100, r.kv_pct));
-      return "<tr><td></td><td><code></code></td><td><span></span></td><td class=\"num\"></td>" +
-        "<td><div class=\"meter\"><span style=\"width: " + kv.toFixed(0) + "%\"></span></div> </td><td></td></tr>";
-    });
-    body.innerHTML = html.length ? html.join("") : "<tr><td colspan=\"6\" class=\"muted\">No replicas running.</td></tr>";
-    rows.forEach(function (r, i) {   // text through textContent: ids and versions are never parsed as HTML
-      var cells = body.rows[i].cells;
-      cells[0].textContent = r.version;
-      cells[1].firstChild.textContent = r.replica_id.length > 14 ? r.replica_id.slice(0, 13) + "…" : r.replica_id;
-      cells[1].firstChild.title = r.replica_id;
-      cells[2].firstChild.textContent = r.state;
-      cells[2].firstChild.className = "state state-" + r.state;
-      cells[3].textContent = String(r.load);
-      cells[4].appendChild(document.createTextNode(r.kv_pct.toFixed(1) + "%"));
-      cells[5].textContent = r.is_local ? "in process" : "replica process";
     });
   }
 
@@ -211,7 +176,7 @@
     addPoints(update.points, update.charted);
     addReplicaSample(update.at, update.replicas);
     updateVersions(update.versions, update.last_minute);
-    updateReplicaTable(update.replicas);
+    live.renderReplicas(document.getElementById("replicas-table"), update.replicas, false);
     updateDeployment(update.deployment);
     render();
     numUpdates += 1;
@@ -222,5 +187,5 @@
   addReplicaSample(config.at, config.replicas);
   updateVersions(config.versions, config.last_minute);
   render();
-  window.SwitchyardLive.connect(config.ws_path, apply);
+  live.connect(config.ws_path, apply);
 }());
