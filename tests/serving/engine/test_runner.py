@@ -355,7 +355,7 @@ def test_decode_rows_of_spread_lengths_are_bucketed_and_agree_with_the_reference
     lengths = [1 + (i * 37) % 150 for i in range(40)]  # 1..150 tokens, shuffled
     q, k_pool, v_pool, tables, context_lens = _random_decode_case(40, lengths)
     out, metadata = _eager_decode(q, k_pool, v_pool, tables, context_lens)
-    assert len(metadata.decode_buckets) == 4
+    assert len(metadata.decode_buckets) > 1
     assert sum(len(b.rows) for b in metadata.decode_buckets) == 40
     padded = sum(len(b.rows) * b.num_blocks for b in metadata.decode_buckets)
     assert padded < 0.8 * 40 * max(b.num_blocks for b in metadata.decode_buckets)
