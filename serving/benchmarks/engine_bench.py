@@ -54,6 +54,7 @@ class BenchConfig:
     block_size: int = 16
     kv_cache_bytes: int | None = None  # None: max_num_seqs sequences at the workload's longest length
     compile: bool = False
+    pack_linear: bool = True  # (d) only: oneDNN-format Linear weights on a CPU (engine/packing.py)
     repeat: int = 1
     warmup: bool = True
     measure_cpu_limit: bool = True
@@ -147,6 +148,7 @@ def _build_system(key: str, model_dir: Path, config: BenchConfig, kv_cache_bytes
         kv_cache_bytes=kv_cache_bytes,
         block_size=config.block_size,
         compile=config.compile,
+        pack_linear=config.pack_linear,
     )
 
 
@@ -245,6 +247,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="engine KV block, tokens")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=defaults.compile)
     parser.add_argument(
+        "--pack-linear",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.pack_linear,
+        help="(d): Linear weights in oneDNN's format on a CPU; the baselines run transformers as shipped",
+    )
+    parser.add_argument(
         "--repeat", type=int, default=defaults.repeat, help="runs per system; medians reported"
     )
     parser.add_argument("--no-warmup", action="store_true")
@@ -282,6 +290,7 @@ def config_from_options(options: dict[str, Any]) -> BenchConfig:
         block_size=options.get("block_size") or BenchConfig.block_size,
         kv_cache_bytes=None if kv_mib is None else math.ceil(kv_mib * 2**20),
         compile=options["compile"],
+        pack_linear=options.get("pack_linear", True),
         repeat=options["repeat"],
         warmup=not options.get("no_warmup", False),
         measure_cpu_limit=not options.get("skip_cpu_limit", False),

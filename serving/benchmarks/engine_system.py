@@ -45,6 +45,7 @@ class EngineSystem:
         kv_cache_bytes: int,
         block_size: int,
         compile: bool,
+        pack_linear: bool = True,
     ) -> None:
         from serving.engine.engine import Engine, EngineConfig
 
@@ -56,6 +57,7 @@ class EngineSystem:
                 kv_cache_bytes=kv_cache_bytes,
                 block_size=block_size,
                 compile=compile,
+                pack_linear=pack_linear,
             ),
         )
         warmup = getattr(self.engine, "warmup", None)  # beyond the facade's minimal contract

@@ -39,6 +39,7 @@ class EngineConfig:
     max_blocks_per_tenant: int | None = None
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the decode attention (slow warm-up, faster steps)
+    pack_linear: bool = True  # fp32 on a CPU: Linear weights in oneDNN's format (engine/packing.py)
     device: str | None = None
     seed: int | None = None  # the shared sampler's seed, for reproducible unseeded sampling in tests
 
@@ -105,6 +106,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             compile_attention=config.compile,
+            pack_linear=config.pack_linear,
         )
         self.tokenizer: Any = load_tokenizer(model_dir)
         eos = self.runner.model.generation_config.eos_token_id

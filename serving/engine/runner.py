@@ -22,6 +22,7 @@ from serving.engine.attention import (
     register_paged_attention,
 )
 from serving.engine.loading import default_device_and_dtype, load_causal_lm
+from serving.engine.packing import can_pack, pack_linear_layers
 from serving.engine.sequence import Sequence
 
 
@@ -64,6 +65,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         compile_attention: bool = False,
+        pack_linear: bool = True,
     ) -> None:
         for name, value in (
             ("kv_cache_bytes", kv_cache_bytes),
@@ -80,6 +82,10 @@ class ModelRunner:
         # never runs remote code.
         self.model = load_causal_lm(
             model_dir, device=self.device, dtype=self.dtype, attn_implementation=attn_name
+        )
+        # fp32 on a CPU: Linear weights in oneDNN's format (serving/engine/packing.py), ~2x faster GEMMs.
+        self.num_packed_linears = (
+            pack_linear_layers(self.model) if pack_linear and can_pack(self.device, self.dtype) else 0
         )
         config = self.model.config.get_text_config()
         self.num_layers: int = config.num_hidden_layers

@@ -439,3 +439,30 @@ def test_warmup_runs_and_leaves_the_pool_empty(tiny_llama_dir: Path) -> None:
     runner.warmup()
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
     assert runner.scratch.capacity_blocks >= 8 * 3
+
+
+def test_cpu_fp32_runners_pack_every_linear_and_compute_the_same_logits(tiny_llama_dir: Path) -> None:
+    from serving.engine.packing import PackedLinear
+
+    def runner(pack: bool) -> ModelRunner:
+        return ModelRunner(
+            tiny_llama_dir,
+            kv_cache_bytes=256 * 8192,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            pack_linear=pack,
+        )
+
+    packed, plain = runner(True), runner(False)
+    # 2 layers x (q, k, v, o, gate, up, down) + the LM head.
+    assert packed.num_packed_linears == 15
+    assert isinstance(packed.model.model.layers[0].self_attn.q_proj, PackedLinear)
+    assert plain.num_packed_linears == 0
+    prompt = list(range(3, 40))
+    logits = []
+    for r in (packed, plain):
+        seq = Sequence(request_id="a", prompt_token_ids=prompt)
+        seq.block_table = list(range(-(-len(prompt) // BLOCK_SIZE)))
+        logits.append(r.execute(r.build_batch([seq], [len(prompt)])))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
