@@ -10,6 +10,7 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 
+from config.inference import inference_or  # noqa: E402
 from config.routing import websocket_urlpatterns  # noqa: E402
 
 if settings.SERVE_STATIC:
@@ -18,4 +19,6 @@ if settings.SERVE_STATIC:
 
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
-application = ProtocolTypeRouter({"http": django_asgi_app, "websocket": URLRouter(websocket_urlpatterns)})
+application = ProtocolTypeRouter(
+    {"http": inference_or(django_asgi_app), "websocket": URLRouter(websocket_urlpatterns)}
+)

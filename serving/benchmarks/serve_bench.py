@@ -323,6 +323,13 @@ def add_serve_arguments(parser: object) -> None:
     add("--max-num-batched-tokens", type=int, default=2048)
     add("--kv-cache-mb", type=int, default=512)
     add(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="for --compare: the replica's and the engine-alone run's torch threads (default: all cores "
+        "for a replica process, cores - 1 embedded); fewer leaves cores to the gateway and the client",
+    )
+    add(
         "--quota-flood",
         type=float,
         default=0.0,
@@ -389,7 +396,10 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # The same torch threads as the replica gets: an embedded replica shares the cores with the server's
     # event loop (settings.EMBEDDED_TORCH_THREADS); a replica process has them all.
-    threads = settings.EMBEDDED_TORCH_THREADS if options["layer"] == "embedded" else (os.cpu_count() or 1)
+    threads = int(options.get("torch_threads") or 0) or (  # type: ignore[call-overload]
+        settings.EMBEDDED_TORCH_THREADS if options["layer"] == "embedded" else (os.cpu_count() or 1)
+    )
+    engine_env["SWITCHYARD_TORCH_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     log(f"engine alone ({threads} torch threads) ...")
     alone = run_engine_alone(model_dir, requests, engine_env)
@@ -435,7 +445,14 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
             )
             flood = asyncio.run(
                 quota_flood(
-                    platform.url, flood_key, "bench", duration_s=float(options["quota_flood"]), concurrency=32
+                    platform.url,
+                    flood_key,
+                    "bench",
+                    duration_s=float(options["quota_flood"]),
+                    # httpx costs more CPU per request than the gateway's refusal, and on 2 cores the
+                    # client shares them with the server: 8 connections kept it from saturating first
+                    # (32: 450/s, 64: 184/s with the client at a full core; 8: 594/s).
+                    concurrency=8,
                 )
             )  # type: ignore[arg-type]
     finally:

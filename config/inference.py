@@ -1,0 +1,40 @@
+"""The inference endpoints' own Django handler, with a lean middleware stack (serving/middleware.py says
+why). Everything else (the dashboard, the admin, the control-plane API with session auth) keeps the
+full settings.MIDDLEWARE."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django.conf import settings
+from django.core.handlers.asgi import ASGIHandler
+
+# Key-authenticated JSON/SSE endpoints only; /v1/models and the deployments API accept staff sessions.
+INFERENCE_PATHS = re.compile(r"^/v1/(?:models/[^/]+/infer|completions|chat/completions)$")
+INFERENCE_MIDDLEWARE = ["serving.middleware.InferenceSecurityMiddleware"]
+
+
+class InferenceHandler(ASGIHandler):
+    def load_middleware(self, is_async: bool = False) -> None:
+        # BaseHandler builds the chain from settings.MIDDLEWARE; this runs once, at start-up, before
+        # any request is served, so swapping the list in for the build is safe.
+        full_stack = settings.MIDDLEWARE
+        settings.MIDDLEWARE = INFERENCE_MIDDLEWARE
+        try:
+            super().load_middleware(is_async=is_async)
+        finally:
+            settings.MIDDLEWARE = full_stack
+
+
+def inference_or(site: Any) -> Any:
+    """An ASGI app: inference paths to the lean handler, the rest to `site`."""
+    inference = InferenceHandler()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and INFERENCE_PATHS.match(scope.get("path", "")):
+            await inference(scope, receive, send)
+        else:
+            await site(scope, receive, send)
+
+    return app
