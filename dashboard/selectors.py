@@ -406,7 +406,7 @@ def tenants_page() -> dict[str, Any]:
                 "keys": list(tenant.api_keys.all()),
                 "num_active_keys": sum(1 for k in tenant.api_keys.all() if k.revoked_at is None),
                 "usage": _usage_row(usage[tenant.pk]) if tenant.pk in usage else None,
-                "num_refused_429": refusals.get(tenant.pk, 0),
+                "num_refused_429": None if refusals is None else refusals.get(tenant.pk, 0),
             }
         )
     counted_by = "this server process" if isinstance(store, MemoryQuotaStore) else "every gateway (Redis)"

@@ -87,12 +87,12 @@ class RedisQuotaStore:
         with contextlib.suppress(redis.RedisError):
             self._release(keys=[self._key(ticket.tenant_id)], args=[ticket.charged_tokens - used_tokens])
 
-    def refusals(self) -> dict[int, int]:
-        """429s per tenant id, counted by every gateway process (empty when Redis cannot be read)."""
+    def refusals(self) -> dict[int, int] | None:
+        """429s per tenant id, counted by every gateway process (None when Redis cannot be read)."""
         try:
             raw = self._redis.hgetall(self._refused_key)
         except redis.RedisError:
-            return {}
+            return None
         return {int(tenant_id): int(n) for tenant_id, n in raw.items()}
 
     def usage(self, limits: Iterable[QuotaLimits]) -> dict[int, QuotaUsage]:

@@ -326,6 +326,7 @@ def test_tenants_page_says_when_usage_cannot_be_read(staff_client: Client, make_
     html = staff_client.get("/dashboard/tenants/").text
     assert html.count('<td class="na">not available</td>') == 3
     assert 'data-field="in_flight"' not in html
+    assert '<td data-field="num_refused_429">not available</td>' in html  # not "0": unknown
 
 
 def test_an_api_key_is_shown_once_and_stored_only_as_a_hash(staff_client: Client, make_tenant: Any) -> None:
