@@ -17,8 +17,9 @@ INFERENCE_MIDDLEWARE = ["serving.middleware.InferenceSecurityMiddleware"]
 
 class InferenceHandler(ASGIHandler):
     def load_middleware(self, is_async: bool = False) -> None:
-        # BaseHandler builds the chain from settings.MIDDLEWARE; this runs once, at start-up, before
-        # any request is served, so swapping the list in for the build is safe.
+        # BaseHandler builds the chain from settings.MIDDLEWARE. inference_or() builds this handler
+        # once, when config.asgi is imported and before any request is served; the list is swapped in
+        # for that build only (a handler built concurrently in another thread would see it).
         full_stack = settings.MIDDLEWARE
         settings.MIDDLEWARE = INFERENCE_MIDDLEWARE
         try:
@@ -32,7 +33,11 @@ def inference_or(site: Any) -> Any:
     inference = InferenceHandler()
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and INFERENCE_PATHS.match(scope.get("path", "")):
+        path = scope.get("path", "")
+        root_path = scope.get("root_path", "")
+        if root_path and path.startswith(root_path):  # mounted under a prefix
+            path = path[len(root_path) :]
+        if scope["type"] == "http" and INFERENCE_PATHS.match(path):
             await inference(scope, receive, send)
         else:
             await site(scope, receive, send)

@@ -139,9 +139,15 @@ def _ref(mv: ModelVersion) -> VersionRef:
 
 
 def versions_with_traffic() -> list[VersionRef]:
-    """Versions that must have a replica: any routing weight above zero or an alias pointing at them."""
+    """Versions that must have a replica: any routing weight above zero, an alias pointing at them, or
+    shadow copies going to them."""
     ids = set(RoutingEntry.objects.filter(weight__gt=0).values_list("version_id", flat=True))
     ids |= set(Alias.objects.values_list("version_id", flat=True))
+    ids |= set(
+        RoutingTable.objects.filter(mirror_version__isnull=False, mirror_pct__gt=0).values_list(
+            "mirror_version_id", flat=True
+        )
+    )
     return [_ref(mv) for mv in ModelVersion.objects.filter(pk__in=ids).select_related("model")]
 
 

@@ -2,7 +2,8 @@
 
 No Django, no database, no clock: `decide(canary, incumbent, ...)` takes what the metrics store reported
 for each version over [step start, now) and returns a Verdict with every figure behind it, so that it
-can be tested on synthetic windows and replayed from the figures stored with each DeploymentEvent.
+can be tested on synthetic windows and audited from the figures stored with each DeploymentEvent (the
+latency test's counts are among them; the latency distributions themselves are not).
 
 Rules, in order:
 1. INSUFFICIENT_DATA while either version has fewer than `min_samples` finished requests.
@@ -27,7 +28,9 @@ Rules, in order:
    seconds (`num_looks` per bake window) and runs four tests per look (two latency, two rates), so each
    single test is run at alpha / (4 x num_looks) (Bonferroni); testing every look at alpha would roll
    back roughly one healthy canary in twenty (measured by the simulated rollouts in
-   tests/rollouts/test_judge.py).
+   tests/rollouts/test_judge.py). Looks past the planned ones (a step held by an unconfirmed latency
+   breach) spend a halving share each: look num_looks + j runs each test at alpha / (4 x 2^j), so a
+   hold of any length adds at most alpha to the step's false-rollback rate (2 x alpha in all).
 3. ADVANCE when healthy (no breach at all) and the step's bake window has elapsed.
 4. HOLD otherwise.
 """
@@ -225,15 +228,24 @@ def decide(
     bake_elapsed_s: float,
     bake_seconds: float,
     num_looks: int = 1,
+    look: int | None = None,
 ) -> Verdict:
-    alpha_per_test = thresholds.alpha / (NUM_TESTS * max(1, num_looks))
+    """`num_looks`: looks planned in the step's bake window; `look`: which one this is (1-based; None:
+    within the plan)."""
+    num_looks = max(1, num_looks)
+    extra_looks = 0 if look is None else max(0, look - num_looks)
+    if extra_looks:
+        alpha_per_test = thresholds.alpha / (NUM_TESTS * 2**extra_looks)
+    else:
+        alpha_per_test = thresholds.alpha / (NUM_TESTS * num_looks)
     figures: dict[str, Any] = {
         "canary": _window_figures(canary),
         "incumbent": _window_figures(incumbent),
         "min_samples": thresholds.min_samples,
         "bake_elapsed_s": round(bake_elapsed_s, 3),
         "bake_seconds": bake_seconds,
-        "num_looks": max(1, num_looks),
+        "num_looks": num_looks,
+        "look": look,
     }
     short = [
         f"{name} has {w.num_requests} of {thresholds.min_samples} requests"
@@ -311,7 +323,7 @@ def decide(
             regressions.append(
                 f"canary {label} {rate1:.2%} vs incumbent {rate2:.2%}: {test.name} p={test.p_value:.2g} "
                 f"< {alpha_per_test:.2g} (alpha {thresholds.alpha:g} over {NUM_TESTS} tests x "
-                f"{max(1, num_looks)} looks)"
+                f"{num_looks} looks{f', +{extra_looks} past the bake window' if extra_looks else ''})"
             )
 
     if canary.mean_output_tokens is not None and incumbent.mean_output_tokens:

@@ -495,6 +495,7 @@ def _verdict(deployment: Deployment, *, now: dt.datetime, read_window: WindowRea
         bake_elapsed_s=bake_elapsed_s,
         bake_seconds=deployment.bake_seconds,
         num_looks=num_looks(bake_seconds=deployment.bake_seconds),
+        look=math.floor(bake_elapsed_s / settings.ROLLOUT_JUDGE_INTERVAL_S) + 1,
     )
     verdict.figures["window"] = {"start": start.isoformat(), "end": now.isoformat()}
     if deployment.strategy == Deployment.Strategy.SHADOW:

@@ -140,12 +140,16 @@ class Histogram:
 
     def cumulative_counts(self, bounds: Sequence[float]) -> list[int]:
         """For each upper bound (ascending), how many samples are <= it, as well as buckets can tell
-        (a bucket counts when its reported value is <= the bound). For Prometheus `le` buckets."""
+        (a bucket counts when its reported value, clamped to [min, max] as quantile() clamps it, is
+        <= the bound). For Prometheus `le` buckets and the judge's count of samples over a limit."""
         result: list[int] = []
         items = sorted(self._counts.items())
         position = seen = 0
         for bound in bounds:
-            while position < len(items) and min(self.max, bucket_value(items[position][0])) <= bound:
+            while (
+                position < len(items)
+                and min(self.max, max(self.min, bucket_value(items[position][0]))) <= bound
+            ):
                 seen += items[position][1]
                 position += 1
             result.append(seen)

@@ -179,7 +179,8 @@ class Runtime:
                 del self._unwanted_since[key]
         for key in set(self.replicas) - set(wanted_keys):
             # Gateways learn of a routing edit up to REVALIDATE_S later; until every one has, a request
-            # may still be routed here, so the replica keeps admitting for a grace period first.
+            # may still be routed here, so the replica keeps admitting for at least DRAIN_GRACE_S (up
+            # to one supervisor period more) first.
             since = self._unwanted_since.setdefault(key, now)
             if now - since < DRAIN_GRACE_S:
                 continue
@@ -212,6 +213,9 @@ async def get_runtime() -> Runtime:
 
 
 async def shutdown_runtime() -> None:
+    from serving import shadow
+
     runtime = _runtimes.pop(asyncio.get_running_loop(), None)
     if runtime is not None:
+        await shadow.cancel_all()  # copies nobody waits for; their replicas are about to stop
         await runtime.stop()

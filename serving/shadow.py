@@ -97,6 +97,17 @@ async def _run(
 
 
 async def wait_idle() -> None:
-    """Until every mirror this process started has ended (tests, shutdown)."""
+    """Until every mirror this process started has ended (tests)."""
     while _in_flight:
         await asyncio.wait(set(_in_flight))
+
+
+async def cancel_all() -> None:
+    """Cancel every mirror of this loop and wait for them to end (runtime shutdown): each aborts its
+    copy on the candidate as it closes."""
+    loop = asyncio.get_running_loop()
+    tasks = [t for t in _in_flight if t.get_loop() is loop]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=5.0)

@@ -104,6 +104,16 @@ def test_mirroring_is_part_of_the_routing_table_and_refuses_bad_input(demo_model
     assert routing_snapshot(model_name="chat").mirror is None  # type: ignore[union-attr]
 
 
+def test_a_mirror_version_gets_a_replica_without_traffic_or_alias(demo_model_dir: Path) -> None:
+    from registry.selectors import versions_with_traffic
+
+    v1 = model_version_register(name="chat", version="v1", source_dir=demo_model_dir)
+    v2 = model_version_register(name="chat", version="v2", source_dir=demo_model_dir)
+    assert {r.version for r in versions_with_traffic()} == {"v1"}
+    routing_mirror_set(model=v1.model, version=v2, pct=10)
+    assert {r.version for r in versions_with_traffic()} == {"v1", "v2"}
+
+
 def test_api_keys_are_stored_only_as_hash_and_prefix() -> None:
     tenant = tenant_create(name="acme")
     api_key, raw_key = api_key_create(tenant=tenant)

@@ -253,7 +253,9 @@ def simulate_rollout(
             return "promoted", clock, verdicts
         canary, incumbent = Requests(), Requests()
         step_start = clock
+        look = 0
         while True:
+            look += 1
             for _ in range(round(requests_per_s * tick_s)):
                 if rng.random() < pct / 100:
                     canary.add(
@@ -272,6 +274,7 @@ def simulate_rollout(
                 bake_elapsed_s=clock - step_start,
                 bake_seconds=bake_s,
                 num_looks=num_looks,
+                look=look,
             )
             verdicts.append(verdict.kind)
             if verdict.kind is VerdictKind.ROLLBACK:
@@ -347,6 +350,28 @@ def test_a_canary_failing_10pct_of_requests_is_rolled_back_before_it_reaches_50p
     outcomes = [simulate_rollout(seed, canary_error_rate=0.10) for seed in range(20)]
     assert [o[0] for o in outcomes] == ["rolled_back"] * 20
     assert max(at_s for _, at_s, _ in outcomes) <= 2 * (30.0 + 5.0)
+
+
+def test_looks_past_the_bake_window_spend_a_halving_share_of_alpha() -> None:
+    canary = window(num_requests=300, num_errors=10)  # Fisher p = 0.0016 against 1%
+    incumbent = window(num_requests=6000, num_errors=60)
+
+    def alpha_at(look: int) -> float:
+        verdict = decide(
+            canary,
+            incumbent,
+            thresholds=DEFAULTS,
+            bake_elapsed_s=120,
+            bake_seconds=60,
+            num_looks=7,
+            look=look,
+        )
+        return verdict.figures["errors_test"]["alpha"]
+
+    assert alpha_at(7) == pytest.approx(0.01 / 28, rel=1e-3)  # the last planned look
+    assert alpha_at(8) == pytest.approx(0.01 / 8, rel=1e-3)  # then alpha / (4 x 2^j): at most alpha more
+    assert alpha_at(9) == pytest.approx(0.01 / 16, rel=1e-3)
+    assert sum(0.01 / (4 * 2**j) for j in range(1, 60)) * 4 <= 0.01 + 1e-12
 
 
 def test_repeated_looks_divide_alpha_bonferroni_style() -> None:

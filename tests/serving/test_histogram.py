@@ -125,3 +125,13 @@ def test_bad_input_is_refused() -> None:
 def test_cumulative_counts_for_prometheus_buckets() -> None:
     histogram = Histogram.of([0.004, 0.02, 0.02, 0.3, 7.0])
     assert histogram.cumulative_counts([0.001, 0.005, 0.025, 0.5, 10.0, 100.0]) == [0, 1, 3, 4, 5, 5]
+
+
+def test_count_above_agrees_with_the_reported_quantile() -> None:
+    """A tight distribution inside one bucket: the p99 is clamped to the samples' min, and a sample
+    counts as over a limit exactly when the reported value is."""
+    histogram = Histogram.of([0.9984] * 100)
+    limit = 0.99443
+    assert histogram.quantile(0.99) > limit
+    assert histogram.count_above(limit) == 100
+    assert histogram.count_above(0.9985) == 0
