@@ -127,12 +127,29 @@ class SwitchyardCollector:
             yield gauge
 
 
+class ShadowCollector:
+    """Shadow copies this gateway process started or skipped (serving.shadow)."""
+
+    def collect(self) -> Iterator[Metric]:
+        from serving import shadow
+
+        counter = CounterMetricFamily(
+            "switchyard_shadow_copies",
+            "Requests copied to a shadow version by this process, or skipped (too many in flight).",
+            labels=("model", "version", "outcome"),
+        )
+        for (model_name, version, outcome), value in sorted(shadow.copy_counts().items()):
+            counter.add_metric([model_name, version, outcome], value)
+        yield counter
+
+
 def _labels(snapshot: m.RecorderSnapshot) -> list[str]:
     return [snapshot.model_name, snapshot.version, snapshot.replica_id]
 
 
 registry = CollectorRegistry(auto_describe=False)
 registry.register(SwitchyardCollector())
+registry.register(ShadowCollector())
 
 
 async def metrics_view(request: HttpRequest) -> HttpResponse:

@@ -9,13 +9,17 @@ that replica whether its text matched the primary's, and the replica counts it (
 shadow.matched in its metrics).
 
 A mirror never holds up or fails the primary: it is not charged to the tenant's quota, it is skipped
-when this process already has MAX_IN_FLIGHT mirrors running, and any failure is only logged."""
+when this process already has MAX_IN_FLIGHT mirrors running, and any failure is only logged. Skips
+bias the comparison (the candidate then sees less concurrency than the incumbent), so they are
+counted, per model and version, in /metrics (switchyard_shadow_copies_total{outcome="skipped"})."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
+import threading
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,6 +33,18 @@ PRIMARY_WAIT_S = 300.0  # how long a finished mirror waits for its primary's tex
 SHADOW_RESULT = "replica.shadow_result"
 
 _in_flight: set[asyncio.Task[None]] = set()
+_counts: Counter[tuple[str, str, str]] = Counter()  # (model, version, started | skipped)
+_counts_lock = threading.Lock()
+
+
+def copy_counts() -> dict[tuple[str, str, str], int]:
+    with _counts_lock:
+        return dict(_counts)
+
+
+def _count(model_name: str, version: str, outcome: str) -> None:
+    with _counts_lock:
+        _counts[(model_name, version, outcome)] += 1
 
 
 def is_comparable(params: dict[str, Any]) -> bool:
@@ -45,7 +61,9 @@ def should_mirror(mirror: tuple[str, int] | None, served_version: str, rng: rand
 def start_mirror(primary: Dispatch, *, runtime: Runtime, version: str, submission: dict[str, Any]) -> bool:
     """Run a copy of `primary` on `version` in the background. False when skipped (too many running)."""
     if len(_in_flight) >= MAX_IN_FLIGHT:
+        _count(primary.model_name, version, "skipped")
         return False
+    _count(primary.model_name, version, "started")
     comparable = is_comparable(submission.get("params", {}))
     primary_text = primary.capture_text() if comparable else None
     task = asyncio.get_running_loop().create_task(

@@ -113,3 +113,20 @@ async def test_no_mirror_no_copies(make_tenant, registered_model, demo_model_dir
     await _serve(acme, 3, temperature=0)
     v2_window = (await _windows(runtime, started))["v2"]
     assert v2_window.num_requests == 0
+
+
+async def test_copies_over_the_in_flight_cap_are_skipped_and_counted_in_metrics(
+    make_tenant, registered_model, demo_model_dir, monkeypatch
+) -> None:
+    from serving import shadow
+
+    await sync_to_async(_mirror_to)(demo_model_dir, 100)
+    _, acme = await _start(make_tenant)
+    before = shadow.copy_counts()
+    monkeypatch.setattr(shadow, "MAX_IN_FLIGHT", 0)  # as if this process already ran its share
+    assert await _serve(acme, 2, temperature=0) == ["v1", "v1"]  # the primary is never held up
+    after = shadow.copy_counts()
+    skipped = after.get(("demo-chat", "v2", "skipped"), 0) - before.get(("demo-chat", "v2", "skipped"), 0)
+    assert skipped == 2
+    text = (await AsyncClient().get("/metrics")).content.decode()
+    assert 'switchyard_shadow_copies_total{model="demo-chat",outcome="skipped",version="v2"}' in text
