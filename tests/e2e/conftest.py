@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,18 +56,23 @@ class LiveServer:
         raise TimeoutError("condition not met in time")
 
 
-@pytest.fixture(scope="session")
-def platform_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    state = tmp_path_factory.mktemp("state")
-    port = _free_port()
-    env = {**os.environ, "SWITCHYARD_STATE_DIR": str(state), "SWITCHYARD_REPLICA_SYNC_INTERVAL_S": "0.5"}
+def embedded_env(state: Path, **extra: str) -> dict[str, str]:
+    """The environment of an embedded platform in `state`: SQLite, in-memory layer, no secrets."""
+    env = {
+        **os.environ,
+        "SWITCHYARD_STATE_DIR": str(state),
+        "SWITCHYARD_REPLICA_SYNC_INTERVAL_S": "0.5",
+        **extra,
+    }
     for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "DJANGO_SETTINGS_MODULE"):
         env.pop(name, None)
-    run = lambda *a: subprocess.run(  # noqa: E731
-        [sys.executable, "manage.py", *a], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True
-    )
-    run("migrate", "--noinput", "-v0")
-    key = run("seed_demo").stdout.strip().splitlines()[-1]
+    return env
+
+
+@contextmanager
+def serving(state: Path, env: dict[str, str], key: str) -> Iterator[LiveServer]:
+    """`manage.py serve` on a free port until the block ends; its log goes to stderr under CI."""
+    port = _free_port()
     log = (state / "server.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "manage.py", "serve", "--port", str(port)],
@@ -88,3 +94,16 @@ def platform_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveSe
         log.close()
         if os.environ.get("CI"):
             sys.stderr.write(Path(state / "server.log").read_text(errors="replace")[-4000:])
+
+
+@pytest.fixture(scope="session")
+def platform_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    state = tmp_path_factory.mktemp("state")
+    env = embedded_env(state)
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "manage.py", *a], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    run("migrate", "--noinput", "-v0")
+    key = run("seed_demo").stdout.strip().splitlines()[-1]
+    with serving(state, env, key) as server:
+        yield server

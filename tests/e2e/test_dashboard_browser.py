@@ -9,7 +9,6 @@ Chromium)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import IN_CI, REPO_ROOT
-from tests.e2e.conftest import LiveServer, _free_port
+from tests.e2e.conftest import LiveServer, embedded_env, serving
 
 pytestmark = pytest.mark.live_server_process
 
@@ -100,16 +99,9 @@ def dashboard_server(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: P
     small test model) serving, v2 registered at 0%, a staff user, fast metrics flushes and judge ticks."""
     _require_browser()
     state = tmp_path_factory.mktemp("dashboard-state")
-    port = _free_port()
-    env = {
-        **os.environ,
-        "SWITCHYARD_STATE_DIR": str(state),
-        "SWITCHYARD_REPLICA_SYNC_INTERVAL_S": "0.5",
-        "SWITCHYARD_METRICS_FLUSH_INTERVAL_S": "1",
-        "SWITCHYARD_ROLLOUT_JUDGE_INTERVAL_S": "1",
-    }
-    for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "DJANGO_SETTINGS_MODULE"):
-        env.pop(name, None)
+    env = embedded_env(
+        state, SWITCHYARD_METRICS_FLUSH_INTERVAL_S="1", SWITCHYARD_ROLLOUT_JUDGE_INTERVAL_S="1"
+    )
     # One process for the setup (each manage.py start costs about a second). seed_demo finds demo-chat
     # registered, so it builds no model; it prints the demo key last.
     setup = f"""
@@ -131,28 +123,8 @@ call_command("seed_demo")
     )
     assert result.returncode == 0, result.stderr
     key = result.stdout.strip().splitlines()[-1]
-    log = (state / "server.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "manage.py", "serve", "--port", str(port)],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    server = LiveServer(f"http://127.0.0.1:{port}", key, env, process)
-
-    try:
-        server.wait_until(lambda: httpx.get(f"{server.url}/readyz").status_code == 200, timeout_s=120)
+    with serving(state, env, key) as server:
         yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
-        if IN_CI:
-            sys.stderr.write((state / "server.log").read_text(errors="replace")[-4000:])
 
 
 class Load:
