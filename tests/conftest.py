@@ -128,3 +128,27 @@ def _drop_thread_connections(django_db_setup, django_db_blocker):  # type: ignor
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                     "WHERE datname = current_database() AND pid <> pg_backend_pid()"
                 )
+
+
+def model_rows(name: str = "chat", versions: tuple[str, ...] = ("v1", "v2", "v3")):  # type: ignore[no-untyped-def]
+    """Registry rows without artifacts (the control plane never opens one): the first version stable
+    with 100% of traffic, later ones at 0%. Needs database access."""
+    from registry.models import Model, ModelVersion, RoutingEntry, RoutingTable
+    from registry.services import alias_set
+
+    model = Model.objects.create(name=name)
+    table = RoutingTable.objects.create(model=model, revision=1)
+    for i, version in enumerate(versions):
+        mv = ModelVersion.objects.create(
+            model=model,
+            version=version,
+            artifact_uri=f"/nowhere/{name}/{version}",
+            sha256="0" * 64,
+            size_bytes=0,
+            files={},
+            created_by="test",
+        )
+        RoutingEntry.objects.create(table=table, version=mv, weight=100 if i == 0 else 0)
+        if i == 0:
+            alias_set(model=model, name="stable", version=mv, actor="test", reason="first")
+    return model

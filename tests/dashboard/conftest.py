@@ -74,25 +74,9 @@ def staff_client(client: Any, make_user: Callable[..., Any]) -> Any:
 @pytest.fixture
 def chat(db: None) -> Any:
     """Model `chat`: v1 stable with 100% of traffic, v2 registered at 0% (rows only, no artifacts)."""
-    from registry.models import Model, ModelVersion, RoutingEntry, RoutingTable
-    from registry.services import alias_set
+    from tests.conftest import model_rows
 
-    model = Model.objects.create(name="chat")
-    table = RoutingTable.objects.create(model=model, revision=1)
-    for i, version in enumerate(("v1", "v2")):
-        mv = ModelVersion.objects.create(
-            model=model,
-            version=version,
-            artifact_uri=f"/nowhere/chat/{version}",
-            sha256="0" * 64,
-            size_bytes=0,
-            files={},
-            created_by="test",
-        )
-        RoutingEntry.objects.create(table=table, version=mv, weight=100 if i == 0 else 0)
-        if i == 0:
-            alias_set(model=model, name="stable", version=mv, actor="test", reason="first")
-    return model
+    return model_rows("chat", ("v1", "v2"))
 
 
 def record_traffic(

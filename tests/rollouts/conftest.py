@@ -68,28 +68,9 @@ def fake_metrics(settings: Any) -> Any:
 @pytest.fixture
 def make_model(db: None) -> Callable[..., Any]:
     """A model whose first version is stable with 100% of traffic; later versions start at 0%."""
-    from registry.models import Model, ModelVersion, RoutingEntry, RoutingTable
-    from registry.services import alias_set
+    from tests.conftest import model_rows
 
-    def make(name: str = "chat", versions: tuple[str, ...] = ("v1", "v2", "v3")) -> Model:
-        model = Model.objects.create(name=name)
-        table = RoutingTable.objects.create(model=model, revision=1)
-        for i, version in enumerate(versions):
-            mv = ModelVersion.objects.create(
-                model=model,
-                version=version,
-                artifact_uri=f"/nowhere/{name}/{version}",
-                sha256="0" * 64,
-                size_bytes=0,
-                files={},
-                created_by="test",
-            )
-            RoutingEntry.objects.create(table=table, version=mv, weight=100 if i == 0 else 0)
-            if i == 0:
-                alias_set(model=model, name="stable", version=mv, actor="test", reason="first")
-        return model
-
-    return make
+    return model_rows
 
 
 def routing_state(model: Any) -> tuple[int, dict[str, int], dict[str, str]]:
