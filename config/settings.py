@@ -188,6 +188,8 @@ REPLICA_COMPILE = _env_bool("SWITCHYARD_COMPILE", False)
 # them with its event loop, and OpenMP threads spinning against the loop made batches crawl on 2 cores.
 REPLICA_TORCH_THREADS = int(os.environ.get("SWITCHYARD_TORCH_THREADS", "0")) or None  # None: by mode
 EMBEDDED_TORCH_THREADS = max(1, (os.cpu_count() or 2) - 1)
+# Python's GIL switch interval in a process that runs a replica (0: leave Python's 5 ms default).
+REPLICA_GIL_SWITCH_INTERVAL_S = float(os.environ.get("SWITCHYARD_GIL_SWITCH_INTERVAL_MS", "1")) / 1000
 # Rollouts: defaults for a deployment that does not say (thresholds: rollouts.judge.Thresholds).
 ROLLOUT_DEFAULT_STEPS = [1, 5, 25, 100]
 ROLLOUT_BAKE_SECONDS = int(os.environ.get("SWITCHYARD_ROLLOUT_BAKE_SECONDS", "60"))

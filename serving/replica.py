@@ -13,6 +13,7 @@ import contextlib
 import enum
 import logging
 import random
+import sys
 import threading
 import time
 import uuid
@@ -153,6 +154,9 @@ class Replica:
             logger.error("replica %s:%s failed to load: %s", self.ref.model_name, self.ref.version, exc)
             self._settled.set()
             return
+        if self.state is ReplicaState.STOPPED:  # stopped while it loaded: serve nothing
+            self._settled.set()
+            return
         self.state = ReplicaState.READY
         self._settled.set()
         register_recorder(self.metrics)
@@ -184,6 +188,11 @@ class Replica:
             import torch
 
             torch.set_num_threads(self._torch_threads)  # process-wide: every replica here shares it
+        if settings.REPLICA_GIL_SWITCH_INTERVAL_S:
+            # The engine thread runs Python between torch calls (scheduling, sampling, detokenizing)
+            # while the event loop thread waits to accept requests and send tokens; by default it may
+            # wait up to 5 ms for the GIL each time. Process-wide.
+            sys.setswitchinterval(settings.REPLICA_GIL_SWITCH_INTERVAL_S)
         path = Path(self.ref.artifact_uri)
         artifacts.verify(path, expected_files=self.ref.files, expected_sha256=self.ref.sha256)
         engine = Engine(path, config=self._engine_config or engine_config_from_settings())
@@ -216,7 +225,9 @@ class Replica:
         if self._publisher is not None:
             with contextlib.suppress(Exception):
                 await self._publisher.withdraw(self.heartbeat())
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        # A load or step already running in the model thread cannot be interrupted: wait for it, so that
+        # nothing of this replica (a half-built model, transformers' global loading state) outlives stop.
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# transformers builds a model under process-global state (its default-device and dtype contexts, lazy
+# module imports); two loads in two threads at once can leave one of them with meta tensors ("Cannot
+# copy out of meta tensor"). An embedded server loads one replica per version in threads, so loads
+# take turns. Anything else in the process that calls from_pretrained should hold it too.
+MODEL_LOAD_LOCK = threading.RLock()
 
 
 class ModelLoadError(ValueError):
@@ -44,5 +51,6 @@ def load_causal_lm(
     }
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model: Any = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    return model.to(device or default_device).eval()
+    with MODEL_LOAD_LOCK:
+        model: Any = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        return model.to(device or default_device).eval()

@@ -70,10 +70,13 @@ class Reference:
     def __init__(self, model_dir: Path) -> None:
         from transformers import AutoModelForCausalLM
 
+        from serving.engine.loading import MODEL_LOAD_LOCK
+
         self.model_dir = model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, attn_implementation="sdpa", use_safetensors=True, dtype=torch.float32
-        ).eval()
+        with MODEL_LOAD_LOCK:  # as every load in the process does
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_dir, attn_implementation="sdpa", use_safetensors=True, dtype=torch.float32
+            ).eval()
         self.tokenizer = load_tokenizer(model_dir)
         # Prompts are slices of real text, so the pretrained model sees something it can continue.
         self.text_ids: list[int] = list(self.tokenizer(STORY, add_special_tokens=False)["input_ids"])

@@ -112,9 +112,12 @@ def run_greedy(
 def check_against_reference(model_dir: Path, requests: list[Request], results: dict[str, Result]) -> None:
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(
-        model_dir, attn_implementation="sdpa", use_safetensors=True
-    )
+    from serving.engine.loading import MODEL_LOAD_LOCK
+
+    with MODEL_LOAD_LOCK:  # as every load in the process does
+        reference = AutoModelForCausalLM.from_pretrained(
+            model_dir, attn_implementation="sdpa", use_safetensors=True
+        )
     reference.eval()
     with torch.inference_mode():
         for request in requests:
