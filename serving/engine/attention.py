@@ -128,7 +128,7 @@ class PagedAttentionMetadata:
     num_tokens: int
     num_decodes: int
     decode_token_indices: torch.Tensor | None  # [Bd]; None when the decode rows are tokens [0, Bd)
-    decode_block_tables: torch.Tensor | None  # [Bd', nb] long (Bd' >= Bd when padded for the kernel)
+    decode_block_tables: torch.Tensor | None  # kernel path: [Bd', nb] long, Bd' >= Bd (padded)
     decode_context_lens: torch.Tensor | None  # [Bd'] long
     decode_buckets: list[DecodeBucket]  # eager path only
     prefills: list[PrefillSpan]
@@ -171,7 +171,6 @@ def build_attention_metadata(
             decode_token_indices = torch.from_numpy((np.cumsum(query_lens) - 1)[decode_rows]).to(device)
         dec_ctx_t = torch.from_numpy(dec_ctx).to(device)
         if decode_kernel is None:
-            decode_block_tables = dec_tables.contiguous()
             groups = plan_decode_buckets(dec_ctx, block_size)
             if groups is None:
                 decode_buckets = [_bucket(None, dec_tables, dec_ctx_t, num_dec_blocks, block_size, dtype)]
@@ -328,10 +327,10 @@ def _decode(
     scaling: float | None,
 ) -> torch.Tensor:
     """q [Bd, H, D] -> [Bd, H, D]: one new token per row over its whole cached context."""
-    assert md.decode_block_tables is not None
     num_rows, _, head_dim = q.shape
     scale = scaling if scaling is not None else head_dim**-0.5
     if md.decode_kernel is not None:
+        assert md.decode_block_tables is not None
         assert md.decode_context_lens is not None
         pad_rows = md.decode_block_tables.shape[0] - num_rows
         if pad_rows:
