@@ -5,6 +5,7 @@ gets 403, an unknown model or deployment 404. Refusals use the one error shape (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from drf_spectacular.utils import extend_schema, inline_serializer
@@ -152,12 +153,17 @@ def _reason(request: Request) -> str:
     return reason[:500] if isinstance(reason, str) else ""
 
 
-class DeploymentRollbackView(APIView):
+# POST …/rollback and …/promote: one services call on the deployment, refusals as the JSON error. (A
+# comment, not a docstring: drf-spectacular would publish a docstring as both endpoints' description.)
+class _DeploymentActionView(APIView):
+    # Not `action`: DRF and drf-spectacular read that name as a viewset action.
+    deployment_action: Callable[..., Deployment]
+
     @extend_schema(request=_ACTION_SCHEMA, responses={202: _ACCEPTED_SCHEMA})
     def post(self, request: Request, deployment_id: int) -> Response:
         deployment = _deployment(request, deployment_id)
         try:
-            deployment = services.deployment_rollback(
+            deployment = type(self).deployment_action(
                 deployment=deployment, actor=_actor(request), reason=_reason(request)
             )
         except services.DeploymentError as exc:
@@ -165,17 +171,12 @@ class DeploymentRollbackView(APIView):
         return _accepted(deployment)
 
 
-class DeploymentPromoteView(APIView):
-    @extend_schema(request=_ACTION_SCHEMA, responses={202: _ACCEPTED_SCHEMA})
-    def post(self, request: Request, deployment_id: int) -> Response:
-        deployment = _deployment(request, deployment_id)
-        try:
-            deployment = services.deployment_promote(
-                deployment=deployment, actor=_actor(request), reason=_reason(request)
-            )
-        except services.DeploymentError as exc:
-            raise Refused(exc.status, str(exc)) from exc
-        return _accepted(deployment)
+class DeploymentRollbackView(_DeploymentActionView):
+    deployment_action = staticmethod(services.deployment_rollback)
+
+
+class DeploymentPromoteView(_DeploymentActionView):
+    deployment_action = staticmethod(services.deployment_promote)
 
 
 class ModelVersionListView(registry_api.ModelVersionListView):
