@@ -28,6 +28,22 @@ class TenantContext:
     def may_use(self, model_name: str) -> bool:
         return not self.allowed_model_names or model_name in self.allowed_model_names
 
+    @classmethod
+    def unlimited(cls, name: str) -> TenantContext:
+        """A caller inside the process with no quota to speak of (the demo's and tests' load
+        generators): never a database row, never reachable with an API key."""
+        return cls(
+            tenant_id=0,
+            tenant_name=name,
+            cache_group=name,
+            requests_per_second=1e6,
+            tokens_per_minute=10**9,
+            max_concurrent_requests=10_000,
+            allowed_model_names=frozenset(),
+            may_pin=False,
+            may_deploy=False,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class VersionRef:

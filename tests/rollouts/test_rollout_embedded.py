@@ -41,17 +41,7 @@ BAKE_S = 2
 STEP_DELAY_MS = 150.0  # the slow candidate's injected delay per engine step
 TPOT_SLA_MS = 50.0  # above a healthy TPOT of this small model, below the slow one's
 ROLLOUT_TIMEOUT_S = 25.0
-LOAD_CONTEXT = TenantContext(
-    tenant_id=0,
-    tenant_name="load",
-    cache_group="load",
-    requests_per_second=1e6,
-    tokens_per_minute=10**9,
-    max_concurrent_requests=10_000,
-    allowed_model_names=frozenset(),
-    may_pin=False,
-    may_deploy=False,
-)
+LOAD_CONTEXT = TenantContext.unlimited("load")
 PROMPTS = ["Once upon a time", "The quick brown fox", "Hello, world!", "A request arrives"]
 
 

@@ -203,17 +203,7 @@ class Command(BaseCommand):
         from serving.dispatch import dispatch
         from serving.gateway import GatewayError
 
-        context = TenantContext(
-            tenant_id=0,
-            tenant_name="demo-load",
-            cache_group="demo-load",
-            requests_per_second=1e6,
-            tokens_per_minute=10**9,
-            max_concurrent_requests=10_000,
-            allowed_model_names=frozenset(),
-            may_pin=False,
-            may_deploy=False,
-        )
+        context = TenantContext.unlimited("demo-load")
         rng = random.Random(index)
         params = {"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}
         while True:
