@@ -202,9 +202,7 @@ class Dispatch:
         if self._ticket is None:
             return
         used = self.num_prompt_tokens + self.num_completion_tokens
-        await sync_to_async(gateway.quota_store().release, thread_sensitive=False)(
-            self._ticket, used_tokens=used
-        )
+        await gateway.quota_store().arelease(self._ticket, used_tokens=used)
 
 
 async def authenticate(authorization: str | None) -> TenantContext:
@@ -212,13 +210,6 @@ async def authenticate(authorization: str | None) -> TenantContext:
     if cached is not None:
         return cached
     return await sync_to_async(gateway.authenticate, thread_sensitive=False)(authorization)
-
-
-async def _admit(context: TenantContext, tokens: int) -> Ticket:
-    store = gateway.quota_store()
-    if isinstance(store, gateway.MemoryQuotaStore):  # in-memory: no I/O, no thread hop
-        return store.admit(context, tokens=tokens)
-    return await sync_to_async(store.admit, thread_sensitive=False)(context, tokens=tokens)
 
 
 async def dispatch(
@@ -250,7 +241,7 @@ async def dispatch(
     version = choose_version(snapshot, pin=pin, alias=alias, rng=_rng)
     input_chars = len(text) if text is not None else sum(len(m["content"]) for m in messages or ())
     tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=params.get("max_tokens", 1))
-    ticket = await _admit(context, tokens)
+    ticket = await gateway.quota_store().aadmit(context, tokens=tokens)
     runtime = await get_runtime()
     submission = {
         "reply_to": runtime.hub.channel_name,

@@ -173,6 +173,9 @@ def quota_usage(
 class QuotaStore(Protocol):
     def admit(self, context: TenantContext, *, tokens: int) -> Ticket: ...
     def release(self, ticket: Ticket, *, used_tokens: int) -> None: ...
+    # The same, for the gateway's event loop: no thread hop.
+    async def aadmit(self, context: TenantContext, *, tokens: int) -> Ticket: ...
+    async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None: ...
     def refusals(self) -> dict[int, int] | None: ...  # None: the counters cannot be read now
     def usage(self, limits: Iterable[QuotaLimits]) -> dict[int, QuotaUsage]: ...
 
@@ -234,6 +237,13 @@ class MemoryQuotaStore:
             state.num_in_flight = max(0, state.num_in_flight - 1)
             # Settle the estimate charged at admission against what the request really used.
             state.token_tokens += ticket.charged_tokens - used_tokens
+
+    # No I/O: the event loop may call the sync methods directly (the lock is never held across I/O).
+    async def aadmit(self, context: TenantContext, *, tokens: int) -> Ticket:
+        return self.admit(context, tokens=tokens)
+
+    async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None:
+        self.release(ticket, used_tokens=used_tokens)
 
     def refusals(self) -> dict[int, int]:
         """429s per tenant id since this process started."""

@@ -4,11 +4,14 @@ the refusal from the state the script returns."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import Iterable
+from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 
 from registry.selectors import TenantContext
 from serving.gateway import GatewayError, QuotaLimits, QuotaUsage, Ticket, _refusal, quota_usage
@@ -46,46 +49,99 @@ return 1
 _IDLE_EXPIRY_S = 600
 
 
+def _unavailable(exc: Exception) -> GatewayError:
+    return GatewayError(503, f"quota store unavailable: {type(exc).__name__}", retry_after_s=1)
+
+
+class _LoopClient:
+    """An asyncio Redis client and the two scripts, for one event loop (asyncio connections belong to
+    the loop that opened them)."""
+
+    def __init__(self, url: str) -> None:
+        self.redis: Any = aioredis.Redis.from_url(url)
+        self.admit = self.redis.register_script(_ADMIT)
+        self.release = self.redis.register_script(_RELEASE)
+
+
 class RedisQuotaStore:
+    """Sync methods for threads (the dashboard, management commands); `aadmit` and `arelease` for the
+    gateway's event loop, on a client of that loop's own, so admission costs one Redis round trip and
+    no thread hop."""
+
     def __init__(self, url: str, *, key_prefix: str = "switchyard:quota:") -> None:
+        self._url = url
         self._redis = redis.Redis.from_url(url)
         self._prefix = key_prefix
         self._admit = self._redis.register_script(_ADMIT)
         self._release = self._redis.register_script(_RELEASE)
         self._refused_key = f"{key_prefix}refused"  # tenant id -> 429s, over every gateway process
+        self._loop_clients: dict[asyncio.AbstractEventLoop, _LoopClient] = {}
 
     def _key(self, tenant_id: int) -> str:
         return f"{self._prefix}{tenant_id}"
 
+    def _admit_args(self, context: TenantContext, tokens: int) -> dict[str, list[object]]:
+        return {
+            "keys": [self._key(context.tenant_id)],
+            "args": [
+                context.requests_per_second,
+                context.tokens_per_minute,
+                context.max_concurrent_requests,
+                tokens,
+                _IDLE_EXPIRY_S,
+            ],
+        }
+
+    @staticmethod
+    def _refusal(context: TenantContext, tokens: int, rt: bytes, tt: bytes, n: bytes) -> GatewayError:
+        refusal = _refusal(
+            context, request_tokens=float(rt), token_tokens=float(tt), num_in_flight=int(n), tokens=tokens
+        )
+        return refusal or GatewayError(429, "over quota", retry_after_s=1)
+
     def admit(self, context: TenantContext, *, tokens: int) -> Ticket:
         try:
-            admitted, rt, tt, n = self._admit(
-                keys=[self._key(context.tenant_id)],
-                args=[
-                    context.requests_per_second,
-                    context.tokens_per_minute,
-                    context.max_concurrent_requests,
-                    tokens,
-                    _IDLE_EXPIRY_S,
-                ],
-            )
+            admitted, rt, tt, n = self._admit(**self._admit_args(context, tokens))
         except redis.RedisError as exc:
-            raise GatewayError(
-                503, f"quota store unavailable: {type(exc).__name__}", retry_after_s=1
-            ) from exc
+            raise _unavailable(exc) from exc
         if not int(admitted):
-            refusal = _refusal(
-                context, request_tokens=float(rt), token_tokens=float(tt), num_in_flight=int(n), tokens=tokens
-            )
             with contextlib.suppress(redis.RedisError):  # a lost count must not turn a 429 into a 503
                 self._redis.hincrby(self._refused_key, str(context.tenant_id), 1)
-            raise refusal or GatewayError(429, "over quota", retry_after_s=1)
+            raise self._refusal(context, tokens, rt, tt, n)
         return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
 
     def release(self, ticket: Ticket, *, used_tokens: int) -> None:
         # On failure the idle expiry clears the count we could not give back.
         with contextlib.suppress(redis.RedisError):
             self._release(keys=[self._key(ticket.tenant_id)], args=[ticket.charged_tokens - used_tokens])
+
+    def _loop_client(self) -> _LoopClient:
+        loop = asyncio.get_running_loop()
+        client = self._loop_clients.get(loop)
+        if client is None:
+            for closed in [lp for lp in self._loop_clients if lp.is_closed()]:
+                del self._loop_clients[closed]
+            client = _LoopClient(self._url)
+            self._loop_clients[loop] = client
+        return client
+
+    async def aadmit(self, context: TenantContext, *, tokens: int) -> Ticket:
+        client = self._loop_client()
+        try:
+            admitted, rt, tt, n = await client.admit(**self._admit_args(context, tokens))
+        except redis.RedisError as exc:
+            raise _unavailable(exc) from exc
+        if not int(admitted):
+            with contextlib.suppress(redis.RedisError):
+                await client.redis.hincrby(self._refused_key, str(context.tenant_id), 1)
+            raise self._refusal(context, tokens, rt, tt, n)
+        return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
+
+    async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None:
+        with contextlib.suppress(redis.RedisError):
+            await self._loop_client().release(
+                keys=[self._key(ticket.tenant_id)], args=[ticket.charged_tokens - used_tokens]
+            )
 
     def refusals(self) -> dict[int, int] | None:
         """429s per tenant id, counted by every gateway process (None when Redis cannot be read)."""

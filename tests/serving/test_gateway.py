@@ -120,6 +120,54 @@ def test_redis_store_concurrency_and_settlement(redis_url: str) -> None:
     store.clear()
 
 
+@pytest.mark.redis
+def test_redis_store_admits_from_the_event_loop_with_the_same_counters(redis_url: str) -> None:
+    """The gateway admits with aadmit/arelease (asyncio client, no thread hop); they decide on the same
+    hash as the sync methods, atomically across stores."""
+    import asyncio
+
+    from serving.quota_redis import RedisQuotaStore
+
+    a, b = (RedisQuotaStore(redis_url, key_prefix="test:quota4:") for _ in range(2))
+    a.clear()
+    burst_of_one = _context(
+        11, requests_per_second=0.001, tokens_per_minute=10**6, max_concurrent_requests=10**6
+    )
+    one_at_a_time = _context(12, requests_per_second=1000, tokens_per_minute=600, max_concurrent_requests=1)
+
+    async def attempt(store: RedisQuotaStore) -> bool:
+        try:
+            await store.aadmit(burst_of_one, tokens=1)
+            return True
+        except GatewayError as exc:
+            assert exc.status == 429 and "request rate" in exc.message
+            return False
+
+    async def scenario() -> list[bool]:
+        results = await asyncio.gather(*(attempt(store) for store in [a, b] * 20))
+        ticket = await a.aadmit(one_at_a_time, tokens=500)
+        with pytest.raises(GatewayError, match="concurrent"):
+            b.admit(one_at_a_time, tokens=1)  # the sync path sees the async admission
+        await b.arelease(ticket, used_tokens=50)
+        await a.aadmit(one_at_a_time, tokens=500)  # 450 came back at settlement
+        return results
+
+    assert asyncio.run(scenario()).count(True) == 1
+    assert a.refusals()[11] == 39
+    a.clear()
+
+
+def test_redis_store_unreachable_from_the_event_loop_is_a_503() -> None:
+    import asyncio
+
+    from serving.quota_redis import RedisQuotaStore
+
+    store = RedisQuotaStore("redis://127.0.0.1:1/15")  # nothing listens on port 1
+    with pytest.raises(GatewayError) as raised:
+        asyncio.run(store.aadmit(_context(), tokens=1))
+    assert raised.value.status == 503 and "quota store unavailable" in raised.value.message
+
+
 # --- usage against quota (the dashboard's tenants page) -------------------------------------------------
 
 
