@@ -4,6 +4,7 @@ exactly each request's max_tokens; the workload is deterministic; `manage.py ben
 from __future__ import annotations
 
 import importlib.util
+import math
 from io import StringIO
 from pathlib import Path
 
@@ -131,3 +132,36 @@ def test_the_bench_command_prints_the_table(demo_model_dir: Path) -> None:
 def test_the_bench_command_refuses_unknown_systems(demo_model_dir: Path) -> None:
     with pytest.raises(CommandError, match="systems"):
         call_command("bench", "engine", "--model-dir", str(demo_model_dir), "--systems", "a,z")
+
+
+def test_paired_ttft_added_pairs_requests_by_id_and_ignores_incomplete_ones() -> None:
+    from serving.benchmarks.serve_bench import HttpRun, paired_ttft_added_ms
+    from serving.benchmarks.workload import RequestRecord
+
+    def record(
+        request_id: str, arrival_s: float, first_token_s: float, complete: bool = True
+    ) -> RequestRecord:
+        return RequestRecord(
+            request_id,
+            arrival_s,
+            max_tokens=2,
+            first_token_s=first_token_s,
+            finished_s=first_token_s + 0.1,
+            num_output_tokens=2 if complete else 1,
+        )
+
+    # Prompts of very different cost: a difference of medians would mix them, the pairing does not.
+    alone = {"a": 0.010, "b": 0.200, "c": 0.050}
+    run = HttpRun(
+        records=[
+            record("a", 1.0, 1.013),  # +3 ms
+            record("b", 2.0, 2.204),  # +4 ms
+            record("c", 3.0, 3.055),  # +5 ms
+            record("d", 4.0, 4.5),  # never ran alone: not paired
+            record("e", 5.0, 5.9, complete=False),
+        ],
+        inter_token_s=[],
+    )
+    alone["e"] = 0.001
+    assert paired_ttft_added_ms(alone, run) == pytest.approx(4.0, abs=1e-6)
+    assert math.isnan(paired_ttft_added_ms({}, run))
