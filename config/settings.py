@@ -104,14 +104,24 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = os.environ.get("REDIS_URL") or None
 if REDIS_URL:
+    # redis-py 8 times out an idle blocking read after 5 s unless told otherwise.
+    _REDIS_HOSTS = [{"address": REDIS_URL, "socket_timeout": None}]
     CHANNEL_LAYERS = {
+        # Submissions and aborts: queued, so a replica busy for a moment still gets them.
         "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            # redis-py 8 times out an idle blocking read after 5 s unless told otherwise.
-            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": None}]},
-        }
+            "BACKEND": "serving.channel_layer.OneTripRedisChannelLayer",
+            "CONFIG": {"hosts": _REDIS_HOSTS, "serializer_format": "json"},
+        },
+        # The token stream, replica -> gateway inbox: one PUBLISH per engine step and inbox, delivered
+        # on a connection the gateway already holds (~0.2 ms round trip against ~0.9 ms on the core
+        # layer). A gateway subscribes to its inbox before it submits anything.
+        "replies": {
+            "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+            "CONFIG": {"hosts": _REDIS_HOSTS, "serializer_format": "json"},
+        },
     }
 else:
+    # Embedded: one in-memory layer carries both (the "replies" alias falls back to "default").
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
 CELERY_BROKER_URL = REDIS_URL or "memory://"

@@ -2,20 +2,30 @@
 
 Each replica process publishes a heartbeat every HEARTBEAT_INTERVAL_S into one Redis hash per model
 version (field: replica id, value: its state and load). Gateways read the hash, cache it for a quarter
-of a second, and treat a replica whose last beat is older than STALE_AFTER_S as gone. In the embedded
-default there is no Redis: the runtime knows its in-process replicas directly."""
+of a second (routing takes a cache up to a second old and refreshes it in the background), and treat a
+replica whose last beat is older than STALE_AFTER_S as gone. In the embedded default there is no Redis:
+the runtime knows its in-process replicas directly."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
 STALE_AFTER_S = 1.5
 _FORGET_AFTER_S = 60.0
 _CACHE_S = 0.25
+# Routing may use a cache this old while a background read refreshes it: a replica's load figures are a
+# heartbeat old anyway, and one that stopped is caught by its heartbeat's age (is_ready) or by the
+# circuit breaker.
+_SERVE_STALE_S = 1.0
 KEY_PREFIX = "switchyard:replicas:"
 
 
@@ -71,13 +81,37 @@ class ReplicaDirectory:
 
         self._redis: Any = aioredis.Redis.from_url(redis_url)
         self._cache: dict[str, tuple[float, list[Heartbeat]]] = {}
+        self._refreshing: dict[str, asyncio.Task[list[Heartbeat]]] = {}
 
-    async def replicas(self, model_name: str, version: str, *, refresh: bool = False) -> list[Heartbeat]:
+    async def replicas(
+        self, model_name: str, version: str, *, refresh: bool = False, allow_stale: bool = False
+    ) -> list[Heartbeat]:
+        """The version's heartbeats, from a cache at most _CACHE_S old. `allow_stale` (the request
+        path): a cache up to _SERVE_STALE_S old is returned at once while a read refreshes it in the
+        background, so routing a request waits on Redis only for a version it has not seen lately."""
         key = version_key(model_name, version)
-        now = time.monotonic()
         hit = self._cache.get(key)
-        if hit is not None and not refresh and now - hit[0] < _CACHE_S:
-            return hit[1]
+        if hit is not None and not refresh:
+            read_at, beats = hit
+            age = time.monotonic() - read_at
+            if age < _CACHE_S:
+                return beats
+            if allow_stale and age < _SERVE_STALE_S:
+                if key not in self._refreshing:
+                    task = asyncio.get_running_loop().create_task(self._read(key), name=f"directory-{key}")
+                    self._refreshing[key] = task
+                    task.add_done_callback(functools.partial(self._refreshed, key))
+                return beats
+        return await self._read(key)
+
+    def _refreshed(self, key: str, task: asyncio.Task[list[Heartbeat]]) -> None:
+        self._refreshing.pop(key, None)
+        if not task.cancelled() and task.exception() is not None:
+            # The next request past _SERVE_STALE_S reads in line and gets the error itself.
+            logger.warning("replica directory: refreshing %s failed: %r", key, task.exception())
+
+    async def _read(self, key: str) -> list[Heartbeat]:
+        read_at = time.monotonic()
         raw = await self._redis.hgetall(key)
         beats, forgotten = [], []
         for field, value in raw.items():
@@ -88,7 +122,7 @@ class ReplicaDirectory:
                 beats.append(beat)
         if forgotten:
             await self._redis.hdel(key, *forgotten)
-        self._cache[key] = (now, beats)
+        self._cache[key] = (read_at, beats)
         return beats
 
     async def all_replicas(self) -> list[Heartbeat]:
@@ -103,4 +137,6 @@ class ReplicaDirectory:
         return any(b.replica_id == replica_id and b.is_fresh for b in beats)
 
     async def close(self) -> None:
+        for task in list(self._refreshing.values()):
+            task.cancel()
         await self._redis.aclose()

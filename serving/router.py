@@ -6,6 +6,7 @@ the last table known good keeps serving."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -25,6 +26,12 @@ REVALIDATE_S = 0.5
 class _CacheEntry:
     snapshot: RoutingSnapshot | None
     checked_at: float
+    used_at: float
+
+
+# A table used this recently is revalidated ahead of time by the runtime's refresher (due_for_refresh), so
+# a request finds it fresh and routes without a database read or a thread hop.
+REFRESH_WHILE_USED_S = 30.0
 
 
 class RoutingCache:
@@ -36,18 +43,23 @@ class RoutingCache:
     def get_fresh(self, model_name: str) -> tuple[bool, RoutingSnapshot | None]:
         """(True, snapshot) when the cached entry needs no revalidation yet; (False, None) otherwise.
         No database access, so async callers can skip the thread hop while the entry is fresh."""
-        with self._lock:
-            entry = self._entries.get(model_name)
-        if entry is not None and time.monotonic() - entry.checked_at < self._revalidate_s:
-            return True, entry.snapshot
-        return False, None
-
-    def get(self, model_name: str) -> RoutingSnapshot | None:
-        """Blocking (database); call from a thread in async code."""
         now = time.monotonic()
         with self._lock:
             entry = self._entries.get(model_name)
+            if entry is not None:
+                entry.used_at = now
         if entry is not None and now - entry.checked_at < self._revalidate_s:
+            return True, entry.snapshot
+        return False, None
+
+    def get(self, model_name: str, *, max_age_s: float | None = None) -> RoutingSnapshot | None:
+        """Blocking (database); call from a thread in async code. Revalidates an entry older than
+        `max_age_s` (default: the revalidation period)."""
+        max_age_s = self._revalidate_s if max_age_s is None else max_age_s
+        now = time.monotonic()
+        with self._lock:
+            entry = self._entries.get(model_name)
+        if entry is not None and now - entry.checked_at < max_age_s:
             return entry.snapshot
         try:
             if (
@@ -69,8 +81,26 @@ class RoutingCache:
                 return entry.snapshot
             raise GatewayError(503, "routing table unavailable", retry_after_s=1) from exc
         with self._lock:
-            self._entries[model_name] = _CacheEntry(snapshot, now)
+            self._entries[model_name] = _CacheEntry(snapshot, now, entry.used_at if entry else now)
         return snapshot
+
+    def due_for_refresh(self) -> list[str]:
+        """Tables used in the last REFRESH_WHILE_USED_S and past half their revalidation period (no
+        database access): the runtime's refresher revalidates them before a request would have to."""
+        now = time.monotonic()
+        with self._lock:
+            return [
+                name
+                for name, entry in self._entries.items()
+                if now - entry.used_at < REFRESH_WHILE_USED_S
+                and now - entry.checked_at >= self._revalidate_s / 2
+            ]
+
+    def refresh(self, names: list[str]) -> None:
+        """Blocking (database). Revalidate these tables early (see due_for_refresh)."""
+        for name in names:
+            with contextlib.suppress(GatewayError):  # unreadable and nothing cached: a request will say so
+                self.get(name, max_age_s=self._revalidate_s / 2)
 
     def clear(self) -> None:
         with self._lock:

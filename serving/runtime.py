@@ -20,8 +20,8 @@ from django.conf import settings
 from registry.selectors import VersionRef, versions_with_traffic
 from serving.replica import Replica, ReplicaState
 from serving.replica_directory import Heartbeat, ReplicaDirectory
-from serving.router import REVALIDATE_S
-from serving.streams import ReplyHub
+from serving.router import REVALIDATE_S, routing_cache
+from serving.streams import ReplyHub, reply_layer
 
 logger = logging.getLogger(__name__)
 
@@ -81,18 +81,23 @@ def _remote_handle(beat: Heartbeat) -> ReplicaHandle:
 
 
 class Runtime:
-    def __init__(self, layer: Any) -> None:
-        self.layer = layer
-        self.hub = ReplyHub(layer)
+    def __init__(self, layer: Any, replies: Any = None) -> None:
+        self.layer = layer  # submissions and aborts
+        self.replies = layer if replies is None else replies  # the replicas' steps, to self.hub
+        self.hub = ReplyHub(self.replies)
         self.replicas: dict[tuple[str, str], Replica] = {}
         self._draining: dict[str, Replica] = {}  # by replica id: no new work, finishing what they hold
         self._unwanted_since: dict[tuple[str, str], float] = {}  # out of the routing table, not yet draining
         self.directory = ReplicaDirectory(settings.REDIS_URL) if settings.REDIS_URL else None
         self._supervisor: asyncio.Task[None] | None = None
+        self._route_refresher: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
 
     async def start(self, *, embedded_replicas: bool) -> None:
         await self.hub.start()
+        self._route_refresher = asyncio.get_running_loop().create_task(
+            self._refresh_routes(), name="routing-refresher"
+        )
         if embedded_replicas:
             self._supervisor = asyncio.get_running_loop().create_task(
                 self._supervise(), name="replica-supervisor"
@@ -101,10 +106,11 @@ class Runtime:
             self._synced.set()
 
     async def stop(self) -> None:
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
+        for task in (self._supervisor, self._route_refresher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for replica in [*self.replicas.values(), *self._draining.values()]:
             await replica.stop()
         self.replicas.clear()
@@ -117,7 +123,7 @@ class Runtime:
         handles = [_local_handle(r) for (m, v), r in self.replicas.items() if (m, v) == (model_name, version)]
         if self.directory is not None:
             local_ids = {h.replica_id for h in handles}
-            for beat in await self.directory.replicas(model_name, version):
+            for beat in await self.directory.replicas(model_name, version, allow_stale=True):
                 if beat.replica_id not in local_ids:
                     handles.append(_remote_handle(beat))
         return handles
@@ -147,6 +153,20 @@ class Runtime:
         results = [await replica.wait_loaded() for replica in list(self.replicas.values())]
         return all(results)
 
+    async def _refresh_routes(self) -> None:
+        """Keep the routing tables this process uses fresh off the request path: a request then routes
+        from memory instead of waiting on a revision read (and a thread hop) every REVALIDATE_S."""
+        while True:
+            try:
+                due = routing_cache.due_for_refresh()
+                if due:
+                    await sync_to_async(routing_cache.refresh, thread_sensitive=False)(due)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("routing refresher: revalidation failed; requests revalidate in line")
+            await asyncio.sleep(REVALIDATE_S / 4)
+
     async def _supervise(self) -> None:
         """Keep one replica per version that has traffic; pick up new versions without a restart."""
         while True:
@@ -169,6 +189,7 @@ class Runtime:
             replica = Replica(
                 ref,
                 layer=self.layer,
+                replies=self.replies,
                 torch_threads=settings.REPLICA_TORCH_THREADS or settings.EMBEDDED_TORCH_THREADS,
             )
             self.replicas[key] = replica
@@ -206,7 +227,7 @@ async def get_runtime() -> Runtime:
     if runtime is None:
         for stale_loop in [lp for lp in _runtimes if lp.is_closed()]:
             _runtimes.pop(stale_loop, None)
-        runtime = Runtime(get_channel_layer())
+        runtime = Runtime(get_channel_layer(), reply_layer())
         _runtimes[loop] = runtime
         await runtime.start(embedded_replicas=settings.EMBEDDED_REPLICAS)
     return runtime

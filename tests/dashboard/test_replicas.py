@@ -28,7 +28,7 @@ async def test_replica_processes_report_queue_depth_through_their_heartbeats() -
         async def all_replicas(self) -> list[Heartbeat]:
             return [beat]
 
-        async def replicas(self, model_name: str, version: str) -> list[Heartbeat]:
+        async def replicas(self, model_name: str, version: str, **cache: bool) -> list[Heartbeat]:
             return [beat]
 
     runtime = Runtime(layer=None)

@@ -72,3 +72,34 @@ def test_routing_cache_sees_a_change_after_revalidation_and_keeps_the_last_good_
     with pytest.raises(GatewayError) as excinfo:
         cache.get("never-seen")
     assert excinfo.value.status == 503
+
+
+@pytest.mark.django_db
+def test_tables_in_use_are_revalidated_ahead_so_requests_route_from_memory(
+    registered_model, monkeypatch
+) -> None:
+    from registry.services import model_version_register, routing_table_set
+    from serving import router
+
+    clock = [1000.0]
+    monkeypatch.setattr(router.time, "monotonic", lambda: clock[0])
+    cache = RoutingCache(revalidate_s=0.5)
+    cache.get("demo-chat")
+    assert cache.due_for_refresh() == []  # just read
+    clock[0] += 0.3  # past half the period, not yet stale: a request would still use it as it is
+    assert cache.get_fresh("demo-chat")[0]
+    model_version_register(name="demo-chat", version="v2", source_dir=registered_model.artifact_uri)
+    routing_table_set(model=registered_model.model, weights={"v1": 10, "v2": 90})
+    assert cache.due_for_refresh() == ["demo-chat"]
+    cache.refresh(cache.due_for_refresh())
+
+    def database_down(**kwargs: object) -> None:
+        raise AssertionError("a fresh table must not be read from the database")
+
+    monkeypatch.setattr("serving.router.routing_revision", database_down)
+    monkeypatch.setattr("serving.router.routing_snapshot", database_down)
+    clock[0] += 0.3  # 0.6 s after the first read: without the early refresh this one would be stale
+    is_fresh, snapshot = cache.get_fresh("demo-chat")
+    assert is_fresh and snapshot is not None and snapshot.weights == {"v1": 10, "v2": 90}
+    clock[0] += router.REFRESH_WHILE_USED_S  # nobody asked for it since: no background reads
+    assert cache.due_for_refresh() == []

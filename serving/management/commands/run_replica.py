@@ -78,6 +78,7 @@ class Command(BaseCommand):
 
         from serving.replica import Replica
         from serving.replica_directory import HeartbeatPublisher
+        from serving.streams import reply_layer
 
         if metrics_port is not None:
             from prometheus_client import start_http_server
@@ -89,6 +90,7 @@ class Command(BaseCommand):
         replica = Replica(
             ref,  # type: ignore[arg-type]
             layer=get_channel_layer(),
+            replies=reply_layer(),
             engine_config=config,
             publisher=publisher,
             faults=faults,  # type: ignore[arg-type]
