@@ -16,6 +16,14 @@ INFERENCE_MIDDLEWARE = ["serving.middleware.InferenceSecurityMiddleware"]
 
 
 class InferenceHandler(ASGIHandler):
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        # ASGIHandler wraps each request in a ThreadSensitiveContext, so the sync work Django does per
+        # request (request_started/finished receivers, response.close) runs on a thread pool of that
+        # request's own: a thread started and joined per request, which held the event loop for about a
+        # third of its time under a 429 flood. These views touch no database or other thread-bound
+        # state on that thread, so the receivers can share asgiref's one process-wide thread instead.
+        await self.handle(scope, receive, send)
+
     def load_middleware(self, is_async: bool = False) -> None:
         # BaseHandler builds the chain from settings.MIDDLEWARE. inference_or() builds this handler
         # once, when config.asgi is imported and before any request is served; the list is swapped in

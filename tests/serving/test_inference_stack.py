@@ -51,3 +51,33 @@ async def test_other_paths_keep_the_full_stack(settings) -> None:
         response = await client.get("/dashboard/")
     assert response.status_code == 302  # to the login page: sessions and auth ran
     assert response.headers["X-Frame-Options"] == "DENY"
+
+
+async def test_refusals_do_not_start_a_thread_per_request(make_tenant, registered_model, settings) -> None:
+    """Django's ASGIHandler runs each request's sync signal receivers on a thread pool of the request's
+    own (a thread started and joined per request); the inference handler shares one thread instead."""
+    import threading
+
+    settings.ALLOWED_HOSTS = ["localhost"]
+    flooder = await sync_to_async(make_tenant)("flooder", requests_per_second=0.001)
+    started = []
+    original_start = threading.Thread.start
+
+    def counting_start(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        original_start(thread)
+
+    async with _client() as client:
+        await client.post(
+            "/v1/models/demo-chat/infer", json={"input": "hi", "max_tokens": 2}, headers=flooder.auth
+        )  # warm-up
+        threading.Thread.start = counting_start  # type: ignore[method-assign]
+        try:
+            for _ in range(20):
+                response = await client.post(
+                    "/v1/models/demo-chat/infer", json={"input": "hi", "max_tokens": 2}, headers=flooder.auth
+                )
+                assert response.status_code == 429
+        finally:
+            threading.Thread.start = original_start  # type: ignore[method-assign]
+    assert len(started) < 5, started
