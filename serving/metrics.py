@@ -278,12 +278,8 @@ class MetricsRecorder:
         requests: Iterable[RequestSample] = (),
         now: float | None = None,
     ) -> None:
-        start = window_start(self._clock() if now is None else now, self.window_s)
         with self._lock:
-            window = self._pending.get(start)
-            if window is None:
-                window = self._pending[start] = MetricsWindow()
-                self._trim()
+            window = self._pending_window(now)
             for sample in requests:
                 _add_request(window, sample)
             if step is not None:
@@ -297,14 +293,19 @@ class MetricsRecorder:
 
     def count(self, counts: dict[str, int], *, now: float | None = None) -> None:
         """Add to counters that are not about one step or request (shadow comparisons)."""
-        start = window_start(self._clock() if now is None else now, self.window_s)
         with self._lock:
-            window = self._pending.get(start)
-            if window is None:
-                window = self._pending[start] = MetricsWindow()
-                self._trim()
+            window = self._pending_window(now)
             for name, n in counts.items():
                 window.count(name, n)
+
+    def _pending_window(self, now: float | None) -> MetricsWindow:
+        """The unflushed window `now` (default: the clock) falls in, opened if new. Under self._lock."""
+        start = window_start(self._clock() if now is None else now, self.window_s)
+        window = self._pending.get(start)
+        if window is None:
+            window = self._pending[start] = MetricsWindow()
+            self._trim()
+        return window
 
     def _trim(self) -> None:
         while len(self._pending) > MAX_PENDING_WINDOWS:

@@ -64,9 +64,9 @@ class _LoopClient:
 
 
 class RedisQuotaStore:
-    """Sync methods for threads (the dashboard, management commands); `aadmit` and `arelease` for the
-    gateway's event loop, on a client of that loop's own, so admission costs one Redis round trip and
-    no thread hop."""
+    """The gateway admits with `aadmit` and `arelease`, on a client of its event loop's own, so admission
+    costs one Redis round trip and no thread hop. `admit` and `release` are the same on a blocking client
+    (the QuotaStore interface, for callers in threads); `usage` and `refusals` serve the dashboard."""
 
     def __init__(self, url: str, *, key_prefix: str = "switchyard:quota:") -> None:
         self._url = url
