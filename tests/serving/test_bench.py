@@ -165,3 +165,17 @@ def test_paired_ttft_added_pairs_requests_by_id_and_ignores_incomplete_ones() ->
     alone["e"] = 0.001
     assert paired_ttft_added_ms(alone, run) == pytest.approx(4.0, abs=1e-6)
     assert math.isnan(paired_ttft_added_ms({}, run))
+
+
+def test_the_step_profile_reports_each_batch_size(
+    demo_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from serving.benchmarks.step_profile import main
+
+    args = ["--model-dir", str(demo_model_dir), "--device", "cpu", "--batch", "1", "3", "--prompt-len", "8"]
+    main([*args, "--steps", "2", "--repeats", "1", "--top", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if ": decode step " in line]
+    assert [line.split(":")[0].split()[-1] for line in steps] == ["1", "3"]
+    assert all(float(line.split("decode step ")[1].split()[0]) > 0 for line in steps)
+    assert sum("ms/step host" in line for line in lines) == 4  # --top 2, per batch size
