@@ -99,6 +99,10 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # the timeout makes the others wait for it instead of failing.
     DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+else:
+    # Kept connections are checked before their first query after each request or worker-thread call,
+    # so one the server dropped (restart, failover) is replaced instead of failing that query.
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

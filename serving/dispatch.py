@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 
 from registry.models import Model
 from registry.selectors import TenantContext
@@ -209,7 +209,9 @@ async def authenticate(authorization: str | None) -> TenantContext:
     cached = gateway.authenticate_from_cache(authorization)
     if cached is not None:
         return cached
-    return await sync_to_async(gateway.authenticate, thread_sensitive=False)(authorization)
+    # Any worker thread will do (no hop to the one sync thread); Channels' wrapper closes that thread's
+    # connection when the server dropped it or it is too old, as Django does around a request.
+    return await database_sync_to_async(gateway.authenticate, thread_sensitive=False)(authorization)
 
 
 async def dispatch(
@@ -230,7 +232,7 @@ async def dispatch(
     pin = pin.strip() if pin else None
     is_fresh, snapshot = routing_cache.get_fresh(model_name)
     if not is_fresh:
-        snapshot = await sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
+        snapshot = await database_sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
     if snapshot is None:
         raise GatewayError(404, f"model {model_name!r} not found")
     gateway.authorize_model(context, model_name, pinned_version=pin)

@@ -6,6 +6,7 @@ in process memory otherwise. A refusal is a GatewayError carrying the HTTP statu
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -15,10 +16,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from django.conf import settings
+from django.db import DatabaseError
 
 from registry.authentication import bearer_token
 from registry.selectors import TenantContext, tenant_context_for_api_key
 from registry.services import hash_api_key
+
+logger = logging.getLogger(__name__)
 
 
 class GatewayError(Exception):
@@ -63,7 +67,13 @@ def authenticate(authorization: str | None) -> TenantContext:
     assert token is not None  # authenticate_from_cache raised otherwise
     cache_key = hash_api_key(token)
     now = time.monotonic()
-    context = tenant_context_for_api_key(token)
+    try:
+        context = tenant_context_for_api_key(token)
+    except DatabaseError as exc:
+        # Keys seen in the last few seconds still pass (the cache above); an unseen one cannot be
+        # checked, and the client should retry rather than read a 500.
+        logger.warning("API key lookup failed (%s); answering 503", type(exc).__name__)
+        raise GatewayError(503, "the API key could not be checked right now", retry_after_s=1) from exc
     if context is None:
         raise GatewayError(401, "invalid API key")
     with _auth_cache_lock:

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from django.conf import settings
-from django.db import close_old_connections
 
 from registry import artifacts
 from registry.selectors import VersionRef
@@ -257,7 +256,7 @@ class Replica:
     async def flush_metrics(self) -> int:
         """Write pending metrics to the store. Never raises: a store that is down only delays them."""
         try:
-            return await sync_to_async(_flush_recorder, thread_sensitive=False)(self.metrics)
+            return await database_sync_to_async(self.metrics.flush, thread_sensitive=False)()
         except Exception:
             logger.warning("replica %s: metrics flush failed; will retry", self.replica_id, exc_info=True)
             return 0
@@ -432,15 +431,6 @@ class Replica:
         )
         self._routes.clear()
         return result
-
-
-def _flush_recorder(recorder: MetricsRecorder) -> int:
-    """On a worker thread: that thread's database connection is closed when stale, as after a request."""
-    close_old_connections()
-    try:
-        return recorder.flush()
-    finally:
-        close_old_connections()
 
 
 def _request_sample(output: Any, route: _Route) -> RequestSample:

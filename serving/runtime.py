@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
@@ -160,7 +160,7 @@ class Runtime:
             try:
                 due = routing_cache.due_for_refresh()
                 if due:
-                    await sync_to_async(routing_cache.refresh, thread_sensitive=False)(due)
+                    await database_sync_to_async(routing_cache.refresh, thread_sensitive=False)(due)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -171,7 +171,7 @@ class Runtime:
         """Keep one replica per version that has traffic; pick up new versions without a restart."""
         while True:
             try:
-                wanted = await sync_to_async(versions_with_traffic, thread_sensitive=False)()
+                wanted = await database_sync_to_async(versions_with_traffic, thread_sensitive=False)()
                 await self._reconcile(wanted)
             except asyncio.CancelledError:
                 raise

@@ -81,3 +81,57 @@ async def test_refusals_do_not_start_a_thread_per_request(make_tenant, registere
         finally:
             threading.Thread.start = original_start  # type: ignore[method-assign]
     assert len(started) < 5, started
+
+
+async def test_keys_still_authenticate_after_the_database_dropped_the_gateways_connections(
+    make_tenant, settings
+) -> None:
+    """The gateway reads keys and routing tables on worker threads, each with its own connection. When
+        the server drops them (a restart, a failover, an idle timeout), the next read must reconnect rather
+        than fail on the dead connection, on that request and on every later one; while none can be opened,
+    a key the gateway has not seen lately gets a 503 with Retry-After, never a 500."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("needs a database server that can drop its clients' connections (the Postgres pass)")
+    settings.ALLOWED_HOSTS = ["localhost"]
+
+    def drop_other_connections() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+
+    def set_allow_connections(allow: bool) -> None:
+        import psycopg
+
+        db = connection.settings_dict
+        # Postgres refuses this from a session of the database itself: say it from the maintenance one.
+        with psycopg.connect(
+            dbname="postgres", user=db["USER"], host=db["HOST"], port=db["PORT"] or 5432, autocommit=True
+        ) as admin:
+            admin.execute(f'ALTER DATABASE "{db["NAME"]}" ALLOW_CONNECTIONS {allow}')
+
+    async def infer_unknown_model(tenant_name: str) -> httpx.Response:
+        tenant = await sync_to_async(make_tenant)(tenant_name)  # a new key: never in the auth cache
+        return await client.post("/v1/models/no-such-model/infer", json={"input": "hi"}, headers=tenant.auth)
+
+    async with _client() as client:
+        for i in range(3):  # the worker threads open their connections
+            assert (await infer_unknown_model(f"before-{i}")).status_code == 404
+        await sync_to_async(drop_other_connections)()
+        statuses = [(await infer_unknown_model(f"after-{i}")).status_code for i in range(3)]
+        assert statuses == [404, 404, 404]  # authenticated, then "model not found": the database answered
+
+        # While the server takes no connections at all, an unseen key cannot be checked: a 503 to retry.
+        await sync_to_async(set_allow_connections)(False)
+        try:
+            await sync_to_async(drop_other_connections)()
+            refused = await infer_unknown_model("during")
+        finally:
+            await sync_to_async(set_allow_connections)(True)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["message"] == "the API key could not be checked right now"
+        assert refused.headers["Retry-After"] == "1"
+        assert (await infer_unknown_model("back")).status_code == 404
