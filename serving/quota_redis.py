@@ -16,7 +16,8 @@ import redis.asyncio as aioredis
 from registry.selectors import TenantContext
 from serving.gateway import GatewayError, QuotaLimits, QuotaUsage, Ticket, _refusal, quota_usage
 
-# KEYS[1] tenant hash. ARGV: rps, tokens/min, max concurrent, tokens asked, idle expiry (s).
+# KEYS[1] tenant hash, KEYS[2] the refusal counts. ARGV: rps, tokens/min, max concurrent, tokens asked,
+# idle expiry (s), tenant id. A refusal is counted in the same script: no second round trip per 429.
 # Returns {admitted (0/1), request_tokens, token_tokens, in_flight} as strings (Lua numbers would be
 # truncated to integers on the way out).
 _ADMIT = """
@@ -31,7 +32,7 @@ local el = math.max(0, now - ts)
 rt = math.min(burst, rt + el * rps); tt = math.min(tpm, tt + el * tpm / 60)
 local ok = rps > 0 and n < max_c and rt >= 1 and tokens <= tpm and tt >= tokens
 local out_rt, out_tt, out_n = rt, tt, n
-if ok then rt = rt - 1; tt = tt - tokens; n = n + 1 end
+if ok then rt = rt - 1; tt = tt - tokens; n = n + 1 else redis.call('HINCRBY', KEYS[2], ARGV[6], 1) end
 redis.call('HSET', KEYS[1], 'rt', tostring(rt), 'tt', tostring(tt), 'ts', tostring(now), 'n', n)
 redis.call('EXPIRE', KEYS[1], ttl)
 return {ok and 1 or 0, tostring(out_rt), tostring(out_tt), tostring(out_n)}
@@ -82,13 +83,14 @@ class RedisQuotaStore:
 
     def _admit_args(self, context: TenantContext, tokens: int) -> dict[str, list[object]]:
         return {
-            "keys": [self._key(context.tenant_id)],
+            "keys": [self._key(context.tenant_id), self._refused_key],
             "args": [
                 context.requests_per_second,
                 context.tokens_per_minute,
                 context.max_concurrent_requests,
                 tokens,
                 _IDLE_EXPIRY_S,
+                context.tenant_id,
             ],
         }
 
@@ -105,8 +107,6 @@ class RedisQuotaStore:
         except redis.RedisError as exc:
             raise _unavailable(exc) from exc
         if not int(admitted):
-            with contextlib.suppress(redis.RedisError):  # a lost count must not turn a 429 into a 503
-                self._redis.hincrby(self._refused_key, str(context.tenant_id), 1)
             raise self._refusal(context, tokens, rt, tt, n)
         return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
 
@@ -132,8 +132,6 @@ class RedisQuotaStore:
         except redis.RedisError as exc:
             raise _unavailable(exc) from exc
         if not int(admitted):
-            with contextlib.suppress(redis.RedisError):
-                await client.redis.hincrby(self._refused_key, str(context.tenant_id), 1)
             raise self._refusal(context, tokens, rt, tt, n)
         return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
 
