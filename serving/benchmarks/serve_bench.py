@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from serving.benchmarks.workload import BenchRequest, RequestRecord, compute_metrics, percentile
@@ -101,23 +102,23 @@ class HttpRun:
 
 
 async def _one(
-    client: httpx.AsyncClient, url: str, key: str, request: TextRequest, t0: float, run: HttpRun
+    session: aiohttp.ClientSession, url: str, key: str, request: TextRequest, t0: float, run: HttpRun
 ) -> None:
     record = RequestRecord(request.request_id, request.arrival_s, request.max_tokens)
     await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
     body = {"input": request.text, "max_tokens": request.max_tokens, "stream": True, "temperature": 0}
     last_token_at: float | None = None
     try:
-        async with client.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
-            run.statuses[str(resp.status_code)] += 1
-            if resp.status_code != 200:
-                await resp.aread()
+        async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+            run.statuses[str(resp.status)] += 1
+            if resp.status != 200:
+                await resp.read()
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
+            async for raw_line in resp.content:  # one SSE line at a time
+                if not raw_line.startswith(b"data: "):
                     continue
                 now = time.perf_counter() - t0
-                event = json.loads(line[6:])
+                event = json.loads(raw_line[6:])
                 if "token" in event:
                     record.num_output_tokens += 1
                     if record.first_token_s is None:
@@ -132,19 +133,27 @@ async def _one(
                         run.replica_ttft_s[request.request_id] = float(replica_ttft_s)
                     if event["finish_reason"] == "error":
                         run.statuses["stream_error"] += 1
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         run.statuses[type(exc).__name__] += 1
         return
     run.records.append(record)
 
 
+def _session(*, connections: int, timeout_s: float) -> aiohttp.ClientSession:
+    # aiohttp rather than httpx: the client shares the machine with what it measures, and per request
+    # httpx cost ~2 ms more of TTFT at the client (measured: docs/benchmarks.md, "the client's share").
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    )
+
+
 async def run_http_load(base_url: str, key: str, model: str, requests: Sequence[TextRequest]) -> HttpRun:
     run = HttpRun([], [])
     url = f"{base_url}/v1/models/{model}/infer"
-    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with _session(connections=len(requests) + 8, timeout_s=600.0) as session:
         t0 = time.perf_counter()
-        await asyncio.gather(*(_one(client, url, key, r, t0, run) for r in requests))
+        await asyncio.gather(*(_one(session, url, key, r, t0, run) for r in requests))
         run.wall_s = time.perf_counter() - t0
     return run
 
@@ -319,15 +328,15 @@ async def quota_flood(
     body = {"input": "hello", "max_tokens": 4}
     deadline = time.perf_counter() + duration_s
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(session: aiohttp.ClientSession) -> None:
         while time.perf_counter() < deadline:
-            response = await client.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
-            statuses[str(response.status_code)] += 1
+            async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as response:
+                await response.read()
+                statuses[str(response.status)] += 1
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+    async with _session(connections=concurrency, timeout_s=30.0) as session:
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return {
         "wall_s": wall,
@@ -486,9 +495,9 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
                     flood_key,
                     "bench",
                     duration_s=float(options["quota_flood"]),
-                    # httpx costs more CPU per request than the gateway's refusal, and on 2 cores the
-                    # client shares them with the server: 8 connections kept it from saturating first
-                    # (32: 450/s, 64: 184/s with the client at a full core; 8: 594/s).
+                    # The client costs CPU per request too, and on 2 cores it shares them with the
+                    # server: a few connections keep it from saturating first (httpx, earlier: 32
+                    # connections 450/s, 64 184/s, 8 594/s).
                     concurrency=8,
                 )
             )  # type: ignore[arg-type]
