@@ -416,7 +416,38 @@ def deployment_judge(
         _advance(deployment, verdict=verdict, now=now)
     else:
         deployment.save(update_fields=["last_judged_at", "last_verdict", "updated_at"])
+        _note_overdue_step(deployment, verdict=verdict, now=now)
     return verdict
+
+
+def _note_overdue_step(deployment: Deployment, *, verdict: judge.Verdict, now: dt.datetime) -> None:
+    """A hold inside the bake window is routine and writes nothing (last_verdict shows it). A step still
+    held once its window is over is one an operator should see in the history, with the judge's
+    reasons: written once per step, at the first tick past the window."""
+    if deployment.state != State.RAMPING or deployment.step_started_at is None:
+        return
+    elapsed_s = (now - deployment.step_started_at).total_seconds()
+    if elapsed_s < deployment.bake_seconds:
+        return
+    if deployment.events.filter(
+        actor=JUDGE_ACTOR,
+        to_state=State.RAMPING,
+        at__gte=deployment.step_started_at,
+        reason__contains="held past",
+    ).exists():
+        return
+    step = deployment.current_step
+    _event(
+        deployment,
+        to_state=State.RAMPING,
+        actor=JUDGE_ACTOR,
+        reason=(
+            f"judge: step {step + 1}/{len(deployment.steps)} ({deployment.steps[step]['pct']}%) held past "
+            f"its {deployment.bake_seconds:g} s bake window: {verdict.reason}"
+        ),
+        figures=verdict.figures,
+        at=now,
+    )
 
 
 def _tick_provisioning(deployment: Deployment, *, now: dt.datetime) -> None:

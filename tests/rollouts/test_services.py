@@ -205,6 +205,33 @@ def test_unreadable_metrics_hold_the_deployment_as_is(ramping) -> None:
     assert routing_state(model)[1] == {"v2": 5, "v1": 95}
 
 
+def test_a_step_held_past_its_bake_window_is_written_down_once_with_the_reason(ramping) -> None:
+    """Within the bake window a hold is routine and writes nothing; past it the step is overdue, and the
+    deployment's history says why (once per step, not once per tick), so an operator reading it sees
+    what the canary is waiting for."""
+    model, deployment = ramping
+    too_few = FakeMetrics({"v2": window(num_requests=3), "v1": window(num_requests=1500)})
+    num_events = deployment.events.count()
+
+    assert tick(deployment, 30, too_few).kind is VerdictKind.INSUFFICIENT_DATA
+    assert deployment.events.count() == num_events
+
+    for seconds in (60, 90, 120):
+        assert tick(deployment, seconds, too_few).kind is VerdictKind.INSUFFICIENT_DATA
+    overdue = list(deployment.events.all()[num_events:])
+    assert [(e.from_state, e.to_state, e.at) for e in overdue] == [("ramping", "ramping", at(60))]
+    assert "held past its 60 s bake window" in overdue[0].reason
+    assert "3 of" in overdue[0].reason  # the judge's own words: too few canary requests
+    assert overdue[0].figures["bake_elapsed_s"] == 60
+    assert routing_state(model)[1] == {"v2": 5, "v1": 95}  # nothing else moved
+
+    # The next step gets its own record when it, too, runs over.
+    healthy = FakeMetrics({"v2": window(num_requests=80), "v1": window(num_requests=1500)})
+    assert tick(deployment, 150, healthy).kind is VerdictKind.ADVANCE
+    tick(deployment, 240, too_few)
+    assert deployment.events.last().reason.startswith("judge: step 2/3 (50%) held past")
+
+
 def test_manual_rollback_and_promote_and_refusals_after_the_end(ramping) -> None:
     model, deployment = ramping
     services.deployment_rollback(deployment=deployment, actor="staff:bob", reason="pager went off")
