@@ -83,6 +83,7 @@ def engine_config_from_settings() -> Any:
         max_num_batched_tokens=settings.REPLICA_MAX_NUM_BATCHED_TOKENS,
         kv_cache_bytes=settings.REPLICA_KV_CACHE_BYTES,
         compile=settings.REPLICA_COMPILE,
+        pack_linear=settings.REPLICA_PACK_LINEAR,
     )
 
 

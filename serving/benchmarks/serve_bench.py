@@ -8,6 +8,7 @@ never emits EOS: its special tokens have zero logits)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -198,6 +199,7 @@ def run_engine_alone(
         kv_cache_bytes=int(engine_env["SWITCHYARD_KV_CACHE_MB"]) * 1024 * 1024,
         block_size=16,
         compile=False,
+        pack_linear=engine_env["SWITCHYARD_PACK_LINEAR"] == "1",
     )
     system.run(bench_requests[:4])  # warm-up, as the platform gets before its measured run
     records = system.run(bench_requests)
@@ -365,6 +367,12 @@ def add_serve_arguments(parser: object) -> None:
     add("--max-num-batched-tokens", type=int, default=2048)
     add("--kv-cache-mb", type=int, default=512)
     add(
+        "--pack-linear",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="for --compare: oneDNN-packed Linear layers on a CPU, in the replica and the engine alone",
+    )
+    add(
         "--torch-threads",
         type=int,
         default=None,
@@ -433,6 +441,7 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         "SWITCHYARD_MAX_NUM_SEQS": str(options["max_num_seqs"]),
         "SWITCHYARD_MAX_NUM_BATCHED_TOKENS": str(options["max_num_batched_tokens"]),
         "SWITCHYARD_KV_CACHE_MB": str(options["kv_cache_mb"]),
+        "SWITCHYARD_PACK_LINEAR": "1" if options.get("pack_linear", True) else "0",
     }
     import logging
 
