@@ -213,29 +213,30 @@ def run_engine_alone(
     return summary, {r.request_id: r.ttft_s for r in records if r.is_complete}
 
 
+def _median_ttft_above_ms(run: HttpRun, baseline_ttft_s: dict[str, float]) -> float:
+    """The median over complete requests of (TTFT at the client - the baseline's TTFT for that request
+    id); requests without a baseline are left out."""
+    added = [
+        (r.ttft_s - baseline_ttft_s[r.request_id]) * 1000
+        for r in run.records
+        if r.is_complete and r.request_id in baseline_ttft_s
+    ]
+    return percentile(added, 50) if added else float("nan")
+
+
 def path_ttft_ms(run: HttpRun) -> float:
     """The median over requests of (TTFT at the client - the replica's TTFT from the submission): what
     the path outside the replica adds to each request (HTTP, the gateway, two layer hops), read within
     one request and so free of the engine's run-to-run variance. It leaves out what the path costs
     the engine (a gateway sharing its cores slows its steps), which the end-to-end figures include."""
-    added = [
-        (r.ttft_s - run.replica_ttft_s[r.request_id]) * 1000
-        for r in run.records
-        if r.is_complete and r.request_id in run.replica_ttft_s
-    ]
-    return percentile(added, 50) if added else float("nan")
+    return _median_ttft_above_ms(run, run.replica_ttft_s)
 
 
 def paired_ttft_added_ms(alone_ttft_s: dict[str, float], run: HttpRun) -> float:
     """The median over requests of (TTFT through the API - TTFT of the same request on the engine alone).
     Both runs replay one arrival schedule, so pairing takes out what varies between requests (prompt
     length, what else was running) and leaves what the path adds to each."""
-    added = [
-        (r.ttft_s - alone_ttft_s[r.request_id]) * 1000
-        for r in run.records
-        if r.is_complete and r.request_id in alone_ttft_s
-    ]
-    return percentile(added, 50) if added else float("nan")
+    return _median_ttft_above_ms(run, alone_ttft_s)
 
 
 def _free_port() -> int:
