@@ -19,10 +19,19 @@ download() {
     python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
         "${platforms[@]}" -d .devcarry/whl "$@"
 }
-# pyproject.toml's dependencies, less what the machine's image has (torch above all).
-download "django>=5.2,<6" "djangorestframework>=3.15" "channels>=4.2" "daphne>=4.1" "celery>=5.4" \
-    "plotly>=6" "channels-redis>=4.2" "redis>=5" "drf-spectacular>=0.28" "dj-database-url>=2.3"
-download --no-deps "transformers==$(python3 -c 'import re,sys; print(re.search(r"transformers==([\d.]+)", open("pyproject.toml").read())[1])')"
+# pyproject.toml's dependencies, less what the machine's image already has (torch above all) and
+# psycopg (the benchmarks run on SQLite there). transformers comes alone: the image has its needs.
+mapfile -t wanted < <(python3 - <<'PY'
+import re, tomllib
+on_image = {"torch", "safetensors", "tokenizers", "numpy", "httpx", "aiohttp", "prometheus-client", "psycopg"}
+for requirement in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    name = re.split(r"[\[<>=!~ ]", requirement, maxsplit=1)[0].lower()
+    if name not in on_image and name != "transformers":
+        print(requirement)
+PY
+)
+download "${wanted[@]}"
+download --no-deps "$(grep -o '"transformers==[0-9.]*"' pyproject.toml | tr -d '"')"
 # The image's own copies of these stay: two versions of one package stop the install.
 for name in click python_dateutil narwhals msgpack PyYAML pyyaml typing_extensions packaging attrs idna six \
     aiohttp aiosignal frozenlist multidict yarl propcache aiohappyeyeballs; do
