@@ -133,6 +133,40 @@ async def test_streaming_infer_sends_one_event_per_token_then_the_final_event(ac
     assert events[-1]["usage"]["completion_tokens"] == 6
 
 
+async def test_a_stream_gets_its_status_and_headers_before_its_first_forward_pass_ends(acme, runtime) -> None:
+    """The replica accepts a request before running the step that prefills it, so the response starts
+    while the prompt is being prefilled instead of on the first token's path."""
+    import asyncio
+    import threading
+
+    engine = runtime.replicas[("demo-chat", "v1")].engine
+    in_step, release = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def held_step():  # type: ignore[no-untyped-def]
+        in_step.set()
+        release.wait(timeout=30)
+        return real_step()
+
+    engine.step = held_step
+    try:
+        async with asyncio.timeout(10):
+            response = await _post(
+                AsyncClient(),
+                {"input": "hello", "max_tokens": 3, "stream": True, "temperature": 0},
+                acme.auth,
+            )
+        assert in_step.is_set() and not release.is_set()  # the first forward pass has not finished
+        assert response.status_code == 200
+        assert response["X-Served-Version"] == "v1"
+    finally:
+        release.set()
+    body = b"".join([chunk async for chunk in response.streaming_content]).decode()
+    events = [json.loads(line[6:]) for line in body.split("\n\n") if line]
+    assert [e["index"] for e in events[:-1]] == [0, 1, 2]
+    assert events[-1]["finish_reason"] == "length"
+
+
 async def test_seeded_sampling_reproduces_and_greedy_is_deterministic(acme) -> None:
     client = AsyncClient()
 
