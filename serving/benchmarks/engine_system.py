@@ -27,6 +27,14 @@ class EngineRunStats:
     max_num_running: int = 0
     num_batched_tokens: int = 0  # prompt and output tokens run through the model, all steps
     num_preemptions: int = 0
+    busy_s: float = 0.0  # time inside engine.step()
+    wall_s: float = 0.0  # the whole run, idle waits for arrivals included
+
+    @property
+    def busy_fraction(self) -> float:
+        """How loaded the run was: near 1 the engine never waited for work, and queueing, not the
+        per-request path, decides TTFT."""
+        return self.busy_s / self.wall_s if self.wall_s else 0.0
 
     @property
     def mean_num_batched_tokens(self) -> float:
@@ -93,8 +101,10 @@ class EngineSystem:
             if not engine.has_unfinished():
                 time.sleep(max(0.0, started + pending[0].arrival_s - time.monotonic()))
                 continue
+            step_started = time.monotonic()
             outputs = engine.step()
             stepped_at = time.monotonic()
+            stats.busy_s += stepped_at - step_started
             for output in outputs:
                 record = records[output.request_id.removeprefix(prefix)]
                 record.num_output_tokens += len(output.new_token_ids)
@@ -116,6 +126,7 @@ class EngineSystem:
                 stats.num_kv_samples += 1
                 allocated_slot_steps += engine_stats.kv_allocated_slots
                 empty_slot_steps += engine_stats.kv_allocated_slots - engine_stats.kv_used_slots
+        stats.wall_s = time.monotonic() - started
         stats.mean_kv_waste = waste_sum / stats.num_kv_samples if stats.num_kv_samples else 0.0
         stats.run_kv_waste = empty_slot_steps / allocated_slot_steps if allocated_slot_steps else 0.0
         self.last_run = stats

@@ -209,19 +209,20 @@ def run_engine_alone(
         "p50_ttft_ms": metrics.p50_ttft_s * 1000,
         "p99_ttft_ms": metrics.p99_ttft_s * 1000,
         "p50_tpot_ms": metrics.p50_tpot_s * 1000,
+        "busy_pct": system.last_run.busy_fraction * 100,
     }
     return summary, {r.request_id: r.ttft_s for r in records if r.is_complete}
 
 
-def _median_ttft_above_ms(run: HttpRun, baseline_ttft_s: dict[str, float]) -> float:
-    """The median over complete requests of (TTFT at the client - the baseline's TTFT for that request
-    id); requests without a baseline are left out."""
-    added = [
-        (r.ttft_s - baseline_ttft_s[r.request_id]) * 1000
-        for r in run.records
-        if r.is_complete and r.request_id in baseline_ttft_s
-    ]
+def _median_difference_ms(ttft_s: dict[str, float], baseline_ttft_s: dict[str, float]) -> float:
+    """The median over requests of (a TTFT - the baseline's TTFT for that request id); requests without
+    a baseline are left out."""
+    added = [(t - baseline_ttft_s[i]) * 1000 for i, t in ttft_s.items() if i in baseline_ttft_s]
     return percentile(added, 50) if added else float("nan")
+
+
+def _client_ttft_s(run: HttpRun) -> dict[str, float]:
+    return {r.request_id: r.ttft_s for r in run.records if r.is_complete}
 
 
 def path_ttft_ms(run: HttpRun) -> float:
@@ -229,14 +230,21 @@ def path_ttft_ms(run: HttpRun) -> float:
     the path outside the replica adds to each request (HTTP, the gateway, two layer hops), read within
     one request and so free of the engine's run-to-run variance. It leaves out what the path costs
     the engine (a gateway sharing its cores slows its steps), which the end-to-end figures include."""
-    return _median_ttft_above_ms(run, run.replica_ttft_s)
+    return _median_difference_ms(_client_ttft_s(run), run.replica_ttft_s)
+
+
+def replica_ttft_added_ms(alone_ttft_s: dict[str, float], run: HttpRun) -> float:
+    """The median over requests of (the replica's TTFT from the submission - TTFT of the same request on
+    the engine alone): what the replica's own work adds, plus what sharing the cores with the gateway
+    and the client costs its steps. Grows with load: queueing amplifies any slower step."""
+    return _median_difference_ms(run.replica_ttft_s, alone_ttft_s)
 
 
 def paired_ttft_added_ms(alone_ttft_s: dict[str, float], run: HttpRun) -> float:
     """The median over requests of (TTFT through the API - TTFT of the same request on the engine alone).
     Both runs replay one arrival schedule, so pairing takes out what varies between requests (prompt
     length, what else was running) and leaves what the path adds to each."""
-    return _median_ttft_above_ms(run, alone_ttft_s)
+    return _median_difference_ms(_client_ttft_s(run), alone_ttft_s)
 
 
 def _free_port() -> int:
@@ -522,6 +530,10 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         f"p50 TTFT added by the API path: {added_ttft:+.1f} ms "
         f"(median per-request difference: {paired_ttft_added_ms(alone_ttft_s, run):+.1f} ms)",
         f"of which outside the replica (client TTFT - replica TTFT, median): {path_ttft_ms(run):.1f} ms",
+        f"and inside it (replica TTFT - engine-alone TTFT, median): "
+        f"{replica_ttft_added_ms(alone_ttft_s, run):+.1f} ms",
+        f"load: the engine alone was busy {alone['busy_pct']:.0f}% of its run "
+        "(light load, where TTFT is the path's cost rather than queueing, is well under 50%)",
     ]
     if flood:
         lines.append(

@@ -135,7 +135,12 @@ def test_the_bench_command_refuses_unknown_systems(demo_model_dir: Path) -> None
 
 
 def test_paired_ttft_added_pairs_requests_by_id_and_ignores_incomplete_ones() -> None:
-    from serving.benchmarks.serve_bench import HttpRun, paired_ttft_added_ms
+    from serving.benchmarks.serve_bench import (
+        HttpRun,
+        paired_ttft_added_ms,
+        path_ttft_ms,
+        replica_ttft_added_ms,
+    )
     from serving.benchmarks.workload import RequestRecord
 
     def record(
@@ -165,6 +170,27 @@ def test_paired_ttft_added_pairs_requests_by_id_and_ignores_incomplete_ones() ->
     alone["e"] = 0.001
     assert paired_ttft_added_ms(alone, run) == pytest.approx(4.0, abs=1e-6)
     assert math.isnan(paired_ttft_added_ms({}, run))
+    # The replica's own TTFTs split each request's added time into inside and outside the replica.
+    run.replica_ttft_s.update({"a": 0.011, "b": 0.201, "c": 0.052})
+    assert replica_ttft_added_ms(alone, run) == pytest.approx(1.0, abs=1e-6)  # +1, +1, +2
+    assert path_ttft_ms(run) == pytest.approx(3.0, abs=1e-6)  # +2, +3, +3
+
+
+@pytest.mark.skipif(not HAS_ENGINE, reason="needs the engine")
+def test_the_engine_alone_reports_how_busy_a_run_kept_it(demo_model_dir: Path) -> None:
+    model = read_model_info(demo_model_dir)
+    system = EngineSystem(
+        demo_model_dir,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        kv_cache_bytes=64 * 16 * model.kv_bytes_per_token,
+        block_size=16,
+        compile=False,
+    )
+    # Two short requests 0.4 s apart: the engine waits for the second far longer than it works.
+    system.run([BenchRequest("r0", 0.0, (5, 6, 7), 2), BenchRequest("r1", 0.4, (5, 6, 8), 2)])
+    assert system.last_run.wall_s >= 0.4
+    assert 0 < system.last_run.busy_fraction < 0.5
 
 
 def test_the_step_profile_reports_each_batch_size(
