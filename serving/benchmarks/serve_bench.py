@@ -236,7 +236,9 @@ def path_ttft_ms(run: HttpRun) -> float:
 def replica_ttft_added_ms(alone_ttft_s: dict[str, float], run: HttpRun) -> float:
     """The median over requests of (the replica's TTFT from the submission - TTFT of the same request on
     the engine alone): what the replica's own work adds, plus what sharing the cores with the gateway
-    and the client costs its steps. Grows with load: queueing amplifies any slower step."""
+    and the client costs its steps. Grows with load: queueing amplifies any slower step. Reads low by up
+    to the time before the submission for a request that arrives during a step: the replica's clock
+    starts later, the step it waits for ends when it would have anyway."""
     return _median_difference_ms(run.replica_ttft_s, alone_ttft_s)
 
 
