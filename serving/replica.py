@@ -355,8 +355,8 @@ class Replica:
         for message in submissions:
             self._admit(message, result, ended)
         if result.events_by_inbox:
-            # One message per inbox and arriving request, not per step: cheap enough to send during the
-            # forward pass, and the gateway then starts its response while the prompt is prefilled.
+            # One more message per inbox, and only for steps that admit something: cheap enough to send
+            # during the forward pass, and the gateway then starts its response while it runs.
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._start_early_send, result)
             result = _StepResult()
