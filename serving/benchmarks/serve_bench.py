@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,7 +211,7 @@ def run_engine_alone(
         "p50_tpot_ms": metrics.p50_tpot_s * 1000,
         "busy_pct": system.last_run.busy_fraction * 100,
     }
-    return summary, {r.request_id: r.ttft_s for r in records if r.is_complete}
+    return summary, _ttft_s_by_id(records)
 
 
 def _median_difference_ms(ttft_s: dict[str, float], baseline_ttft_s: dict[str, float]) -> float:
@@ -221,8 +221,8 @@ def _median_difference_ms(ttft_s: dict[str, float], baseline_ttft_s: dict[str, f
     return percentile(added, 50) if added else float("nan")
 
 
-def _client_ttft_s(run: HttpRun) -> dict[str, float]:
-    return {r.request_id: r.ttft_s for r in run.records if r.is_complete}
+def _ttft_s_by_id(records: Iterable[RequestRecord]) -> dict[str, float]:
+    return {r.request_id: r.ttft_s for r in records if r.is_complete}
 
 
 def path_ttft_ms(run: HttpRun) -> float:
@@ -230,7 +230,7 @@ def path_ttft_ms(run: HttpRun) -> float:
     the path outside the replica adds to each request (HTTP, the gateway, two layer hops), read within
     one request and so free of the engine's run-to-run variance. It leaves out what the path costs
     the engine (a gateway sharing its cores slows its steps), which the end-to-end figures include."""
-    return _median_difference_ms(_client_ttft_s(run), run.replica_ttft_s)
+    return _median_difference_ms(_ttft_s_by_id(run.records), run.replica_ttft_s)
 
 
 def replica_ttft_added_ms(alone_ttft_s: dict[str, float], run: HttpRun) -> float:
@@ -246,7 +246,7 @@ def paired_ttft_added_ms(alone_ttft_s: dict[str, float], run: HttpRun) -> float:
     """The median over requests of (TTFT through the API - TTFT of the same request on the engine alone).
     Both runs replay one arrival schedule, so pairing takes out what varies between requests (prompt
     length, what else was running) and leaves what the path adds to each."""
-    return _median_difference_ms(_client_ttft_s(run), alone_ttft_s)
+    return _median_difference_ms(_ttft_s_by_id(run.records), alone_ttft_s)
 
 
 def _free_port() -> int:
