@@ -11,6 +11,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 
 from config.inference import inference_or  # noqa: E402
+from config.lifespan import lifespan  # noqa: E402
 from config.routing import websocket_urlpatterns  # noqa: E402
 
 if settings.SERVE_STATIC:
@@ -20,5 +21,9 @@ if settings.SERVE_STATIC:
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
 application = ProtocolTypeRouter(
-    {"http": inference_or(django_asgi_app), "websocket": URLRouter(websocket_urlpatterns)}
+    {
+        "http": inference_or(django_asgi_app),
+        "websocket": URLRouter(websocket_urlpatterns),
+        "lifespan": lifespan,
+    }
 )

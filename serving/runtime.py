@@ -1,8 +1,8 @@
 """The per-process runtime of the data plane: the reply hub, the replicas this process hosts (embedded
 mode) and, with Redis, the directory of replicas in other processes.
 
-daphne has no ASGI lifespan, so the runtime starts on first use (the `serve` command also starts it as
-soon as the server listens). It belongs to one event loop; a new loop (a test's) gets a new runtime."""
+The server starts it at startup (config/lifespan.py); without a lifespan (a test driving the ASGI app)
+it starts on first use. It belongs to one event loop; a new loop (a test's) gets a new runtime."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The inference endpoints run behind a lean middleware stack (config/inference.py): security headers
 and the host check stay, the browser middleware (and its per-request thread hops) go. Requests go
-through the real ASGI application, as daphne would send them."""
+through the real ASGI application, as a server (uvicorn) would send them."""
 
 from __future__ import annotations
 
