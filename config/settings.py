@@ -189,6 +189,9 @@ MAX_INPUT_CHARS = int(os.environ.get("SWITCHYARD_MAX_INPUT_CHARS", "32768"))
 MAX_REQUEST_BYTES = int(os.environ.get("SWITCHYARD_MAX_REQUEST_BYTES", str(256 * 1024)))
 MAX_TOKENS_LIMIT = int(os.environ.get("SWITCHYARD_MAX_TOKENS_LIMIT", "4096"))
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
+# A stream whose client has this many events unread beyond what the sockets hold is cut off and its
+# sequence aborted (serving/streams.py).
+STREAM_MAX_BACKLOG_EVENTS = int(os.environ.get("SWITCHYARD_STREAM_MAX_BACKLOG_EVENTS", "256"))
 # The embedded runtime: in-process replicas supervised from the server's event loop.
 EMBEDDED_REPLICAS = _env_bool("SWITCHYARD_EMBEDDED_REPLICAS", not REDIS_URL)
 REPLICA_SYNC_INTERVAL_S = float(os.environ.get("SWITCHYARD_REPLICA_SYNC_INTERVAL_S", "2"))

@@ -5,7 +5,9 @@ Auth by the `Authorization: Bearer` header of the handshake, or by a first messa
 /infer body without `stream`) starts a generation; the server answers `{"type": "token", "token", "index"}`
 per token and `{"type": "done", "finish_reason", "usage", "timings", "version"}` at the end, or
 `{"type": "error", "error": {"type", "message"}}`. `{"type": "cancel"}` stops the generation in flight and
-frees its blocks on the replica. One generation at a time per connection."""
+frees its blocks on the replica. One generation at a time per connection. A client that stops reading
+is cut off (serving/streams.py): its generation is aborted, and once it reads again it gets an error
+of type "slow_reader" and the connection closes with code 4408."""
 
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from registry.errors import error_body
 from registry.selectors import TenantContext
-from serving.dispatch import Dispatch, authenticate, dispatch
+from serving.dispatch import SLOW_READER, Dispatch, authenticate, dispatch
 from serving.gateway import GatewayError
 from serving.requests import parse_infer
 
 CLOSE_UNAUTHENTICATED = 4401
+CLOSE_SLOW_READER = 4408
 
 
 class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
@@ -98,15 +101,21 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                     await self.send_json({"type": "done", "version": handle.version, **event})
         except asyncio.CancelledError:
             await handle.close()  # aborts on the replica, freeing the sequence's blocks
+            # These wait until the client reads what is already buffered for it (or goes away).
             with contextlib.suppress(Exception):
-                await self.send_json(
-                    {
-                        "type": "done",
-                        "version": handle.version,
-                        "finish_reason": "abort",
-                        "usage": {"completion_tokens": handle.num_completion_tokens},
-                    }
-                )
+                if handle.is_cut_off:
+                    error = {"type": SLOW_READER, "message": "the client fell too far behind the stream"}
+                    await self.send_json({"type": "error", "error": error})
+                    await self.close(code=CLOSE_SLOW_READER)
+                else:
+                    await self.send_json(
+                        {
+                            "type": "done",
+                            "version": handle.version,
+                            "finish_reason": "abort",
+                            "usage": {"completion_tokens": handle.num_completion_tokens},
+                        }
+                    )
             raise
         finally:
             await handle.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 import uuid
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from channels.db import database_sync_to_async
+from django.conf import settings
 
 from registry.models import Model
 from registry.selectors import TenantContext
@@ -24,6 +26,8 @@ from serving.gateway import GatewayError, Ticket
 from serving.replica import ABORT, SUBMIT
 from serving.router import choose_replica, choose_version, routing_cache, split_model_name
 from serving.runtime import ReplicaHandle, Runtime, get_runtime
+
+logger = logging.getLogger(__name__)
 
 ACCEPT_TIMEOUT_S = 30.0
 INACTIVITY_TIMEOUT_S = 60.0
@@ -35,6 +39,7 @@ _REPLICA_LOST = "replica_lost"
 # the circuit breaker. A request-level error (a model failure, an injected fault) is neither: retrying
 # it would hide a bad version from the metrics the rollout judge reads.
 REPLICA_FAILURES = frozenset({_REPLICA_LOST, "replica_unavailable", "replica_timeout"})
+SLOW_READER = "slow_reader"
 
 
 def _error_event(error_type: str, message: str) -> dict[str, Any]:
@@ -59,7 +64,9 @@ class Dispatch:
         self._submission = submission
         self.request_id = uuid.uuid4().hex
         self._wire_id = self.request_id  # changes on a retry, so late events of the dead try are dropped
-        self._queue: asyncio.Queue[dict[str, Any]] = runtime.hub.open(self._wire_id)
+        self._queue: asyncio.Queue[dict[str, Any]] = runtime.hub.open(self._wire_id, self._on_backlog)
+        self._reader: asyncio.Task[Any] | None = None  # the task iterating events()
+        self.is_cut_off = False  # its client fell too far behind (serving/streams.py)
         self.replica: ReplicaHandle | None = None
         self.num_prompt_tokens = 0
         self.num_completion_tokens = 0
@@ -124,7 +131,7 @@ class Dispatch:
         self.num_retries += 1
         self._runtime.hub.close(self._wire_id)
         self._wire_id = f"{self.request_id}-{self.num_retries}"
-        self._queue = self._runtime.hub.open(self._wire_id)
+        self._queue = self._runtime.hub.open(self._wire_id, self._on_backlog)
         await self.submit(exclude=frozenset({failed}))
 
     async def _next_event(self, *, timeout_s: float) -> dict[str, Any]:
@@ -143,8 +150,26 @@ class Dispatch:
                 if time.monotonic() > deadline:
                     return _error_event("replica_timeout", "the replica stopped answering")
 
+    def _on_backlog(self) -> None:
+        """The client has stopped reading: its reader is blocked in the server's send() while events pile
+        up. Cancelling the reader ends the stream, and its close() aborts the sequence on the replica."""
+        logger.warning(
+            "request %s cut off: its client left over %d events unread",
+            self.request_id,
+            settings.STREAM_MAX_BACKLOG_EVENTS,
+        )
+        self.is_cut_off = True
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+        else:
+            asyncio.get_running_loop().create_task(self.close())
+
     async def events(self) -> AsyncIterator[dict[str, Any]]:
+        self._reader = asyncio.current_task()
         while not self.is_finished:
+            if self.is_cut_off:
+                yield _error_event(SLOW_READER, "the client fell too far behind the stream")
+                return
             if self._first_event is not None:
                 event, self._first_event = self._first_event, None
             else:

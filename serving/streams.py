@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from channels.layers import get_channel_layer
@@ -33,7 +33,7 @@ def reply_layer() -> Any:
 class ReplyHub:
     def __init__(self, layer: Any) -> None:
         self._layer = layer
-        self._queues: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self._queues: dict[str, tuple[asyncio.Queue[dict[str, Any]], Callable[[], None]]] = {}
         self.channel_name: str | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -49,9 +49,11 @@ class ReplyHub:
                 await self._task
             self._task = None
 
-    def open(self, request_id: str) -> asyncio.Queue[dict[str, Any]]:
+    def open(self, request_id: str, on_backlog: Callable[[], None]) -> asyncio.Queue[dict[str, Any]]:
+        """A queue for the request's events. `on_backlog` is called (once, on the loop) if its reader
+        falls more than the cap behind; the queue then gets nothing more."""
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._queues[request_id] = queue
+        self._queues[request_id] = (queue, on_backlog)
         return queue
 
     def close(self, request_id: str) -> None:
@@ -71,11 +73,16 @@ class ReplyHub:
             if message.get("type") != STEP_MESSAGE:
                 continue
             for item in message.get("items", ()):
-                queue = self._queues.get(item.get("request_id"))
-                if queue is None:
+                request_id = item.get("request_id")
+                entry = self._queues.get(request_id)
+                if entry is None:
                     continue  # the client went away; its abort is already on its way to the replica
+                queue, on_backlog = entry
                 for event in item.get("events", ()):
                     queue.put_nowait(event)
+                if queue.qsize() > settings.STREAM_MAX_BACKLOG_EVENTS:
+                    del self._queues[request_id]
+                    on_backlog()
 
 
 async def iterate_events(

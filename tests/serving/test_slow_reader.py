@@ -1,0 +1,131 @@
+"""A client that stops reading its stream. The server's send() then waits (uvicorn's does while the
+client's socket is full), events pile up in the gateway, and past settings.STREAM_MAX_BACKLOG_EVENTS the
+stream is cut off and its sequence aborted. The ASGI client below stops reading after a few messages, as
+such a client looks to the application; daphne's send() never waits, so behind it the backlog would grow
+in the server's write buffer, out of the application's sight (why `serve` runs uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+READ_BEFORE_STALLING = 2
+MAX_TOKENS = 1500
+STREAM_MESSAGES = ("http.response.body", "websocket.send")
+
+
+class StalledClient:
+    """An ASGI client that sends `incoming`, reads READ_BEFORE_STALLING messages of the stream, then stops
+    reading (its send() blocks) until `resume()`; it never disconnects."""
+
+    def __init__(self, incoming: list[dict[str, Any]]) -> None:
+        self.incoming = incoming
+        self.sent: list[dict[str, Any]] = []
+        self.stalled = asyncio.Event()
+        self._reading = asyncio.Event()
+        self.closed = asyncio.Event()
+
+    def resume(self) -> None:
+        self._reading.set()
+
+    async def receive(self) -> dict[str, Any]:
+        if self.incoming:
+            return self.incoming.pop(0)
+        await asyncio.Event().wait()  # nothing more, and no disconnect
+        raise AssertionError("unreachable")
+
+    async def send(self, message: dict[str, Any]) -> None:
+        read = sum(1 for m in self.sent if m["type"] in STREAM_MESSAGES)
+        if message["type"] in STREAM_MESSAGES and read >= READ_BEFORE_STALLING:
+            self.stalled.set()
+            await self._reading.wait()
+        self.sent.append(message)
+        if message["type"] == "websocket.close":
+            self.closed.set()
+
+
+def _scope(kind: str, path: str, key: str) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http" if kind == "http" else "ws",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"localhost"),
+            (b"authorization", f"Bearer {key}".encode()),
+            (b"content-type", b"application/json"),
+        ],
+        "subprotocols": [],
+        "client": ("127.0.0.1", 40000),
+        "server": ("localhost", 80),
+    }
+
+
+async def _replica_is_empty(runtime: Any) -> None:
+    (replica,) = runtime.replicas.values()
+    await replica.wait_idle()
+    stats = replica.engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
+@pytest.fixture
+def acme(make_tenant, registered_model, runtime, settings):  # type: ignore[no-untyped-def]
+    settings.ALLOWED_HOSTS = ["localhost"]
+    settings.STREAM_MAX_BACKLOG_EVENTS = 4
+    return make_tenant("acme")
+
+
+async def test_an_sse_stream_whose_client_stops_reading_is_cut_off_and_its_sequence_aborted(
+    acme, runtime
+) -> None:
+    from config.asgi import application
+
+    body = {"input": "hello", "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0}
+    client = StalledClient([{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}])
+    async with asyncio.timeout(60):  # without the cap the response would wait on the client forever
+        await application(_scope("http", "/v1/models/demo-chat/infer", acme.key), client.receive, client.send)
+    assert client.stalled.is_set()
+    chunks = [m for m in client.sent if m["type"] == "http.response.body"]
+    assert all(m.get("more_body") for m in chunks)  # never finished: the server drops the connection
+    assert not any(b"finish_reason" in m["body"] for m in chunks)
+    await _replica_is_empty(runtime)
+
+
+async def test_a_websocket_client_that_stops_reading_is_cut_off_and_told_why_when_it_reads_again(
+    acme, runtime
+) -> None:
+    from config.asgi import application
+    from serving.consumers import CLOSE_SLOW_READER
+
+    infer = {"type": "infer", "input": "hello", "max_tokens": MAX_TOKENS, "temperature": 0}
+    client = StalledClient(
+        [{"type": "websocket.connect"}, {"type": "websocket.receive", "text": json.dumps(infer)}]
+    )
+    scope = _scope("websocket", "/v1/models/demo-chat/stream", acme.key)
+    connection = asyncio.create_task(application(scope, client.receive, client.send))
+    try:
+        async with asyncio.timeout(60):
+            await client.stalled.wait()
+            await _replica_is_empty(runtime)  # aborted while the client still reads nothing
+            client.resume()
+            await client.closed.wait()
+    finally:
+        connection.cancel()
+    messages = [json.loads(m["text"]) for m in client.sent if m["type"] == "websocket.send"]
+    assert [m["type"] for m in messages[:-1]] == ["token"] * (len(messages) - 1)
+    assert len(messages) - 1 < MAX_TOKENS
+    assert messages[-1] == {
+        "type": "error",
+        "error": {"type": "slow_reader", "message": "the client fell too far behind the stream"},
+    }
+    assert client.sent[-1] == {"type": "websocket.close", "code": CLOSE_SLOW_READER}
