@@ -23,3 +23,39 @@ def test_a_real_websocket_client_streams_and_cancels(platform_server) -> None:
         while message["type"] == "token":
             message = json.loads(ws.recv(timeout=10))
         assert message["finish_reason"] == "abort"
+
+
+def _staff_session_cookie(server) -> str:  # type: ignore[no-untyped-def]
+    import re
+
+    import httpx
+
+    created = server.manage(
+        "shell",
+        "-c",
+        "from django.contrib.auth.models import User; "
+        "User.objects.create_superuser('ws-admin', 'ws@example.com', 'ws-e2e-password')",
+    )
+    assert created.returncode == 0, created.stderr
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        form = client.get("/admin/login/").text
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form)
+        assert token is not None
+        client.post(
+            "/admin/login/?next=/admin/",
+            data={"username": "ws-admin", "password": "ws-e2e-password", "csrfmiddlewaretoken": token[1]},
+        )
+        return client.cookies["sessionid"]
+
+
+def test_the_real_server_refuses_a_dashboard_handshake_from_another_site(platform_server) -> None:
+    """A staff member's browser on another site must not open the dashboard's feed with their cookie."""
+    from websockets.exceptions import InvalidStatus
+
+    url = platform_server.url.replace("http://", "ws://") + "/dashboard/ws/overview/"
+    cookie = {"Cookie": f"sessionid={_staff_session_cookie(platform_server)}"}
+    with ws_client.connect(url, origin=platform_server.url, additional_headers=cookie, open_timeout=10):
+        pass  # the same site's page is let in
+    with pytest.raises(InvalidStatus) as refused:
+        ws_client.connect(url, origin="http://evil.example", additional_headers=cookie, open_timeout=10)
+    assert refused.value.response.status_code == 403
