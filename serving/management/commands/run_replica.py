@@ -113,6 +113,10 @@ class Command(BaseCommand):
         self.stdout.write("draining")
         self.stdout.flush()
         await replica.wait_idle()
+        self.stdout.write("drained; stopping")
+        self.stdout.flush()
         await replica.stop()
         await publisher.close()
+        self.stdout.write("stopped")
+        self.stdout.flush()
         return 0
