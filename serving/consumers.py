@@ -19,7 +19,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from registry.errors import error_body
 from registry.selectors import TenantContext
-from serving.dispatch import SLOW_READER, Dispatch, authenticate, dispatch
+from serving.dispatch import SLOW_READER, SLOW_READER_MESSAGE, Dispatch, authenticate, dispatch
 from serving.gateway import GatewayError
 from serving.requests import parse_infer
 
@@ -104,7 +104,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             # These wait until the client reads what is already buffered for it (or goes away).
             with contextlib.suppress(Exception):
                 if handle.is_cut_off:
-                    error = {"type": SLOW_READER, "message": "the client fell too far behind the stream"}
+                    error = {"type": SLOW_READER, "message": SLOW_READER_MESSAGE}
                     await self.send_json({"type": "error", "error": error})
                     await self.close(code=CLOSE_SLOW_READER)
                 else:

@@ -40,6 +40,7 @@ _REPLICA_LOST = "replica_lost"
 # it would hide a bad version from the metrics the rollout judge reads.
 REPLICA_FAILURES = frozenset({_REPLICA_LOST, "replica_unavailable", "replica_timeout"})
 SLOW_READER = "slow_reader"
+SLOW_READER_MESSAGE = "the client fell too far behind the stream"
 
 
 def _error_event(error_type: str, message: str) -> dict[str, Any]:
@@ -67,6 +68,7 @@ class Dispatch:
         self._queue: asyncio.Queue[dict[str, Any]] = runtime.hub.open(self._wire_id, self._on_backlog)
         self._reader: asyncio.Task[Any] | None = None  # the task iterating events()
         self.is_cut_off = False  # its client fell too far behind (serving/streams.py)
+        self._cut_off_close: asyncio.Task[None] | None = None  # held: the loop keeps only weak refs
         self.replica: ReplicaHandle | None = None
         self.num_prompt_tokens = 0
         self.num_completion_tokens = 0
@@ -162,13 +164,13 @@ class Dispatch:
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
         else:
-            asyncio.get_running_loop().create_task(self.close())
+            self._cut_off_close = asyncio.get_running_loop().create_task(self.close())
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         self._reader = asyncio.current_task()
         while not self.is_finished:
             if self.is_cut_off:
-                yield _error_event(SLOW_READER, "the client fell too far behind the stream")
+                yield _error_event(SLOW_READER, SLOW_READER_MESSAGE)
                 return
             if self._first_event is not None:
                 event, self._first_event = self._first_event, None
