@@ -1,12 +1,17 @@
 """A replica: one model version loaded once, serving the requests that arrive on its channel.
 
-The engine loop runs as a task on the event loop; each engine step (schedule -> forward -> sample) runs
-in a one-thread executor, so the loop stays free for channel I/O while the model works. Requests and
-aborts are handed to the engine between steps, on the model thread, because the engine is not
-thread-safe. After each step the new events of every request go out as ONE message per receiving
-server process (inbox), never one per token: see ARCHITECTURE.md's transport measurements. Acceptances
-(or refusals) of the requests a step admits go out before its forward pass, so the gateway sends the
-response's headers while the prompt is prefilled rather than on the first token's path."""
+Two threads. The engine runs on its own model thread, step after step (schedule -> forward -> sample),
+for as long as it holds work; it is not thread-safe, so requests and aborts wait in an inbox that the
+model thread empties at the start of each step. The event loop thread does the I/O: it fills the inbox
+from the replica's channel and sends what each step produced, in order, while the model thread is
+already running the next step. (It used to be one executor call per step from the loop, with the sends
+awaited in between: on a loaded 2-core machine the model sat idle ~1.3 ms a step for two thread
+hand-offs and a Redis round trip; docs/benchmarks.md, "Sixth machine".)
+
+After each step the new events of every request go out as ONE message per receiving server process
+(inbox), never one per token: see ARCHITECTURE.md's transport measurements. Acceptances (or refusals) of
+the requests a step admits go out before its forward pass, so the gateway sends the response's headers
+while the prompt is prefilled rather than on the first token's path."""
 
 from __future__ import annotations
 
@@ -41,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 _ENGINE_IMPORT_LOCK = threading.Lock()
 
+# How far the model thread may run ahead of the loop's sends (hand-overs not yet sent). A send that
+# hangs then stops the engine, as it would have before, instead of piling up steps without bound.
+MAX_UNSENT = 64
+
 SUBMIT = "replica.submit"
 ABORT = "replica.abort"
 
@@ -65,6 +74,15 @@ class _Route:
     submitted_at: float  # wall clock, so a gateway in another process can be compared
     seq: Any = None  # the engine's Sequence, read for its queue wait when it ends
     last_token_at: float | None = None  # monotonic, for inter-token latency
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    """What the model thread hands the loop: events to send, and whether the engine was left empty."""
+
+    result: _StepResult
+    is_engine_empty: bool = False
+    num_taken: int = 0  # inbox items the model thread had taken, all told, when it produced this
 
 
 @dataclass(slots=True)
@@ -113,17 +131,26 @@ class Replica:
         self._engine_config = engine_config
         self._publisher = publisher
         self._torch_threads = torch_threads  # None: torch's default (every core)
+        # One thread: it loads the model, then runs the engine until the replica stops.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replica-{ref.version}")
         self._engine: Any = None
-        self._submissions: list[dict[str, Any]] = []  # arrived since the last step
+        # The inbox. The loop thread appends, the model thread takes everything at the start of a step;
+        # both under the condition's lock, which neither holds for longer than a list swap.
+        self._inbox = threading.Condition()
+        self._submissions: list[dict[str, Any]] = []  # arrived, not yet handed to the engine
         self._aborts: list[str] = []
-        self._routes: dict[str, _Route] = {}  # every request the engine holds
-        self._wakeup = asyncio.Event()
-        self._idle = asyncio.Event()  # nothing queued, nothing running
+        self._num_queued = 0  # inbox items ever put (loop thread)
+        self._num_taken = 0  # inbox items ever taken (model thread)
+        self._stopping = False  # tells the model thread to return
+        self._engine_run: asyncio.Future[None] | None = None
+        self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()  # model thread -> loop, in step order
+        self._unsent = threading.Semaphore(MAX_UNSENT)
+        self._routes: dict[str, _Route] = {}  # every request the engine holds (model thread only)
+        self._idle = asyncio.Event()  # nothing queued, nothing running, everything sent
+        self._idle.set()
         self._settled = asyncio.Event()  # loading ended, ready or failed
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._early_sends: list[asyncio.Task[None]] = []  # acceptances sent during the current step
         self.num_waiting = 0
         self.num_running = 0
         self.kv_cache_usage = 0.0
@@ -167,12 +194,27 @@ class Replica:
         self.state = ReplicaState.READY
         self._settled.set()
         register_recorder(self.metrics)
-        coros = [(self._listen(), "listen"), (self._work(), "work"), (self._flush_periodically(), "metrics")]
+        self._engine_run = loop.run_in_executor(self._executor, self._run_engine)
+        self._engine_run.add_done_callback(self._engine_ended)
+        coros = [
+            (self._listen(), "listen"),
+            (self._deliver(), "deliver"),
+            (self._flush_periodically(), "metrics"),
+        ]
         if self._publisher is not None:
             coros.append((self._beat(), "heartbeat"))
         for coro, name in coros:
             self._tasks.append(loop.create_task(coro, name=f"replica-{self.replica_id}-{name}"))
         logger.info("replica %s:%s ready on %s", self.ref.model_name, self.ref.version, self.channel_name)
+
+    def _engine_ended(self, run: asyncio.Future[None]) -> None:
+        if run.cancelled() or run.exception() is None:
+            return
+        # A bug, not a failed step (those fail their requests and the thread goes on): nothing would
+        # run the engine any more, so the replica says it has failed and gateways stop choosing it.
+        self.state = ReplicaState.FAILED
+        self.error = f"the engine thread died: {run.exception()!r}"
+        logger.error("replica %s: %s", self.replica_id, self.error, exc_info=run.exception())
 
     def _arm_faults(self) -> None:
         if self.faults is None:
@@ -227,6 +269,9 @@ class Replica:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        with self._inbox:
+            self._stopping = True  # the model thread returns once its step, if it is in one, ends
+            self._inbox.notify()
         await self.flush_metrics()
         unregister_recorder(self.metrics)
         if self._publisher is not None:
@@ -289,17 +334,22 @@ class Replica:
                         },
                     )
                     continue
-                self._submissions.append(message)
+                self._put_in_inbox(submission=message)
             elif kind == ABORT:
-                self._aborts.append(message["request_id"])
+                self._put_in_inbox(abort=message["request_id"])
             elif kind == SHADOW_RESULT:
                 matched = bool(message.get("matched"))
                 self.metrics.count({m.SHADOW_COMPARED: 1, m.SHADOW_MATCHED: int(matched)})
-                continue
-            else:
-                continue
-            self._idle.clear()
-            self._wakeup.set()
+
+    def _put_in_inbox(self, *, submission: dict[str, Any] | None = None, abort: str | None = None) -> None:
+        self._idle.clear()
+        with self._inbox:
+            if submission is not None:
+                self._submissions.append(submission)
+            if abort is not None:
+                self._aborts.append(abort)
+            self._num_queued += 1
+            self._inbox.notify()
 
     async def _send(self, inbox: str, items: dict[str, list[dict[str, Any]]]) -> None:
         message = {"type": STEP_MESSAGE, "items": [{"request_id": r, "events": e} for r, e in items.items()]}
@@ -308,41 +358,48 @@ class Replica:
         except Exception:
             logger.exception("replica %s: could not deliver a step to %s", self.replica_id, inbox)
 
-    async def _send_all(self, result: _StepResult) -> None:
-        for inbox, items in result.events_by_inbox.items():
-            await self._send(inbox, items)
-
-    def _start_early_send(self, result: _StepResult) -> None:
-        assert self._loop is not None
-        self._early_sends.append(self._loop.create_task(self._send_all(result)))
-
-    async def _work(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _deliver(self) -> None:
+        """Send what the model thread produced, one item after another: a step's events never overtake
+        the acceptances before them, nor the previous step's. Idle is declared here, after the last
+        events are sent, so a drain that waits for it loses nothing."""
         while True:
-            if not self._submissions and not self._aborts and not self._routes:
+            outgoing = await self._outbox.get()
+            for inbox, items in outgoing.result.events_by_inbox.items():
+                await self._send(inbox, items)
+            self._unsent.release()
+            if outgoing.is_engine_empty and outgoing.num_taken == self._num_queued:
                 self._idle.set()
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            submissions, self._submissions = self._submissions, []
-            aborts, self._aborts = self._aborts, []
+
+    # --- the model thread --------------------------------------------------------------------------
+
+    def _hand_to_loop(self, outgoing: _Outgoing) -> None:
+        assert self._loop is not None
+        while not self._unsent.acquire(timeout=0.25):
+            if self._stopping:
+                return
+        self._loop.call_soon_threadsafe(self._outbox.put_nowait, outgoing)
+
+    def _run_engine(self) -> None:
+        """The model thread's loop: take the inbox, step, hand the events over, and go straight on to
+        the next step while the loop sends them; sleep only when the engine holds nothing."""
+        engine = self._engine
+        while True:
+            with self._inbox:
+                while not (self._stopping or self._submissions or self._aborts or engine.has_unfinished()):
+                    self._inbox.wait()
+                if self._stopping:
+                    return
+                submissions, self._submissions = self._submissions, []
+                aborts, self._aborts = self._aborts, []
+                self._num_taken += len(submissions) + len(aborts)
+                num_taken = self._num_taken
             try:
-                result = await loop.run_in_executor(self._executor, self._step, submissions, aborts)
+                result = self._step(submissions, aborts)
             except Exception as exc:
                 # A failed forward pass fails every request in it; the replica keeps serving new ones.
                 logger.exception("replica %s: engine step failed", self.replica_id)
                 result = self._fail_all(str(exc))
-            # The step's acceptances first: a request's first token must not overtake them. The model
-            # thread queued their sends before the step's own completion, so the tasks exist by now.
-            early, self._early_sends = self._early_sends, []
-            for task in early:
-                await task
-            # Sent between steps, not during the next one: an event loop serialising and sending while
-            # the model thread runs takes the GIL from it (measured: steps 10-15% slower on a CPU).
-            await self._send_all(result)
-            await asyncio.sleep(0)  # let submissions that arrived during the step join the next one
-
-    # --- the model thread --------------------------------------------------------------------------
+            self._hand_to_loop(_Outgoing(result, not engine.has_unfinished(), num_taken))
 
     def _step(self, submissions: list[dict[str, Any]], aborts: list[str]) -> _StepResult:
         engine = self._engine
@@ -357,8 +414,7 @@ class Replica:
         if result.events_by_inbox:
             # One more message per inbox, and only for steps that admit something: cheap enough to send
             # during the forward pass, and the gateway then starts its response while it runs.
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._start_early_send, result)
+            self._hand_to_loop(_Outgoing(result))
             result = _StepResult()
         model_time_s: float | None = None
         itl_s: list[float] = []

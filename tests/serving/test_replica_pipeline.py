@@ -1,0 +1,149 @@
+"""The replica's two threads: the model thread steps on while the event loop sends the last step's
+events, and stops when the loop falls MAX_UNSENT hand-overs behind. The sends are held here by a reply
+layer that waits to be let go, as a slow Redis connection would."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.layers import InMemoryChannelLayer
+
+from serving.replica import SUBMIT, Replica
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+INBOX = "switchyard.inbox.test"
+
+
+class HeldReplies:
+    """A reply layer whose sends wait until `let_go()`; it keeps every message in order."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self._go = asyncio.Event()
+
+    def let_go(self) -> None:
+        self._go.set()
+
+    async def send(self, channel: str, message: dict[str, Any]) -> None:
+        assert channel == INBOX
+        await self._go.wait()
+        self.messages.append(message)
+
+    def events(self, request_id: str) -> list[dict[str, Any]]:
+        return [
+            event
+            for message in self.messages
+            for item in message["items"]
+            if item["request_id"] == request_id
+            for event in item["events"]
+        ]
+
+
+async def _started_replica(replies: HeldReplies) -> tuple[Replica, InMemoryChannelLayer]:
+    from registry.selectors import version_ref
+
+    layer = InMemoryChannelLayer()
+    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
+    replica = Replica(ref, layer=layer, replies=replies, torch_threads=1)
+    await replica.start()
+    assert replica.is_ready, replica.error
+    return replica, layer
+
+
+async def _submit(layer: InMemoryChannelLayer, replica: Replica, request_id: str, max_tokens: int) -> None:
+    await layer.send(
+        replica.channel_name,
+        {
+            "type": SUBMIT,
+            "request_id": request_id,
+            "reply_to": INBOX,
+            "input": "once upon a time",
+            "params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+        },
+    )
+
+
+def _watch_steps(replica: Replica) -> tuple[threading.Event, list[int]]:
+    """An event set when a step finishes a sequence, and the number of steps run so far."""
+    finished = threading.Event()
+    num_steps = [0]
+    step = replica.engine.step
+
+    def watched() -> Any:
+        outputs = step()
+        num_steps[0] += 1
+        if any(output.is_finished for output in outputs):
+            finished.set()
+        return outputs
+
+    replica.engine.step = watched
+    return finished, num_steps
+
+
+def _assert_one_whole_stream(events: list[dict[str, Any]], num_tokens: int) -> None:
+    assert events[0]["accepted"] is True
+    tokens = [e for e in events if "token" in e]
+    assert [e["index"] for e in tokens] == list(range(num_tokens))
+    terminal = [e for e in events if "finish_reason" in e]
+    assert len(terminal) == 1 and events[-1] is terminal[0]
+    assert terminal[0]["finish_reason"] == "length"
+
+
+async def test_the_engine_runs_a_request_to_its_end_while_the_sends_are_held(registered_model) -> None:
+    replies = HeldReplies()
+    replica, layer = await _started_replica(replies)
+    try:
+        finished, _ = _watch_steps(replica)
+        await _submit(layer, replica, "r1", max_tokens=12)
+        # Nothing has been sent, not even the acceptance, and the model thread finishes regardless.
+        assert await asyncio.to_thread(finished.wait, 30)
+        assert replies.messages == []
+        assert not replica._idle.is_set()  # idle waits for the sends: a drain must not lose them
+        replies.let_go()
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+        _assert_one_whole_stream(replies.events("r1"), num_tokens=12)
+        stats = replica.engine.stats()
+        assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    finally:
+        replies.let_go()
+        await replica.stop()
+
+
+async def test_the_model_thread_waits_when_the_loop_falls_behind(registered_model, monkeypatch) -> None:
+    from serving import replica as replica_module
+
+    monkeypatch.setattr(replica_module, "MAX_UNSENT", 3)
+    replies = HeldReplies()
+    replica, layer = await _started_replica(replies)
+    try:
+        finished, num_steps = _watch_steps(replica)
+        blocked = threading.Event()
+        semaphore = replica._unsent
+
+        class Watched:
+            def acquire(self, timeout: float) -> bool:
+                if semaphore.acquire(blocking=False):
+                    return True
+                blocked.set()
+                return semaphore.acquire(timeout=timeout)
+
+            def release(self) -> None:
+                semaphore.release()
+
+        replica._unsent = Watched()  # type: ignore[assignment]
+        await _submit(layer, replica, "r1", max_tokens=40)
+        assert await asyncio.to_thread(blocked.wait, 30)
+        # The acceptance and two steps wait to be sent; the third step's events wait in the model thread.
+        assert num_steps[0] == 3 and not finished.is_set()
+        replies.let_go()
+        assert await asyncio.to_thread(finished.wait, 30)
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+        _assert_one_whole_stream(replies.events("r1"), num_tokens=40)
+    finally:
+        replies.let_go()
+        await replica.stop()
