@@ -1,11 +1,19 @@
-"""The Redis channel layer for submissions and aborts: channels_redis's core layer, sending in one round
-trip instead of four.
+"""The Redis channel layer for submissions and aborts: channels_redis's core layer, sending and receiving
+in one round trip each instead of four and four.
 
 channels_redis sends a message with four commands, each awaited in turn (drop expired messages, count
 against the channel's capacity, add, refresh the expiry): ~0.8 ms per send here, on the path of every
 request's time to first token. One Lua script does the same four steps atomically in one round trip.
-Receiving, groups and flushing are the core layer's own. The token stream does not come this way: it
-uses the pub/sub layer (settings.CHANNEL_LAYERS["replies"], ARCHITECTURE.md)."""
+
+Its receive guards each message against the receiver's cancellation with a backup queue: a Lua script
+before the blocking pop, a ZADD of the popped message to the backup (awaited before the message is
+returned) and a ZPOPMIN after it, which the next receive waits for. The backup is read back only by a
+later receiver on the same channel, and a replica's channel is its own (its name ends in the replica's
+id) and dies with it: a submission in flight when a replica stops is lost either way, and the gateway's
+liveness check retries it elsewhere (serving/dispatch.py). So on plain channels a receive here is the
+blocking pop alone. Process-local channels, groups and flushing are the core layer's own. The token
+stream does not come this way: it uses the pub/sub layer (settings.CHANNEL_LAYERS["replies"],
+ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -50,3 +58,15 @@ class OneTripRedisChannelLayer(RedisChannelLayer):  # type: ignore[misc]
         )
         if not added:
             raise ChannelFull()
+
+    async def receive(self, channel: str) -> dict[str, Any]:
+        if "!" in channel:
+            return await super().receive(channel)  # type: ignore[no-any-return]
+        assert self.require_valid_channel_name(channel, receive=True), "Channel name not valid"
+        connection = self.connection(next(self._receive_index_generator))
+        while True:
+            popped = await connection.bzpopmin(self.prefix + channel, timeout=self.brpop_timeout)
+            if popped is not None:
+                _, member, _ = popped
+                message: dict[str, Any] = self.deserialize(member)
+                return message

@@ -50,3 +50,32 @@ async def test_a_full_channel_refuses_and_the_wire_carries_json(redis_url: str) 
         assert (await layer.receive("switchyard.replica.b"))["n"] == 1
     finally:
         await layer.flush()
+
+
+def _calls(client: redis.Redis, command: str) -> int:
+    stats = client.info("commandstats").get(f"cmdstat_{command}", {})
+    return int(stats.get("calls", 0))
+
+
+@pytest.mark.redis
+async def test_a_receive_on_a_replica_channel_is_one_round_trip(redis_url: str) -> None:
+    """channels_redis's receive adds three commands around the blocking pop (a backup of each message,
+    one on the path before the message is returned); a replica's channel dies with it, so they buy
+    nothing here."""
+    layer = _layer(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        await layer.send("switchyard.replica.c", {"type": "submit", "n": 1})
+        before = {c: _calls(client, c) for c in ("bzpopmin", "zadd", "zpopmin", "eval", "evalsha")}
+        assert await layer.receive("switchyard.replica.c") == {"type": "submit", "n": 1}
+        after = {c: _calls(client, c) for c in before}
+        assert {c: after[c] - before[c] for c in before} == {
+            "bzpopmin": 1,
+            "zadd": 0,
+            "zpopmin": 0,
+            "eval": 0,
+            "evalsha": 0,
+        }
+        assert client.keys(f"{layer.prefix}*") == []  # nothing left behind: no backup queue
+    finally:
+        await layer.flush()
