@@ -1,5 +1,5 @@
 """The Redis channel layer for submissions and aborts: channels_redis's core layer, sending and receiving
-in one round trip each instead of four and four.
+with one Redis command each where channels_redis uses four.
 
 channels_redis sends a message with four commands, each awaited in turn (drop expired messages, count
 against the channel's capacity, add, refresh the expiry): ~0.8 ms per send here, on the path of every
