@@ -211,10 +211,14 @@ class Replica:
         if run.cancelled() or run.exception() is None:
             return
         # A bug, not a failed step (those fail their requests and the thread goes on): nothing would
-        # run the engine any more, so the replica says it has failed and gateways stop choosing it.
-        self.state = ReplicaState.FAILED
+        # run the engine any more, so the replica says it has failed and gateways stop choosing it; its
+        # requests end on their gateways' liveness check (a failed replica is not alive). Idle too: a
+        # drain waiting for the engine to empty would wait forever.
+        if self.state is not ReplicaState.STOPPED:
+            self.state = ReplicaState.FAILED
         self.error = f"the engine thread died: {run.exception()!r}"
         logger.error("replica %s: %s", self.replica_id, self.error, exc_info=run.exception())
+        self._idle.set()
 
     def _arm_faults(self) -> None:
         if self.faults is None:
@@ -375,9 +379,12 @@ class Replica:
     def _hand_to_loop(self, outgoing: _Outgoing) -> None:
         assert self._loop is not None
         while not self._unsent.acquire(timeout=0.25):
-            if self._stopping:
+            if self._stopping or self._loop.is_closed():
                 return
-        self._loop.call_soon_threadsafe(self._outbox.put_nowait, outgoing)
+        try:
+            self._loop.call_soon_threadsafe(self._outbox.put_nowait, outgoing)
+        except RuntimeError:  # the loop closed without stop(): the process is exiting
+            self._stopping = True
 
     def _run_engine(self) -> None:
         """The model thread's loop: take the inbox, step, hand the events over, and go straight on to
@@ -386,7 +393,11 @@ class Replica:
         while True:
             with self._inbox:
                 while not (self._stopping or self._submissions or self._aborts or engine.has_unfinished()):
-                    self._inbox.wait()
+                    # With a timeout: a loop closed without stop() (an exception on the way out) must end
+                    # this thread too, or the interpreter waits for it at exit.
+                    if self._loop is None or self._loop.is_closed():
+                        return
+                    self._inbox.wait(timeout=0.5)
                 if self._stopping:
                     return
                 submissions, self._submissions = self._submissions, []
@@ -487,6 +498,15 @@ class Replica:
         except (TypeError, ValueError, KeyError) as exc:
             result.add(route, request_id, _error_event("invalid_request_error", str(exc)))
             ended.append(RequestSample("error", error_type="invalid_request_error"))
+            return
+        except Exception:
+            # This request fails alone; raised further it would fail the whole step and drop the
+            # acceptances already made in it.
+            logger.exception("replica %s: could not admit request %s", self.replica_id, request_id)
+            with contextlib.suppress(Exception):
+                engine.abort(request_id)
+            result.add(route, request_id, _error_event("internal_error", "the replica could not admit it"))
+            ended.append(RequestSample("error", error_type="internal_error"))
             return
         result.add(route, request_id, {"accepted": True, "num_prompt_tokens": len(prompt_ids)})
         if self._fault_rng is not None and self._fault_rng.random() < self._error_rate:

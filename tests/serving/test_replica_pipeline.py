@@ -147,3 +147,79 @@ async def test_the_model_thread_waits_when_the_loop_falls_behind(registered_mode
     finally:
         replies.let_go()
         await replica.stop()
+
+
+async def test_a_request_that_cannot_be_admitted_fails_alone(registered_model) -> None:
+    replies = HeldReplies()
+    replies.let_go()
+    replica, layer = await _started_replica(replies)
+    encode = replica.engine.encode
+
+    def encode_or_fail(text: str) -> Any:
+        if text == "break me":
+            raise RuntimeError("a bug in admission")
+        return encode(text)
+
+    replica.engine.encode = encode_or_fail
+    try:
+        await layer.send(
+            replica.channel_name,
+            {"type": SUBMIT, "request_id": "bad", "reply_to": INBOX, "input": "break me", "params": {}},
+        )
+        await _submit(layer, replica, "good", max_tokens=4)
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+        assert replies.events("bad") == [
+            {
+                "finish_reason": "error",
+                "error": {"type": "internal_error", "message": "the replica could not admit it"},
+            }
+        ]
+        _assert_one_whole_stream(replies.events("good"), num_tokens=4)
+    finally:
+        await replica.stop()
+
+
+async def test_a_dead_engine_thread_fails_the_replica_and_a_drain_still_ends(registered_model) -> None:
+    from serving.replica import ReplicaState
+
+    replies = HeldReplies()
+    replies.let_go()
+    replica, layer = await _started_replica(replies)
+
+    def broken(*args: object) -> Any:
+        raise RuntimeError("a bug")
+
+    replica.engine.step = broken
+    replica._fail_all = broken  # type: ignore[method-assign]  # the step's own failure handling fails too
+    try:
+        await _submit(layer, replica, "r1", max_tokens=4)
+        assert replica._engine_run is not None
+        with pytest.raises(RuntimeError, match="a bug"):
+            await asyncio.wait_for(replica._engine_run, timeout=10)
+        replica.drain()
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+        assert replica.state is ReplicaState.FAILED
+        assert "the engine thread died" in (replica.error or "")
+    finally:
+        await replica.stop()
+
+
+def test_the_engine_thread_ends_when_its_loop_closes_without_a_stop(registered_model) -> None:
+    """The interpreter waits for the model thread at exit: a replica whose loop ends without stop()
+    (an exception on the way out of run_replica) must not keep the process alive."""
+    from registry.selectors import version_ref
+
+    ref = version_ref(model_name="demo-chat", version="v1")
+    loop = asyncio.new_event_loop()
+    replica = Replica(ref, layer=InMemoryChannelLayer(), replies=HeldReplies(), torch_threads=1)
+    loop.run_until_complete(replica.start())
+    assert replica.is_ready
+    # What asyncio.run does on its way out: cancel what is left, then close the loop.
+    for task in replica._tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*replica._tasks, return_exceptions=True))
+    loop.close()
+    ended = threading.Thread(target=replica._executor.shutdown, kwargs={"wait": True})
+    ended.start()
+    ended.join(10)
+    assert not ended.is_alive()
