@@ -10,10 +10,10 @@ before the blocking pop, a ZADD of the popped message to the backup (awaited bef
 returned) and a ZPOPMIN after it, which the next receive waits for. The backup is read back only by a
 later receiver on the same channel, and a replica's channel is its own (its name ends in the replica's
 id) and dies with it: a submission in flight when a replica stops is lost either way, and the gateway's
-liveness check retries it elsewhere (serving/dispatch.py). So on plain channels a receive here is the
-blocking pop alone. Process-local channels, groups and flushing are the core layer's own. The token
-stream does not come this way: it uses the pub/sub layer (settings.CHANNEL_LAYERS["replies"],
-ARCHITECTURE.md)."""
+liveness check retries it elsewhere (serving/dispatch.py). So on plain channels (only replicas receive
+on those) a receive here is the blocking pop alone. Process-local channels, groups and flushing are the
+core layer's own. The token stream does not come this way: it uses the pub/sub layer
+(settings.CHANNEL_LAYERS["replies"], ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -69,4 +69,5 @@ class OneTripRedisChannelLayer(RedisChannelLayer):  # type: ignore[misc]
             if popped is not None:
                 _, member, _ = popped
                 message: dict[str, Any] = self.deserialize(member)
+                message.pop("__asgi_channel__", None)  # set by a group send; the core layer drops it too
                 return message
