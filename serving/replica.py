@@ -5,7 +5,7 @@ for as long as it holds work; it is not thread-safe, so requests and aborts wait
 model thread empties at the start of each step. The event loop thread does the I/O: it fills the inbox
 from the replica's channel and sends what each step produced, in order, while the model thread is
 already running the next step. (It used to be one executor call per step from the loop, with the sends
-awaited in between: on a loaded 2-core machine the model sat idle ~1.3 ms a step for two thread
+awaited in between: on a loaded 2-core machine the model sat idle ~1.4 ms a step for two thread
 hand-offs and a Redis round trip; docs/benchmarks.md, "Sixth machine".)
 
 After each step the new events of every request go out as ONE message per receiving server process
@@ -139,8 +139,7 @@ class Replica:
         self._inbox = threading.Condition()
         self._submissions: list[dict[str, Any]] = []  # arrived, not yet handed to the engine
         self._aborts: list[str] = []
-        self._num_queued = 0  # inbox items ever put (loop thread)
-        self._num_taken = 0  # inbox items ever taken (model thread)
+        self._num_queued = 0  # inbox items ever put (the model thread counts those it takes)
         self._stopping = False  # tells the model thread to return
         self._engine_run: asyncio.Future[None] | None = None
         self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()  # model thread -> loop, in step order
@@ -390,6 +389,7 @@ class Replica:
         """The model thread's loop: take the inbox, step, hand the events over, and go straight on to
         the next step while the loop sends them; sleep only when the engine holds nothing."""
         engine = self._engine
+        num_taken = 0  # inbox items taken, all told: _deliver compares it with _num_queued
         while True:
             with self._inbox:
                 while not (self._stopping or self._submissions or self._aborts or engine.has_unfinished()):
@@ -402,8 +402,7 @@ class Replica:
                     return
                 submissions, self._submissions = self._submissions, []
                 aborts, self._aborts = self._aborts, []
-                self._num_taken += len(submissions) + len(aborts)
-                num_taken = self._num_taken
+                num_taken += len(submissions) + len(aborts)
             try:
                 result = self._step(submissions, aborts)
             except Exception as exc:
