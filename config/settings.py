@@ -117,9 +117,10 @@ if REDIS_URL:
         },
         # The token stream, replica -> gateway inbox: one PUBLISH per engine step and inbox, delivered
         # on a connection the gateway already holds (~0.2 ms round trip against ~0.9 ms on the core
-        # layer). A gateway subscribes to its inbox before it submits anything.
+        # layer). A gateway subscribes to its inbox before it submits anything; a replica's model thread
+        # publishes its steps itself (serving/channel_layer.py says why).
         "replies": {
-            "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+            "BACKEND": "serving.channel_layer.StepPubSubChannelLayer",
             "CONFIG": {"hosts": _REDIS_HOSTS, "serializer_format": "json"},
         },
     }

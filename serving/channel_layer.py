@@ -1,5 +1,6 @@
-"""The Redis channel layer for submissions and aborts: channels_redis's core layer, sending and receiving
-with one Redis command each where channels_redis uses four.
+"""The Redis channel layers: for submissions and aborts, channels_redis's core layer sending and receiving
+with one Redis command each where channels_redis uses four; for the token stream, its pub/sub layer with a
+publisher that a replica's model thread uses directly.
 
 channels_redis sends a message with four commands, each awaited in turn (drop expired messages, count
 against the channel's capacity, add, refresh the expiry): ~0.8 ms per send here, on the path of every
@@ -13,15 +14,28 @@ id) and dies with it: a submission in flight when a replica stops is lost either
 liveness check retries it elsewhere (serving/dispatch.py). So on plain channels (only replicas receive
 on those) a receive here is the blocking pop alone. Process-local channels, groups and flushing are the
 core layer's own. The token stream does not come this way: it uses the pub/sub layer
-(settings.CHANNEL_LAYERS["replies"], ARCHITECTURE.md)."""
+(settings.CHANNEL_LAYERS["replies"], ARCHITECTURE.md).
+
+A replica's steps are published from its model thread rather than handed to its event loop first: on
+a loaded 2-core machine the loop thread took a median ~0.9 ms to wake and win the GIL from the model
+thread, on every first token's path (docs/benchmarks.md, "Sixth machine"). The model thread writes the
+PUBLISH and goes on with the next step; Redis's replies (subscriber counts) are read back at the next
+publish, so the thread never waits for a round trip."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import redis
 from channels.exceptions import ChannelFull
 from channels_redis.core import RedisChannelLayer
+from channels_redis.pubsub import RedisPubSubChannelLayer
+from channels_redis.utils import _consistent_hash, decode_hosts
+
+logger = logging.getLogger(__name__)
 
 # KEYS[1] the channel's sorted set. ARGV: expired-before score, capacity, score, message, expiry (s).
 _SEND = """
@@ -71,3 +85,84 @@ class OneTripRedisChannelLayer(RedisChannelLayer):  # type: ignore[misc]
                 message: dict[str, Any] = self.deserialize(member)
                 message.pop("__asgi_channel__", None)  # set by a group send; the core layer drops it too
                 return message
+
+
+class StepPubSubChannelLayer(RedisPubSubChannelLayer):  # type: ignore[misc]
+    """channels_redis's pub/sub layer, unchanged for its receivers, plus `blocking_publisher()`."""
+
+    def blocking_publisher(self) -> BlockingPublisher | None:
+        """A publisher for a thread without an event loop, on the same shards and serializer as this
+        layer's own sends; None for hosts it cannot connect to itself (Sentinel), which keep the
+        event loop's sends."""
+        hosts = decode_hosts(self._kwargs.get("hosts", self._args[0] if self._args else None))
+        if not all("address" in host for host in hosts):
+            return None
+        return BlockingPublisher(hosts, self.serialize)
+
+
+class BlockingPublisher:
+    """PUBLISH from one plain thread without waiting for Redis's replies: a publish is one socket write.
+    The replies (subscriber counts) are read back, as far as they have arrived, at the next publish;
+    that read is also where a connection Redis closed is found and replaced. One connection per shard,
+    so messages to one channel arrive in the order published. Not thread-safe: one thread owns it."""
+
+    # A write blocks only once Redis has stopped reading; past this the publish fails rather than
+    # stopping its thread for good. The same bound for connecting.
+    SOCKET_TIMEOUT_S = 5.0
+
+    def __init__(self, hosts: Sequence[dict[str, Any]], serialize: Callable[[dict[str, Any]], bytes]) -> None:
+        self._hosts = list(hosts)
+        self._serialize = serialize
+        self._connections: list[redis.connection.AbstractConnection | None] = [None] * len(self._hosts)
+
+    def connect(self) -> None:
+        """Open every shard's connection now rather than on the first publish; raises if Redis is down."""
+        for index in range(len(self._hosts)):
+            self._ready_connection(index)
+
+    def publish(self, channel: str, message: dict[str, Any]) -> None:
+        """Write the message. Raises redis.RedisError or OSError when it could not be written; the next
+        publish reconnects. A message written just before Redis closed the connection is lost unseen,
+        as it would be on any pub/sub connection."""
+        data = self._serialize(message)
+        index = _consistent_hash(channel, len(self._hosts))
+        connection = self._ready_connection(index)
+        try:
+            command = connection.pack_command("PUBLISH", channel, data)
+            connection.send_packed_command(command, check_health=False)
+        except (redis.RedisError, OSError):
+            self._drop(index)
+            raise
+
+    def close(self) -> None:
+        for index in range(len(self._hosts)):
+            self._drop(index)
+
+    def _ready_connection(self, index: int) -> redis.connection.AbstractConnection:
+        """The shard's connection, with the replies that have arrived read; a new one if it was closed."""
+        connection = self._connections[index]
+        if connection is not None:
+            try:
+                while connection.can_read(timeout=0):
+                    try:
+                        connection.read_response()
+                    except redis.ResponseError as exc:  # a refused PUBLISH (an ACL, say): not retried
+                        logger.warning("Redis refused a PUBLISH: %s", exc)
+                return connection
+            except (redis.ConnectionError, OSError):  # Redis closed it (a restart, a CLIENT KILL)
+                self._drop(index)
+        host = {
+            **self._hosts[index],
+            "socket_timeout": self.SOCKET_TIMEOUT_S,
+            "socket_connect_timeout": self.SOCKET_TIMEOUT_S,
+        }
+        address = host.pop("address")
+        connection = redis.ConnectionPool.from_url(address, **host).make_connection()
+        connection.connect()
+        self._connections[index] = connection
+        return connection
+
+    def _drop(self, index: int) -> None:
+        connection, self._connections[index] = self._connections[index], None
+        if connection is not None:
+            connection.disconnect()

@@ -2,11 +2,16 @@
 
 Two threads. The engine runs on its own model thread, step after step (schedule -> forward -> sample),
 for as long as it holds work; it is not thread-safe, so requests and aborts wait in an inbox that the
-model thread empties at the start of each step. The event loop thread does the I/O: it fills the inbox
-from the replica's channel and sends what each step produced, in order, while the model thread is
-already running the next step. (It used to be one executor call per step from the loop, with the sends
-awaited in between: on a loaded 2-core machine the model sat idle ~1.4 ms a step for two thread
-hand-offs and a Redis round trip; docs/benchmarks.md, "Sixth machine".)
+model thread empties at the start of each step. The event loop thread does the rest of the I/O: it
+fills the inbox from the replica's channel, heartbeats and flushes metrics. (It used to be one executor
+call per step from the loop, with the sends awaited in between: on a loaded 2-core machine the model sat
+idle ~1.4 ms a step for two thread hand-offs and a Redis round trip; docs/benchmarks.md, "Sixth
+machine".)
+
+What each step produced goes out in order while the model thread runs the next step. On Redis the
+model thread publishes it itself, without waiting for Redis's reply (serving/channel_layer.py): handed
+to the loop thread first, a first token waited a median ~0.9 ms for that thread to wake and win the GIL.
+On the in-memory layer, which only the event loop may touch, the loop thread sends it.
 
 After each step the new events of every request go out as ONE message per receiving server process
 (inbox), never one per token: see ARCHITECTURE.md's transport measurements. Acceptances (or refusals) of
@@ -128,6 +133,9 @@ class Replica:
         self.error: str | None = None
         self._layer = layer
         self._replies = layer if replies is None else replies
+        # The model thread's own publisher where the reply layer offers one (Redis); else the loop sends.
+        make_publisher = getattr(self._replies, "blocking_publisher", None)
+        self._step_publisher: Any = make_publisher() if make_publisher is not None else None
         self._engine_config = engine_config
         self._publisher = publisher
         self._torch_threads = torch_threads  # None: torch's default (every core)
@@ -249,6 +257,8 @@ class Replica:
         artifacts.verify(path, expected_files=self.ref.files, expected_sha256=self.ref.sha256)
         engine = Engine(path, config=self._engine_config or engine_config_from_settings())
         engine.warmup()  # allocate scratch and (if enabled) compile before reporting ready
+        if self._step_publisher is not None:
+            self._step_publisher.connect()  # a Redis that is down fails the load, not the first step
         return engine
 
     async def wait_loaded(self) -> bool:
@@ -283,6 +293,8 @@ class Replica:
         # A load or step already running in the model thread cannot be interrupted: wait for it, so that
         # nothing of this replica (a half-built model, transformers' global loading state) outlives stop.
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        if self._step_publisher is not None:
+            self._step_publisher.close()
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(
@@ -355,9 +367,8 @@ class Replica:
             self._inbox.notify()
 
     async def _send(self, inbox: str, items: dict[str, list[dict[str, Any]]]) -> None:
-        message = {"type": STEP_MESSAGE, "items": [{"request_id": r, "events": e} for r, e in items.items()]}
         try:
-            await self._replies.send(inbox, message)
+            await self._replies.send(inbox, _step_message(items))
         except Exception:
             logger.exception("replica %s: could not deliver a step to %s", self.replica_id, inbox)
 
@@ -374,6 +385,20 @@ class Replica:
                 self._idle.set()
 
     # --- the model thread --------------------------------------------------------------------------
+
+    def _emit(self, result: _StepResult, *, is_engine_empty: bool = False, num_taken: int = 0) -> None:
+        """Send a step's events: published from this thread where it has a publisher, else handed to the
+        loop. The loop is told when the engine empties either way, since idle is declared there."""
+        if self._step_publisher is None:
+            self._hand_to_loop(_Outgoing(result, is_engine_empty, num_taken))
+            return
+        for inbox, items in result.events_by_inbox.items():
+            try:
+                self._step_publisher.publish(inbox, _step_message(items))
+            except Exception:
+                logger.exception("replica %s: could not deliver a step to %s", self.replica_id, inbox)
+        if is_engine_empty:
+            self._hand_to_loop(_Outgoing(_StepResult(), is_engine_empty, num_taken))
 
     def _hand_to_loop(self, outgoing: _Outgoing) -> None:
         assert self._loop is not None
@@ -409,7 +434,7 @@ class Replica:
                 # A failed forward pass fails every request in it; the replica keeps serving new ones.
                 logger.exception("replica %s: engine step failed", self.replica_id)
                 result = self._fail_all(str(exc))
-            self._hand_to_loop(_Outgoing(result, not engine.has_unfinished(), num_taken))
+            self._emit(result, is_engine_empty=not engine.has_unfinished(), num_taken=num_taken)
 
     def _step(self, submissions: list[dict[str, Any]], aborts: list[str]) -> _StepResult:
         engine = self._engine
@@ -424,7 +449,7 @@ class Replica:
         if result.events_by_inbox:
             # One more message per inbox, and only for steps that admit something: cheap enough to send
             # during the forward pass, and the gateway then starts its response while it runs.
-            self._hand_to_loop(_Outgoing(result))
+            self._emit(result)
             result = _StepResult()
         model_time_s: float | None = None
         itl_s: list[float] = []
@@ -562,6 +587,10 @@ def _final_event(output: Any, route: _Route) -> dict[str, Any]:
         },
         "timings": {"ttft_s": round(ttft, 6) if ttft is not None else None, "total_s": round(total, 6)},
     }
+
+
+def _step_message(items: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    return {"type": STEP_MESSAGE, "items": [{"request_id": r, "events": e} for r, e in items.items()]}
 
 
 def _error_event(error_type: str, message: str) -> dict[str, Any]:

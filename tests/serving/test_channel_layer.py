@@ -1,8 +1,10 @@
-"""The Redis layer submissions travel on: channels_redis's core layer with a one-round-trip send. What a
-sender and a receiver see must not change: order, process-local channels, capacity, JSON on the wire."""
+"""The Redis layers: the one submissions travel on (channels_redis's core layer with a one-round-trip
+send), and the pub/sub one steps travel on, with a publisher a replica's model thread uses directly. What
+a sender and a receiver see must not change: order, process-local channels, capacity, JSON on the wire."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -10,7 +12,7 @@ import pytest
 import redis
 from channels.exceptions import ChannelFull
 
-from serving.channel_layer import OneTripRedisChannelLayer
+from serving.channel_layer import OneTripRedisChannelLayer, StepPubSubChannelLayer
 
 
 def _layer(redis_url: str, **config: object) -> OneTripRedisChannelLayer:
@@ -52,7 +54,6 @@ async def test_a_full_channel_refuses_and_the_wire_carries_json(redis_url: str) 
         await layer.flush()
 
 
-
 @pytest.mark.redis
 async def test_a_receive_on_a_replica_channel_is_one_round_trip(redis_url: str) -> None:
     """channels_redis's receive adds three commands around the blocking pop (a backup of each message,
@@ -77,3 +78,67 @@ async def test_a_receive_on_a_replica_channel_is_one_round_trip(redis_url: str) 
         assert keys == []  # nothing left behind: no backup queue
     finally:
         await layer.flush()
+
+
+def _pubsub_layer(redis_url: str, **host: object) -> StepPubSubChannelLayer:
+    return StepPubSubChannelLayer(
+        hosts=[{"address": redis_url, "socket_timeout": None, **host}],
+        prefix=f"test-{uuid.uuid4().hex[:8]}",
+        serializer_format="json",
+    )
+
+
+@pytest.mark.redis
+async def test_a_threads_publisher_reaches_the_layers_receiver_in_order(redis_url: str) -> None:
+    """What a replica's model thread publishes arrives, whole and in order, at a gateway's inbox that
+    receives on the layer as before, with the layer's own serializer on the wire."""
+    layer = _pubsub_layer(redis_url)
+    inbox = await layer.new_channel("switchyard.inbox.")
+    publisher = layer.blocking_publisher()
+    assert publisher is not None
+
+    def publish_steps() -> None:
+        publisher.connect()
+        for i in range(500):
+            publisher.publish(inbox, {"type": "replica.step", "items": [{"request_id": "r", "events": [i]}]})
+
+    try:
+        await asyncio.to_thread(publish_steps)
+        received = [await asyncio.wait_for(layer.receive(inbox), timeout=5) for _ in range(500)]
+        assert [m["items"][0]["events"][0] for m in received] == list(range(500))
+        assert received[0] == {"type": "replica.step", "items": [{"request_id": "r", "events": [0]}]}
+    finally:
+        publisher.close()
+        await layer.flush()
+
+
+@pytest.mark.redis
+async def test_a_publisher_whose_connection_redis_closed_reconnects(redis_url: str) -> None:
+    """A Redis restart or a CLIENT KILL closes the publisher's connection; the next publish finds that
+    out before it writes and goes out on a new connection, so no step after the close is lost."""
+    name = f"sy-publisher-{uuid.uuid4().hex[:8]}"
+    layer = _pubsub_layer(redis_url, client_name=name)  # the layer's own subscriber gets the name too
+    inbox = await layer.new_channel("switchyard.inbox.")
+    publisher = layer.blocking_publisher()
+    assert publisher is not None
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        await asyncio.to_thread(publisher.publish, inbox, {"type": "replica.step", "n": 1})
+        assert (await asyncio.wait_for(layer.receive(inbox), timeout=5))["n"] == 1
+        (client,) = [c for c in admin.client_list() if c["name"] == name and c["cmd"] == "publish"]
+        admin.client_kill_filter(_id=client["id"])
+        await asyncio.to_thread(publisher.publish, inbox, {"type": "replica.step", "n": 2})
+        assert (await asyncio.wait_for(layer.receive(inbox), timeout=5))["n"] == 2
+        assert [c["id"] for c in admin.client_list() if c["name"] == name and c["cmd"] == "publish"] != [
+            client["id"]
+        ]
+    finally:
+        publisher.close()
+        await layer.flush()
+
+
+def test_sentinel_hosts_keep_the_event_loops_sends() -> None:
+    layer = StepPubSubChannelLayer(
+        hosts=[{"master_name": "mymaster", "sentinels": [("127.0.0.1", 26379)]}], serializer_format="json"
+    )
+    assert layer.blocking_publisher() is None

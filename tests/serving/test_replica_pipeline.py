@@ -1,6 +1,7 @@
 """The replica's two threads: the model thread steps on while the event loop sends the last step's
 events, and stops when the loop falls MAX_UNSENT hand-overs behind. The sends are held here by a reply
-layer that waits to be let go, as a slow Redis connection would."""
+layer that waits to be let go, as a slow Redis connection would. On Redis the model thread publishes
+the steps itself."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.layers import InMemoryChannelLayer
 
+from serving.channel_layer import StepPubSubChannelLayer
 from serving.replica import SUBMIT, Replica
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -55,13 +57,15 @@ async def _started_replica(replies: HeldReplies) -> tuple[Replica, InMemoryChann
     return replica, layer
 
 
-async def _submit(layer: InMemoryChannelLayer, replica: Replica, request_id: str, max_tokens: int) -> None:
+async def _submit(
+    layer: InMemoryChannelLayer, replica: Replica, request_id: str, max_tokens: int, reply_to: str = INBOX
+) -> None:
     await layer.send(
         replica.channel_name,
         {
             "type": SUBMIT,
             "request_id": request_id,
-            "reply_to": INBOX,
+            "reply_to": reply_to,
             "input": "once upon a time",
             "params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
         },
@@ -223,3 +227,44 @@ def test_the_engine_thread_ends_when_its_loop_closes_without_a_stop(registered_m
     ended.start()
     ended.join(10)
     assert not ended.is_alive()
+
+
+@pytest.mark.redis
+async def test_on_redis_the_model_thread_publishes_each_step_itself(registered_model, redis_url) -> None:
+    """No hand-over to the event loop on a first token's path: the steps are published from the model
+    thread, reach the gateway's inbox whole and in order, and idle (what a drain waits for) comes only
+    after the last of them is out."""
+    from registry.selectors import version_ref
+
+    replies = StepPubSubChannelLayer(
+        hosts=[{"address": redis_url, "socket_timeout": None}], serializer_format="json"
+    )
+    inbox = await replies.new_channel("switchyard.inbox.")
+    layer = InMemoryChannelLayer()
+    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
+    replica = Replica(ref, layer=layer, replies=replies, torch_threads=1)
+    publisher = replica._step_publisher
+    assert publisher is not None
+    publishing_threads: set[str] = set()
+    publish = publisher.publish
+
+    def watched(channel: str, message: dict[str, Any]) -> None:
+        publishing_threads.add(threading.current_thread().name)
+        publish(channel, message)
+
+    publisher.publish = watched
+    await replica.start()
+    assert replica.is_ready, replica.error
+    try:
+        await _submit(layer, replica, "r1", max_tokens=12, reply_to=inbox)
+        await asyncio.wait_for(replica.wait_idle(), timeout=30)
+        events: list[dict[str, Any]] = []
+        while not any("finish_reason" in e for e in events):
+            message = await asyncio.wait_for(replies.receive(inbox), timeout=5)
+            events += [e for item in message["items"] if item["request_id"] == "r1" for e in item["events"]]
+        _assert_one_whole_stream(events, num_tokens=12)
+        # The model thread only (the replica's one executor thread), never the event loop's.
+        assert [name.split("_")[0] for name in publishing_threads] == [f"replica-{ref.version}"]
+    finally:
+        await replica.stop()
+        await replies.flush()
