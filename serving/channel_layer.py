@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -37,18 +38,47 @@ from channels_redis.utils import _consistent_hash, decode_hosts
 
 logger = logging.getLogger(__name__)
 
+# Lua functions, so that the quota store's admission script can run a send too (serving/quota_redis.py):
+# a channel's sorted set has room once expired messages are dropped; a message is added with its score
+# and the set's expiry refreshed.
+SEND_FUNCTIONS = """
+local function channel_has_room(key, expired_before, capacity)
+  redis.call('ZREMRANGEBYSCORE', key, 0, expired_before)
+  return redis.call('ZCARD', key) < tonumber(capacity)
+end
+local function channel_add(key, score, message, expiry)
+  redis.call('ZADD', key, score, message)
+  redis.call('EXPIRE', key, expiry)
+end
+"""
 # KEYS[1] the channel's sorted set. ARGV: expired-before score, capacity, score, message, expiry (s).
-_SEND = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], 0, ARGV[1])
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
+_SEND = (
+    SEND_FUNCTIONS
+    + """
+if not channel_has_room(KEYS[1], ARGV[1], ARGV[2]) then return 0 end
+channel_add(KEYS[1], ARGV[3], ARGV[4], ARGV[5])
 return 1
 """
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedSend:
+    """A send as the Lua functions above take it: the key and arguments, for the connection it goes on."""
+
+    connection_index: int
+    key: str
+    args: tuple[object, ...]  # expired-before score, capacity, score, message, expiry (s)
 
 
 class OneTripRedisChannelLayer(RedisChannelLayer):  # type: ignore[misc]
     async def send(self, channel: str, message: dict[str, Any]) -> None:
+        prepared = self.prepare_send(channel, message)
+        added = await self.connection(prepared.connection_index).eval(_SEND, 1, prepared.key, *prepared.args)
+        if not added:
+            raise ChannelFull()
+
+    def prepare_send(self, channel: str, message: dict[str, Any]) -> PreparedSend:
         assert isinstance(message, dict), "message is not a dict"
         assert self.require_valid_channel_name(channel), "Channel name not valid"
         assert "__asgi_channel__" not in message
@@ -60,18 +90,19 @@ class OneTripRedisChannelLayer(RedisChannelLayer):  # type: ignore[misc]
             index = next(self._send_index_generator)
             channel_key = self.prefix + channel
         now = time.time()
-        added = await self.connection(index).eval(
-            _SEND,
-            1,
-            channel_key,
+        args = (
             int(now) - int(self.expiry),
             self.get_capacity(channel),
             now,
             self.serialize(message),
             int(self.expiry),
         )
-        if not added:
-            raise ChannelFull()
+        return PreparedSend(index, channel_key, args)
+
+    def single_address(self) -> str | None:
+        """The Redis URL every send goes to when this layer has one host (None with several: a send's
+        server then depends on the channel)."""
+        return self.hosts[0].get("address") if len(self.hosts) == 1 else None  # decoded by the core layer
 
     async def receive(self, channel: str) -> dict[str, Any]:
         if "!" in channel:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from channels.db import database_sync_to_async
+from channels.exceptions import ChannelFull
 from django.conf import settings
 
 from registry.models import Model
@@ -53,13 +54,12 @@ class Dispatch:
     def __init__(
         self,
         runtime: Runtime,
-        ticket: Ticket | None,  # None: not charged to a tenant (a shadow copy)
         model_name: str,
         version: str,
         submission: dict[str, Any],
     ) -> None:
         self._runtime = runtime
-        self._ticket = ticket
+        self._ticket: Ticket | None = None  # set when submit() admits it; a shadow copy is never charged
         self.model_name = model_name
         self.version = version
         self._submission = submission
@@ -96,8 +96,11 @@ class Dispatch:
             headers["X-Served-Replica"] = self.replica.replica_id
         return headers
 
-    async def submit(self, *, exclude: frozenset[str] = frozenset()) -> None:
-        """Pick a replica, send, and wait until it accepts. Raises GatewayError (400, 503)."""
+    async def submit(
+        self, *, exclude: frozenset[str] = frozenset(), charge: tuple[TenantContext, int] | None = None
+    ) -> None:
+        """Pick a replica, send, and wait until it accepts. `charge` (a tenant and the tokens to charge
+        it): admit the request too, in the same step as the send. Raises GatewayError (400, 429, 503)."""
         candidates = [
             r
             for r in await self._runtime.candidates(self.model_name, self.version)
@@ -105,12 +108,29 @@ class Dispatch:
         ]
         replica = choose_replica(candidates, rng=_rng)
         if replica is None:
+            if charge is not None:
+                # Over quota is still the answer with nothing to serve the request: 429 before 503.
+                store = gateway.quota_store()
+                await store.arelease(await store.aadmit(charge[0], tokens=charge[1]), used_tokens=0)
             raise GatewayError(503, f"no ready replica for {self.model_name}:{self.version}", retry_after_s=2)
-        self.replica = replica
-        await self._runtime.layer.send(
-            replica.channel_name,
-            {**self._submission, "type": SUBMIT, "request_id": self._wire_id, "submitted_at": time.time()},
-        )
+        message = {
+            **self._submission,
+            "type": SUBMIT,
+            "request_id": self._wire_id,
+            "submitted_at": time.time(),
+        }
+        layer = self._runtime.layer
+        try:
+            if charge is None:
+                await layer.send(replica.channel_name, message)
+            else:
+                context, tokens = charge
+                self._ticket = await gateway.quota_store().aadmit_and_send(
+                    context, tokens=tokens, layer=layer, channel=replica.channel_name, message=message
+                )
+        except ChannelFull as exc:
+            raise GatewayError(503, "the replica's queue is full", retry_after_s=1) from exc
+        self.replica = replica  # only once sent: close() aborts on a replica only what reached it
         first = await self._next_event(timeout_s=ACCEPT_TIMEOUT_S)
         if first.get("finish_reason") == "error":
             error = first["error"]
@@ -251,8 +271,10 @@ async def dispatch(
     messages: list[dict[str, str]] | None = None,
     kind: str = Model.Kind.CAUSAL_LM,
 ) -> Dispatch:
-    """Route and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a replica
-    when it can; a prompt the replica refuses (too long for the model) comes back as a 400."""
+    """Route, admit and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a
+    replica when it can; a prompt the replica refuses (too long for the model) comes back as a 400.
+    A replica is chosen before the quota is checked, so that admission and submission can go to Redis
+    in one round trip."""
     if (text is None) == (messages is None):
         raise ValueError("dispatch needs exactly one of text or messages")
     model_name, alias = split_model_name(path_model)
@@ -270,7 +292,6 @@ async def dispatch(
     version = choose_version(snapshot, pin=pin, alias=alias, rng=_rng)
     input_chars = len(text) if text is not None else sum(len(m["content"]) for m in messages or ())
     tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=params.get("max_tokens", 1))
-    ticket = await gateway.quota_store().aadmit(context, tokens=tokens)
     runtime = await get_runtime()
     submission = {
         "reply_to": runtime.hub.channel_name,
@@ -280,9 +301,9 @@ async def dispatch(
         "tenant": context.tenant_name,
         "cache_group": context.cache_group,
     }
-    handle = Dispatch(runtime, ticket, model_name, version, submission)
+    handle = Dispatch(runtime, model_name, version, submission)
     try:
-        await handle.submit()
+        await handle.submit(charge=(context, tokens))
     except BaseException:
         await handle.close()
         raise

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.db import DatabaseError
@@ -186,6 +186,10 @@ class QuotaStore(Protocol):
     # The same, for the gateway's event loop: no thread hop.
     async def aadmit(self, context: TenantContext, *, tokens: int) -> Ticket: ...
     async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None: ...
+    # Admission and the request's submission to its replica (a channel-layer send), together.
+    async def aadmit_and_send(
+        self, context: TenantContext, *, tokens: int, layer: Any, channel: str, message: dict[str, Any]
+    ) -> Ticket: ...
     def refusals(self) -> dict[int, int] | None: ...  # None: the counters cannot be read now
     def usage(self, limits: Iterable[QuotaLimits]) -> dict[int, QuotaUsage]: ...
 
@@ -255,6 +259,13 @@ class MemoryQuotaStore:
     async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None:
         self.release(ticket, used_tokens=used_tokens)
 
+    async def aadmit_and_send(
+        self, context: TenantContext, *, tokens: int, layer: Any, channel: str, message: dict[str, Any]
+    ) -> Ticket:
+        return await admit_then_send(
+            self, context, tokens=tokens, layer=layer, channel=channel, message=message
+        )
+
     def refusals(self) -> dict[int, int]:
         """429s per tenant id since this process started."""
         with self._lock:
@@ -303,6 +314,26 @@ def _refusal(
             429, f"token rate over quota ({context.tokens_per_minute}/min)", retry_after_s=wait
         )
     return None
+
+
+async def admit_then_send(
+    store: QuotaStore,
+    context: TenantContext,
+    *,
+    tokens: int,
+    layer: Any,
+    channel: str,
+    message: dict[str, Any],
+) -> Ticket:
+    """Admission, then the layer's own send; a send that fails gives the admission back. Raises
+    GatewayError on a refusal, before anything is sent."""
+    ticket = await store.aadmit(context, tokens=tokens)
+    try:
+        await layer.send(channel, message)
+    except BaseException:
+        await store.arelease(ticket, used_tokens=0)
+        raise
+    return ticket
 
 
 _quota_store: QuotaStore | None = None

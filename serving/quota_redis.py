@@ -1,6 +1,11 @@
 """Quota counters in Redis, shared by every gateway process. One Lua script refills both buckets,
 decides and charges atomically; the decision rules match serving.gateway._refusal, which then words
-the refusal from the state the script returns."""
+the refusal from the state the script returns.
+
+The same script can also submit the admitted request to its replica's channel (`aadmit_and_send`),
+when the channel layer's Redis is this one: admission and submission were two round trips in a row on
+every request's time to first token, ~0.7 ms each on a loaded 2-core machine (docs/benchmarks.md,
+"Sixth machine")."""
 
 from __future__ import annotations
 
@@ -12,31 +17,58 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from channels.exceptions import ChannelFull
 
 from registry.selectors import TenantContext
-from serving.gateway import GatewayError, QuotaLimits, QuotaUsage, Ticket, _refusal, quota_usage
+from serving.channel_layer import SEND_FUNCTIONS, OneTripRedisChannelLayer
+from serving.gateway import (
+    GatewayError,
+    QuotaLimits,
+    QuotaUsage,
+    Ticket,
+    _refusal,
+    admit_then_send,
+    quota_usage,
+)
 
-# KEYS[1] tenant hash, KEYS[2] the refusal counts. ARGV: rps, tokens/min, max concurrent, tokens asked,
-# idle expiry (s), tenant id. A refusal is counted in the same script: no second round trip per 429.
-# Returns {admitted (0/1), request_tokens, token_tokens, in_flight} as strings (Lua numbers would be
-# truncated to integers on the way out).
-_ADMIT = """
-local rps = tonumber(ARGV[1]); local tpm = tonumber(ARGV[2]); local max_c = tonumber(ARGV[3])
-local tokens = tonumber(ARGV[4]); local ttl = tonumber(ARGV[5])
-local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local burst = math.max(1, rps)
-local s = redis.call('HMGET', KEYS[1], 'rt', 'tt', 'ts', 'n')
-local rt = tonumber(s[1]) or burst; local tt = tonumber(s[2]) or tpm
-local ts = tonumber(s[3]) or now; local n = tonumber(s[4]) or 0
-local el = math.max(0, now - ts)
-rt = math.min(burst, rt + el * rps); tt = math.min(tpm, tt + el * tpm / 60)
-local ok = rps > 0 and n < max_c and rt >= 1 and tokens <= tpm and tt >= tokens
-local out_rt, out_tt, out_n = rt, tt, n
-if ok then rt = rt - 1; tt = tt - tokens; n = n + 1 else redis.call('HINCRBY', KEYS[2], ARGV[6], 1) end
-redis.call('HSET', KEYS[1], 'rt', tostring(rt), 'tt', tostring(tt), 'ts', tostring(now), 'n', n)
-redis.call('EXPIRE', KEYS[1], ttl)
-return {ok and 1 or 0, tostring(out_rt), tostring(out_tt), tostring(out_n)}
+# admit(tenant hash, refusal counts, rps, tokens/min, max concurrent, tokens asked, idle expiry (s),
+# tenant id). A refusal is counted in the same script: no second round trip per 429. Returns {admitted
+# (0/1), request_tokens, token_tokens, in_flight} as strings (Lua numbers would be truncated to
+# integers on the way out).
+_ADMIT_FUNCTION = """
+local function admit(key, refused_key, rps, tpm, max_c, tokens, ttl, tenant_id)
+  rps = tonumber(rps); tpm = tonumber(tpm); max_c = tonumber(max_c)
+  tokens = tonumber(tokens); ttl = tonumber(ttl)
+  local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+  local burst = math.max(1, rps)
+  local s = redis.call('HMGET', key, 'rt', 'tt', 'ts', 'n')
+  local rt = tonumber(s[1]) or burst; local tt = tonumber(s[2]) or tpm
+  local ts = tonumber(s[3]) or now; local n = tonumber(s[4]) or 0
+  local el = math.max(0, now - ts)
+  rt = math.min(burst, rt + el * rps); tt = math.min(tpm, tt + el * tpm / 60)
+  local ok = rps > 0 and n < max_c and rt >= 1 and tokens <= tpm and tt >= tokens
+  local out_rt, out_tt, out_n = rt, tt, n
+  if ok then rt = rt - 1; tt = tt - tokens; n = n + 1
+  else redis.call('HINCRBY', refused_key, tenant_id, 1) end
+  redis.call('HSET', key, 'rt', tostring(rt), 'tt', tostring(tt), 'ts', tostring(now), 'n', n)
+  redis.call('EXPIRE', key, ttl)
+  return {ok and 1 or 0, tostring(out_rt), tostring(out_tt), tostring(out_n)}
+end
 """
+# KEYS[1] tenant hash, KEYS[2] the refusal counts; ARGV as admit() takes them after its two keys.
+_ADMIT = _ADMIT_FUNCTION + "return admit(KEYS[1], KEYS[2], unpack(ARGV))"
+# The same, then KEYS[3] the replica's channel and ARGV[7..11] the send's (serving.channel_layer). A full
+# channel admits nothing ({-1}); an admitted request is on its replica's channel when the reply arrives.
+_ADMIT_AND_SEND = (
+    _ADMIT_FUNCTION
+    + SEND_FUNCTIONS
+    + """
+if not channel_has_room(KEYS[3], ARGV[7], ARGV[8]) then return {-1} end
+local result = admit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
+if result[1] == 1 then channel_add(KEYS[3], ARGV[9], ARGV[10], ARGV[11]) end
+return result
+"""
+)
 
 _RELEASE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -61,6 +93,7 @@ class _LoopClient:
     def __init__(self, url: str) -> None:
         self.redis: Any = aioredis.Redis.from_url(url)
         self.admit = self.redis.register_script(_ADMIT)
+        self.admit_and_send = self.redis.register_script(_ADMIT_AND_SEND)
         self.release = self.redis.register_script(_RELEASE)
 
 
@@ -133,6 +166,30 @@ class RedisQuotaStore:
             raise _unavailable(exc) from exc
         if not int(admitted):
             raise self._refusal(context, tokens, rt, tt, n)
+        return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
+
+    async def aadmit_and_send(
+        self, context: TenantContext, *, tokens: int, layer: Any, channel: str, message: dict[str, Any]
+    ) -> Ticket:
+        """Admit, then send `message` on `layer`: in one round trip when the layer's Redis is this one,
+        else admission and then the layer's own send. Raises GatewayError (a refusal: nothing is sent)
+        or ChannelFull (nothing is admitted)."""
+        if not (isinstance(layer, OneTripRedisChannelLayer) and layer.single_address() == self._url):
+            return await admit_then_send(
+                self, context, tokens=tokens, layer=layer, channel=channel, message=message
+            )
+        prepared = layer.prepare_send(channel, message)
+        admit = self._admit_args(context, tokens)
+        try:
+            admitted, *state = await self._loop_client().admit_and_send(
+                keys=[*admit["keys"], prepared.key], args=[*admit["args"], *prepared.args]
+            )
+        except redis.RedisError as exc:
+            raise _unavailable(exc) from exc
+        if int(admitted) == -1:
+            raise ChannelFull()
+        if not int(admitted):
+            raise self._refusal(context, tokens, *state)
         return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
 
     async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None:

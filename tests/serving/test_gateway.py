@@ -250,3 +250,112 @@ def test_redis_usage_is_empty_when_redis_cannot_be_read() -> None:
 
     store = RedisQuotaStore("redis://127.0.0.1:1/15")  # nothing listens on port 1
     assert store.usage([_context()]) == {}
+
+
+# --- admission and submission together ------------------------------------------------------------------
+
+
+def _submission_layer(redis_url: str, **config: object):  # type: ignore[no-untyped-def]
+    import uuid
+
+    from serving.channel_layer import OneTripRedisChannelLayer
+
+    return OneTripRedisChannelLayer(
+        hosts=[{"address": redis_url, "socket_timeout": None}],
+        prefix=f"test-{uuid.uuid4().hex[:8]}",
+        serializer_format="json",
+        **config,
+    )
+
+
+def _count_commands(client) -> list[str]:  # type: ignore[no-untyped-def]
+    """The commands a redis.asyncio client issues from now on (the client still runs them)."""
+    commands: list[str] = []
+    execute = client.execute_command
+
+    async def counted(*args: object, **options: object) -> object:
+        commands.append(str(args[0]).upper())
+        return await execute(*args, **options)
+
+    client.execute_command = counted
+    return commands
+
+
+@pytest.mark.redis
+async def test_admission_and_submission_are_one_round_trip_on_one_redis(redis_url: str) -> None:
+    """Both were a round trip each on every request's time to first token; on one Redis the admission
+    script sends the request too: one command, the message on the replica's channel, the tenant charged."""
+    from serving.quota_redis import RedisQuotaStore
+
+    store = RedisQuotaStore(redis_url, key_prefix="test:quota5:")
+    store.clear()
+    layer = _submission_layer(redis_url)
+    context = _context(21, max_concurrent_requests=5)
+    try:
+        # The first use of the script on a fresh Redis loads it (SCRIPT LOAD and a retry); count after.
+        warm_up = await store.aadmit_and_send(
+            context, tokens=0, layer=layer, channel="switchyard.replica.w", message={}
+        )
+        await store.arelease(warm_up, used_tokens=0)
+        store_commands = _count_commands(store._loop_client().redis)
+        layer_commands = _count_commands(layer.connection(0))
+        ticket = await store.aadmit_and_send(
+            context, tokens=40, layer=layer, channel="switchyard.replica.x", message={"type": "submit"}
+        )
+        assert (store_commands, layer_commands) == (["EVALSHA"], [])
+        assert await layer.receive("switchyard.replica.x") == {"type": "submit"}
+        usage = store.usage([context])[21]
+        assert usage.num_in_flight == 1 and usage.tokens_drawn == pytest.approx(40, abs=1)  # it refills
+        await store.arelease(ticket, used_tokens=40)
+    finally:
+        await layer.flush()
+        store.clear()
+
+
+@pytest.mark.redis
+async def test_a_refused_request_is_never_sent_and_a_full_channel_admits_nothing(redis_url: str) -> None:
+    import redis
+    from channels.exceptions import ChannelFull
+
+    from serving.quota_redis import RedisQuotaStore
+
+    store = RedisQuotaStore(redis_url, key_prefix="test:quota6:")
+    store.clear()
+    layer = _submission_layer(redis_url, capacity=1)
+    over = _context(22, max_concurrent_requests=0)
+    context = _context(23)
+    channel = "switchyard.replica.y"
+    try:
+        with pytest.raises(GatewayError, match="concurrent") as refused:
+            await store.aadmit_and_send(over, tokens=1, layer=layer, channel=channel, message={})
+        assert refused.value.status == 429 and store.refusals()[22] == 1
+        assert redis.Redis.from_url(redis_url).exists(layer.prefix + channel) == 0
+
+        await layer.send(channel, {"type": "submit", "n": 0})  # the channel is now full
+        with pytest.raises(ChannelFull):
+            await store.aadmit_and_send(context, tokens=1, layer=layer, channel=channel, message={"n": 1})
+        usage = store.usage([context])[23]
+        assert (usage.num_in_flight, usage.requests_drawn) == (0, 0)
+    finally:
+        await layer.flush()
+        store.clear()
+
+
+async def test_without_a_shared_redis_a_send_that_fails_gives_the_admission_back() -> None:
+    """The in-memory store (and a Redis store whose layer is on another server) admits, then sends."""
+    from channels.exceptions import ChannelFull
+    from channels.layers import InMemoryChannelLayer
+
+    store = MemoryQuotaStore(FakeClock())
+    layer = InMemoryChannelLayer(capacity=1)
+    context = _context(24, max_concurrent_requests=1)
+    await layer.send("replica.z", {"type": "queued"})  # the channel is full
+    with pytest.raises(ChannelFull):
+        await store.aadmit_and_send(
+            context, tokens=10, layer=layer, channel="replica.z", message={"type": "a"}
+        )
+    usage = store.usage([context])[24]
+    assert (usage.num_in_flight, usage.tokens_drawn) == (0, 0)  # the one concurrent slot is free again
+    assert await layer.receive("replica.z") == {"type": "queued"}
+    await store.aadmit_and_send(context, tokens=10, layer=layer, channel="replica.z", message={"type": "a"})
+    assert await layer.receive("replica.z") == {"type": "a"}
