@@ -120,6 +120,9 @@ class Dispatch:
             "submitted_at": time.time(),
         }
         layer = self._runtime.layer
+        # Set before the send: a request cancelled during it may have reached the replica, and close()
+        # aborts it there. A refusal is known to have sent nothing: a 429 never touches a replica.
+        self.replica = replica
         try:
             if charge is None:
                 await layer.send(replica.channel_name, message)
@@ -128,9 +131,12 @@ class Dispatch:
                 self._ticket = await gateway.quota_store().aadmit_and_send(
                     context, tokens=tokens, layer=layer, channel=replica.channel_name, message=message
                 )
+        except GatewayError:
+            self.replica = None
+            raise
         except ChannelFull as exc:
+            self.replica = None
             raise GatewayError(503, "the replica's queue is full", retry_after_s=1) from exc
-        self.replica = replica  # only once sent: close() aborts on a replica only what reached it
         first = await self._next_event(timeout_s=ACCEPT_TIMEOUT_S)
         if first.get("finish_reason") == "error":
             error = first["error"]

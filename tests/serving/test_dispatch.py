@@ -78,3 +78,37 @@ async def test_a_request_whose_replica_dies_before_its_first_token_is_retried_el
     assert [e["index"] for e in events if "token" in e] == [0, 1, 2]
     assert events[-1]["finish_reason"] == "length"
     breaker.record_success("dead-replica")  # one failure was recorded; leave no state for other tests
+
+
+async def test_an_over_quota_request_sends_nothing_to_a_replica(make_tenant, runtime, monkeypatch) -> None:
+    """The replica is chosen before admission (so that both can go to Redis together), but a refusal
+    still costs the gateway alone: no submission and no abort reaches the replica."""
+    from asgiref.sync import sync_to_async
+
+    from serving import dispatch as dispatch_module
+    from serving.gateway import GatewayError
+    from serving.replica import SUBMIT
+
+    burst_of_one = await sync_to_async(make_tenant)("burst", requests_per_second=0.001)
+    sent: list[str] = []
+    send = runtime.layer.send
+
+    async def watched_send(channel: str, message: dict) -> None:  # type: ignore[type-arg]
+        if channel.startswith("switchyard.replica."):
+            sent.append(message["type"])
+        await send(channel, message)
+
+    monkeypatch.setattr(runtime.layer, "send", watched_send)
+    params = {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}
+    handle = await dispatch_module.dispatch(
+        context=burst_of_one.context, path_model="demo-chat", pin=None, params=params, text="hello"
+    )
+    assert [e for e in [event async for event in handle.events()] if "finish_reason" in e]
+    await handle.close()
+    for _ in range(3):
+        with pytest.raises(GatewayError) as refused:
+            await dispatch_module.dispatch(
+                context=burst_of_one.context, path_model="demo-chat", pin=None, params=params, text="hello"
+            )
+        assert refused.value.status == 429
+    assert sent == [SUBMIT]
