@@ -17,8 +17,8 @@ core layer's own. The token stream does not come this way: it uses the pub/sub l
 (settings.CHANNEL_LAYERS["replies"], ARCHITECTURE.md).
 
 A replica's steps are published from its model thread rather than handed to its event loop first: on
-a loaded 2-core machine the loop thread took a median ~0.9 ms to wake and win the GIL from the model
-thread, on every first token's path (docs/benchmarks.md, "Sixth machine"). The model thread writes the
+a loaded 2-core machine the loop thread took a median ~0.8 ms to wake and win the GIL from the model
+thread, on every first token's path (docs/benchmarks.md, "Seventh machine"). The model thread writes the
 PUBLISH and goes on with the next step; Redis's replies (subscriber counts) are read back at the next
 publish, so the thread never waits for a round trip."""
 

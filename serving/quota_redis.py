@@ -4,13 +4,14 @@ the refusal from the state the script returns.
 
 The same script can also submit the admitted request to its replica's channel (`aadmit_and_send`),
 when the channel layer's Redis is this one: admission and submission were two round trips in a row on
-every request's time to first token, ~0.7 ms each on a loaded 2-core machine (docs/benchmarks.md,
-"Sixth machine")."""
+every request's time to first token, 0.7 to 0.9 ms each on a loaded 2-core machine (docs/benchmarks.md,
+"Seventh machine")."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -110,6 +111,8 @@ class RedisQuotaStore:
         self._release = self._redis.register_script(_RELEASE)
         self._refused_key = f"{key_prefix}refused"  # tenant id -> 429s, over every gateway process
         self._loop_clients: dict[asyncio.AbstractEventLoop, _LoopClient] = {}
+        # Tenant id -> until when (monotonic) this process expects it to be refused: see aadmit_and_send.
+        self._refusing_until: dict[int, float] = {}
 
     def _key(self, tenant_id: int) -> str:
         return f"{self._prefix}{tenant_id}"
@@ -165,16 +168,26 @@ class RedisQuotaStore:
         except redis.RedisError as exc:
             raise _unavailable(exc) from exc
         if not int(admitted):
-            raise self._refusal(context, tokens, rt, tt, n)
+            raise self._refused(context, tokens, rt, tt, n)
+        self._refusing_until.pop(context.tenant_id, None)
         return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
+
+    def _refused(self, context: TenantContext, tokens: int, rt: bytes, tt: bytes, n: bytes) -> GatewayError:
+        refusal = self._refusal(context, tokens, rt, tt, n)
+        self._refusing_until[context.tenant_id] = time.monotonic() + (refusal.retry_after_s or 1.0)
+        return refusal
 
     async def aadmit_and_send(
         self, context: TenantContext, *, tokens: int, layer: Any, channel: str, message: dict[str, Any]
     ) -> Ticket:
         """Admit, then send `message` on `layer`: in one round trip when the layer's Redis is this one,
         else admission and then the layer's own send. Raises GatewayError (a refusal: nothing is sent)
-        or ChannelFull (nothing is admitted)."""
-        if not (isinstance(layer, OneTripRedisChannelLayer) and layer.single_address() == self._url):
+        or ChannelFull (nothing is admitted).
+
+        A tenant refused by this process a moment ago (within its Retry-After) is admitted alone first:
+        a flood of refusals would otherwise carry every refused prompt to Redis with its admission."""
+        shares_server = isinstance(layer, OneTripRedisChannelLayer) and layer.single_address() == self._url
+        if not shares_server or self._refusing_until.get(context.tenant_id, 0.0) > time.monotonic():
             return await admit_then_send(
                 self, context, tokens=tokens, layer=layer, channel=channel, message=message
             )
@@ -189,7 +202,7 @@ class RedisQuotaStore:
         if int(admitted) == -1:
             raise ChannelFull()
         if not int(admitted):
-            raise self._refusal(context, tokens, *state)
+            raise self._refused(context, tokens, *state)
         return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
 
     async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None:

@@ -359,3 +359,49 @@ async def test_without_a_shared_redis_a_send_that_fails_gives_the_admission_back
     assert await layer.receive("replica.z") == {"type": "queued"}
     await store.aadmit_and_send(context, tokens=10, layer=layer, channel="replica.z", message={"type": "a"})
     assert await layer.receive("replica.z") == {"type": "a"}
+
+
+@pytest.mark.redis
+async def test_a_tenant_just_refused_is_admitted_alone_so_refusals_carry_no_prompt(redis_url: str) -> None:
+    """Under a flood of 429s the combined script would ship every refused prompt to Redis: after a
+    refusal the tenant's next attempts admit alone (the two-key script), until one is admitted."""
+    from serving.quota_redis import RedisQuotaStore
+
+    store = RedisQuotaStore(redis_url, key_prefix="test:quota7:")
+    store.clear()
+    layer = _submission_layer(redis_url)
+    one_at_a_time = _context(25, requests_per_second=1000, max_concurrent_requests=1)
+    big = {"type": "submit", "input": "x" * 100_000}
+    warm_up = _context(26)  # a fresh Redis loads each script on its first use: a retry to count
+    await store.arelease(await store.aadmit(warm_up, tokens=1), used_tokens=1)
+    ticket = await store.aadmit_and_send(warm_up, tokens=1, layer=layer, channel="replica.u", message={})
+    await store.arelease(ticket, used_tokens=1)
+    scripts: list[int] = []  # the number of keys of each script the store runs: 3 carries the message
+    client = store._loop_client().redis
+    execute = client.execute_command
+
+    async def counted(*args: object, **options: object) -> object:
+        if str(args[0]).upper() in ("EVALSHA", "EVAL"):
+            scripts.append(int(args[2]))  # type: ignore[call-overload]
+        return await execute(*args, **options)
+
+    client.execute_command = counted
+
+    async def attempt() -> object:
+        return await store.aadmit_and_send(
+            one_at_a_time, tokens=1, layer=layer, channel="switchyard.replica.v", message=big
+        )
+
+    try:
+        first = await attempt()
+        for _ in range(3):
+            with pytest.raises(GatewayError, match="concurrent"):
+                await attempt()
+        await store.arelease(first, used_tokens=1)  # type: ignore[arg-type]
+        await store.arelease(await attempt(), used_tokens=1)  # type: ignore[arg-type]  # admitted alone
+        await attempt()  # and the next goes in one round trip again
+        scripts = [n for n in scripts if n != 1]  # the releases
+        assert scripts == [3, 3, 2, 2, 2, 3]
+    finally:
+        await layer.flush()
+        store.clear()
