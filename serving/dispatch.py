@@ -54,12 +54,13 @@ class Dispatch:
     def __init__(
         self,
         runtime: Runtime,
+        ticket: Ticket | None,  # None: admitted by submit(), or never charged (a shadow copy)
         model_name: str,
         version: str,
         submission: dict[str, Any],
     ) -> None:
         self._runtime = runtime
-        self._ticket: Ticket | None = None  # set when submit() admits it; a shadow copy is never charged
+        self._ticket = ticket
         self.model_name = model_name
         self.version = version
         self._submission = submission
@@ -279,8 +280,9 @@ async def dispatch(
 ) -> Dispatch:
     """Route, admit and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a
     replica when it can; a prompt the replica refuses (too long for the model) comes back as a 400.
-    A replica is chosen before the quota is checked, so that admission and submission can go to Redis
-    in one round trip."""
+    Where admission and submission can go to Redis in one round trip, the replica is chosen before
+    the quota is checked; a store that would save nothing by it (in memory, or a tenant it is
+    refusing right now) admits first, so a 429 costs no more than the admission."""
     if (text is None) == (messages is None):
         raise ValueError("dispatch needs exactly one of text or messages")
     model_name, alias = split_model_name(path_model)
@@ -298,6 +300,8 @@ async def dispatch(
     version = choose_version(snapshot, pin=pin, alias=alias, rng=_rng)
     input_chars = len(text) if text is not None else sum(len(m["content"]) for m in messages or ())
     tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=params.get("max_tokens", 1))
+    store = gateway.quota_store()
+    ticket = None if store.sends_with_admission(context) else await store.aadmit(context, tokens=tokens)
     runtime = await get_runtime()
     submission = {
         "reply_to": runtime.hub.channel_name,
@@ -307,9 +311,9 @@ async def dispatch(
         "tenant": context.tenant_name,
         "cache_group": context.cache_group,
     }
-    handle = Dispatch(runtime, model_name, version, submission)
+    handle = Dispatch(runtime, ticket, model_name, version, submission)
     try:
-        await handle.submit(charge=(context, tokens))
+        await handle.submit(charge=(context, tokens) if ticket is None else None)
     except BaseException:
         await handle.close()
         raise

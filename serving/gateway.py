@@ -186,7 +186,9 @@ class QuotaStore(Protocol):
     # The same, for the gateway's event loop: no thread hop.
     async def aadmit(self, context: TenantContext, *, tokens: int) -> Ticket: ...
     async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None: ...
-    # Admission and the request's submission to its replica (a channel-layer send), together.
+    # Admission and the request's submission to its replica (a channel-layer send), together; and
+    # whether that saves anything for this tenant now (else the gateway admits first).
+    def sends_with_admission(self, context: TenantContext) -> bool: ...
     async def aadmit_and_send(
         self, context: TenantContext, *, tokens: int, layer: Any, channel: str, message: dict[str, Any]
     ) -> Ticket: ...
@@ -258,6 +260,9 @@ class MemoryQuotaStore:
 
     async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None:
         self.release(ticket, used_tokens=used_tokens)
+
+    def sends_with_admission(self, context: TenantContext) -> bool:
+        return False  # admission costs no round trip here: admit before anything else is built
 
     async def aadmit_and_send(
         self, context: TenantContext, *, tokens: int, layer: Any, channel: str, message: dict[str, Any]

@@ -177,17 +177,21 @@ class RedisQuotaStore:
         self._refusing_until[context.tenant_id] = time.monotonic() + (refusal.retry_after_s or 1.0)
         return refusal
 
+    def sends_with_admission(self, context: TenantContext) -> bool:
+        """False for a tenant this process refused a moment ago (within its Retry-After): it is likely
+        refused again, and admitted alone first a flood of refusals carries no prompt to Redis and
+        builds nothing else for a request that will not run."""
+        return self._refusing_until.get(context.tenant_id, 0.0) <= time.monotonic()
+
     async def aadmit_and_send(
         self, context: TenantContext, *, tokens: int, layer: Any, channel: str, message: dict[str, Any]
     ) -> Ticket:
         """Admit, then send `message` on `layer`: in one round trip when the layer's Redis is this one,
         else admission and then the layer's own send. Raises GatewayError (a refusal: nothing is sent)
-        or ChannelFull (nothing is admitted).
-
-        A tenant refused by this process a moment ago (within its Retry-After) is admitted alone first:
-        a flood of refusals would otherwise carry every refused prompt to Redis with its admission."""
+        or ChannelFull (nothing is admitted). A tenant being refused (sends_with_admission) is admitted
+        alone first."""
         shares_server = isinstance(layer, OneTripRedisChannelLayer) and layer.single_address() == self._url
-        if not shares_server or self._refusing_until.get(context.tenant_id, 0.0) > time.monotonic():
+        if not shares_server or not self.sends_with_admission(context):
             return await admit_then_send(
                 self, context, tokens=tokens, layer=layer, channel=channel, message=message
             )

@@ -85,7 +85,7 @@ async def _run(
     from serving.dispatch import Dispatch
     from serving.gateway import GatewayError
 
-    handle = Dispatch(runtime, model_name, version, submission)
+    handle = Dispatch(runtime, None, model_name, version, submission)
     try:
         await handle.submit()
         text, final = await handle.collect()

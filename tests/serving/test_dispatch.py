@@ -80,15 +80,27 @@ async def test_a_request_whose_replica_dies_before_its_first_token_is_retried_el
     breaker.record_success("dead-replica")  # one failure was recorded; leave no state for other tests
 
 
-async def test_an_over_quota_request_sends_nothing_to_a_replica(make_tenant, runtime, monkeypatch) -> None:
-    """The replica is chosen before admission (so that both can go to Redis together), but a refusal
-    still costs the gateway alone: no submission and no abort reaches the replica."""
+@pytest.mark.parametrize("store", ["memory", pytest.param("redis", marks=pytest.mark.redis)])
+async def test_an_over_quota_request_sends_nothing_to_a_replica(
+    store, make_tenant, runtime, monkeypatch, request
+) -> None:
+    """With a Redis store the replica is chosen before admission (so that both can go to Redis
+    together), but a refusal still costs the gateway alone: no submission and no abort reaches the
+    replica. The first refusal comes from the combined step, the next ones from admission alone."""
     from asgiref.sync import sync_to_async
 
     from serving import dispatch as dispatch_module
-    from serving.gateway import GatewayError
+    from serving.gateway import GatewayError, MemoryQuotaStore, reset_quota_store
     from serving.replica import SUBMIT
 
+    if store == "redis":
+        from serving.quota_redis import RedisQuotaStore
+
+        quota = RedisQuotaStore(request.getfixturevalue("redis_url"), key_prefix="test:quota-dispatch:")
+        quota.clear()
+    else:
+        quota = MemoryQuotaStore()
+    reset_quota_store(quota)  # the autouse fixture resets it after the test
     burst_of_one = await sync_to_async(make_tenant)("burst", requests_per_second=0.001)
     sent: list[str] = []
     send = runtime.layer.send
