@@ -11,8 +11,8 @@ machine".)
 What each step produced goes out in order while the model thread runs the next step. On Redis the
 model thread publishes it itself, without waiting for Redis's reply (serving/channel_layer.py): handed
 to the loop thread first, a first token waited a median ~0.8 ms for that thread to wake and win the GIL
-(docs/benchmarks.md, "Seventh machine").
-On the in-memory layer, which only the event loop may touch, the loop thread sends it.
+(docs/benchmarks.md, "Seventh machine"). On the in-memory layer, which only the event loop may touch,
+the loop thread sends it.
 
 After each step the new events of every request go out as ONE message per receiving server process
 (inbox), never one per token: see ARCHITECTURE.md's transport measurements. Acceptances (or refusals) of

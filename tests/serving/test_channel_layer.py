@@ -12,19 +12,13 @@ import pytest
 import redis
 from channels.exceptions import ChannelFull
 
-from serving.channel_layer import OneTripRedisChannelLayer, StepPubSubChannelLayer
-
-
-def _layer(redis_url: str, **config: object) -> OneTripRedisChannelLayer:
-    hosts = [{"address": redis_url, "socket_timeout": None}]
-    return OneTripRedisChannelLayer(
-        hosts=hosts, prefix=f"test-{uuid.uuid4().hex[:8]}", serializer_format="json", **config
-    )
+from serving.channel_layer import StepPubSubChannelLayer
+from tests.serving.conftest import one_trip_layer, record_commands
 
 
 @pytest.mark.redis
 async def test_messages_arrive_in_order_on_plain_and_process_local_channels(redis_url: str) -> None:
-    layer = _layer(redis_url)
+    layer = one_trip_layer(redis_url)
     try:
         for i in range(3):
             await layer.send("switchyard.replica.a", {"type": "submit", "i": i})
@@ -41,7 +35,7 @@ async def test_messages_arrive_in_order_on_plain_and_process_local_channels(redi
 
 @pytest.mark.redis
 async def test_a_full_channel_refuses_and_the_wire_carries_json(redis_url: str) -> None:
-    layer = _layer(redis_url, capacity=2)
+    layer = one_trip_layer(redis_url, capacity=2)
     try:
         await layer.send("switchyard.replica.b", {"type": "submit", "n": 1})
         await layer.send("switchyard.replica.b", {"type": "submit", "n": 2})
@@ -59,21 +53,12 @@ async def test_a_receive_on_a_replica_channel_is_one_round_trip(redis_url: str) 
     """channels_redis's receive adds three commands around the blocking pop (a backup of each message,
     one on the path before the message is returned); a replica's channel dies with it, so they buy
     nothing here."""
-    layer = _layer(redis_url)
+    layer = one_trip_layer(redis_url)
     try:
         await layer.send("switchyard.replica.c", {"type": "submit", "n": 1})
-        client = layer.connection(0)
-        commands: list[str] = []
-        execute = client.execute_command
-
-        async def counted(*args: object, **options: object) -> object:
-            commands.append(str(args[0]).upper())
-            return await execute(*args, **options)
-
-        client.execute_command = counted
+        commands = record_commands(layer.connection(0))
         assert await layer.receive("switchyard.replica.c") == {"type": "submit", "n": 1}
-        assert commands == ["BZPOPMIN"]
-        client.execute_command = execute
+        assert [command[0] for command in commands] == ["BZPOPMIN"]
         keys = redis.Redis.from_url(redis_url).keys(f"{layer.prefix}*")
         assert keys == []  # nothing left behind: no backup queue
     finally:

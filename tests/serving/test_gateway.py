@@ -4,6 +4,7 @@ import pytest
 
 from registry.selectors import TenantContext
 from serving.gateway import GatewayError, MemoryQuotaStore
+from tests.serving.conftest import one_trip_layer, record_commands
 
 
 def _context(tenant_id: int = 1, **overrides: object) -> TenantContext:
@@ -255,32 +256,6 @@ def test_redis_usage_is_empty_when_redis_cannot_be_read() -> None:
 # --- admission and submission together ------------------------------------------------------------------
 
 
-def _submission_layer(redis_url: str, **config: object):  # type: ignore[no-untyped-def]
-    import uuid
-
-    from serving.channel_layer import OneTripRedisChannelLayer
-
-    return OneTripRedisChannelLayer(
-        hosts=[{"address": redis_url, "socket_timeout": None}],
-        prefix=f"test-{uuid.uuid4().hex[:8]}",
-        serializer_format="json",
-        **config,
-    )
-
-
-def _count_commands(client) -> list[str]:  # type: ignore[no-untyped-def]
-    """The commands a redis.asyncio client issues from now on (the client still runs them)."""
-    commands: list[str] = []
-    execute = client.execute_command
-
-    async def counted(*args: object, **options: object) -> object:
-        commands.append(str(args[0]).upper())
-        return await execute(*args, **options)
-
-    client.execute_command = counted
-    return commands
-
-
 @pytest.mark.redis
 async def test_admission_and_submission_are_one_round_trip_on_one_redis(redis_url: str) -> None:
     """Both were a round trip each on every request's time to first token; on one Redis the admission
@@ -289,7 +264,7 @@ async def test_admission_and_submission_are_one_round_trip_on_one_redis(redis_ur
 
     store = RedisQuotaStore(redis_url, key_prefix="test:quota5:")
     store.clear()
-    layer = _submission_layer(redis_url)
+    layer = one_trip_layer(redis_url)
     context = _context(21, max_concurrent_requests=5)
     try:
         # The first use of the script on a fresh Redis loads it (SCRIPT LOAD and a retry); count after.
@@ -297,12 +272,12 @@ async def test_admission_and_submission_are_one_round_trip_on_one_redis(redis_ur
             context, tokens=0, layer=layer, channel="switchyard.replica.w", message={}
         )
         await store.arelease(warm_up, used_tokens=0)
-        store_commands = _count_commands(store._loop_client().redis)
-        layer_commands = _count_commands(layer.connection(0))
+        store_commands = record_commands(store._loop_client().redis)
+        layer_commands = record_commands(layer.connection(0))
         ticket = await store.aadmit_and_send(
             context, tokens=40, layer=layer, channel="switchyard.replica.x", message={"type": "submit"}
         )
-        assert (store_commands, layer_commands) == (["EVALSHA"], [])
+        assert ([c[0] for c in store_commands], layer_commands) == (["EVALSHA"], [])
         assert await layer.receive("switchyard.replica.x") == {"type": "submit"}
         usage = store.usage([context])[21]
         assert usage.num_in_flight == 1 and usage.tokens_drawn == pytest.approx(40, abs=1)  # it refills
@@ -321,7 +296,7 @@ async def test_a_refused_request_is_never_sent_and_a_full_channel_admits_nothing
 
     store = RedisQuotaStore(redis_url, key_prefix="test:quota6:")
     store.clear()
-    layer = _submission_layer(redis_url, capacity=1)
+    layer = one_trip_layer(redis_url, capacity=1)
     over = _context(22, max_concurrent_requests=0)
     context = _context(23)
     channel = "switchyard.replica.y"
@@ -369,23 +344,14 @@ async def test_a_tenant_just_refused_is_admitted_alone_so_refusals_carry_no_prom
 
     store = RedisQuotaStore(redis_url, key_prefix="test:quota7:")
     store.clear()
-    layer = _submission_layer(redis_url)
+    layer = one_trip_layer(redis_url)
     one_at_a_time = _context(25, requests_per_second=1000, max_concurrent_requests=1)
     big = {"type": "submit", "input": "x" * 100_000}
     warm_up = _context(26)  # a fresh Redis loads each script on its first use: a retry to count
     await store.arelease(await store.aadmit(warm_up, tokens=1), used_tokens=1)
     ticket = await store.aadmit_and_send(warm_up, tokens=1, layer=layer, channel="replica.u", message={})
     await store.arelease(ticket, used_tokens=1)
-    scripts: list[int] = []  # the number of keys of each script the store runs: 3 carries the message
-    client = store._loop_client().redis
-    execute = client.execute_command
-
-    async def counted(*args: object, **options: object) -> object:
-        if str(args[0]).upper() in ("EVALSHA", "EVAL"):
-            scripts.append(int(args[2]))  # type: ignore[call-overload]
-        return await execute(*args, **options)
-
-    client.execute_command = counted
+    commands = record_commands(store._loop_client().redis)
 
     async def attempt() -> object:
         return await store.aadmit_and_send(
@@ -400,7 +366,8 @@ async def test_a_tenant_just_refused_is_admitted_alone_so_refusals_carry_no_prom
         await store.arelease(first, used_tokens=1)  # type: ignore[arg-type]
         await store.arelease(await attempt(), used_tokens=1)  # type: ignore[arg-type]  # admitted alone
         await attempt()  # and the next goes in one round trip again
-        scripts = [n for n in scripts if n != 1]  # the releases
+        # The number of keys of each script the store ran (3 carries the message), the releases (1) left out.
+        scripts = [int(c[2]) for c in commands if c[0] in ("EVALSHA", "EVAL") and int(c[2]) != 1]
         assert scripts == [3, 3, 2, 2, 2, 3]
     finally:
         await layer.flush()
