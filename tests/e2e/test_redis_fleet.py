@@ -9,7 +9,8 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import openai
@@ -45,7 +46,8 @@ _STARTED_ON: list[str] = []  # the replica of every stream, as soon as its heade
 class Fleet:
     server: LiveServer
     replicas: dict[str, subprocess.Popen[bytes]]  # replica id -> process
-    log: object
+    state: Path  # the processes' logs: server.log, and replica-N.log for each replica started
+    log_of: dict[str, Path] = field(default_factory=dict)  # replica id -> its log
 
     def ready_replicas(self) -> set[str]:
         beats = httpx.get(f"{self.server.url}/readyz").json()["replicas"]
@@ -53,26 +55,45 @@ class Fleet:
 
     def start_replica(self) -> None:
         before = self.ready_replicas()
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "manage.py",
-                "run_replica",
-                "--model",
-                "demo-chat",
-                "--version",
-                "v1",
-                "--kv-cache-mb",
-                "32",
-            ],
-            cwd=REPO_ROOT,
-            env=self.server.env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
+        log_path = self.state / f"replica-{len(self.log_of)}.log"
+        with log_path.open("wb") as log:  # the child keeps its own descriptor
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "manage.py",
+                    "run_replica",
+                    "--model",
+                    "demo-chat",
+                    "--version",
+                    "v1",
+                    "--kv-cache-mb",
+                    "32",
+                ],
+                cwd=REPO_ROOT,
+                env=self.server.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.server.wait_until(lambda: len(self.ready_replicas() - before) == 1, timeout_s=120)
         (replica_id,) = self.ready_replicas() - before
         self.replicas[replica_id] = process
+        self.log_of[replica_id] = log_path
+
+    def wait_for_exit(self, replica_id: str, timeout_s: float = 60) -> int:
+        """The replica's exit code. One still running after `timeout_s` is made to print every thread's
+        stack (faulthandler, on SIGABRT) and the test fails with its log and the gateway's: a hang
+        here shows up in CI only, where nothing else would say where it waits."""
+        process = self.replicas.pop(replica_id)
+        try:
+            return process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            process.wait(30)
+            tails = [
+                f"--- {path.name} ---\n" + path.read_text(errors="replace")[-12000:]
+                for path in (self.log_of[replica_id], self.state / "server.log")
+            ]
+            pytest.fail(f"replica {replica_id} still running {timeout_s:.0f} s on\n" + "\n".join(tails))
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +106,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         "SWITCHYARD_STATE_DIR": str(state),
         "REDIS_URL": REDIS_URL,
         "DATABASE_URL": _fresh_postgres_database(),
+        "PYTHONFAULTHANDLER": "1",  # a process sent SIGABRT prints every thread's stack
     }
     for name in ("SECRET_KEY", "DJANGO_SETTINGS_MODULE"):
         env.pop(name, None)
@@ -111,7 +133,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         stderr=subprocess.STDOUT,
     )
     server = LiveServer(f"http://127.0.0.1:{port}", key, env, web)
-    fleet = Fleet(server, {}, log)
+    fleet = Fleet(server, {}, state)
     try:
         server.wait_until(lambda: httpx.get(f"{server.url}/healthz").status_code == 200)
         fleet.start_replica()
@@ -225,7 +247,6 @@ def test_sigterm_drains_a_replica_before_it_exits(fleet: Fleet) -> None:
     assert first_token.wait(60)
     for rid, process in list(fleet.replicas.items()):
         process.send_signal(signal.SIGTERM)  # every replica drains; in-flight work must still finish
-        fleet.replicas.pop(rid)
-        assert process.wait(60) == 0
+        assert fleet.wait_for_exit(rid) == 0
     streams[0].join(60)
     assert results[0]["events"][-1]["finish_reason"] == "length"

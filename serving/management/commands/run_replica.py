@@ -4,6 +4,8 @@ import signal
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+DRAIN_REPORT_INTERVAL_S = 5.0
+
 
 class Command(BaseCommand):
     help = (
@@ -112,7 +114,14 @@ class Command(BaseCommand):
         replica.drain()  # the heartbeat now says draining: gateways stop choosing this replica
         self.stdout.write("draining")
         self.stdout.flush()
-        await replica.wait_idle()
+        while True:  # a drain that takes long says, now and then, what it still holds
+            try:
+                await asyncio.wait_for(replica.wait_idle(), DRAIN_REPORT_INTERVAL_S)
+                break
+            except TimeoutError:
+                beat = replica.heartbeat()
+                self.stdout.write(f"draining: {beat.num_running} running, {beat.num_waiting} waiting")
+                self.stdout.flush()
         self.stdout.write("drained; stopping")
         self.stdout.flush()
         await replica.stop()
