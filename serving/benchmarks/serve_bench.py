@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -254,6 +255,67 @@ def paired_ttft_added_ms(alone_ttft_s: dict[str, float], run: HttpRun) -> float:
     return _median_difference_ms(_ttft_s_by_id(run.records), alone_ttft_s)
 
 
+@dataclass(slots=True)
+class CompareRound:
+    """One workload run on the engine alone and then through the API."""
+
+    seed: int
+    alone: dict[str, float]  # run_engine_alone's summary
+    alone_ttft_s: dict[str, float]  # by request id
+    run: HttpRun  # through the API
+    through: dict[str, float]  # summarize(run)
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "p50 TTFT added": self.through["p50_ttft_ms"] - self.alone["p50_ttft_ms"],
+            "paired": paired_ttft_added_ms(self.alone_ttft_s, self.run),
+            "outside": path_ttft_ms(self.run),
+            "inside": replica_ttft_added_ms(self.alone_ttft_s, self.run),
+            "TPOT added": self.through["p50_tpot_ms"] - self.alone["p50_tpot_ms"],
+            "kept %": 100 * self.through["output_tok_per_s"] / self.alone["output_tok_per_s"],
+            "busy %": self.alone["busy_pct"],
+        }
+
+
+def pooled_ttft_added_ms(rounds: Sequence[CompareRound]) -> tuple[float, float]:
+    """The issue's figure over every round's requests at once: the p50 of all TTFTs through the API minus
+    the p50 of all on the engine alone; and the median of every request's paired difference. One
+    round's p50 rests on a few dozen requests, each of which waits for whatever step is running when
+    it arrives (up to a decode step, ~20 ms here), so it moves by several ms between runs of the same
+    code; pooled, the rounds' requests sharpen one figure instead of giving several noisy ones."""
+    through = [t for r in rounds for t in _ttft_s_by_id(r.run.records).values()]
+    alone = [t for r in rounds for t in r.alone_ttft_s.values()]
+    paired = [
+        (t - r.alone_ttft_s[i]) * 1000
+        for r in rounds
+        for i, t in _ttft_s_by_id(r.run.records).items()
+        if i in r.alone_ttft_s
+    ]
+    return (percentile(through, 50) - percentile(alone, 50)) * 1000, percentile(paired, 50)
+
+
+def rounds_report(rounds: Sequence[CompareRound]) -> str:
+    """A row per round, the median of each column, and the pooled figures."""
+    rows = {f"seed {r.seed}": r.figures() for r in rounds}
+    names = list(next(iter(rows.values())))
+    medians = {name: percentile([row[name] for row in rows.values()], 50) for name in names}
+    lines = [f"{'(ms unless %)':<14}" + "".join(f"{name:>16}" for name in names)]
+    for label, row in {**rows, "median": medians}.items():
+        lines.append(
+            f"{label:<14}"
+            + "".join(f"{row[name]:>16.1f}" if "%" in name else f"{row[name]:>+16.2f}" for name in names)
+        )
+    pooled, pooled_paired = pooled_ttft_added_ms(rounds)
+    num_through = sum(len(_ttft_s_by_id(r.run.records)) for r in rounds)
+    num_alone = sum(len(r.alone_ttft_s) for r in rounds)
+    lines.append(
+        f"pooled over {len(rounds)} rounds ({num_through} requests through the API, {num_alone} alone): "
+        f"p50 TTFT added by the API path {pooled:+.1f} ms (median per-request difference: "
+        f"{pooled_paired:+.1f} ms)"
+    )
+    return "\n".join(lines)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -376,6 +438,14 @@ def add_serve_arguments(parser: object) -> None:
     add("--sla-ttft-ms", type=float, default=2000.0)
     add("--sla-tpot-ms", type=float, default=200.0)
     add("--compare", action="store_true", help="engine alone vs. gateway + Channels + replica, one run")
+    add(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="for --compare: N rounds on one platform, seeds --seed, --seed+1, ..., each the engine alone "
+        "then the API; prints every round, the medians and the figures pooled over all rounds",
+    )
     add("--layer", choices=["embedded", "redis"], default="embedded")
     add("--redis-url", default="redis://127.0.0.1:6379/12")
     add("--model-dir", default=None, help="for --compare (default: the engine benchmark's model)")
@@ -472,13 +542,13 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
     )
     engine_env["SWITCHYARD_TORCH_THREADS"] = str(threads)
     torch.set_num_threads(threads)
-    log(f"engine alone ({threads} torch threads) ...")
-    alone, alone_ttft_s = run_engine_alone(model_dir, requests, engine_env)
     platform = Platform(
         model_dir, layer=str(options["layer"]), engine_env=engine_env, redis_url=str(options["redis_url"])
     )
     log(f"starting a {options['layer']} platform in {platform.state} ...")
     platform.start()
+    rounds: list[CompareRound] = []
+    num_rounds = max(1, int(options.get("repeat") or 1))  # type: ignore[call-overload]
     try:
         asyncio.run(
             run_http_load(
@@ -490,9 +560,16 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
                 ),
             )
         )  # warm-up
-        log("through gateway + Channels + replica ...")
-        run = asyncio.run(run_http_load(platform.url, platform.key, "bench", requests))
-        through = summarize(run, **sla)
+        # The engine alone runs while the platform idles (heartbeats every 0.5 s), so that the rounds
+        # alternate and a drift of the machine's speed during the session falls on both sides alike.
+        for index in range(num_rounds):
+            seed = spec.seed + index
+            workload = requests if index == 0 else make_text_workload(dataclasses.replace(spec, seed=seed))
+            log(f"round {index + 1}/{num_rounds}, seed {seed}: engine alone ({threads} torch threads) ...")
+            alone, alone_ttft_s = run_engine_alone(model_dir, workload, engine_env)
+            log("... through gateway + Channels + replica")
+            run = asyncio.run(run_http_load(platform.url, platform.key, "bench", workload))
+            rounds.append(CompareRound(seed, alone, alone_ttft_s, run, summarize(run, **sla)))
         flood = {}
         if float(options["quota_flood"]) > 0:  # type: ignore[arg-type]
             subprocess.run(
@@ -528,22 +605,25 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
             )  # type: ignore[arg-type]
     finally:
         platform.stop()
-    ratio = through["output_tok_per_s"] / alone["output_tok_per_s"]
-    added_ttft = through["p50_ttft_ms"] - alone["p50_ttft_ms"]
-    lines = [
-        _table({"engine alone": alone, f"API ({options['layer']})": through}),
-        f"statuses: {dict(run.statuses)}",
-        f"throughput kept through the API: {ratio:.1%} of engine alone",
-        f"p50 TTFT added by the API path: {added_ttft:+.1f} ms "
-        f"(median per-request difference: {paired_ttft_added_ms(alone_ttft_s, run):+.1f} ms)",
-        f"of which outside the replica (client TTFT - replica TTFT, median): {path_ttft_ms(run):.1f} ms",
-        f"and inside it (replica TTFT - engine-alone TTFT, median): "
-        f"{replica_ttft_added_ms(alone_ttft_s, run):+.1f} ms",
-        f"the client sent its requests {percentile(run.send_lateness_s, 50) * 1000:.1f} ms after their "
-        "arrival times (median; TTFT counts from the send)",
-        f"load: the engine alone was busy {alone['busy_pct']:.0f}% of its run "
-        "(light load, where TTFT is the path's cost rather than queueing, is well under 50%)",
-    ]
+    statuses = sum((r.run.statuses for r in rounds), Counter())
+    if num_rounds > 1:
+        lines = [rounds_report(rounds), f"statuses: {dict(statuses)}"]
+    else:
+        (only,) = rounds
+        figures = only.figures()
+        lines = [
+            _table({"engine alone": only.alone, f"API ({options['layer']})": only.through}),
+            f"statuses: {dict(statuses)}",
+            f"throughput kept through the API: {figures['kept %'] / 100:.1%} of engine alone",
+            f"p50 TTFT added by the API path: {figures['p50 TTFT added']:+.1f} ms "
+            f"(median per-request difference: {figures['paired']:+.1f} ms)",
+            f"of which outside the replica (client TTFT - replica TTFT, median): {figures['outside']:.1f} ms",
+            f"and inside it (replica TTFT - engine-alone TTFT, median): {figures['inside']:+.1f} ms",
+            f"the client sent its requests {percentile(only.run.send_lateness_s, 50) * 1000:.1f} ms after "
+            "their arrival times (median; TTFT counts from the send)",
+            f"load: the engine alone was busy {only.alone['busy_pct']:.0f}% of its run "
+            "(light load, where TTFT is the path's cost rather than queueing, is well under 50%)",
+        ]
     if flood:
         lines.append(
             f"over-quota refusals: {flood['rate_429_per_s']:.0f} 429s/s from one gateway process ({flood})"

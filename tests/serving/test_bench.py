@@ -176,6 +176,37 @@ def test_paired_ttft_added_pairs_requests_by_id_and_ignores_incomplete_ones() ->
     assert path_ttft_ms(run) == pytest.approx(3.0, abs=1e-6)  # +2, +3, +3
 
 
+def test_repeated_rounds_pool_their_requests_into_one_figure() -> None:
+    from serving.benchmarks.serve_bench import CompareRound, HttpRun, pooled_ttft_added_ms, rounds_report
+    from serving.benchmarks.workload import RequestRecord
+
+    def round_of(seed: int, alone_ttft_s: dict[str, float], api_ttft_s: dict[str, float]) -> CompareRound:
+        records = [
+            RequestRecord(i, 0.0, max_tokens=2, first_token_s=t, finished_s=t + 0.1, num_output_tokens=2)
+            for i, t in api_ttft_s.items()
+        ]
+        run = HttpRun(
+            records=records, inter_token_s=[], replica_ttft_s={i: t for i, t in alone_ttft_s.items()}
+        )
+        summary = {"p50_ttft_ms": 0.0, "p50_tpot_ms": 0.0, "output_tok_per_s": 1.0, "busy_pct": 50.0}
+        return CompareRound(seed, summary, alone_ttft_s, run, summary)
+
+    # Request ids repeat between rounds (each round's workload numbers its own): pairing stays per round.
+    rounds = [
+        round_of(1, {"req-0": 0.010, "req-1": 0.030}, {"req-0": 0.012, "req-1": 0.032}),
+        round_of(2, {"req-0": 0.020, "req-1": 0.040, "req-2": 0.050}, {"req-0": 0.023, "req-1": 0.043}),
+    ]
+    pooled, paired = pooled_ttft_added_ms(rounds)
+    # All TTFTs at once: the API's (12, 23, 32, 43 ms) p50 27.5 ms against the engine alone's (10, 20, 30,
+    # 40, 50 ms) 30 ms; paired differences +2, +2, +3, +3 ms.
+    assert pooled == pytest.approx(-2.5, abs=1e-6)
+    assert paired == pytest.approx(2.5, abs=1e-6)
+    report = rounds_report(rounds)
+    assert "seed 1" in report and "seed 2" in report and "median" in report
+    assert "pooled over 2 rounds (4 requests through the API, 5 alone)" in report
+    assert "+2.5 ms)" in report
+
+
 @pytest.mark.skipif(not HAS_ENGINE, reason="needs the engine")
 def test_the_engine_alone_reports_how_busy_a_run_kept_it(demo_model_dir: Path) -> None:
     model = read_model_info(demo_model_dir)
