@@ -264,6 +264,7 @@ class CompareRound:
     alone_ttft_s: dict[str, float]  # by request id
     run: HttpRun  # through the API
     through: dict[str, float]  # summarize(run)
+    api_first: bool = False  # the API run came before the engine alone's
 
     def figures(self) -> dict[str, float]:
         return {
@@ -296,13 +297,13 @@ def pooled_ttft_added_ms(rounds: Sequence[CompareRound]) -> tuple[float, float]:
 
 def rounds_report(rounds: Sequence[CompareRound]) -> str:
     """A row per round, the median of each column, and the pooled figures."""
-    rows = {f"seed {r.seed}": r.figures() for r in rounds}
+    rows = {f"seed {r.seed}{' API 1st' if r.api_first else ''}": r.figures() for r in rounds}
     names = list(next(iter(rows.values())))
     medians = {name: percentile([row[name] for row in rows.values()], 50) for name in names}
-    lines = [f"{'(ms unless %)':<14}" + "".join(f"{name:>16}" for name in names)]
+    lines = [f"{'(ms unless %)':<18}" + "".join(f"{name:>16}" for name in names)]
     for label, row in {**rows, "median": medians}.items():
         lines.append(
-            f"{label:<14}"
+            f"{label:<18}"
             + "".join(f"{row[name]:>16.1f}" if "%" in name else f"{row[name]:>+16.2f}" for name in names)
         )
     pooled, pooled_paired = pooled_ttft_added_ms(rounds)
@@ -444,7 +445,8 @@ def add_serve_arguments(parser: object) -> None:
         default=1,
         metavar="N",
         help="for --compare: N rounds on one platform, seeds --seed, --seed+1, ..., each the engine alone "
-        "then the API; prints every round, the medians and the figures pooled over all rounds",
+        "and the API (the API first in every second round); prints every round, the medians and the "
+        "figures pooled over all rounds",
     )
     add("--layer", choices=["embedded", "redis"], default="embedded")
     add("--redis-url", default="redis://127.0.0.1:6379/12")
@@ -561,15 +563,23 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
             )
         )  # warm-up
         # The engine alone runs while the platform idles (heartbeats every 0.5 s), so that the rounds
-        # alternate and a drift of the machine's speed during the session falls on both sides alike.
+        # alternate; and every second round runs the API first, so that a steady drift of the machine's
+        # speed over the session falls on both sides alike rather than always on the second.
         for index in range(num_rounds):
             seed = spec.seed + index
             workload = requests if index == 0 else make_text_workload(dataclasses.replace(spec, seed=seed))
-            log(f"round {index + 1}/{num_rounds}, seed {seed}: engine alone ({threads} torch threads) ...")
+            api_first = index % 2 == 1
+            log(
+                f"round {index + 1}/{num_rounds}, seed {seed}, {'API' if api_first else 'engine alone'} first"
+            )
+            if api_first:
+                run = asyncio.run(run_http_load(platform.url, platform.key, "bench", workload))
+            log(f"engine alone ({threads} torch threads) ...")
             alone, alone_ttft_s = run_engine_alone(model_dir, workload, engine_env)
-            log("... through gateway + Channels + replica")
-            run = asyncio.run(run_http_load(platform.url, platform.key, "bench", workload))
-            rounds.append(CompareRound(seed, alone, alone_ttft_s, run, summarize(run, **sla)))
+            if not api_first:
+                log("through gateway + Channels + replica ...")
+                run = asyncio.run(run_http_load(platform.url, platform.key, "bench", workload))
+            rounds.append(CompareRound(seed, alone, alone_ttft_s, run, summarize(run, **sla), api_first))
         flood = {}
         if float(options["quota_flood"]) > 0:  # type: ignore[arg-type]
             subprocess.run(
