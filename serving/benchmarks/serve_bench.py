@@ -257,7 +257,7 @@ def paired_ttft_added_ms(alone_ttft_s: dict[str, float], run: HttpRun) -> float:
 
 @dataclass(slots=True)
 class CompareRound:
-    """One workload run on the engine alone and then through the API."""
+    """One workload run on the engine alone and through the API, in either order."""
 
     seed: int
     alone: dict[str, float]  # run_engine_alone's summary
@@ -282,8 +282,9 @@ def pooled_ttft_added_ms(rounds: Sequence[CompareRound]) -> tuple[float, float]:
     """The issue's figure over every round's requests at once: the p50 of all TTFTs through the API minus
     the p50 of all on the engine alone; and the median of every request's paired difference. One
     round's p50 rests on a few dozen requests, each of which waits for whatever step is running when
-    it arrives (up to a decode step, ~20 ms here), so it moves by several ms between runs of the same
-    code; pooled, the rounds' requests sharpen one figure instead of giving several noisy ones."""
+    it arrives (a decode step takes ~20 ms here, a prefill of a long prompt ~100 ms), so it moves by
+    several ms between runs of the same code; pooled, the rounds' requests sharpen one figure instead
+    of giving several noisy ones."""
     through = [t for r in rounds for t in _ttft_s_by_id(r.run.records).values()]
     alone = [t for r in rounds for t in r.alone_ttft_s.values()]
     paired = [
