@@ -15,7 +15,13 @@ from serving.benchmarks.bench_model import read_model_info
 from serving.benchmarks.engine_bench import BenchConfig, _build_system
 from serving.benchmarks.engine_system import EngineSystem
 from serving.benchmarks.limits import concurrency_at_budget
-from serving.benchmarks.workload import BenchRequest, WorkloadSpec, compute_metrics, make_workload
+from serving.benchmarks.workload import (
+    BenchRequest,
+    RequestRecord,
+    WorkloadSpec,
+    compute_metrics,
+    make_workload,
+)
 
 SMALL = WorkloadSpec(
     num_requests=4,
@@ -26,6 +32,18 @@ SMALL = WorkloadSpec(
     max_output_tokens=9,
 )
 HAS_ENGINE = importlib.util.find_spec("serving.engine.engine") is not None
+
+
+def _record(request_id: str, arrival_s: float, first_token_s: float, complete: bool = True) -> RequestRecord:
+    """A request as the load client records it: two tokens (one when incomplete), 0.1 s apart."""
+    return RequestRecord(
+        request_id,
+        arrival_s,
+        max_tokens=2,
+        first_token_s=first_token_s,
+        finished_s=first_token_s + 0.1,
+        num_output_tokens=2 if complete else 1,
+    )
 
 
 def test_the_workload_is_deterministic_under_a_seed() -> None:
@@ -141,29 +159,16 @@ def test_paired_ttft_added_pairs_requests_by_id_and_ignores_incomplete_ones() ->
         path_ttft_ms,
         replica_ttft_added_ms,
     )
-    from serving.benchmarks.workload import RequestRecord
-
-    def record(
-        request_id: str, arrival_s: float, first_token_s: float, complete: bool = True
-    ) -> RequestRecord:
-        return RequestRecord(
-            request_id,
-            arrival_s,
-            max_tokens=2,
-            first_token_s=first_token_s,
-            finished_s=first_token_s + 0.1,
-            num_output_tokens=2 if complete else 1,
-        )
 
     # Prompts of very different cost: a difference of medians would mix them, the pairing does not.
     alone = {"a": 0.010, "b": 0.200, "c": 0.050}
     run = HttpRun(
         records=[
-            record("a", 1.0, 1.013),  # +3 ms
-            record("b", 2.0, 2.204),  # +4 ms
-            record("c", 3.0, 3.055),  # +5 ms
-            record("d", 4.0, 4.5),  # never ran alone: not paired
-            record("e", 5.0, 5.9, complete=False),
+            _record("a", 1.0, 1.013),  # +3 ms
+            _record("b", 2.0, 2.204),  # +4 ms
+            _record("c", 3.0, 3.055),  # +5 ms
+            _record("d", 4.0, 4.5),  # never ran alone: not paired
+            _record("e", 5.0, 5.9, complete=False),
         ],
         inter_token_s=[],
     )
@@ -178,16 +183,10 @@ def test_paired_ttft_added_pairs_requests_by_id_and_ignores_incomplete_ones() ->
 
 def test_repeated_rounds_pool_their_requests_into_one_figure() -> None:
     from serving.benchmarks.serve_bench import CompareRound, HttpRun, pooled_ttft_added_ms, rounds_report
-    from serving.benchmarks.workload import RequestRecord
 
     def round_of(seed: int, alone_ttft_s: dict[str, float], api_ttft_s: dict[str, float]) -> CompareRound:
-        records = [
-            RequestRecord(i, 0.0, max_tokens=2, first_token_s=t, finished_s=t + 0.1, num_output_tokens=2)
-            for i, t in api_ttft_s.items()
-        ]
-        run = HttpRun(
-            records=records, inter_token_s=[], replica_ttft_s={i: t for i, t in alone_ttft_s.items()}
-        )
+        records = [_record(i, 0.0, t) for i, t in api_ttft_s.items()]
+        run = HttpRun(records=records, inter_token_s=[], replica_ttft_s=dict(alone_ttft_s))
         summary = {"p50_ttft_ms": 0.0, "p50_tpot_ms": 0.0, "output_tok_per_s": 1.0, "busy_pct": 50.0}
         return CompareRound(seed, summary, alone_ttft_s, run, summary)
 
