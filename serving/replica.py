@@ -14,6 +14,11 @@ to the loop thread first, a first token waited a median ~0.8 ms for that thread 
 (docs/benchmarks.md, "Seventh machine"). On the in-memory layer, which only the event loop may touch,
 the loop thread sends it.
 
+A submission is made ready for the engine (its sampling parameters checked, a chat rendered, the prompt
+tokenized) on a third thread, while the model thread runs the step in progress; the model thread only
+adds it. Tokenizing there cost each new request's step ~0.1-0.5 ms for a short prompt here, and a
+32k-character prompt stopped every running sequence for ~16 ms (docs/benchmarks.md, "Ninth machine").
+
 After each step the new events of every request go out as ONE message per receiving server process
 (inbox), never one per token: see ARCHITECTURE.md's transport measurements. Acceptances (or refusals) of
 the requests a step admits go out before its forward pass, so the gateway sends the response's headers
@@ -83,6 +88,20 @@ class _Route:
 
 
 @dataclass(slots=True)
+class _Arrival:
+    """A submission made ready for the engine off the model thread, or the error that ends it there."""
+
+    request_id: str
+    route: _Route
+    prompt_ids: list[int] = field(default_factory=list)
+    params: Any = None  # the engine's SamplingParams
+    tenant: str = "default"
+    cache_group: str | None = None
+    error: dict[str, Any] | None = None  # set: no engine work; the model thread emits it in order
+    error_sample: RequestSample | None = None
+
+
+@dataclass(slots=True)
 class _Outgoing:
     """What the model thread hands the loop: events to send, and whether the engine was left empty."""
 
@@ -96,6 +115,10 @@ class _StepResult:
     events_by_inbox: dict[str, dict[str, list[dict[str, Any]]]] = field(
         default_factory=lambda: defaultdict(dict)
     )
+    # For the metrics, recorded once the events are out.
+    model_time_s: float | None = None  # None: no forward pass
+    itl_s: list[float] = field(default_factory=list)
+    ended: list[RequestSample] = field(default_factory=list)
 
     def add(self, route: _Route, request_id: str, event: dict[str, Any]) -> None:
         self.events_by_inbox[route.reply_to].setdefault(request_id, []).append(event)
@@ -142,13 +165,17 @@ class Replica:
         self._torch_threads = torch_threads  # None: torch's default (every core)
         # One thread: it loads the model, then runs the engine until the replica stops.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replica-{ref.version}")
+        # One thread, so arrivals reach the inbox in the order they came (an abort never overtakes its
+        # submission). Tokenizers release the GIL, so neither the loop nor the model thread waits for it.
+        self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replica-{ref.version}-prep")
         self._engine: Any = None
         # The inbox. The loop thread appends, the model thread takes everything at the start of a step;
         # both under the condition's lock, which neither holds for longer than a list swap.
         self._inbox = threading.Condition()
-        self._submissions: list[dict[str, Any]] = []  # arrived, not yet handed to the engine
+        self._submissions: list[_Arrival] = []  # prepared, not yet handed to the engine
         self._aborts: list[str] = []
-        self._num_queued = 0  # inbox items ever put (the model thread counts those it takes)
+        self._num_preparing = 0  # arrived, still being prepared (under the inbox's lock)
+        self._num_queued = 0  # arrivals ever counted in (the model thread counts those it takes)
         self._stopping = False  # tells the model thread to return
         self._engine_run: asyncio.Future[None] | None = None
         self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()  # model thread -> loop, in step order
@@ -175,7 +202,7 @@ class Replica:
 
     @property
     def load(self) -> int:
-        return len(self._submissions) + self.num_waiting + self.num_running
+        return self._num_preparing + len(self._submissions) + self.num_waiting + self.num_running
 
     @property
     def is_ready(self) -> bool:
@@ -293,6 +320,7 @@ class Replica:
                 await self._publisher.withdraw(self.heartbeat())
         # A load or step already running in the model thread cannot be interrupted: wait for it, so that
         # nothing of this replica (a half-built model, transformers' global loading state) outlives stop.
+        self._preparer.shutdown(wait=False, cancel_futures=True)  # what it still holds goes nowhere now
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
         if self._step_publisher is not None:
             self._step_publisher.close()
@@ -304,7 +332,7 @@ class Replica:
             version=self.ref.version,
             channel_name=self.channel_name,
             state=str(self.state),
-            num_waiting=self.num_waiting + len(self._submissions),
+            num_waiting=self.num_waiting + self._num_preparing + len(self._submissions),
             num_running=self.num_running,
             kv_cache_usage=self.kv_cache_usage,
             sent_at=time.time(),
@@ -350,22 +378,61 @@ class Replica:
                         },
                     )
                     continue
-                self._put_in_inbox(submission=message)
+                self._arrive(submission=message)
             elif kind == ABORT:
-                self._put_in_inbox(abort=message["request_id"])
+                self._arrive(abort=message["request_id"])
             elif kind == SHADOW_RESULT:
                 matched = bool(message.get("matched"))
                 self.metrics.count({m.SHADOW_COMPARED: 1, m.SHADOW_MATCHED: int(matched)})
 
-    def _put_in_inbox(self, *, submission: dict[str, Any] | None = None, abort: str | None = None) -> None:
+    def _arrive(self, *, submission: dict[str, Any] | None = None, abort: str | None = None) -> None:
+        """Counted here, on the loop, so that idle (declared on the loop) waits for it; put in the inbox
+        by the preparing thread."""
         self._idle.clear()
         with self._inbox:
-            if submission is not None:
-                self._submissions.append(submission)
+            self._num_queued += 1
+            self._num_preparing += 1
+        self._preparer.submit(self._prepare_and_put, submission, abort)
+
+    # --- the preparing thread ----------------------------------------------------------------------
+
+    def _prepare_and_put(self, submission: dict[str, Any] | None, abort: str | None) -> None:
+        arrival = self._prepare(submission) if submission is not None else None
+        with self._inbox:
+            self._num_preparing -= 1
+            if arrival is not None:
+                self._submissions.append(arrival)
             if abort is not None:
                 self._aborts.append(abort)
-            self._num_queued += 1
             self._inbox.notify()
+
+    def _prepare(self, message: dict[str, Any]) -> _Arrival:
+        """Everything about a submission the engine itself need not do: never raises, a failure is the
+        arrival's error. Reads the tokenizer only (concurrent reads are safe; nothing here sets its
+        truncation or padding, the one thing that would not be)."""
+        from serving.engine.chat import render_chat_prompt
+        from serving.engine.sequence import SamplingParams
+
+        request_id = str(message.get("request_id"))
+        route = _Route(str(message.get("reply_to")), message.get("submitted_at") or time.time())
+        arrival = _Arrival(request_id, route)
+        try:
+            raw = message["params"]
+            arrival.params = SamplingParams(**{**raw, "stop": tuple(raw.get("stop") or ())})
+            text = message.get("input")
+            if text is None:
+                text = render_chat_prompt(self._engine.tokenizer, message["messages"])
+            arrival.prompt_ids = self._engine.encode(text)
+            arrival.tenant = message.get("tenant") or "default"
+            arrival.cache_group = message.get("cache_group")
+        except (TypeError, ValueError, KeyError) as exc:
+            arrival.error = _error_event("invalid_request_error", str(exc))
+            arrival.error_sample = RequestSample("error", error_type="invalid_request_error")
+        except Exception:
+            logger.exception("replica %s: could not prepare request %s", self.replica_id, request_id)
+            arrival.error = _error_event("internal_error", "the replica could not admit it")
+            arrival.error_sample = RequestSample("error", error_type="internal_error")
+        return arrival
 
     async def _send(self, inbox: str, items: dict[str, list[dict[str, Any]]]) -> None:
         try:
@@ -391,7 +458,8 @@ class Replica:
         """Send a step's events: published from this thread where it has a publisher, else handed to the
         loop. The loop is told when the engine empties either way, since idle is declared there."""
         if self._step_publisher is None:
-            self._hand_to_loop(_Outgoing(result, is_engine_empty, num_taken))
+            if result.events_by_inbox or is_engine_empty:
+                self._hand_to_loop(_Outgoing(result, is_engine_empty, num_taken))
             return
         for inbox, items in result.events_by_inbox.items():
             try:
@@ -435,18 +503,23 @@ class Replica:
                 # A failed forward pass fails every request in it; the replica keeps serving new ones.
                 logger.exception("replica %s: engine step failed", self.replica_id)
                 result = self._fail_all(str(exc))
-            self._emit(result, is_engine_empty=not engine.has_unfinished(), num_taken=num_taken)
+            is_engine_empty = not engine.has_unfinished()
+            # The tokens first: the stats and metrics below are ~0.1 ms a step that no token waits for.
+            self._emit(result)
+            self._account(result)
+            if is_engine_empty:  # after the account, so whoever waits for idle reads the final stats
+                self._emit(_StepResult(), is_engine_empty=True, num_taken=num_taken)
 
-    def _step(self, submissions: list[dict[str, Any]], aborts: list[str]) -> _StepResult:
+    def _step(self, submissions: list[_Arrival], aborts: list[str]) -> _StepResult:
         engine = self._engine
         result = _StepResult()
-        ended: list[RequestSample] = []
+        ended: list[RequestSample] = []  # this step's, handed to the result that goes out last
         for request_id in aborts:
             if self._routes.pop(request_id, None) is not None:
                 engine.abort(request_id)
                 ended.append(RequestSample("abort"))
-        for message in submissions:
-            self._admit(message, result, ended)
+        for arrival in submissions:
+            self._admit(arrival, result, ended)
         if result.events_by_inbox:
             # One more message per inbox, and only for steps that admit something: cheap enough to send
             # during the forward pass, and the gateway then starts its response while it runs.
@@ -478,46 +551,45 @@ class Replica:
                     del self._routes[output.request_id]
                     result.add(route, output.request_id, _final_event(output, route))
                     ended.append(_request_sample(output, route))
-        stats = engine.stats()
+        result.model_time_s, result.itl_s, result.ended = model_time_s, itl_s, ended
+        return result
+
+    def _account(self, result: _StepResult) -> None:
+        """What the heartbeat reports and the step's metrics."""
+        stats = self._engine.stats()
         self.num_waiting, self.num_running, self.kv_cache_usage = (
             stats.num_waiting,
             stats.num_running,
             stats.kv_cache_usage,
         )
         step = None
-        if model_time_s is not None:
+        if result.model_time_s is not None:
             step = StepSample(
-                model_time_s=model_time_s,
+                model_time_s=result.model_time_s,
                 batch_size=stats.num_scheduled_seqs,
                 num_waiting=stats.num_waiting,
                 num_running=stats.num_running,
                 kv_cache_usage=stats.kv_cache_usage,
-                itl_s=itl_s,
+                itl_s=result.itl_s,
             )
-        if step is not None or ended:
-            self.metrics.record(step=step, requests=ended)
-        return result
+        if step is not None or result.ended:
+            self.metrics.record(step=step, requests=result.ended)
 
-    def _admit(self, message: dict[str, Any], result: _StepResult, ended: list[RequestSample]) -> None:
-        from serving.engine.chat import render_chat_prompt
-        from serving.engine.sequence import SamplingParams
-
+    def _admit(self, arrival: _Arrival, result: _StepResult, ended: list[RequestSample]) -> None:
         engine = self._engine
-        request_id = message["request_id"]
-        route = _Route(message["reply_to"], message.get("submitted_at") or time.time())
+        request_id, route = arrival.request_id, arrival.route
+        if arrival.error is not None:
+            result.add(route, request_id, arrival.error)
+            if arrival.error_sample is not None:
+                ended.append(arrival.error_sample)
+            return
         try:
-            raw = message["params"]
-            params = SamplingParams(**{**raw, "stop": tuple(raw.get("stop") or ())})
-            text = message.get("input")
-            if text is None:
-                text = render_chat_prompt(engine.tokenizer, message["messages"])
-            prompt_ids = engine.encode(text)
             engine.add_request(
                 request_id,
-                prompt_ids,
-                params,
-                tenant_id=message.get("tenant") or "default",
-                cache_group=message.get("cache_group"),
+                arrival.prompt_ids,
+                arrival.params,
+                tenant_id=arrival.tenant,
+                cache_group=arrival.cache_group,
                 arrival_time=time.monotonic() - max(0.0, time.time() - route.submitted_at),
             )
         except (TypeError, ValueError, KeyError) as exc:
@@ -533,13 +605,16 @@ class Replica:
             result.add(route, request_id, _error_event("internal_error", "the replica could not admit it"))
             ended.append(RequestSample("error", error_type="internal_error"))
             return
-        result.add(route, request_id, {"accepted": True, "num_prompt_tokens": len(prompt_ids)})
+        num_prompt_tokens = len(arrival.prompt_ids)
+        result.add(route, request_id, {"accepted": True, "num_prompt_tokens": num_prompt_tokens})
         if self._fault_rng is not None and self._fault_rng.random() < self._error_rate:
             engine.abort(request_id)
             result.add(
                 route, request_id, _error_event(INJECTED_FAULT, "injected fault (fault injection is on)")
             )
-            ended.append(RequestSample("error", num_prompt_tokens=len(prompt_ids), error_type=INJECTED_FAULT))
+            ended.append(
+                RequestSample("error", num_prompt_tokens=num_prompt_tokens, error_type=INJECTED_FAULT)
+            )
             return
         route.seq = engine.scheduler.get(request_id)
         self._routes[request_id] = route

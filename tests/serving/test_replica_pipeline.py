@@ -183,6 +183,59 @@ async def test_a_request_that_cannot_be_admitted_fails_alone(registered_model) -
         await replica.stop()
 
 
+async def test_a_prompt_being_tokenized_does_not_stop_the_running_sequences(registered_model) -> None:
+    """Tokenizing happens off the model thread: a prompt whose tokenization hangs (a very long one, say)
+    holds up only itself, and is served once it is ready. On the model thread it stopped every step."""
+    replies = HeldReplies()
+    replies.let_go()
+    replica, layer = await _started_replica(replies)
+    finished, _ = _watch_steps(replica)
+    step, stepped = replica.engine.step, threading.Event()
+
+    def step_and_tell() -> Any:
+        outputs = step()
+        stepped.set()
+        return outputs
+
+    replica.engine.step = step_and_tell
+    encode = replica.engine.encode
+    in_tokenizer, release = threading.Event(), threading.Event()
+    short_was_running: list[bool] = []
+
+    def slow_encode(text: str) -> Any:
+        if text == "a long prompt":
+            short_was_running.append(not finished.is_set())
+            in_tokenizer.set()
+            assert release.wait(30)
+        return encode(text)
+
+    replica.engine.encode = slow_encode
+    try:
+        await _submit(layer, replica, "short", max_tokens=64)
+        assert await asyncio.to_thread(stepped.wait, 30)  # "short" is running
+        await layer.send(
+            replica.channel_name,
+            {
+                "type": SUBMIT,
+                "request_id": "long",
+                "reply_to": INBOX,
+                "input": "a long prompt",
+                "params": {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True},
+            },
+        )
+        assert await asyncio.to_thread(in_tokenizer.wait, 30)
+        assert short_was_running == [True]
+        assert await asyncio.to_thread(finished.wait, 30)  # with "long" still in the tokenizer
+        assert replies.events("long") == []
+        release.set()
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+        _assert_one_whole_stream(replies.events("short"), num_tokens=64)
+        _assert_one_whole_stream(replies.events("long"), num_tokens=3)
+    finally:
+        release.set()
+        await replica.stop()
+
+
 async def test_a_dead_engine_thread_fails_the_replica_and_a_drain_still_ends(registered_model) -> None:
     from serving.replica import ReplicaState
 
