@@ -24,9 +24,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import httpx
 
+from serving.benchmarks.http_client import HttpClient, HttpProtocolError
 from serving.benchmarks.workload import BenchRequest, RequestRecord, compute_metrics, percentile
 
 # A fixed vocabulary of ordinary words, so prompt lengths in tokens vary little between runs.
@@ -55,6 +55,7 @@ _WORDS = (
     "load",
 )
 REPO_ROOT = Path(__file__).resolve().parents[2]
+REQUEST_TIMEOUT_S = 600.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,7 +106,7 @@ class HttpRun:
 
 
 async def _one(
-    session: aiohttp.ClientSession, url: str, key: str, request: TextRequest, t0: float, run: HttpRun
+    client: HttpClient, path: str, key: str, request: TextRequest, t0: float, run: HttpRun
 ) -> None:
     await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
     # TTFT counts from the moment the request is sent, as vLLM's serving benchmark counts it: a timer
@@ -116,51 +117,41 @@ async def _one(
     body = {"input": request.text, "max_tokens": request.max_tokens, "stream": True, "temperature": 0}
     last_token_at: float | None = None
     try:
-        async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
-            run.statuses[str(resp.status)] += 1
-            if resp.status != 200:
-                await resp.read()
-                return
-            async for raw_line in resp.content:  # one SSE line at a time
-                if not raw_line.startswith(b"data: "):
-                    continue
-                now = time.perf_counter() - t0
-                event = json.loads(raw_line[6:])
-                if "token" in event:
-                    record.num_output_tokens += 1
-                    if record.first_token_s is None:
-                        record.first_token_s = now
-                    elif last_token_at is not None:
-                        run.inter_token_s.append(now - last_token_at)
-                    last_token_at = now
-                elif "finish_reason" in event:
-                    record.finished_s = now
-                    replica_ttft_s = (event.get("timings") or {}).get("ttft_s")
-                    if isinstance(replica_ttft_s, (int, float)):
-                        run.replica_ttft_s[request.request_id] = float(replica_ttft_s)
-                    if event["finish_reason"] == "error":
-                        run.statuses["stream_error"] += 1
-    except (aiohttp.ClientError, TimeoutError) as exc:
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            async with client.post(path, body, {"Authorization": f"Bearer {key}"}) as resp:
+                run.statuses[str(resp.status)] += 1
+                if resp.status != 200:
+                    await resp.read()
+                    return
+                async for data, read_at in resp.sse_data():
+                    now = read_at - t0
+                    event = json.loads(data)
+                    if "token" in event:
+                        record.num_output_tokens += 1
+                        if record.first_token_s is None:
+                            record.first_token_s = now
+                        elif last_token_at is not None:
+                            run.inter_token_s.append(now - last_token_at)
+                        last_token_at = now
+                    elif "finish_reason" in event:
+                        record.finished_s = now
+                        replica_ttft_s = (event.get("timings") or {}).get("ttft_s")
+                        if isinstance(replica_ttft_s, (int, float)):
+                            run.replica_ttft_s[request.request_id] = float(replica_ttft_s)
+                        if event["finish_reason"] == "error":
+                            run.statuses["stream_error"] += 1
+    except (OSError, asyncio.IncompleteReadError, HttpProtocolError, TimeoutError) as exc:
         run.statuses[type(exc).__name__] += 1
         return
     run.records.append(record)
 
 
-def _session(*, connections: int, timeout_s: float) -> aiohttp.ClientSession:
-    # aiohttp rather than httpx: the client shares the machine with what it measures, and per request
-    # httpx cost ~2 ms more of TTFT at the client (measured: docs/benchmarks.md, "the client's share").
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=connections),
-        timeout=aiohttp.ClientTimeout(total=timeout_s),
-    )
-
-
 async def run_http_load(base_url: str, key: str, model: str, requests: Sequence[TextRequest]) -> HttpRun:
     run = HttpRun([], [])
-    url = f"{base_url}/v1/models/{model}/infer"
-    async with _session(connections=len(requests) + 8, timeout_s=600.0) as session:
+    async with HttpClient(base_url, max_connections=len(requests) + 8) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(_one(session, url, key, r, t0, run) for r in requests))
+        path = f"/v1/models/{model}/infer"
+        await asyncio.gather(*(_one(client, path, key, r, t0, run) for r in requests))
         run.wall_s = time.perf_counter() - t0
     return run
 
@@ -406,19 +397,20 @@ async def quota_flood(
 ) -> dict[str, float]:
     """Requests from a tenant far over its quota: how many refusals one gateway process answers per second."""
     statuses: Counter[str] = Counter()
-    url = f"{base_url}/v1/models/{model}/infer"
+    path = f"/v1/models/{model}/infer"
     body = {"input": "hello", "max_tokens": 4}
     deadline = time.perf_counter() + duration_s
 
-    async def worker(session: aiohttp.ClientSession) -> None:
+    async def worker(client: HttpClient) -> None:
         while time.perf_counter() < deadline:
-            async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as response:
+            headers = {"Authorization": f"Bearer {key}"}
+            async with asyncio.timeout(30.0), client.post(path, body, headers) as response:
                 await response.read()
                 statuses[str(response.status)] += 1
 
-    async with _session(connections=concurrency, timeout_s=30.0) as session:
+    async with HttpClient(base_url, max_connections=concurrency) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return {
         "wall_s": wall,

@@ -1,0 +1,145 @@
+"""bench serve's own HTTP/1.1 client against a scripted server: each response framing it must read,
+events split across chunks, and connections reused only when the last response was read to its end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from serving.benchmarks.http_client import HttpClient, HttpProtocolError
+
+
+class ScriptedServer:
+    """Answers each request on a connection with the next reply of `replies`; counts connections and
+    keeps what it received."""
+
+    def __init__(self, replies: list[list[bytes]]) -> None:
+        self.replies = list(replies)
+        self.num_connections = 0
+        self.requests: list[bytes] = []
+        self.url = ""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.num_connections += 1
+        try:
+            while self.replies:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+                self.requests.append(head + await reader.readexactly(length))
+                reply = self.replies.pop(0)
+                for piece in reply:
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0)  # separate reads on the client where the pieces are separate
+                head = reply[0].lower()
+                if b"connection: close" in head or not (b"content-length" in head or b"chunked" in head):
+                    break  # the body ends with the connection
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[ScriptedServer]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        async with server:
+            yield self
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def test_events_split_across_chunks_arrive_whole_in_order_and_the_connection_is_reused() -> None:
+    stream = [
+        SSE_HEAD,
+        _chunk(b'data: {"token": "a"}\n\ndata: {"tok'),
+        _chunk(b'en": "b"}\n'),
+        _chunk(b'\n: a comment\n\ndata: {"finish_reason": "length"}\n\n'),
+        b"0\r\n\r\n",
+    ]
+    refusal = [b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 9\r\nretry-after: 1\r\n\r\n", b"slow down"]
+    async with ScriptedServer([stream, refusal]).running() as server, HttpClient(server.url) as client:
+        async with client.post("/v1/infer", {"input": "hi"}, {"Authorization": "Bearer k"}) as response:
+            assert response.status == 200
+            events = [data async for data, _ in response.sse_data()]
+        assert events == [b'{"token": "a"}', b'{"token": "b"}', b'{"finish_reason": "length"}']
+        async with client.post("/v1/infer", {"input": "again"}) as response:
+            assert (response.status, response.headers["retry-after"]) == (429, "1")
+            assert await response.read() == b"slow down"
+        assert server.num_connections == 1
+    first = server.requests[0]
+    assert first.startswith(b"POST /v1/infer HTTP/1.1\r\n")
+    assert b"\r\nAuthorization: Bearer k\r\n" in first and first.endswith(b'{"input":"hi"}')
+
+
+async def test_each_event_is_timed_when_the_bytes_that_complete_it_are_read() -> None:
+    stream = [SSE_HEAD, _chunk(b'data: {"i": 1}\n\ndata: {"i"'), _chunk(b": 2}\n\n"), b"0\r\n\r\n"]
+    async with (
+        ScriptedServer([stream]).running() as server,
+        HttpClient(server.url) as client,
+        client.post("/", {}) as response,
+    ):
+        timed = [(data, read_at) async for data, read_at in response.sse_data()]
+    assert [data for data, _ in timed] == [b'{"i": 1}', b'{"i": 2}']
+    assert timed[0][1] < timed[1][1]  # the second event was completed by a later read
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        [b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok"],
+        [b"HTTP/1.1 200 OK\r\n\r\n", b"o", b"k"],  # no framing: the body ends with the connection
+    ],
+    ids=["connection-close", "close-delimited"],
+)
+async def test_a_connection_the_server_closes_is_not_reused(reply: list[bytes]) -> None:
+    async with ScriptedServer([reply, reply]).running() as server, HttpClient(server.url) as client:
+        for _ in range(2):
+            async with client.post("/", {}) as response:
+                assert await response.read() == b"ok"
+    assert server.num_connections == 2
+
+
+async def test_a_stream_left_before_its_end_closes_its_connection() -> None:
+    stream = [
+        SSE_HEAD,
+        _chunk(b'data: {"token": "a"}\n\n'),
+        _chunk(b'data: {"token": "b"}\n\n'),
+        b"0\r\n\r\n",
+    ]
+    ok = [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"]
+    async with ScriptedServer([stream, ok]).running() as server, HttpClient(server.url) as client:
+        async with client.post("/", {}) as response:
+            async for _ in response.sse_data():
+                break  # the rest of the stream is still unread on that connection
+        async with client.post("/", {}) as response:
+            assert await response.read() == b"ok"
+    assert server.num_connections == 2
+
+
+async def test_a_response_that_is_not_http_is_an_error() -> None:
+    async with (
+        ScriptedServer([[b"SSH-2.0-OpenSSH\r\n\r\n"]]).running() as server,
+        HttpClient(server.url) as client,
+    ):
+        with pytest.raises(HttpProtocolError):
+            async with client.post("/", {}):
+                pass
+
+
+def test_only_http_urls_are_taken() -> None:
+    with pytest.raises(ValueError, match="not an http"):
+        HttpClient("ftp://example.com")
