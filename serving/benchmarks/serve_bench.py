@@ -566,6 +566,7 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
                 f"round {index + 1}/{num_rounds}, seed {seed}, {'API' if api_first else 'engine alone'} first"
             )
             if api_first:
+                log("through gateway + Channels + replica ...")
                 run = asyncio.run(run_http_load(platform.url, platform.key, "bench", workload))
             log(f"engine alone ({threads} torch threads) ...")
             alone, alone_ttft_s = run_engine_alone(model_dir, workload, engine_env)
