@@ -17,7 +17,8 @@ the loop thread sends it.
 A submission is made ready for the engine (its sampling parameters checked, a chat rendered, the prompt
 tokenized) on a third thread, while the model thread runs the step in progress; the model thread only
 adds it. Tokenizing there cost each new request's step ~0.1-0.5 ms for a short prompt here, and a
-32k-character prompt stopped every running sequence for ~16 ms (docs/benchmarks.md, "Ninth machine").
+prompt of 32,768 characters (the gateway's limit) held every running sequence ~9 ms (docs/benchmarks.md,
+"Ninth machine").
 
 After each step the new events of every request go out as ONE message per receiving server process
 (inbox), never one per token: see ARCHITECTURE.md's transport measurements. Acceptances (or refusals) of
