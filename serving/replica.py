@@ -1,9 +1,10 @@
 """A replica: one model version loaded once, serving the requests that arrive on its channel.
 
-Two threads. The engine runs on its own model thread, step after step (schedule -> forward -> sample),
+Three threads. The engine runs on its own model thread, step after step (schedule -> forward -> sample),
 for as long as it holds work; it is not thread-safe, so requests and aborts wait in an inbox that the
 model thread empties at the start of each step. The event loop thread does the rest of the I/O: it
-fills the inbox from the replica's channel, heartbeats and flushes metrics. (It used to be one executor
+takes submissions and aborts from the replica's channel, heartbeats and flushes metrics; a preparing
+thread, between the two, fills the inbox. (It used to be one executor
 call per step from the loop, with the sends awaited in between: on a loaded 2-core machine the model sat
 idle ~1.4 ms a step for two thread hand-offs and a Redis round trip; docs/benchmarks.md, "Sixth
 machine".)
@@ -15,8 +16,8 @@ to the loop thread first, a first token waited a median ~0.8 ms for that thread 
 the loop thread sends it.
 
 A submission is made ready for the engine (its sampling parameters checked, a chat rendered, the prompt
-tokenized) on a third thread, while the model thread runs the step in progress; the model thread only
-adds it. Tokenizing there cost each new request's step ~0.1-0.5 ms for a short prompt here, and a
+tokenized) on the preparing thread, while the model thread runs the step in progress; the model thread
+only adds it. Tokenizing there cost each new request's step ~0.1-0.5 ms for a short prompt here, and a
 prompt of 32,768 characters (the gateway's limit) held every running sequence ~9 ms (docs/benchmarks.md,
 "Ninth machine").
 
@@ -166,12 +167,13 @@ class Replica:
         self._torch_threads = torch_threads  # None: torch's default (every core)
         # One thread: it loads the model, then runs the engine until the replica stops.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replica-{ref.version}")
-        # One thread, so arrivals reach the inbox in the order they came (an abort never overtakes its
-        # submission). Tokenizers release the GIL, so neither the loop nor the model thread waits for it.
+        # One thread, so arrivals reach the inbox in the order they came. The Rust tokenizer releases the
+        # GIL inside transformers' call, so the loop and the model thread run on meanwhile (a chat
+        # template and the Python around the tokenizer do hold it).
         self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replica-{ref.version}-prep")
         self._engine: Any = None
-        # The inbox. The loop thread appends, the model thread takes everything at the start of a step;
-        # both under the condition's lock, which neither holds for longer than a list swap.
+        # The inbox. The preparing thread appends, the model thread takes everything at the start of a
+        # step; both under the condition's lock, which neither holds for longer than a list swap.
         self._inbox = threading.Condition()
         self._submissions: list[_Arrival] = []  # prepared, not yet handed to the engine
         self._aborts: list[str] = []
@@ -321,7 +323,9 @@ class Replica:
                 await self._publisher.withdraw(self.heartbeat())
         # A load or step already running in the model thread cannot be interrupted: wait for it, so that
         # nothing of this replica (a half-built model, transformers' global loading state) outlives stop.
-        self._preparer.shutdown(wait=False, cancel_futures=True)  # what it still holds goes nowhere now
+        # The same for a preparation under way; those not started are dropped (nothing would serve them).
+        self._preparer.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self._preparer.shutdown, wait=True)
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
         if self._step_publisher is not None:
             self._step_publisher.close()
@@ -393,7 +397,12 @@ class Replica:
         with self._inbox:
             self._num_queued += 1
             self._num_preparing += 1
-        self._preparer.submit(self._prepare_and_put, submission, abort)
+        try:
+            self._preparer.submit(self._prepare_and_put, submission, abort)
+        except RuntimeError:  # shut down: the replica is stopping, and nothing will take it
+            with self._inbox:
+                self._num_queued -= 1
+                self._num_preparing -= 1
 
     # --- the preparing thread ----------------------------------------------------------------------
 
@@ -481,8 +490,9 @@ class Replica:
             self._stopping = True
 
     def _run_engine(self) -> None:
-        """The model thread's loop: take the inbox, step, hand the events over, and go straight on to
-        the next step while the loop sends them; sleep only when the engine holds nothing."""
+        """The model thread's loop: take the inbox, step, hand the events over, record the step's
+        stats and metrics, and go straight on to the next step while the loop sends the events; sleep
+        only when the engine holds nothing."""
         engine = self._engine
         num_taken = 0  # inbox items taken, all told: _deliver compares it with _num_queued
         while True:
@@ -505,9 +515,14 @@ class Replica:
                 logger.exception("replica %s: engine step failed", self.replica_id)
                 result = self._fail_all(str(exc))
             is_engine_empty = not engine.has_unfinished()
-            # The tokens first: the stats and metrics below are ~0.1 ms a step that no token waits for.
+            if result.ended:  # before the events: a client that saw its stream end finds it counted
+                self.metrics.record(requests=result.ended)
+            # Then the tokens: the stats and the step's sample are ~0.1 ms a step no token waits for.
             self._emit(result)
-            self._account(result)
+            try:
+                self._account(result)
+            except Exception:  # the step itself went well: its requests go on
+                logger.exception("replica %s: could not record a step's stats", self.replica_id)
             if is_engine_empty:  # after the account, so whoever waits for idle reads the final stats
                 self._emit(_StepResult(), is_engine_empty=True, num_taken=num_taken)
 
@@ -515,12 +530,14 @@ class Replica:
         engine = self._engine
         result = _StepResult()
         ended: list[RequestSample] = []  # this step's, handed to the result that goes out last
+        for arrival in submissions:
+            self._admit(arrival, result, ended)
+        # After the admissions: a request and its abort can come in one inbox (a client that left while
+        # its prompt was being prepared), and the abort must find it.
         for request_id in aborts:
             if self._routes.pop(request_id, None) is not None:
                 engine.abort(request_id)
                 ended.append(RequestSample("abort"))
-        for arrival in submissions:
-            self._admit(arrival, result, ended)
         if result.events_by_inbox:
             # One more message per inbox, and only for steps that admit something: cheap enough to send
             # during the forward pass, and the gateway then starts its response while it runs.
@@ -556,7 +573,7 @@ class Replica:
         return result
 
     def _account(self, result: _StepResult) -> None:
-        """What the heartbeat reports and the step's metrics."""
+        """What the heartbeat reports, and the step's sample."""
         stats = self._engine.stats()
         self.num_waiting, self.num_running, self.kv_cache_usage = (
             stats.num_waiting,
@@ -573,8 +590,8 @@ class Replica:
                 kv_cache_usage=stats.kv_cache_usage,
                 itl_s=result.itl_s,
             )
-        if step is not None or result.ended:
-            self.metrics.record(step=step, requests=result.ended)
+        if step is not None:
+            self.metrics.record(step=step)
 
     def _admit(self, arrival: _Arrival, result: _StepResult, ended: list[RequestSample]) -> None:
         engine = self._engine

@@ -14,7 +14,7 @@ from asgiref.sync import sync_to_async
 from channels.layers import InMemoryChannelLayer
 
 from serving.channel_layer import StepPubSubChannelLayer
-from serving.replica import SUBMIT, Replica
+from serving.replica import ABORT, SUBMIT, Replica
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -165,19 +165,27 @@ async def test_a_request_that_cannot_be_admitted_fails_alone(registered_model) -
         return encode(text)
 
     replica.engine.encode = encode_or_fail
+    add_request = replica.engine.add_request
+
+    def add_or_fail(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        if request_id == "bad-add":
+            raise RuntimeError("a bug in the engine's admission")
+        return add_request(request_id, *args, **kwargs)
+
+    replica.engine.add_request = add_or_fail
     try:
         await layer.send(
             replica.channel_name,
             {"type": SUBMIT, "request_id": "bad", "reply_to": INBOX, "input": "break me", "params": {}},
         )
+        await _submit(layer, replica, "bad-add", max_tokens=4)
         await _submit(layer, replica, "good", max_tokens=4)
         await asyncio.wait_for(replica.wait_idle(), timeout=10)
-        assert replies.events("bad") == [
-            {
-                "finish_reason": "error",
-                "error": {"type": "internal_error", "message": "the replica could not admit it"},
-            }
-        ]
+        failed = {
+            "finish_reason": "error",
+            "error": {"type": "internal_error", "message": "the replica could not admit it"},
+        }
+        assert replies.events("bad") == replies.events("bad-add") == [failed]
         _assert_one_whole_stream(replies.events("good"), num_tokens=4)
     finally:
         await replica.stop()
@@ -231,6 +239,44 @@ async def test_a_prompt_being_tokenized_does_not_stop_the_running_sequences(regi
         await asyncio.wait_for(replica.wait_idle(), timeout=10)
         _assert_one_whole_stream(replies.events("short"), num_tokens=64)
         _assert_one_whole_stream(replies.events("long"), num_tokens=3)
+    finally:
+        release.set()
+        await replica.stop()
+
+
+async def test_an_abort_that_reaches_the_engine_with_its_submission_still_aborts_it(registered_model) -> None:
+    """A client that leaves while its prompt is being prepared: the submission and the abort can come
+    to the model thread in one inbox, and the request must not run."""
+    replies = HeldReplies()
+    replies.let_go()
+    replica, layer = await _started_replica(replies)
+    step, in_step, release = replica.engine.step, threading.Event(), threading.Event()
+
+    def held_step() -> Any:
+        in_step.set()
+        assert release.wait(30)
+        return step()
+
+    put, abort_put = replica._prepare_and_put, threading.Event()
+
+    def put_and_tell(submission: Any, abort: str | None) -> None:
+        put(submission, abort)
+        if abort == "gone":
+            abort_put.set()
+
+    replica.engine.step = held_step
+    replica._prepare_and_put = put_and_tell  # type: ignore[method-assign]
+    try:
+        await _submit(layer, replica, "runner", max_tokens=4)
+        assert await asyncio.to_thread(in_step.wait, 30)  # the model thread is inside a step
+        await _submit(layer, replica, "gone", max_tokens=8)
+        await layer.send(replica.channel_name, {"type": ABORT, "request_id": "gone"})
+        assert await asyncio.to_thread(abort_put.wait, 30)  # both wait in the inbox for the next step
+        release.set()
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+        assert [e for e in replies.events("gone") if "token" in e] == []
+        assert replica.engine.stats().num_running == 0
+        _assert_one_whole_stream(replies.events("runner"), num_tokens=4)
     finally:
         release.set()
         await replica.stop()
