@@ -59,20 +59,24 @@ class Response:
         reader = self._connection[0]
         if self.headers.get("transfer-encoding", "").lower() == "chunked":
             while True:
-                size_line = await reader.readuntil(b"\r\n")
+                size_line = await _read_line(reader)
                 try:
-                    size = int(size_line.split(b";", 1)[0], 16)
-                except ValueError as exc:
-                    raise HttpProtocolError(f"bad chunk size line {size_line!r}") from exc
+                    size = int(size_line.split(b";", 1)[0], 16)  # a chunk extension after ";" is ignored
+                except ValueError:
+                    size = -1
+                if size < 0:
+                    raise HttpProtocolError(f"bad chunk size line {size_line!r}")
                 if size == 0:
-                    while await reader.readuntil(b"\r\n") != b"\r\n":
+                    while await _read_line(reader) != b"\r\n":
                         pass  # trailers, up to the empty line that ends the body
                     break
                 data = await reader.readexactly(size + 2)
+                if data[-2:] != b"\r\n":
+                    raise HttpProtocolError("a chunk does not end where its size says")
                 yield data[:-2], time.perf_counter()
             self._finish(reusable=True)
         elif "content-length" in self.headers:
-            length = int(self.headers["content-length"])
+            length = _content_length(self.headers["content-length"])
             data = await reader.readexactly(length) if length else b""
             self._finish(reusable=True)
             yield data, time.perf_counter()
@@ -91,6 +95,19 @@ class Response:
         if not self._is_done:
             self._is_done = True
             self._client._release(self._connection, keep=False)
+
+
+async def _read_line(reader: asyncio.StreamReader) -> bytes:
+    try:
+        return await reader.readuntil(b"\r\n")
+    except asyncio.LimitOverrunError as exc:
+        raise HttpProtocolError("a line of the response is too long") from exc
+
+
+def _content_length(value: str) -> int:
+    if not value.isdigit():
+        raise HttpProtocolError(f"bad Content-Length {value!r}")
+    return int(value)
 
 
 class HttpClient:
@@ -125,9 +142,21 @@ class HttpClient:
         await self._slots.acquire()
         response: Response | None = None
         try:
-            connection = await self._connection()
+            connection, is_reused = await self._connection()
             try:
                 response = await self._send(connection, request)
+            except (ConnectionError, asyncio.IncompleteReadError) as exc:
+                self._release(connection, keep=False)
+                if not is_reused or (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
+                    raise
+                # The server closed a kept-alive connection as it was reused (an idle timeout), before
+                # a byte of the response: the request was not read there. Once more, on a new one.
+                connection, _ = await self._connection(fresh=True)
+                try:
+                    response = await self._send(connection, request)
+                except BaseException:
+                    self._release(connection, keep=False)
+                    raise
             except BaseException:
                 self._release(connection, keep=False)
                 raise
@@ -137,13 +166,14 @@ class HttpClient:
                 response.close()
             self._slots.release()
 
-    async def _connection(self) -> Connection:
-        while self._idle:
+    async def _connection(self, *, fresh: bool = False) -> tuple[Connection, bool]:
+        """A connection, and whether it is a kept-alive one being reused."""
+        while self._idle and not fresh:
             reader, writer = self._idle.pop()
             if not reader.at_eof() and not writer.is_closing():
-                return reader, writer
+                return (reader, writer), True
             writer.close()
-        return await asyncio.open_connection(self._host, self._port, ssl=self._ssl)
+        return await asyncio.open_connection(self._host, self._port, ssl=self._ssl), False
 
     async def _send(self, connection: Connection, request: bytes) -> Response:
         reader, writer = connection
@@ -152,6 +182,10 @@ class HttpClient:
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError as exc:
             raise HttpProtocolError("the response head is too long") from exc
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                raise HttpProtocolError("the connection closed within the response head") from exc
+            raise
         if len(head) > _MAX_HEAD_BYTES:
             raise HttpProtocolError("the response head is too long")
         status_line, *header_lines = head.decode("latin-1").split("\r\n")

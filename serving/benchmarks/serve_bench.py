@@ -140,7 +140,8 @@ async def _one(
                             run.replica_ttft_s[request.request_id] = float(replica_ttft_s)
                         if event["finish_reason"] == "error":
                             run.statuses["stream_error"] += 1
-    except (OSError, asyncio.IncompleteReadError, HttpProtocolError, TimeoutError) as exc:
+    # ValueError: an event that is not JSON.
+    except (OSError, asyncio.IncompleteReadError, HttpProtocolError, TimeoutError, ValueError) as exc:
         run.statuses[type(exc).__name__] += 1
         return
     run.records.append(record)

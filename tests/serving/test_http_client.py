@@ -34,6 +34,8 @@ class ScriptedServer:
                 )
                 self.requests.append(head + await reader.readexactly(length))
                 reply = self.replies.pop(0)
+                if not reply:  # CLOSE: the connection ends without an answer
+                    break
                 for piece in reply:
                     writer.write(piece)
                     await writer.drain()
@@ -59,6 +61,7 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+CLOSE: list[bytes] = []
 SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
@@ -85,16 +88,65 @@ async def test_events_split_across_chunks_arrive_whole_in_order_and_the_connecti
     assert b"\r\nAuthorization: Bearer k\r\n" in first and first.endswith(b'{"input":"hi"}')
 
 
-async def test_each_event_is_timed_when_the_bytes_that_complete_it_are_read() -> None:
-    stream = [SSE_HEAD, _chunk(b'data: {"i": 1}\n\ndata: {"i"'), _chunk(b": 2}\n\n"), b"0\r\n\r\n"]
+async def test_each_event_is_timed_when_its_bytes_were_read_not_when_it_was_consumed() -> None:
+    two_events = b'data: {"i": 1}\n\ndata: {"i": 2}\n\n'
+    stream = [SSE_HEAD, _chunk(two_events), b"0\r\n\r\n"]
+    timed = []
     async with (
         ScriptedServer([stream]).running() as server,
         HttpClient(server.url) as client,
         client.post("/", {}) as response,
     ):
-        timed = [(data, read_at) async for data, read_at in response.sse_data()]
+        async for data, read_at in response.sse_data():
+            timed.append((data, read_at))
+            await asyncio.sleep(0.02)  # a slow consumer: the second event waits, already read
     assert [data for data, _ in timed] == [b'{"i": 1}', b'{"i": 2}']
-    assert timed[0][1] < timed[1][1]  # the second event was completed by a later read
+    assert timed[0][1] == timed[1][1]  # one read brought both
+
+
+async def test_chunk_extensions_and_trailers_are_read_past() -> None:
+    event = b'data: {"i": 1}\n\n'
+    with_extension = b"%x;name=value\r\n%s\r\n" % (len(event), event)
+    stream = [SSE_HEAD, with_extension, b"0\r\nx-trailer: yes\r\n\r\n"]
+    ok = [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"]
+    async with ScriptedServer([stream, ok]).running() as server, HttpClient(server.url) as client:
+        async with client.post("/", {}) as response:
+            assert [data async for data, _ in response.sse_data()] == [b'{"i": 1}']
+        async with client.post("/", {}) as response:  # the trailers did not stay on the connection
+            assert await response.read() == b"ok"
+    assert server.num_connections == 1
+
+
+async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once_on_a_new_one() -> None:
+    ok = [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"]
+    async with ScriptedServer([ok, CLOSE, ok]).running() as server, HttpClient(server.url) as client:
+        for _ in range(2):
+            async with client.post("/", {}) as response:
+                assert await response.read() == b"ok"
+    assert server.num_connections == 2
+
+
+async def test_a_new_connection_closed_without_an_answer_is_an_error() -> None:
+    async with ScriptedServer([CLOSE]).running() as server, HttpClient(server.url) as client:
+        with pytest.raises(asyncio.IncompleteReadError):
+            async with client.post("/", {}):
+                pass
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [SSE_HEAD, b"zz\r\n"],  # not a chunk size
+        [SSE_HEAD, b"2\r\nabcd\r\n"],  # a chunk longer than its size
+        [b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n"],
+    ],
+    ids=["chunk-size", "chunk-length", "content-length"],
+)
+async def test_a_malformed_body_is_a_protocol_error(bad: list[bytes]) -> None:
+    async with ScriptedServer([bad]).running() as server, HttpClient(server.url) as client:
+        with pytest.raises(HttpProtocolError):
+            async with client.post("/", {}) as response:
+                await response.read()
 
 
 @pytest.mark.parametrize(
