@@ -38,6 +38,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -515,14 +516,14 @@ class Replica:
                 logger.exception("replica %s: engine step failed", self.replica_id)
                 result = self._fail_all(str(exc))
             is_engine_empty = not engine.has_unfinished()
-            if result.ended:  # before the events: a client that saw its stream end finds it counted
-                self.metrics.record(requests=result.ended)
+            # Recording fails nothing: the step itself went well, and its requests go on.
+            with _logged_failure(f"replica {self.replica_id}: could not record a step's metrics"):
+                if result.ended:  # before the events: a client that saw its stream end finds it counted
+                    self.metrics.record(requests=result.ended)
             # Then the tokens: the stats and the step's sample are ~0.1 ms a step no token waits for.
             self._emit(result)
-            try:
+            with _logged_failure(f"replica {self.replica_id}: could not record a step's stats"):
                 self._account(result)
-            except Exception:  # the step itself went well: its requests go on
-                logger.exception("replica %s: could not record a step's stats", self.replica_id)
             if is_engine_empty:  # after the account, so whoever waits for idle reads the final stats
                 self._emit(_StepResult(), is_engine_empty=True, num_taken=num_taken)
 
@@ -648,6 +649,14 @@ class Replica:
         )
         self._routes.clear()
         return result
+
+
+@contextlib.contextmanager
+def _logged_failure(message: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception:
+        logger.exception(message)
 
 
 def _request_sample(output: Any, route: _Route) -> RequestSample:

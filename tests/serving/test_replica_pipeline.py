@@ -282,6 +282,27 @@ async def test_an_abort_that_reaches_the_engine_with_its_submission_still_aborts
         await replica.stop()
 
 
+async def test_metrics_that_cannot_be_recorded_fail_no_request(registered_model) -> None:
+    replies = HeldReplies()
+    replies.let_go()
+    replica, layer = await _started_replica(replies)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in the metrics")
+
+    replica.metrics.record = broken  # type: ignore[method-assign]
+    try:
+        await _submit(layer, replica, "r1", max_tokens=4)
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+        await _submit(layer, replica, "r2", max_tokens=4)
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+        _assert_one_whole_stream(replies.events("r1"), num_tokens=4)
+        _assert_one_whole_stream(replies.events("r2"), num_tokens=4)
+        assert replica.is_ready
+    finally:
+        await replica.stop()
+
+
 async def test_a_dead_engine_thread_fails_the_replica_and_a_drain_still_ends(registered_model) -> None:
     from serving.replica import ReplicaState
 
