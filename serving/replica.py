@@ -100,8 +100,7 @@ class _Arrival:
     params: Any = None  # the engine's SamplingParams
     tenant: str = "default"
     cache_group: str | None = None
-    error: dict[str, Any] | None = None  # set: no engine work; the model thread emits it in order
-    error_sample: RequestSample | None = None
+    error: dict[str, Any] | None = None  # an error event: no engine work; the model thread emits it in order
 
 
 @dataclass(slots=True)
@@ -438,11 +437,9 @@ class Replica:
             arrival.cache_group = message.get("cache_group")
         except (TypeError, ValueError, KeyError) as exc:
             arrival.error = _error_event("invalid_request_error", str(exc))
-            arrival.error_sample = RequestSample("error", error_type="invalid_request_error")
         except Exception:
             logger.exception("replica %s: could not prepare request %s", self.replica_id, request_id)
             arrival.error = _error_event("internal_error", "the replica could not admit it")
-            arrival.error_sample = RequestSample("error", error_type="internal_error")
         return arrival
 
     async def _send(self, inbox: str, items: dict[str, list[dict[str, Any]]]) -> None:
@@ -517,12 +514,12 @@ class Replica:
                 result = self._fail_all(str(exc))
             is_engine_empty = not engine.has_unfinished()
             # Recording fails nothing: the step itself went well, and its requests go on.
-            with _logged_failure(f"replica {self.replica_id}: could not record a step's metrics"):
+            with _logged_failure("replica %s: could not record a step's metrics", self.replica_id):
                 if result.ended:  # before the events: a client that saw its stream end finds it counted
                     self.metrics.record(requests=result.ended)
             # Then the tokens: the stats and the step's sample are ~0.1 ms a step no token waits for.
             self._emit(result)
-            with _logged_failure(f"replica {self.replica_id}: could not record a step's stats"):
+            with _logged_failure("replica %s: could not record a step's stats", self.replica_id):
                 self._account(result)
             if is_engine_empty:  # after the account, so whoever waits for idle reads the final stats
                 self._emit(_StepResult(), is_engine_empty=True, num_taken=num_taken)
@@ -599,8 +596,7 @@ class Replica:
         request_id, route = arrival.request_id, arrival.route
         if arrival.error is not None:
             result.add(route, request_id, arrival.error)
-            if arrival.error_sample is not None:
-                ended.append(arrival.error_sample)
+            ended.append(RequestSample("error", error_type=arrival.error["error"]["type"]))
             return
         try:
             engine.add_request(
@@ -652,11 +648,11 @@ class Replica:
 
 
 @contextlib.contextmanager
-def _logged_failure(message: str) -> Iterator[None]:
+def _logged_failure(message: str, *args: object) -> Iterator[None]:
     try:
         yield
     except Exception:
-        logger.exception(message)
+        logger.exception(message, *args)
 
 
 def _request_sample(output: Any, route: _Route) -> RequestSample:

@@ -143,23 +143,17 @@ class HttpClient:
         response: Response | None = None
         try:
             connection, is_reused = await self._connection()
-            try:
-                response = await self._send(connection, request)
-            except (ConnectionError, asyncio.IncompleteReadError) as exc:
-                self._release(connection, keep=False)
-                if not is_reused or (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
-                    raise
-                # The server closed a kept-alive connection as it was reused (an idle timeout), before
-                # a byte of the response: the request was not read there. Once more, on a new one.
-                connection, _ = await self._connection(fresh=True)
+            while response is None:
                 try:
                     response = await self._send(connection, request)
-                except BaseException:
+                except BaseException as exc:
                     self._release(connection, keep=False)
-                    raise
-            except BaseException:
-                self._release(connection, keep=False)
-                raise
+                    # A kept-alive connection the server closed as it was reused (an idle timeout),
+                    # before a byte of the response (_send says when bytes came): the request was not
+                    # read there. Once more, on a new connection, which is not retried.
+                    if not (is_reused and isinstance(exc, (ConnectionError, asyncio.IncompleteReadError))):
+                        raise
+                    connection, is_reused = await self._connection(fresh=True)
             yield response
         finally:
             if response is not None:
