@@ -20,9 +20,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -182,7 +183,6 @@ def run_engine_alone(
     model_dir: Path, requests: Sequence[TextRequest], engine_env: dict[str, str]
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The summary, and each complete request's TTFT in seconds by request id."""
-    from serving.benchmarks.engine_system import EngineSystem
     from serving.engine.loading import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
@@ -190,15 +190,7 @@ def run_engine_alone(
         BenchRequest(r.request_id, r.arrival_s, tuple(tokenizer(r.text)["input_ids"]), r.max_tokens)
         for r in requests
     ]
-    system = EngineSystem(
-        model_dir,
-        max_num_seqs=int(engine_env["SWITCHYARD_MAX_NUM_SEQS"]),
-        max_num_batched_tokens=int(engine_env["SWITCHYARD_MAX_NUM_BATCHED_TOKENS"]),
-        kv_cache_bytes=int(engine_env["SWITCHYARD_KV_CACHE_MB"]) * 1024 * 1024,
-        block_size=16,
-        compile=False,
-        pack_linear=engine_env["SWITCHYARD_PACK_LINEAR"] == "1",
-    )
+    system = _engine_system(model_dir, engine_env)
     system.run(bench_requests[:4])  # warm-up, as the platform gets before its measured run
     records = system.run(bench_requests)
     metrics = compute_metrics(records)
@@ -210,6 +202,21 @@ def run_engine_alone(
         "busy_pct": system.last_run.busy_fraction * 100,
     }
     return summary, _ttft_s_by_id(records)
+
+
+def _engine_system(model_dir: Path, engine_env: dict[str, str]) -> Any:
+    """The engine alone, configured as the platform's replica is (the same environment)."""
+    from serving.benchmarks.engine_system import EngineSystem
+
+    return EngineSystem(
+        model_dir,
+        max_num_seqs=int(engine_env["SWITCHYARD_MAX_NUM_SEQS"]),
+        max_num_batched_tokens=int(engine_env["SWITCHYARD_MAX_NUM_BATCHED_TOKENS"]),
+        kv_cache_bytes=int(engine_env["SWITCHYARD_KV_CACHE_MB"]) * 1024 * 1024,
+        block_size=16,
+        compile=False,
+        pack_linear=engine_env["SWITCHYARD_PACK_LINEAR"] == "1",
+    )
 
 
 def _median_difference_ms(ttft_s: dict[str, float], baseline_ttft_s: dict[str, float]) -> float:
@@ -307,6 +314,122 @@ def rounds_report(rounds: Sequence[CompareRound]) -> str:
         f"p50 TTFT added by the API path {pooled:+.1f} ms (median per-request difference: "
         f"{pooled_paired:+.1f} ms)"
     )
+    return "\n".join(lines)
+
+
+# --- one request at a time, on each path in turn ----------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class Pair:
+    """One request run on the engine alone and through the API, back to back, each with the other idle."""
+
+    request_id: str
+    alone_ttft_s: float
+    api_ttft_s: float
+    replica_ttft_s: float | None  # the replica's own, from the gateway's submission (the final event)
+    api_first: bool
+
+    @property
+    def added_ms(self) -> float:
+        return (self.api_ttft_s - self.alone_ttft_s) * 1000
+
+
+async def run_interleaved(
+    base_url: str,
+    key: str,
+    model: str,
+    requests: Sequence[TextRequest],
+    alone: Callable[[TextRequest], float],
+    *,
+    mean_gap_s: float,
+    seed: int,
+    statuses: Counter[str],
+) -> list[Pair]:
+    """Each request once on the engine alone (`alone` runs it and returns its TTFT in seconds) and once
+    through the API, one right after the other, then an idle gap drawn from [0, 2 * mean_gap_s], so that
+    no run keeps step with the replica's heartbeat. With one request at a time no queueing amplifies a
+    slower step, and a request's two runs see the machine within a second of each other rather than a
+    minute apart (its speed drifts by several per cent over that here). Whichever path runs second in a
+    pair follows the other's run and has itself idled longer, which costs it a few ms here; so the API
+    goes first for every second request, and the report gives each order's median. A request the API
+    failed is left out (its status is counted)."""
+    rng = random.Random(f"gaps-{seed}")
+    path = f"/v1/models/{model}/infer"
+    pairs = []
+    async with HttpClient(base_url, max_connections=2) as client:
+        for index, request in enumerate(requests):
+            request = dataclasses.replace(request, arrival_s=0.0)
+            api_first = index % 2 == 1
+            run = HttpRun([], [])
+            alone_ttft_s = 0.0
+            for side in ("api", "alone") if api_first else ("alone", "api"):
+                if side == "alone":
+                    alone_ttft_s = alone(request)
+                else:
+                    await _one(client, path, key, request, time.perf_counter(), run)
+                await asyncio.sleep(rng.uniform(0.0, 2 * mean_gap_s))
+            statuses.update(run.statuses)
+            if run.records and run.records[0].is_complete:
+                api = run.records[0]
+                replica_ttft_s = run.replica_ttft_s.get(request.request_id)
+                pairs.append(Pair(request.request_id, alone_ttft_s, api.ttft_s, replica_ttft_s, api_first))
+    return pairs
+
+
+def bootstrap_interval(
+    pairs: Sequence[Pair],
+    statistic: Callable[[Sequence[Pair]], float],
+    *,
+    num_resamples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """A percentile bootstrap interval for a statistic of the pairs: resampled whole pairs, so that a
+    request's two runs stay together."""
+    rng = random.Random(seed)
+    values = sorted(statistic(rng.choices(pairs, k=len(pairs))) for _ in range(num_resamples))
+    tail = (1 - confidence) / 2 * 100
+    return percentile(values, tail), percentile(values, 100 - tail)
+
+
+def p50_ttft_added_ms(pairs: Sequence[Pair]) -> float:
+    """The issue's figure: p50 TTFT through the API minus p50 TTFT on the engine alone."""
+    through = percentile([p.api_ttft_s for p in pairs], 50)
+    return (through - percentile([p.alone_ttft_s for p in pairs], 50)) * 1000
+
+
+def median_added_ms(pairs: Sequence[Pair]) -> float:
+    """The median over requests of each one's own difference: what the path adds to a request."""
+    return percentile([p.added_ms for p in pairs], 50)
+
+
+def interleaved_report(pairs: Sequence[Pair]) -> str:
+    if not pairs:
+        return "no request completed through the API: nothing to compare"
+    lines = []
+    statistics = {
+        "p50 TTFT added by the API path": p50_ttft_added_ms,
+        "median per-request difference": median_added_ms,
+    }
+    for name, statistic in statistics.items():
+        low, high = bootstrap_interval(pairs, statistic)
+        lines.append(f"{name}: {statistic(pairs):+.2f} ms (95% interval {low:+.2f} to {high:+.2f})")
+    # The replica's own TTFT splits each difference into the path outside the replica and its inside.
+    split = [(p, p.replica_ttft_s) for p in pairs if p.replica_ttft_s is not None]
+    outside = [(p.api_ttft_s - replica) * 1000 for p, replica in split]
+    inside = [(replica - p.alone_ttft_s) * 1000 for p, replica in split]
+    lines += [
+        "of which outside the replica (client TTFT - replica TTFT, median): "
+        f"{percentile(outside, 50):.2f} ms",
+        f"and inside it (replica TTFT - engine-alone TTFT, median): {percentile(inside, 50):+.2f} ms",
+        "per-request difference by order (median): engine alone first "
+        f"{median_added_ms([p for p in pairs if not p.api_first]):+.2f} ms, API first "
+        f"{median_added_ms([p for p in pairs if p.api_first]):+.2f} ms",
+        f"{len(pairs)} requests, one at a time; p50 TTFT engine alone "
+        f"{percentile([p.alone_ttft_s for p in pairs], 50) * 1000:.1f} ms, through the API "
+        f"{percentile([p.api_ttft_s for p in pairs], 50) * 1000:.1f} ms",
+    ]
     return "\n".join(lines)
 
 
@@ -442,6 +565,19 @@ def add_serve_arguments(parser: object) -> None:
         "and the API (the API first in every second round); prints every round, the medians and the "
         "figures pooled over all rounds",
     )
+    add(
+        "--interleaved",
+        action="store_true",
+        help="for --compare: the requests one at a time, each on the engine alone and through the API in "
+        "turn (the path's own cost, free of queueing and of the engine's drift between runs); "
+        "--num-requests of them, no --rate",
+    )
+    add(
+        "--gap-ms",
+        type=float,
+        default=50.0,
+        help="for --interleaved: the mean idle time after each run (drawn from 0 to twice this)",
+    )
     add("--layer", choices=["embedded", "redis"], default="embedded")
     add("--redis-url", default="redis://127.0.0.1:6379/12")
     add("--model-dir", default=None, help="for --compare (default: the engine benchmark's model)")
@@ -470,6 +606,48 @@ def add_serve_arguments(parser: object) -> None:
     )
 
 
+def _interleave(  # type: ignore[no-untyped-def]
+    platform: Platform,
+    model_dir: Path,
+    engine_env: dict[str, str],
+    requests: Sequence[TextRequest],
+    options: dict[str, object],
+    statuses: Counter[str],
+    *,
+    log=print,
+) -> list[Pair]:
+    """run_interleaved against the platform, with one engine alone kept warm for the whole run."""
+    from serving.engine.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    system = _engine_system(model_dir, engine_env)
+    # Tokenized ahead, as the engine alone is timed from its add_request: the replica's tokenizing is
+    # part of the path the comparison measures.
+    prompt_ids = {r.request_id: tuple(tokenizer(r.text)["input_ids"]) for r in requests}
+    system.run([BenchRequest(r.request_id, 0.0, prompt_ids[r.request_id], 4) for r in requests[:4]])
+
+    def alone(request: TextRequest) -> float:
+        bench_request = BenchRequest(
+            request.request_id, 0.0, prompt_ids[request.request_id], request.max_tokens
+        )
+        (record,) = system.run([bench_request])
+        return float(record.ttft_s)
+
+    log(f"{len(requests)} requests, one at a time, each on the engine alone and through the API in turn ...")
+    return asyncio.run(
+        run_interleaved(
+            platform.url,
+            platform.key,
+            "bench",
+            requests,
+            alone,
+            mean_gap_s=float(options.get("gap_ms") or 0.0) / 1000,  # type: ignore[arg-type]
+            seed=int(options["seed"]),  # type: ignore[call-overload]
+            statuses=statuses,
+        )
+    )
+
+
 def _range(text: str) -> tuple[int, int]:
     low, _, high = text.partition("-")
     return int(low), int(high or low)
@@ -495,6 +673,11 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         seed=int(options["seed"]),  # type: ignore[call-overload]
     )
     requests = make_text_workload(spec)
+    interleaved = bool(options.get("interleaved"))
+    if interleaved and (not options["compare"] or spec.rate_per_s or int(options.get("repeat") or 1) > 1):  # type: ignore[call-overload]
+        raise ValueError(
+            "--interleaved goes with --compare, and sends one request at a time: no --rate or --repeat"
+        )
     sla = {
         "sla_ttft_s": float(options["sla_ttft_ms"]) / 1000,
         "sla_tpot_s": float(options["sla_tpot_ms"]) / 1000,
@@ -544,6 +727,8 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
     log(f"starting a {options['layer']} platform in {platform.state} ...")
     platform.start()
     rounds: list[CompareRound] = []
+    pairs: list[Pair] = []
+    statuses: Counter[str] = Counter()
     num_rounds = max(1, int(options.get("repeat") or 1))  # type: ignore[call-overload]
     try:
         asyncio.run(
@@ -556,10 +741,12 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
                 ),
             )
         )  # warm-up
+        if interleaved:
+            pairs = _interleave(platform, model_dir, engine_env, requests, options, statuses, log=log)
         # The engine alone runs while the platform idles (heartbeats every 0.5 s), so that the rounds
         # alternate; and every second round runs the API first, so that a steady drift of the machine's
         # speed over the session falls on both sides alike rather than always on the second.
-        for index in range(num_rounds):
+        for index in range(0 if interleaved else num_rounds):
             seed = spec.seed + index
             workload = requests if index == 0 else make_text_workload(dataclasses.replace(spec, seed=seed))
             api_first = index % 2 == 1
@@ -610,8 +797,10 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
             )  # type: ignore[arg-type]
     finally:
         platform.stop()
-    statuses = sum((r.run.statuses for r in rounds), Counter())
-    if num_rounds > 1:
+    statuses += sum((r.run.statuses for r in rounds), Counter())
+    if interleaved:
+        lines = [interleaved_report(pairs), f"statuses: {dict(statuses)}"]
+    elif num_rounds > 1:
         lines = [rounds_report(rounds), f"statuses: {dict(statuses)}"]
     else:
         (only,) = rounds

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections import Counter
 from io import StringIO
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from serving.benchmarks.workload import (
     compute_metrics,
     make_workload,
 )
+from tests.serving.scripted_http import SSE_HEAD, ScriptedServer, chunk
 
 SMALL = WorkloadSpec(
     num_requests=4,
@@ -235,3 +237,89 @@ def test_the_step_profile_reports_each_batch_size(
     assert [line.split(":")[0].split()[-1] for line in steps] == ["1", "3"]
     assert all(float(line.split("decode step ")[1].split()[0]) > 0 for line in steps)
     assert sum("ms/step host" in line for line in lines) == 4  # --top 2, per batch size
+
+
+def _sse_reply(replica_ttft_s: float) -> list[bytes]:
+    events = b'data: {"token": "a"}\n\ndata: {"finish_reason": "length", "timings": {"ttft_s": %f}}\n\n'
+    return [SSE_HEAD, chunk(events % replica_ttft_s), b"0\r\n\r\n"]
+
+
+async def test_interleaved_requests_alternate_which_path_runs_first_and_pair_up_by_request() -> None:
+    from serving.benchmarks.serve_bench import TextRequest, run_interleaved
+
+    requests = [TextRequest(f"req-{i}", float(i), f"prompt {i}", 1) for i in range(4)]
+    refusal = [b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\n\r\n", b"{}"]
+    server = ScriptedServer([_sse_reply(0.001), _sse_reply(0.002), refusal, _sse_reply(0.004)])
+    seen: list[tuple[str, int]] = []  # (request id, API requests the server had received) per engine run
+
+    def alone(request: TextRequest) -> float:
+        seen.append((request.request_id, len(server.requests)))
+        return 0.5
+
+    statuses: Counter[str] = Counter()
+    async with server.running():
+        pairs = await run_interleaved(
+            server.url, "k", "bench", requests, alone, mean_gap_s=0.0, seed=1, statuses=statuses
+        )
+    # The engine alone first, then the API first, in turn: each request's two runs back to back.
+    assert seen == [("req-0", 0), ("req-1", 2), ("req-2", 2), ("req-3", 4)]
+    # The refused request is counted, not paired.
+    assert statuses == Counter({"200": 3, "503": 1})
+    assert [(p.request_id, p.api_first, p.alone_ttft_s) for p in pairs] == [
+        ("req-0", False, 0.5),
+        ("req-1", True, 0.5),
+        ("req-3", True, 0.5),
+    ]
+    assert [p.replica_ttft_s for p in pairs] == [0.001, 0.002, 0.004]
+    assert all(0 < p.api_ttft_s < 5 for p in pairs)
+
+
+def test_the_interleaved_report_separates_a_shift_of_every_request_from_outliers() -> None:
+    from serving.benchmarks.serve_bench import (
+        Pair,
+        bootstrap_interval,
+        interleaved_report,
+        median_added_ms,
+        p50_ttft_added_ms,
+    )
+
+    # Prompts of very different cost, each 3 ms slower through the API: 1 ms outside the replica, 2 inside.
+    pairs = [
+        Pair(f"req-{i}", alone, alone + 0.003, alone + 0.002, api_first=i % 2 == 1)
+        for i, alone in enumerate([0.020, 0.100, 0.050, 0.300, 0.075, 0.040, 0.210])
+    ]
+    assert median_added_ms(pairs) == pytest.approx(3.0)
+    assert p50_ttft_added_ms(pairs) == pytest.approx(3.0)
+    assert bootstrap_interval(pairs, median_added_ms) == pytest.approx((3.0, 3.0))
+    report = interleaved_report(pairs)
+    assert "p50 TTFT added by the API path: +3.00 ms (95% interval +3.00 to +3.00)" in report
+    assert "outside the replica (client TTFT - replica TTFT, median): 1.00 ms" in report
+    assert "inside it (replica TTFT - engine-alone TTFT, median): +2.00 ms" in report
+    assert "engine alone first +3.00 ms, API first +3.00 ms" in report
+    # Two requests far slower through the API move the median difference little and widen its interval.
+    slow = [Pair(p.request_id, p.alone_ttft_s, p.api_ttft_s + 0.5, None, p.api_first) for p in pairs[:2]]
+    mixed = slow + pairs[2:]
+    assert median_added_ms(mixed) == pytest.approx(3.0)
+    low, high = bootstrap_interval(mixed, median_added_ms)
+    assert low == pytest.approx(3.0) and high > 100
+    assert interleaved_report([]) == "no request completed through the API: nothing to compare"
+
+
+def test_interleaved_refuses_a_rate_or_rounds() -> None:
+    from serving.benchmarks.serve_bench import run_serve_from_options
+
+    options = {
+        "prompt_words": "4-8",
+        "output_len": "2-4",
+        "num_requests": 4,
+        "rate": 2.0,
+        "seed": 0,
+        "sla_ttft_ms": 1000.0,
+        "sla_tpot_ms": 100.0,
+        "compare": True,
+        "interleaved": True,
+    }
+    with pytest.raises(ValueError, match="one request at a time"):
+        run_serve_from_options(options, default_model_dir=Path("unused"))
+    with pytest.raises(ValueError, match="one request at a time"):
+        run_serve_from_options({**options, "rate": None, "repeat": 3}, default_model_dir=Path("unused"))

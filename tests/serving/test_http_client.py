@@ -4,73 +4,19 @@ events split across chunks, and connections reused only when the last response w
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 
 from serving.benchmarks.http_client import HttpClient, HttpProtocolError
-
-
-class ScriptedServer:
-    """Answers each request on a connection with the next reply of `replies`; counts connections and
-    keeps what it received."""
-
-    def __init__(self, replies: list[list[bytes]]) -> None:
-        self.replies = list(replies)
-        self.num_connections = 0
-        self.requests: list[bytes] = []
-        self.url = ""
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.num_connections += 1
-        try:
-            while self.replies:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-                self.requests.append(head + await reader.readexactly(length))
-                reply = self.replies.pop(0)
-                if not reply:  # CLOSE: the connection ends without an answer
-                    break
-                for piece in reply:
-                    writer.write(piece)
-                    await writer.drain()
-                    await asyncio.sleep(0)  # separate reads on the client where the pieces are separate
-                head = reply[0].lower()
-                if b"connection: close" in head or not (b"content-length" in head or b"chunked" in head):
-                    break  # the body ends with the connection
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[ScriptedServer]:
-        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        async with server:
-            yield self
-
-
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-CLOSE: list[bytes] = []
-SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+from tests.serving.scripted_http import CLOSE, SSE_HEAD, ScriptedServer, chunk
 
 
 async def test_events_split_across_chunks_arrive_whole_in_order_and_the_connection_is_reused() -> None:
     stream = [
         SSE_HEAD,
-        _chunk(b'data: {"token": "a"}\n\ndata: {"tok'),
-        _chunk(b'en": "b"}\n'),
-        _chunk(b'\n: a comment\n\ndata: {"finish_reason": "length"}\n\n'),
+        chunk(b'data: {"token": "a"}\n\ndata: {"tok'),
+        chunk(b'en": "b"}\n'),
+        chunk(b'\n: a comment\n\ndata: {"finish_reason": "length"}\n\n'),
         b"0\r\n\r\n",
     ]
     refusal = [b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 9\r\nretry-after: 1\r\n\r\n", b"slow down"]
@@ -90,7 +36,7 @@ async def test_events_split_across_chunks_arrive_whole_in_order_and_the_connecti
 
 async def test_each_event_is_timed_when_its_bytes_were_read_not_when_it_was_consumed() -> None:
     two_events = b'data: {"i": 1}\n\ndata: {"i": 2}\n\n'
-    stream = [SSE_HEAD, _chunk(two_events), b"0\r\n\r\n"]
+    stream = [SSE_HEAD, chunk(two_events), b"0\r\n\r\n"]
     timed = []
     async with (
         ScriptedServer([stream]).running() as server,
@@ -168,8 +114,8 @@ async def test_a_connection_the_server_closes_is_not_reused(reply: list[bytes]) 
 async def test_a_stream_left_before_its_end_closes_its_connection() -> None:
     stream = [
         SSE_HEAD,
-        _chunk(b'data: {"token": "a"}\n\n'),
-        _chunk(b'data: {"token": "b"}\n\n'),
+        chunk(b'data: {"token": "a"}\n\n'),
+        chunk(b'data: {"token": "b"}\n\n'),
         b"0\r\n\r\n",
     ]
     ok = [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"]
