@@ -19,7 +19,7 @@ import torch
 
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.kv_cache import KVCacheManager
-from serving.engine.loading import load_tokenizer
+from serving.engine.loading import load_tokenizer, prompt_encoder
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import Sampler, make_generator
 from serving.engine.scheduler import Scheduler, SchedulerConfig
@@ -109,6 +109,7 @@ class Engine:
             pack_linear=config.pack_linear,
         )
         self.tokenizer: Any = load_tokenizer(model_dir)
+        self._encode = prompt_encoder(self.tokenizer)
         eos = self.runner.model.generation_config.eos_token_id
         eos_ids = list(eos) if isinstance(eos, list | tuple) else [eos] if eos is not None else []
         self._extra_eos_ids = tuple(eos_ids[1:])
@@ -135,7 +136,9 @@ class Engine:
         return self.runner.max_model_len
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+        """The prompt's ids, as `self.tokenizer(text)["input_ids"]` gives them. Safe to call from another
+        thread than the one stepping the engine (the replica prepares prompts on one of its own)."""
+        return self._encode(text)
 
     def warmup(self) -> None:
         self.runner.warmup()
