@@ -743,25 +743,27 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         )  # warm-up
         if interleaved:
             pairs = _interleave(platform, model_dir, engine_env, requests, options, statuses, log=log)
-        # The engine alone runs while the platform idles (heartbeats every 0.5 s), so that the rounds
-        # alternate; and every second round runs the API first, so that a steady drift of the machine's
-        # speed over the session falls on both sides alike rather than always on the second.
-        for index in range(0 if interleaved else num_rounds):
-            seed = spec.seed + index
-            workload = requests if index == 0 else make_text_workload(dataclasses.replace(spec, seed=seed))
-            api_first = index % 2 == 1
-            log(
-                f"round {index + 1}/{num_rounds}, seed {seed}, {'API' if api_first else 'engine alone'} first"
-            )
-            if api_first:
-                log("through gateway + Channels + replica ...")
-                run = asyncio.run(run_http_load(platform.url, platform.key, "bench", workload))
-            log(f"engine alone ({threads} torch threads) ...")
-            alone, alone_ttft_s = run_engine_alone(model_dir, workload, engine_env)
-            if not api_first:
-                log("through gateway + Channels + replica ...")
-                run = asyncio.run(run_http_load(platform.url, platform.key, "bench", workload))
-            rounds.append(CompareRound(seed, alone, alone_ttft_s, run, summarize(run, **sla), api_first))
+        else:
+            # The engine alone runs while the platform idles (heartbeats every 0.5 s), so that the rounds
+            # alternate; and every second round runs the API first, so that a steady drift of the machine's
+            # speed over the session falls on both sides alike rather than always on the second.
+            for index in range(num_rounds):
+                seed = spec.seed + index
+                workload = (
+                    requests if index == 0 else make_text_workload(dataclasses.replace(spec, seed=seed))
+                )
+                api_first = index % 2 == 1
+                first = "API" if api_first else "engine alone"
+                log(f"round {index + 1}/{num_rounds}, seed {seed}, {first} first")
+                if api_first:
+                    log("through gateway + Channels + replica ...")
+                    run = asyncio.run(run_http_load(platform.url, platform.key, "bench", workload))
+                log(f"engine alone ({threads} torch threads) ...")
+                alone, alone_ttft_s = run_engine_alone(model_dir, workload, engine_env)
+                if not api_first:
+                    log("through gateway + Channels + replica ...")
+                    run = asyncio.run(run_http_load(platform.url, platform.key, "bench", workload))
+                rounds.append(CompareRound(seed, alone, alone_ttft_s, run, summarize(run, **sla), api_first))
         flood = {}
         if float(options["quota_flood"]) > 0:  # type: ignore[arg-type]
             subprocess.run(
