@@ -358,6 +358,9 @@ async def run_interleaved(
     path = f"/v1/models/{model}/infer"
     pairs = []
     async with HttpClient(base_url, max_connections=2) as client:
+        if requests:  # untimed: the connection opens here rather than on the first pair's clock
+            warm_up = dataclasses.replace(requests[0], request_id="warm-up", arrival_s=0.0)
+            await _one(client, path, key, warm_up, time.perf_counter(), HttpRun([], []))
         for index, request in enumerate(requests):
             request = dataclasses.replace(request, arrival_s=0.0)
             api_first = index % 2 == 1
@@ -404,6 +407,12 @@ def median_added_ms(pairs: Sequence[Pair]) -> float:
     return percentile([p.added_ms for p in pairs], 50)
 
 
+def _median_ms(values: Sequence[float], *, sign: bool = False) -> str:
+    if not values:
+        return "n/a"
+    return f"{percentile(values, 50):{'+' if sign else ''}.2f} ms"
+
+
 def interleaved_report(pairs: Sequence[Pair]) -> str:
     if not pairs:
         return "no request completed through the API: nothing to compare"
@@ -419,13 +428,13 @@ def interleaved_report(pairs: Sequence[Pair]) -> str:
     split = [(p, p.replica_ttft_s) for p in pairs if p.replica_ttft_s is not None]
     outside = [(p.api_ttft_s - replica) * 1000 for p, replica in split]
     inside = [(replica - p.alone_ttft_s) * 1000 for p, replica in split]
+    alone_first = [p.added_ms for p in pairs if not p.api_first]
+    api_first = [p.added_ms for p in pairs if p.api_first]
     lines += [
-        "of which outside the replica (client TTFT - replica TTFT, median): "
-        f"{percentile(outside, 50):.2f} ms",
-        f"and inside it (replica TTFT - engine-alone TTFT, median): {percentile(inside, 50):+.2f} ms",
+        f"of which outside the replica (client TTFT - replica TTFT, median): {_median_ms(outside)}",
+        f"and inside it (replica TTFT - engine-alone TTFT, median): {_median_ms(inside, sign=True)}",
         "per-request difference by order (median): engine alone first "
-        f"{median_added_ms([p for p in pairs if not p.api_first]):+.2f} ms, API first "
-        f"{median_added_ms([p for p in pairs if p.api_first]):+.2f} ms",
+        f"{_median_ms(alone_first, sign=True)}, API first {_median_ms(api_first, sign=True)}",
         f"{len(pairs)} requests, one at a time; p50 TTFT engine alone "
         f"{percentile([p.alone_ttft_s for p in pairs], 50) * 1000:.1f} ms, through the API "
         f"{percentile([p.api_ttft_s for p in pairs], 50) * 1000:.1f} ms",

@@ -52,19 +52,31 @@ def prompt_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     (docs/benchmarks.md, "Tenth machine"). `encode_batch` rather than `encode`, because it releases the
     GIL while it runs, so a model thread steps on meanwhile.
 
-    Taken only where it gives the same ids: the Rust tokenizer has no truncation or padding of its own
-    (the wrapper switches them off for a call that asks for neither), and the two agree on probe texts
-    and on the tokenizer's special tokens. Otherwise, or if anything about the direct call fails, the
-    wrapper itself."""
+    Taken only where it gives the same ids: the two agree on probe texts and on the tokenizer's special
+    tokens, and at each call the Rust tokenizer is set as the wrapper would set it for a plain call (no
+    truncation or padding, special tokens split or not as the tokenizer says). The wrapper leaves such
+    settings as the last call made them, so a call elsewhere with `truncation=True` would otherwise
+    cut every later prompt short; then that prompt goes through the wrapper, which resets them.
+    Otherwise, or if anything about the direct call fails, the wrapper itself."""
 
     def wrapped(text: str) -> list[int]:
         return list(tokenizer(text)["input_ids"])
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.truncation is not None or backend.padding is not None:
+    if backend is None:
         return wrapped
 
+    def is_set_for_a_plain_call() -> bool:
+        split_specials = bool(getattr(tokenizer, "split_special_tokens", False))
+        return (
+            backend.truncation is None
+            and backend.padding is None
+            and bool(getattr(backend, "encode_special_tokens", split_specials)) == split_specials
+        )
+
     def direct(text: str) -> list[int]:
+        if not is_set_for_a_plain_call():
+            return wrapped(text)
         return list(backend.encode_batch([text], add_special_tokens=True)[0].ids)
 
     specials = " ".join(getattr(tokenizer, "all_special_tokens", None) or ())

@@ -249,7 +249,8 @@ async def test_interleaved_requests_alternate_which_path_runs_first_and_pair_up_
 
     requests = [TextRequest(f"req-{i}", float(i), f"prompt {i}", 1) for i in range(4)]
     refusal = [b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\n\r\n", b"{}"]
-    server = ScriptedServer([_sse_reply(0.001), _sse_reply(0.002), refusal, _sse_reply(0.004)])
+    warm_up = _sse_reply(0.009)  # untimed, before the pairs: it opens the connection
+    server = ScriptedServer([warm_up, _sse_reply(0.001), _sse_reply(0.002), refusal, _sse_reply(0.004)])
     seen: list[tuple[str, int]] = []  # (request id, API requests the server had received) per engine run
 
     def alone(request: TextRequest) -> float:
@@ -262,7 +263,7 @@ async def test_interleaved_requests_alternate_which_path_runs_first_and_pair_up_
             server.url, "k", "bench", requests, alone, mean_gap_s=0.0, seed=1, statuses=statuses
         )
     # The engine alone first, then the API first, in turn: each request's two runs back to back.
-    assert seen == [("req-0", 0), ("req-1", 2), ("req-2", 2), ("req-3", 4)]
+    assert seen == [("req-0", 1), ("req-1", 3), ("req-2", 3), ("req-3", 5)]
     # The refused request is counted, not paired.
     assert statuses == Counter({"200": 3, "503": 1})
     assert [(p.request_id, p.api_first, p.alone_ttft_s) for p in pairs] == [
@@ -303,6 +304,10 @@ def test_the_interleaved_report_separates_a_shift_of_every_request_from_outliers
     low, high = bootstrap_interval(mixed, median_added_ms)
     assert low == pytest.approx(3.0) and high > 100
     assert interleaved_report([]) == "no request completed through the API: nothing to compare"
+    # One pair, without the replica's timings: what cannot be computed says so.
+    report = interleaved_report([Pair("req-0", 0.010, 0.013, None, api_first=False)])
+    assert "outside the replica (client TTFT - replica TTFT, median): n/a" in report
+    assert "engine alone first +3.00 ms, API first n/a" in report
 
 
 def test_interleaved_refuses_a_rate_or_rounds() -> None:

@@ -52,6 +52,28 @@ def test_a_prompt_does_not_go_through_the_wrapper(
     assert encode("the quick brown fox") == expected
 
 
+def test_a_truncating_call_elsewhere_does_not_cut_later_prompts_short(demo_model_dir: Path) -> None:
+    """transformers' wrapper leaves the Rust tokenizer set as its last call asked (truncation, padding,
+    split special tokens); the direct encoder must not inherit that."""
+    tokenizer = load_tokenizer(demo_model_dir)
+    encode = prompt_encoder(tokenizer)
+    text = "one two three four five six seven eight </s> nine"
+    whole = encode(text)
+    tokenizer(text, truncation=True, max_length=3)
+    assert encode(text) == whole
+    tokenizer(text, split_special_tokens=True)
+    assert encode(text) == whole
+    assert len(whole) > 3
+
+
+def test_the_engine_encodes_prompts_with_it(demo_model_dir: Path) -> None:
+    from serving.engine.engine import Engine, EngineConfig
+
+    engine = Engine(demo_model_dir, config=EngineConfig(kv_cache_bytes=1 << 20, device="cpu", max_num_seqs=2))
+    assert engine.encode("the quick brown fox") == _wrapper_ids(engine.tokenizer, "the quick brown fox")
+    assert engine._encode.__name__ == "direct"
+
+
 def test_a_tokenizer_that_truncates_on_its_own_still_encodes_whole_prompts(demo_model_dir: Path) -> None:
     """A tokenizer.json may configure truncation; the wrapper switches it off for a call that does not
     ask for it, and a prompt must come out whole either way."""
