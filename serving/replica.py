@@ -578,7 +578,6 @@ class Replica:
             stats.num_running,
             stats.kv_cache_usage,
         )
-        step = None
         if result.model_time_s is not None:
             step = StepSample(
                 model_time_s=result.model_time_s,
@@ -588,7 +587,6 @@ class Replica:
                 kv_cache_usage=stats.kv_cache_usage,
                 itl_s=result.itl_s,
             )
-        if step is not None:
             self.metrics.record(step=step)
 
     def _admit(self, arrival: _Arrival, result: _StepResult, ended: list[RequestSample]) -> None:

@@ -183,15 +183,7 @@ def run_engine_alone(
     model_dir: Path, requests: Sequence[TextRequest], engine_env: dict[str, str]
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The summary, and each complete request's TTFT in seconds by request id."""
-    from serving.engine.loading import load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
-    bench_requests = [
-        BenchRequest(r.request_id, r.arrival_s, tuple(tokenizer(r.text)["input_ids"]), r.max_tokens)
-        for r in requests
-    ]
-    system = _engine_system(model_dir, engine_env)
-    system.run(bench_requests[:4])  # warm-up, as the platform gets before its measured run
+    system, bench_requests = _warm_engine_alone(model_dir, requests, engine_env)
     records = system.run(bench_requests)
     metrics = compute_metrics(records)
     summary = {
@@ -204,11 +196,22 @@ def run_engine_alone(
     return summary, _ttft_s_by_id(records)
 
 
-def _engine_system(model_dir: Path, engine_env: dict[str, str]) -> Any:
-    """The engine alone, configured as the platform's replica is (the same environment)."""
+def _warm_engine_alone(
+    model_dir: Path, requests: Sequence[TextRequest], engine_env: dict[str, str]
+) -> tuple[Any, list[BenchRequest]]:
+    """The engine alone, configured as the platform's replica is (the same environment) and warmed up
+    on the first few requests, as the platform is before its measured runs; and the requests with
+    their prompts tokenized ahead (the engine alone is timed from its add_request, so the replica's
+    tokenizing is part of the path a comparison measures)."""
     from serving.benchmarks.engine_system import EngineSystem
+    from serving.engine.loading import load_tokenizer
 
-    return EngineSystem(
+    tokenizer = load_tokenizer(model_dir)
+    bench_requests = [
+        BenchRequest(r.request_id, r.arrival_s, tuple(tokenizer(r.text)["input_ids"]), r.max_tokens)
+        for r in requests
+    ]
+    system = EngineSystem(
         model_dir,
         max_num_seqs=int(engine_env["SWITCHYARD_MAX_NUM_SEQS"]),
         max_num_batched_tokens=int(engine_env["SWITCHYARD_MAX_NUM_BATCHED_TOKENS"]),
@@ -217,6 +220,8 @@ def _engine_system(model_dir: Path, engine_env: dict[str, str]) -> Any:
         compile=False,
         pack_linear=engine_env["SWITCHYARD_PACK_LINEAR"] == "1",
     )
+    system.run(bench_requests[:4])
+    return system, bench_requests
 
 
 def _median_difference_ms(ttft_s: dict[str, float], baseline_ttft_s: dict[str, float]) -> float:
@@ -626,20 +631,11 @@ def _interleave(  # type: ignore[no-untyped-def]
     log=print,
 ) -> list[Pair]:
     """run_interleaved against the platform, with one engine alone kept warm for the whole run."""
-    from serving.engine.loading import load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
-    system = _engine_system(model_dir, engine_env)
-    # Tokenized ahead, as the engine alone is timed from its add_request: the replica's tokenizing is
-    # part of the path the comparison measures.
-    prompt_ids = {r.request_id: tuple(tokenizer(r.text)["input_ids"]) for r in requests}
-    system.run([BenchRequest(r.request_id, 0.0, prompt_ids[r.request_id], 4) for r in requests[:4]])
+    system, bench_requests = _warm_engine_alone(model_dir, requests, engine_env)
+    by_id = {r.request_id: r for r in bench_requests}
 
     def alone(request: TextRequest) -> float:
-        bench_request = BenchRequest(
-            request.request_id, 0.0, prompt_ids[request.request_id], request.max_tokens
-        )
-        (record,) = system.run([bench_request])
+        (record,) = system.run([dataclasses.replace(by_id[request.request_id], arrival_s=0.0)])
         return float(record.ttft_s)
 
     log(f"{len(requests)} requests, one at a time, each on the engine alone and through the API in turn ...")
