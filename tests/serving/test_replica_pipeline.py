@@ -57,6 +57,14 @@ async def _started_replica(replies: HeldReplies) -> tuple[Replica, InMemoryChann
     return replica, layer
 
 
+async def _replica_sending_at_once() -> tuple[Replica, InMemoryChannelLayer, HeldReplies]:
+    """A started replica whose sends are not held back."""
+    replies = HeldReplies()
+    replies.let_go()
+    replica, layer = await _started_replica(replies)
+    return replica, layer, replies
+
+
 async def _submit(
     layer: InMemoryChannelLayer, replica: Replica, request_id: str, max_tokens: int, reply_to: str = INBOX
 ) -> None:
@@ -154,9 +162,7 @@ async def test_the_model_thread_waits_when_the_loop_falls_behind(registered_mode
 
 
 async def test_a_request_that_cannot_be_admitted_fails_alone(registered_model) -> None:
-    replies = HeldReplies()
-    replies.let_go()
-    replica, layer = await _started_replica(replies)
+    replica, layer, replies = await _replica_sending_at_once()
     encode = replica.engine.encode
 
     def encode_or_fail(text: str) -> Any:
@@ -194,9 +200,7 @@ async def test_a_request_that_cannot_be_admitted_fails_alone(registered_model) -
 async def test_a_prompt_being_tokenized_does_not_stop_the_running_sequences(registered_model) -> None:
     """Tokenizing happens off the model thread: a prompt whose tokenization hangs (a very long one, say)
     holds up only itself, and is served once it is ready. On the model thread it stopped every step."""
-    replies = HeldReplies()
-    replies.let_go()
-    replica, layer = await _started_replica(replies)
+    replica, layer, replies = await _replica_sending_at_once()
     finished, _ = _watch_steps(replica)
     step, stepped = replica.engine.step, threading.Event()
 
@@ -247,9 +251,7 @@ async def test_a_prompt_being_tokenized_does_not_stop_the_running_sequences(regi
 async def test_an_abort_that_reaches_the_engine_with_its_submission_still_aborts_it(registered_model) -> None:
     """A client that leaves while its prompt is being prepared: the submission and the abort can come
     to the model thread in one inbox, and the request must not run."""
-    replies = HeldReplies()
-    replies.let_go()
-    replica, layer = await _started_replica(replies)
+    replica, layer, replies = await _replica_sending_at_once()
     step, in_step, release = replica.engine.step, threading.Event(), threading.Event()
 
     def held_step() -> Any:
@@ -283,9 +285,7 @@ async def test_an_abort_that_reaches_the_engine_with_its_submission_still_aborts
 
 
 async def test_metrics_that_cannot_be_recorded_fail_no_request(registered_model) -> None:
-    replies = HeldReplies()
-    replies.let_go()
-    replica, layer = await _started_replica(replies)
+    replica, layer, replies = await _replica_sending_at_once()
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug in the metrics")
@@ -306,9 +306,7 @@ async def test_metrics_that_cannot_be_recorded_fail_no_request(registered_model)
 async def test_a_dead_engine_thread_fails_the_replica_and_a_drain_still_ends(registered_model) -> None:
     from serving.replica import ReplicaState
 
-    replies = HeldReplies()
-    replies.let_go()
-    replica, layer = await _started_replica(replies)
+    replica, layer, _ = await _replica_sending_at_once()
 
     def broken(*args: object) -> Any:
         raise RuntimeError("a bug")
