@@ -674,6 +674,10 @@ def _request_sample(output: Any, route: _Route) -> RequestSample:
 def _final_event(output: Any, route: _Route) -> dict[str, Any]:
     ttft = output.first_token_time - output.arrival_time if output.first_token_time is not None else None
     total = (output.finished_time or time.monotonic()) - output.arrival_time
+    # From the gateway's submission to the first forward pass that held the request: the replica's part
+    # of the time before any model work (receiving, tokenizing, waiting for a step), as TGI's queue time.
+    first_scheduled = route.seq.first_scheduled_time if route.seq is not None else None
+    queue = first_scheduled - output.arrival_time if first_scheduled is not None else None
     return {
         "finish_reason": str(output.finish_reason),
         "usage": {
@@ -682,7 +686,11 @@ def _final_event(output: Any, route: _Route) -> dict[str, Any]:
             "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
             "cached_prompt_tokens": output.num_cached_prompt_tokens,
         },
-        "timings": {"ttft_s": round(ttft, 6) if ttft is not None else None, "total_s": round(total, 6)},
+        "timings": {
+            "queue_s": round(queue, 6) if queue is not None else None,
+            "ttft_s": round(ttft, 6) if ttft is not None else None,
+            "total_s": round(total, 6),
+        },
     }
 
 

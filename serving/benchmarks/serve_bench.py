@@ -103,6 +103,8 @@ class HttpRun:
     # The replica's own TTFT per request id (from the gateway's submission to the first token), which
     # the final event's timings carry.
     replica_ttft_s: dict[str, float] = field(default_factory=dict)
+    # And its wait before the first forward pass that held the request, from the same submission.
+    replica_queue_s: dict[str, float] = field(default_factory=dict)
     send_lateness_s: list[float] = field(default_factory=list)  # sent - scheduled arrival, per request
 
 
@@ -136,9 +138,10 @@ async def _one(
                         last_token_at = now
                     elif "finish_reason" in event:
                         record.finished_s = now
-                        replica_ttft_s = (event.get("timings") or {}).get("ttft_s")
-                        if isinstance(replica_ttft_s, (int, float)):
-                            run.replica_ttft_s[request.request_id] = float(replica_ttft_s)
+                        timings = event.get("timings") or {}
+                        for name, by_id in (("ttft_s", run.replica_ttft_s), ("queue_s", run.replica_queue_s)):
+                            if isinstance(timings.get(name), (int, float)):
+                                by_id[request.request_id] = float(timings[name])
                         if event["finish_reason"] == "error":
                             run.statuses["stream_error"] += 1
     # ValueError: an event that is not JSON.
@@ -334,6 +337,7 @@ class Pair:
     api_ttft_s: float
     replica_ttft_s: float | None  # the replica's own, from the gateway's submission (the final event)
     api_first: bool
+    replica_queue_s: float | None = None  # of which before its first forward pass (the final event)
 
     @property
     def added_ms(self) -> float:
@@ -380,8 +384,16 @@ async def run_interleaved(
             statuses.update(run.statuses)
             if run.records and run.records[0].is_complete:
                 api = run.records[0]
-                replica_ttft_s = run.replica_ttft_s.get(request.request_id)
-                pairs.append(Pair(request.request_id, alone_ttft_s, api.ttft_s, replica_ttft_s, api_first))
+                pairs.append(
+                    Pair(
+                        request.request_id,
+                        alone_ttft_s,
+                        api.ttft_s,
+                        run.replica_ttft_s.get(request.request_id),
+                        api_first,
+                        run.replica_queue_s.get(request.request_id),
+                    )
+                )
     return pairs
 
 
@@ -433,11 +445,19 @@ def interleaved_report(pairs: Sequence[Pair]) -> str:
     split = [(p, p.replica_ttft_s) for p in pairs if p.replica_ttft_s is not None]
     outside = [(p.api_ttft_s - replica) * 1000 for p, replica in split]
     inside = [(replica - p.alone_ttft_s) * 1000 for p, replica in split]
+    # The inside again: the replica's path before its first forward pass (the engine alone starts one at
+    # once), and the rest, where the two engines' speeds differ.
+    queued = [(p, replica, p.replica_queue_s) for p, replica in split if p.replica_queue_s is not None]
+    queue = [q * 1000 for _, _, q in queued]
+    model = [(replica - q - p.alone_ttft_s) * 1000 for p, replica, q in queued]
     alone_first = [p.added_ms for p in pairs if not p.api_first]
     api_first = [p.added_ms for p in pairs if p.api_first]
     lines += [
         f"of which outside the replica (client TTFT - replica TTFT, median): {_median_ms(outside)}",
         f"and inside it (replica TTFT - engine-alone TTFT, median): {_median_ms(inside, sign=True)}",
+        f"  inside, before the replica's first forward pass (its queue_s, median): {_median_ms(queue)}",
+        "  inside, from that forward pass on (replica TTFT - queue_s - engine-alone TTFT, median): "
+        f"{_median_ms(model, sign=True)}",
         "per-request difference by order (median): engine alone first "
         f"{_median_ms(alone_first, sign=True)}, API first {_median_ms(api_first, sign=True)}",
         f"{len(pairs)} requests, one at a time; p50 TTFT engine alone "

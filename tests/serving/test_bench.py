@@ -240,8 +240,9 @@ def test_the_step_profile_reports_each_batch_size(
 
 
 def _sse_reply(replica_ttft_s: float) -> list[bytes]:
-    events = b'data: {"token": "a"}\n\ndata: {"finish_reason": "length", "timings": {"ttft_s": %f}}\n\n'
-    return [SSE_HEAD, chunk(events % replica_ttft_s), b"0\r\n\r\n"]
+    timings = b'{"queue_s": %f, "ttft_s": %f}' % (replica_ttft_s / 4, replica_ttft_s)
+    events = b'data: {"token": "a"}\n\ndata: {"finish_reason": "length", "timings": %s}\n\n' % timings
+    return [SSE_HEAD, chunk(events), b"0\r\n\r\n"]
 
 
 async def test_interleaved_requests_alternate_which_path_runs_first_and_pair_up_by_request() -> None:
@@ -272,6 +273,7 @@ async def test_interleaved_requests_alternate_which_path_runs_first_and_pair_up_
         ("req-3", True, 0.5),
     ]
     assert [p.replica_ttft_s for p in pairs] == [0.001, 0.002, 0.004]
+    assert [p.replica_queue_s for p in pairs] == [0.00025, 0.0005, 0.001]
     assert all(0 < p.api_ttft_s < 5 for p in pairs)
 
 
@@ -284,9 +286,10 @@ def test_the_interleaved_report_separates_a_shift_of_every_request_from_outliers
         p50_ttft_added_ms,
     )
 
-    # Prompts of very different cost, each 3 ms slower through the API: 1 ms outside the replica, 2 inside.
+    # Prompts of very different cost, each 3 ms slower through the API: 1 ms outside the replica, 2 inside,
+    # of which 1.5 before the replica's first forward pass (the engine alone starts its own at once).
     pairs = [
-        Pair(f"req-{i}", alone, alone + 0.003, alone + 0.002, api_first=i % 2 == 1)
+        Pair(f"req-{i}", alone, alone + 0.003, alone + 0.002, api_first=i % 2 == 1, replica_queue_s=0.0015)
         for i, alone in enumerate([0.020, 0.100, 0.050, 0.300, 0.075, 0.040, 0.210])
     ]
     assert median_added_ms(pairs) == pytest.approx(3.0)
@@ -296,6 +299,8 @@ def test_the_interleaved_report_separates_a_shift_of_every_request_from_outliers
     assert "p50 TTFT added by the API path: +3.00 ms (95% interval +3.00 to +3.00)" in report
     assert "outside the replica (client TTFT - replica TTFT, median): 1.00 ms" in report
     assert "inside it (replica TTFT - engine-alone TTFT, median): +2.00 ms" in report
+    assert "before the replica's first forward pass (its queue_s, median): 1.50 ms" in report
+    assert "from that forward pass on (replica TTFT - queue_s - engine-alone TTFT, median): +0.50" in report
     assert "engine alone first +3.00 ms, API first +3.00 ms" in report
     # Two requests far slower through the API move the median difference little and widen its interval.
     slow = [Pair(p.request_id, p.alone_ttft_s, p.api_ttft_s + 0.5, None, p.api_first) for p in pairs[:2]]
@@ -307,6 +312,7 @@ def test_the_interleaved_report_separates_a_shift_of_every_request_from_outliers
     # One pair, without the replica's timings: what cannot be computed says so.
     report = interleaved_report([Pair("req-0", 0.010, 0.013, None, api_first=False)])
     assert "outside the replica (client TTFT - replica TTFT, median): n/a" in report
+    assert "before the replica's first forward pass (its queue_s, median): n/a" in report
     assert "engine alone first +3.00 ms, API first n/a" in report
 
 

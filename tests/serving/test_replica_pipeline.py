@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -281,6 +282,33 @@ async def test_an_abort_that_reaches_the_engine_with_its_submission_still_aborts
         _assert_one_whole_stream(replies.events("runner"), num_tokens=4)
     finally:
         release.set()
+        await replica.stop()
+
+
+async def test_the_final_event_times_the_wait_before_the_first_forward_pass_from_the_submission(
+    registered_model,
+) -> None:
+    """queue_s counts from the gateway's submission (its wall clock, as ttft_s does), not from when the
+    replica got it: here the submission is dated 250 ms back, as a slow hop would leave it."""
+    replica, layer, replies = await _replica_sending_at_once()
+    try:
+        await layer.send(
+            replica.channel_name,
+            {
+                "type": SUBMIT,
+                "request_id": "r1",
+                "reply_to": INBOX,
+                "input": "once upon a time",
+                "params": {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True},
+                "submitted_at": time.time() - 0.25,
+            },
+        )
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+        events = replies.events("r1")
+        _assert_one_whole_stream(events, num_tokens=3)
+        timings = events[-1]["timings"]
+        assert 0.25 <= timings["queue_s"] < timings["ttft_s"] < timings["total_s"]
+    finally:
         await replica.stop()
 
 
