@@ -20,11 +20,15 @@ A replica's steps are published from its model thread rather than handed to its 
 a loaded 2-core machine the loop thread took a median ~0.8 ms to wake and win the GIL from the model
 thread, on every first token's path (docs/benchmarks.md, "Seventh machine"). The model thread writes the
 PUBLISH and goes on with the next step; Redis's replies (subscriber counts) are read back at the next
-publish, so the thread never waits for a round trip."""
+publish, so the thread never waits for a round trip. What need not go out before the next step's forward
+pass (a step's acceptances) the publisher's own thread writes meanwhile (`publish_soon`): written by the
+model thread, it cost each new request ~0.3 ms before its prefill (docs/benchmarks.md, "Eleventh
+machine")."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -132,10 +136,14 @@ class StepPubSubChannelLayer(RedisPubSubChannelLayer):  # type: ignore[misc]
 
 
 class BlockingPublisher:
-    """PUBLISH from one plain thread without waiting for Redis's replies: a publish is one socket write.
+    """PUBLISH from a plain thread without waiting for Redis's replies: a publish is one socket write.
     The replies (subscriber counts) are read back, as far as they have arrived, at the next publish;
     that read is also where a connection Redis closed is found and replaced. One connection per shard,
-    so messages to one channel arrive in the order published. Not thread-safe: one thread owns it."""
+    so messages to one channel arrive in the order published.
+
+    One thread publishes (`publish`, `publish_soon`); the publisher's own thread writes what
+    `publish_soon` left, unless the next `publish` comes first and writes it itself, before its own
+    message. Either way every message goes out once and in the order the owning thread gave them."""
 
     # A write blocks only once Redis has stopped reading; past this the publish fails rather than
     # stopping its thread for good. The same bound for connecting.
@@ -145,16 +153,76 @@ class BlockingPublisher:
         self._hosts = list(hosts)
         self._serialize = serialize
         self._connections: list[redis.connection.AbstractConnection | None] = [None] * len(self._hosts)
+        # Taken for a whole write, pending messages included, so none overtakes another. Then _pending's.
+        self._writing = threading.Lock()
+        self._pending: list[tuple[str, dict[str, Any]]] = []  # publish_soon's, oldest first
+        self._has_pending = threading.Condition()  # guards _pending and _closed
+        self._closed = False
+        self._writer: threading.Thread | None = None
 
     def connect(self) -> None:
         """Open every shard's connection now rather than on the first publish; raises if Redis is down."""
-        for index in range(len(self._hosts)):
-            self._ready_connection(index)
+        with self._writing:
+            for index in range(len(self._hosts)):
+                self._ready_connection(index)
 
     def publish(self, channel: str, message: dict[str, Any]) -> None:
-        """Write the message. Raises redis.RedisError or OSError when it could not be written; the next
-        publish reconnects. A message written just before Redis closed the connection is lost unseen,
-        as it would be on any pub/sub connection."""
+        """Write the message, after any that publish_soon left unwritten. Raises redis.RedisError or
+        OSError when it could not be written; the next publish reconnects. A message written just before
+        Redis closed the connection is lost unseen, as it would be on any pub/sub connection."""
+        with self._writing:
+            self._write_pending()
+            self._write(channel, message)
+
+    def publish_soon(self, channel: str, message: dict[str, Any]) -> None:
+        """Leave the message to the publisher's thread and return at once. A failed write is logged
+        (no one is left to raise to), and the next write reconnects."""
+        with self._has_pending:
+            if self._closed:
+                return
+            self._pending.append((channel, message))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_soon, name="step-publisher", daemon=True)
+                self._writer.start()
+            self._has_pending.notify()
+
+    def flush(self) -> None:
+        """Write now whatever publish_soon left, rather than on the publisher's thread."""
+        with self._writing:
+            self._write_pending()
+
+    def close(self) -> None:
+        with self._has_pending:
+            self._closed = True
+            self._has_pending.notify()
+            writer = self._writer
+        if writer is not None:
+            writer.join()
+        with self._writing:
+            for index in range(len(self._hosts)):
+                self._drop(index)
+
+    def _write_soon(self) -> None:
+        while True:
+            with self._has_pending:
+                while not (self._pending or self._closed):
+                    self._has_pending.wait()
+                if not self._pending:
+                    return
+            with self._writing:
+                self._write_pending()
+
+    def _write_pending(self) -> None:
+        """Under _writing. A message that cannot be written is logged and dropped; the next reconnects."""
+        with self._has_pending:
+            pending, self._pending = self._pending, []
+        for channel, message in pending:
+            try:
+                self._write(channel, message)
+            except (redis.RedisError, OSError):
+                logger.exception("could not publish a message to %s", channel)
+
+    def _write(self, channel: str, message: dict[str, Any]) -> None:
         data = self._serialize(message)
         index = _consistent_hash(channel, len(self._hosts))
         connection = self._ready_connection(index)
@@ -164,10 +232,6 @@ class BlockingPublisher:
         except (redis.RedisError, OSError):
             self._drop(index)
             raise
-
-    def close(self) -> None:
-        for index in range(len(self._hosts)):
-            self._drop(index)
 
     def _ready_connection(self, index: int) -> redis.connection.AbstractConnection:
         """The shard's connection, with the replies that have arrived read; a new one if it was closed."""

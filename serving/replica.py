@@ -462,19 +462,25 @@ class Replica:
 
     # --- the model thread --------------------------------------------------------------------------
 
-    def _emit(self, result: _StepResult, *, is_engine_empty: bool = False, num_taken: int = 0) -> None:
-        """Send a step's events: published from this thread where it has a publisher, else handed to the
-        loop. The loop is told when the engine empties either way, since idle is declared there."""
+    def _emit(
+        self, result: _StepResult, *, is_engine_empty: bool = False, num_taken: int = 0, soon: bool = False
+    ) -> None:
+        """Send a step's events: published from this thread where it has a publisher (`soon`: by the
+        publisher's thread, still before anything published later), else handed to the loop. The loop
+        is told when the engine empties either way, since idle is declared there."""
         if self._step_publisher is None:
             if result.events_by_inbox or is_engine_empty:
                 self._hand_to_loop(_Outgoing(result, is_engine_empty, num_taken))
             return
+        publish = self._step_publisher.publish_soon if soon else self._step_publisher.publish
         for inbox, items in result.events_by_inbox.items():
             try:
-                self._step_publisher.publish(inbox, _step_message(items))
+                publish(inbox, _step_message(items))
             except Exception:
                 logger.exception("replica %s: could not deliver a step to %s", self.replica_id, inbox)
         if is_engine_empty:
+            # Idle is what a drain waits for before the process exits: nothing may be left unwritten.
+            self._step_publisher.flush()
             self._hand_to_loop(_Outgoing(_StepResult(), is_engine_empty, num_taken))
 
     def _hand_to_loop(self, outgoing: _Outgoing) -> None:
@@ -537,9 +543,10 @@ class Replica:
                 engine.abort(request_id)
                 ended.append(RequestSample("abort"))
         if result.events_by_inbox:
-            # One more message per inbox, and only for steps that admit something: cheap enough to send
-            # during the forward pass, and the gateway then starts its response while it runs.
-            self._emit(result)
+            # One more message per inbox, and only for steps that admit something: sent during the
+            # forward pass (not by this thread, which has the pass to start), and the gateway then
+            # starts its response while it runs.
+            self._emit(result, soon=True)
             result = _StepResult()
         model_time_s: float | None = None
         itl_s: list[float] = []

@@ -98,6 +98,54 @@ async def test_a_threads_publisher_reaches_the_layers_receiver_in_order(redis_ur
 
 
 @pytest.mark.redis
+async def test_what_publish_soon_leaves_goes_out_before_anything_published_after_it(redis_url: str) -> None:
+    """A replica's acceptances go out by publish_soon while its model thread starts the forward pass,
+    and its tokens by publish after it: a token must never reach the gateway before its acceptance,
+    whichever thread wrote which."""
+    layer = _pubsub_layer(redis_url)
+    inbox = await layer.new_channel("switchyard.inbox.")
+    publisher = layer.blocking_publisher()
+    assert publisher is not None
+
+    def publish_steps() -> None:
+        publisher.connect()
+        for i in range(600):
+            message = {"type": "replica.step", "items": [{"request_id": "r", "events": [i]}]}
+            if i % 3 == 2:
+                publisher.publish(inbox, message)
+            else:
+                publisher.publish_soon(inbox, message)
+        publisher.close()  # writes what is still left
+
+    try:
+        await asyncio.to_thread(publish_steps)
+        received = [await asyncio.wait_for(layer.receive(inbox), timeout=5) for _ in range(600)]
+        assert [m["items"][0]["events"][0] for m in received] == list(range(600))
+    finally:
+        publisher.close()
+        await layer.flush()
+
+
+@pytest.mark.redis
+async def test_publish_soon_returns_without_writing_and_the_publishers_thread_writes(redis_url: str) -> None:
+    layer = _pubsub_layer(redis_url)
+    inbox = await layer.new_channel("switchyard.inbox.")
+    publisher = layer.blocking_publisher()
+    assert publisher is not None
+    try:
+        await asyncio.to_thread(publisher.connect)
+        with publisher._writing:  # as if a write were under way: publish_soon must not wait for it
+            await asyncio.wait_for(
+                asyncio.to_thread(publisher.publish_soon, inbox, {"type": "replica.step", "n": 1}), timeout=5
+            )
+        # Nothing else publishes: the publisher's own thread writes it.
+        assert (await asyncio.wait_for(layer.receive(inbox), timeout=5))["n"] == 1
+    finally:
+        publisher.close()
+        await layer.flush()
+
+
+@pytest.mark.redis
 async def test_a_publisher_whose_connection_redis_closed_reconnects(redis_url: str) -> None:
     """A Redis restart or a CLIENT KILL closes the publisher's connection; the next publish finds that
     out before it writes and goes out on a new connection, so no step after the close is lost."""
