@@ -23,8 +23,9 @@ prompt of 32,768 characters (the gateway's limit) held every running sequence ~9
 
 After each step the new events of every request go out as ONE message per receiving server process
 (inbox), never one per token: see ARCHITECTURE.md's transport measurements. Acceptances (or refusals) of
-the requests a step admits go out before its forward pass, so the gateway sends the response's headers
-while the prompt is prefilled rather than on the first token's path."""
+the requests a step admits go out as its forward pass starts (on Redis written by the publisher's own
+thread during the pass, and always before the step's tokens), so the gateway sends the response's
+headers while the prompt is prefilled rather than on the first token's path."""
 
 from __future__ import annotations
 
