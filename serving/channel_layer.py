@@ -20,10 +20,10 @@ A replica's steps are published from its model thread rather than handed to its 
 a loaded 2-core machine the loop thread took a median ~0.8 ms to wake and win the GIL from the model
 thread, on every first token's path (docs/benchmarks.md, "Seventh machine"). The model thread writes the
 PUBLISH and goes on with the next step; Redis's replies (subscriber counts) are read back at the next
-publish, so the thread never waits for a round trip. What need not go out before the next step's forward
-pass (a step's acceptances) the publisher's own thread writes meanwhile (`publish_soon`): written by the
-model thread, it cost each new request ~0.3 ms before its prefill (docs/benchmarks.md, "Eleventh
-machine")."""
+publish, so the thread never waits for a round trip. What need not go out before the step's forward pass
+(its acceptances) the publisher's own thread writes meanwhile (`publish_soon`): written by the model
+thread, it held up each new request's prefill (the replica's queue_s, one request at a time, a median
+1.64 against 1.47 ms over four runs alternated; docs/benchmarks.md, "Eleventh machine")."""
 
 from __future__ import annotations
 
