@@ -414,3 +414,46 @@ async def test_on_redis_the_model_thread_publishes_each_step_itself(registered_m
     finally:
         await replica.stop()
         await replies.flush()
+
+
+@pytest.mark.redis
+async def test_on_redis_what_is_left_to_the_publishers_thread_is_out_before_the_replica_is_idle(
+    registered_model, redis_url
+) -> None:
+    """A drain waits for idle and then the process exits: a refusal left to the publisher's thread
+    (here one that never runs) must have been written by then."""
+    from registry.selectors import version_ref
+
+    replies = StepPubSubChannelLayer(
+        hosts=[{"address": redis_url, "socket_timeout": None}], serializer_format="json"
+    )
+    inbox = await replies.new_channel("switchyard.inbox.")
+    layer = InMemoryChannelLayer()
+    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
+    replica = Replica(ref, layer=layer, replies=replies, torch_threads=1)
+    assert replica._step_publisher is not None
+    idle_writer = threading.Thread(target=lambda: None)  # one that has already ended: it writes nothing
+    idle_writer.start()
+    idle_writer.join()
+    replica._step_publisher._writer = idle_writer
+    await replica.start()
+    assert replica.is_ready, replica.error
+    try:
+        await layer.send(
+            replica.channel_name,
+            {
+                "type": SUBMIT,
+                "request_id": "too-long",
+                "reply_to": inbox,
+                "input": "once upon a time",
+                "params": {"max_tokens": 10**9, "temperature": 0.0},
+            },
+        )
+        await asyncio.wait_for(replica.wait_idle(), timeout=30)
+        message = await asyncio.wait_for(replies.receive(inbox), timeout=5)
+        (item,) = message["items"]
+        assert item["request_id"] == "too-long"
+        assert item["events"][0]["error"]["type"] == "invalid_request_error"
+    finally:
+        await replica.stop()
+        await replies.flush()
