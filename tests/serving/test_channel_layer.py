@@ -12,7 +12,7 @@ import pytest
 import redis
 from channels.exceptions import ChannelFull
 
-from serving.channel_layer import StepPubSubChannelLayer
+from serving.channel_layer import BlockingPublisher, StepPubSubChannelLayer
 from tests.serving.conftest import one_trip_layer, record_commands
 
 
@@ -73,14 +73,20 @@ def _pubsub_layer(redis_url: str, **host: object) -> StepPubSubChannelLayer:
     )
 
 
-@pytest.mark.redis
-async def test_a_threads_publisher_reaches_the_layers_receiver_in_order(redis_url: str) -> None:
-    """What a replica's model thread publishes arrives, whole and in order, at a gateway's inbox that
-    receives on the layer as before, with the layer's own serializer on the wire."""
+async def _inbox_and_publisher(redis_url: str) -> tuple[StepPubSubChannelLayer, str, BlockingPublisher]:
+    """A pub/sub layer with an inbox subscribed on it, and the layer's publisher for a thread."""
     layer = _pubsub_layer(redis_url)
     inbox = await layer.new_channel("switchyard.inbox.")
     publisher = layer.blocking_publisher()
     assert publisher is not None
+    return layer, inbox, publisher
+
+
+@pytest.mark.redis
+async def test_a_threads_publisher_reaches_the_layers_receiver_in_order(redis_url: str) -> None:
+    """What a replica's model thread publishes arrives, whole and in order, at a gateway's inbox that
+    receives on the layer as before, with the layer's own serializer on the wire."""
+    layer, inbox, publisher = await _inbox_and_publisher(redis_url)
 
     def publish_steps() -> None:
         publisher.connect()
@@ -102,10 +108,7 @@ async def test_what_publish_soon_leaves_goes_out_before_anything_published_after
     """A replica's acceptances go out by publish_soon while its model thread starts the forward pass,
     and its tokens by publish after it: a token must never reach the gateway before its acceptance,
     whichever thread wrote which."""
-    layer = _pubsub_layer(redis_url)
-    inbox = await layer.new_channel("switchyard.inbox.")
-    publisher = layer.blocking_publisher()
-    assert publisher is not None
+    layer, inbox, publisher = await _inbox_and_publisher(redis_url)
 
     def publish_steps() -> None:
         publisher.connect()
@@ -128,10 +131,7 @@ async def test_what_publish_soon_leaves_goes_out_before_anything_published_after
 
 @pytest.mark.redis
 async def test_publish_soon_returns_without_writing_and_the_publishers_thread_writes(redis_url: str) -> None:
-    layer = _pubsub_layer(redis_url)
-    inbox = await layer.new_channel("switchyard.inbox.")
-    publisher = layer.blocking_publisher()
-    assert publisher is not None
+    layer, inbox, publisher = await _inbox_and_publisher(redis_url)
     try:
         await asyncio.to_thread(publisher.connect)
         with publisher._writing:  # as if a write were under way: publish_soon must not wait for it

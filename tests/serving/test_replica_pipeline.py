@@ -375,11 +375,11 @@ def test_the_engine_thread_ends_when_its_loop_closes_without_a_stop(registered_m
     assert not ended.is_alive()
 
 
-@pytest.mark.redis
-async def test_on_redis_the_model_thread_publishes_each_step_itself(registered_model, redis_url) -> None:
-    """No hand-over to the event loop on a first token's path: the steps are published from the model
-    thread, reach the gateway's inbox whole and in order, and idle (what a drain waits for) comes only
-    after the last of them is out."""
+async def _replica_replying_on_redis(
+    redis_url: str,
+) -> tuple[Replica, InMemoryChannelLayer, StepPubSubChannelLayer, str]:
+    """A replica, not started yet, that takes submissions in memory and publishes its steps on Redis,
+    and a gateway's inbox subscribed there."""
     from registry.selectors import version_ref
 
     replies = StepPubSubChannelLayer(
@@ -388,7 +388,15 @@ async def test_on_redis_the_model_thread_publishes_each_step_itself(registered_m
     inbox = await replies.new_channel("switchyard.inbox.")
     layer = InMemoryChannelLayer()
     ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
-    replica = Replica(ref, layer=layer, replies=replies, torch_threads=1)
+    return Replica(ref, layer=layer, replies=replies, torch_threads=1), layer, replies, inbox
+
+
+@pytest.mark.redis
+async def test_on_redis_the_model_thread_publishes_each_step_itself(registered_model, redis_url) -> None:
+    """No hand-over to the event loop on a first token's path: the steps are published from the model
+    thread, reach the gateway's inbox whole and in order, and idle (what a drain waits for) comes only
+    after the last of them is out."""
+    replica, layer, replies, inbox = await _replica_replying_on_redis(redis_url)
     publisher = replica._step_publisher
     assert publisher is not None
     publishing_threads: set[str] = set()
@@ -410,7 +418,7 @@ async def test_on_redis_the_model_thread_publishes_each_step_itself(registered_m
             events += [e for item in message["items"] if item["request_id"] == "r1" for e in item["events"]]
         _assert_one_whole_stream(events, num_tokens=12)
         # The model thread only (the replica's one executor thread), never the event loop's.
-        assert [name.split("_")[0] for name in publishing_threads] == [f"replica-{ref.version}"]
+        assert [name.split("_")[0] for name in publishing_threads] == [f"replica-{replica.ref.version}"]
     finally:
         await replica.stop()
         await replies.flush()
@@ -422,15 +430,7 @@ async def test_on_redis_what_is_left_to_the_publishers_thread_is_out_before_the_
 ) -> None:
     """A drain waits for idle and then the process exits: a refusal left to the publisher's thread
     (here one that never runs) must have been written by then."""
-    from registry.selectors import version_ref
-
-    replies = StepPubSubChannelLayer(
-        hosts=[{"address": redis_url, "socket_timeout": None}], serializer_format="json"
-    )
-    inbox = await replies.new_channel("switchyard.inbox.")
-    layer = InMemoryChannelLayer()
-    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
-    replica = Replica(ref, layer=layer, replies=replies, torch_threads=1)
+    replica, layer, replies, inbox = await _replica_replying_on_redis(redis_url)
     assert replica._step_publisher is not None
     idle_writer = threading.Thread(target=lambda: None)  # one that has already ended: it writes nothing
     idle_writer.start()
