@@ -279,6 +279,9 @@ class CompareRound:
             "paired": paired_ttft_added_ms(self.alone_ttft_s, self.run),
             "outside": path_ttft_ms(self.run),
             "inside": replica_ttft_added_ms(self.alone_ttft_s, self.run),
+            "queue_s": percentile(list(self.run.replica_queue_s.values()), 50) * 1000
+            if self.run.replica_queue_s
+            else float("nan"),
             "TPOT added": self.through["p50_tpot_ms"] - self.alone["p50_tpot_ms"],
             "kept %": 100 * self.through["output_tok_per_s"] / self.alone["output_tok_per_s"],
             "busy %": self.alone["busy_pct"],

@@ -189,6 +189,7 @@ def test_repeated_rounds_pool_their_requests_into_one_figure() -> None:
     def round_of(seed: int, alone_ttft_s: dict[str, float], api_ttft_s: dict[str, float]) -> CompareRound:
         records = [_record(i, 0.0, t) for i, t in api_ttft_s.items()]
         run = HttpRun(records=records, inter_token_s=[], replica_ttft_s=dict(alone_ttft_s))
+        run.replica_queue_s.update({i: 0.001 * seed for i in api_ttft_s})
         summary = {"p50_ttft_ms": 0.0, "p50_tpot_ms": 0.0, "output_tok_per_s": 1.0, "busy_pct": 50.0}
         return CompareRound(seed, summary, alone_ttft_s, run, summary)
 
@@ -206,6 +207,10 @@ def test_repeated_rounds_pool_their_requests_into_one_figure() -> None:
     assert "seed 1" in report and "seed 2" in report and "median" in report
     assert "pooled over 2 rounds (4 requests through the API, 5 alone)" in report
     assert "+2.5 ms)" in report
+    # Each round's median wait before the replica's first forward pass, and their median.
+    header, *rows = report.splitlines()
+    end = header.index("queue_s") + len("queue_s")  # the columns are right-aligned, 16 wide
+    assert [row[end - 16 : end].strip() for row in rows[:3]] == ["+1.00", "+2.00", "+1.50"]
 
 
 @pytest.mark.skipif(not HAS_ENGINE, reason="needs the engine")
