@@ -59,6 +59,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 REQUEST_TIMEOUT_S = 600.0
 
 
+# One token each in most tokenizers: what tops a prompt up to its length in tokens.
+_FILLERS = ("a", "the", "I", "and")
+
+
 @dataclass(slots=True, frozen=True)
 class TextRequest:
     request_id: str
@@ -69,29 +73,66 @@ class TextRequest:
 
 @dataclass(slots=True, frozen=True)
 class LoadSpec:
-    num_requests: int = 64
+    num_requests: int = 64  # unless duration_s is set
     rate_per_s: float | None = None  # None: every request at t=0 (saturation)
-    min_prompt_words: int = 16
-    max_prompt_words: int = 128
+    # Prompt lengths, in words; in tokens as the served model's tokenizer counts them (special tokens
+    # included, as the API's usage reports them) when make_text_workload is given count_tokens.
+    min_prompt_len: int = 16
+    max_prompt_len: int = 128
     min_output_tokens: int = 32
     max_output_tokens: int = 128
     seed: int = 0
+    # With a rate: every request that arrives in the first duration_s seconds, instead of num_requests.
+    duration_s: float | None = None
 
 
-def make_text_workload(spec: LoadSpec) -> list[TextRequest]:
+def make_text_workload(spec: LoadSpec, count_tokens: Callable[[str], int] | None = None) -> list[TextRequest]:
+    if spec.duration_s is not None and not (spec.rate_per_s and spec.duration_s > 0):
+        raise ValueError("a duration needs a positive --rate (arrivals over time) and a positive --duration")
+    if not 1 <= spec.min_prompt_len <= spec.max_prompt_len:
+        raise ValueError(
+            f"prompt lengths must be 1 <= low <= high, got {spec.min_prompt_len}-{spec.max_prompt_len}"
+        )
     rng = random.Random(spec.seed)
-    requests, arrival_s = [], 0.0
-    for index in range(spec.num_requests):
+    requests, arrival_s, index = [], 0.0, 0
+    while spec.duration_s is not None or index < spec.num_requests:
         if spec.rate_per_s and index:
             arrival_s += rng.expovariate(spec.rate_per_s)
-        words = rng.randint(spec.min_prompt_words, spec.max_prompt_words)
-        text = " ".join(rng.choice(_WORDS) for _ in range(words))
-        requests.append(
-            TextRequest(
-                f"req-{index}", arrival_s, text, rng.randint(spec.min_output_tokens, spec.max_output_tokens)
-            )
-        )
+        if spec.duration_s is not None and arrival_s >= spec.duration_s:
+            break
+        length = rng.randint(spec.min_prompt_len, spec.max_prompt_len)
+        words = [rng.choice(_WORDS) for _ in range(length)]
+        if count_tokens is not None:
+            words = _fit_to_tokens(words, length, count_tokens)
+        max_tokens = rng.randint(spec.min_output_tokens, spec.max_output_tokens)
+        requests.append(TextRequest(f"req-{index}", arrival_s, " ".join(words), max_tokens))
+        index += 1
     return requests
+
+
+def _fit_to_tokens(words: list[str], num_tokens: int, count_tokens: Callable[[str], int]) -> list[str]:
+    """Words whose text is num_tokens tokens where the tokenizer allows: the longest prefix of `words`
+    within num_tokens, then short filler words while they still fit. Every word is at least one token,
+    so len(words) == num_tokens is enough, and a longer prefix never has fewer tokens than a shorter one,
+    so a binary search finds the prefix."""
+    low, high = 1, len(words)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if count_tokens(" ".join(words[:middle])) <= num_tokens:
+            low = middle
+        else:
+            high = middle - 1
+    words = words[:low]
+    count = count_tokens(" ".join(words))
+    while count < num_tokens:  # a multi-token word left a gap shorter than itself
+        for filler in _FILLERS:
+            longer = count_tokens(" ".join([*words, filler]))
+            if longer <= num_tokens:
+                words, count = [*words, filler], longer
+                break
+        else:
+            break
+    return words
 
 
 @dataclass(slots=True)
@@ -106,6 +147,8 @@ class HttpRun:
     # And its wait before the first forward pass that held the request, from the same submission.
     replica_queue_s: dict[str, float] = field(default_factory=dict)
     send_lateness_s: list[float] = field(default_factory=list)  # sent - scheduled arrival, per request
+    prompt_tokens: list[int] = field(default_factory=list)  # as the final event's usage counts them
+    num_ended_early: int = 0  # streams the model ended (EOS, a stop string) before their max_tokens
 
 
 async def _one(
@@ -142,8 +185,16 @@ async def _one(
                         for name, by_id in (("ttft_s", run.replica_ttft_s), ("queue_s", run.replica_queue_s)):
                             if isinstance(timings.get(name), (int, float)):
                                 by_id[request.request_id] = float(timings[name])
+                        prompt_tokens = (event.get("usage") or {}).get("prompt_tokens")
+                        if isinstance(prompt_tokens, int):
+                            run.prompt_tokens.append(prompt_tokens)
                         if event["finish_reason"] == "error":
                             run.statuses["stream_error"] += 1
+                        elif 0 < record.num_output_tokens < record.max_tokens:
+                            # The model ended it (EOS or a stop string): complete at the length it
+                            # reached, so that its latencies count rather than only the longest streams'.
+                            record.max_tokens = record.num_output_tokens
+                            run.num_ended_early += 1
     # ValueError: an event that is not JSON.
     except (OSError, asyncio.IncompleteReadError, HttpProtocolError, TimeoutError, ValueError) as exc:
         run.statuses[type(exc).__name__] += 1
@@ -586,12 +637,31 @@ def add_serve_arguments(parser: object) -> None:
     add("--key", default=os.environ.get("SWITCHYARD_API_KEY", ""))
     add("--model", default="bench")
     add("--rate", type=float, default=None, help="Poisson requests/s; default: all at once (saturation)")
-    add("--num-requests", type=int, default=64)
-    add("--prompt-words", default="16-128")
-    add("--output-len", default="32-128")
+    add("--num-requests", type=int, default=None, help="default 64; or --duration with a --rate")
+    add(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --rate: every request that arrives in this many seconds, instead of --num-requests",
+    )
+    add(
+        "--prompt-len",
+        default=None,
+        metavar="LOW-HIGH",
+        help="prompt lengths in tokens, as the served model's tokenizer counts them (with --url, give "
+        "--tokenizer); default: --prompt-words 16-128",
+    )
+    add("--prompt-words", default=None, metavar="LOW-HIGH", help="prompt lengths in words (default 16-128)")
+    add(
+        "--tokenizer",
+        default=None,
+        help="for --url with --prompt-len: the served model's tokenizer directory",
+    )
+    add("--output-len", default="32-128", metavar="LOW-HIGH", help="each request's max_tokens, drawn from")
     add("--seed", type=int, default=0)
-    add("--sla-ttft-ms", type=float, default=2000.0)
-    add("--sla-tpot-ms", type=float, default=200.0)
+    add("--sla-ttft-ms", type=float, default=2000.0, help="the SLA's TTFT bound (goodput, and at p99)")
+    add("--sla-tpot-ms", type=float, default=200.0, help="the SLA's TPOT bound (goodput, and at p99)")
     add("--compare", action="store_true", help="engine alone vs. gateway + Channels + replica, one run")
     add(
         "--repeat",
@@ -689,18 +759,59 @@ def _table(rows: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def run_serve_from_options(options: dict[str, object], *, default_model_dir: Path, log=print) -> str:  # type: ignore[no-untyped-def]
-    prompt_words, output_len = _range(str(options["prompt_words"])), _range(str(options["output_len"]))
-    spec = LoadSpec(
-        num_requests=int(options["num_requests"]),  # type: ignore[call-overload]
+def _load_spec(options: dict[str, object]) -> LoadSpec:
+    duration, num_requests = options.get("duration"), options.get("num_requests")
+    if duration is not None and num_requests is not None:
+        raise ValueError("give --duration or --num-requests, not both")
+    if options.get("prompt_len") and options.get("prompt_words"):
+        raise ValueError("give --prompt-len (tokens) or --prompt-words, not both")
+    prompt_len = _range(str(options.get("prompt_len") or options.get("prompt_words") or "16-128"))
+    output_len = _range(str(options["output_len"]))
+    return LoadSpec(
+        num_requests=64 if num_requests is None else int(num_requests),  # type: ignore[call-overload]
         rate_per_s=options["rate"],  # type: ignore[arg-type]
-        min_prompt_words=prompt_words[0],
-        max_prompt_words=prompt_words[1],
+        min_prompt_len=prompt_len[0],
+        max_prompt_len=prompt_len[1],
         min_output_tokens=output_len[0],
         max_output_tokens=output_len[1],
         seed=int(options["seed"]),  # type: ignore[call-overload]
+        duration_s=None if duration is None else float(duration),  # type: ignore[arg-type]
     )
-    requests = make_text_workload(spec)
+
+
+def _token_counter(tokenizer_dir: Path) -> Callable[[str], int]:
+    from serving.engine.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    return lambda text: len(tokenizer(text)["input_ids"])
+
+
+def http_report(run: HttpRun, summary: dict[str, float], *, sla_ttft_s: float, sla_tpot_s: float) -> str:
+    """What `bench serve --url` prints: the latency table, whether the run met the SLA at p99, errors by
+    status, the prompts' lengths as the server counted them, and the path's share outside the replica."""
+    p99_ttft_ms, p99_tpot_ms = summary["p99_ttft_ms"], summary["p99_tpot_ms"]
+    met = p99_ttft_ms <= sla_ttft_s * 1000 and p99_tpot_ms <= sla_tpot_s * 1000  # False when NaN
+    within = summary["goodput_req_per_s"] / summary["req_per_s"] if summary["req_per_s"] else 0.0
+    lines = [
+        _table({"through the API": summary}),
+        f"SLA p99 TTFT <= {sla_ttft_s * 1000:.0f} ms and p99 TPOT <= {sla_tpot_s * 1000:.0f} ms: "
+        f"{'met' if met else 'NOT met'} (p99 TTFT {p99_ttft_ms:.1f} ms, p99 TPOT {p99_tpot_ms:.1f} ms); "
+        f"{within:.0%} of completed requests within both (goodput {summary['goodput_req_per_s']:.2f} req/s)",
+        f"statuses: {dict(run.statuses)}",
+    ]
+    if run.prompt_tokens:
+        lines.append(
+            f"prompt tokens (the server's count): min {min(run.prompt_tokens)}, "
+            f"p50 {percentile(run.prompt_tokens, 50):.0f}, max {max(run.prompt_tokens)}"
+        )
+    if run.num_ended_early:
+        lines.append(f"{run.num_ended_early} streams ended (EOS or a stop string) before their max_tokens")
+    lines.append(f"TTFT outside the replica (client - replica, median): {path_ttft_ms(run):.1f} ms")
+    return "\n".join(lines)
+
+
+def run_serve_from_options(options: dict[str, object], *, default_model_dir: Path, log=print) -> str:  # type: ignore[no-untyped-def]
+    spec = _load_spec(options)
     interleaved = bool(options.get("interleaved"))
     if interleaved and (not options["compare"] or spec.rate_per_s or int(options.get("repeat") or 1) > 1):  # type: ignore[call-overload]
         raise ValueError(
@@ -710,18 +821,22 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         "sla_ttft_s": float(options["sla_ttft_ms"]) / 1000,
         "sla_tpot_s": float(options["sla_tpot_ms"]) / 1000,
     }  # type: ignore[arg-type]
+    count_tokens = None
     if not options["compare"]:
         if not options["url"]:
             raise ValueError("give --url and --key of a running platform, or --compare")
+        if options.get("prompt_len"):
+            if not options.get("tokenizer"):
+                raise ValueError(
+                    "--prompt-len counts tokens: give --tokenizer (the served model's tokenizer directory), "
+                    "or size prompts with --prompt-words"
+                )
+            count_tokens = _token_counter(Path(str(options["tokenizer"])))
+        requests = make_text_workload(spec, count_tokens)
         run = asyncio.run(
             run_http_load(str(options["url"]), str(options["key"]), str(options["model"]), requests)
         )
-        summary = summarize(run, **sla)
-        return (
-            _table({"through the API": summary})
-            + f"\nstatuses: {dict(run.statuses)}"
-            + f"\nTTFT outside the replica (client - replica, median): {path_ttft_ms(run):.1f} ms"
-        )
+        return http_report(run, summarize(run, **sla), **sla)
 
     from serving.benchmarks.bench_model import ensure_bench_model
 
@@ -730,6 +845,9 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         if options["model_dir"]
         else ensure_bench_model(default_model_dir, log=log)
     )
+    if options.get("prompt_len"):
+        count_tokens = _token_counter(model_dir)
+    requests = make_text_workload(spec, count_tokens)
     engine_env = {
         "SWITCHYARD_MAX_NUM_SEQS": str(options["max_num_seqs"]),
         "SWITCHYARD_MAX_NUM_BATCHED_TOKENS": str(options["max_num_batched_tokens"]),
@@ -778,7 +896,9 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
             for index in range(num_rounds):
                 seed = spec.seed + index
                 workload = (
-                    requests if index == 0 else make_text_workload(dataclasses.replace(spec, seed=seed))
+                    requests
+                    if index == 0
+                    else make_text_workload(dataclasses.replace(spec, seed=seed), count_tokens)
                 )
                 api_first = index % 2 == 1
                 first = "API" if api_first else "engine alone"

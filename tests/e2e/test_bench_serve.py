@@ -25,3 +25,27 @@ def test_bench_serve_reports_latency_and_the_time_outside_the_replica(platform_s
     # The replica's own TTFT (its final event's timings) is part of what the client saw, so the rest is
     # positive and smaller than the whole.
     assert 0 < outside_ms < p50_ttft_ms
+
+
+def test_bench_serve_runs_for_a_duration_with_prompts_sized_in_tokens(
+    platform_server, demo_model_dir
+) -> None:
+    # The issue's own command line: a rate and a duration, prompt lengths in tokens. The demo model's
+    # tokenizer is the one the fixture builds (the same training, whatever the model's size).
+    out = StringIO()
+    call_command(
+        "bench",
+        "serve",
+        *("--url", platform_server.url, "--key", platform_server.key, "--model", "demo-chat"),
+        *("--rate", "20", "--duration", "0.5", "--seed", "4"),
+        *("--prompt-len", "6-12", "--tokenizer", str(demo_model_dir), "--output-len", "2-4"),
+        stdout=out,
+    )
+    text = out.getvalue()
+    num_requests = int(re.search(r"requests\s+([\d.]+)", text).group(1).split(".")[0])  # type: ignore[union-attr]
+    assert num_requests >= 3  # ~10 arrive in 0.5 s at 20/s
+    assert f"statuses: {{'200': {num_requests}}}" in text
+    # As the server counted them (the final events' usage), the prompts are the lengths asked for.
+    low, high = (int(n) for n in re.search(r"min (\d+), p50 \d+, max (\d+)", text).groups())  # type: ignore[union-attr]
+    assert 6 <= low <= high <= 12
+    assert re.search(r"SLA p99 TTFT <= 2000 ms and p99 TPOT <= 200 ms: (met|NOT met)", text)

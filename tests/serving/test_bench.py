@@ -339,3 +339,94 @@ def test_interleaved_refuses_a_rate_or_rounds() -> None:
         run_serve_from_options(options, default_model_dir=Path("unused"))
     with pytest.raises(ValueError, match="one request at a time"):
         run_serve_from_options({**options, "rate": None, "repeat": 3}, default_model_dir=Path("unused"))
+
+
+def test_a_duration_sends_every_request_that_arrives_in_it() -> None:
+    from serving.benchmarks.serve_bench import LoadSpec, make_text_workload
+
+    timed = make_text_workload(LoadSpec(rate_per_s=4.0, duration_s=10.0, seed=5))
+    assert 20 < len(timed) < 60  # ~40 at 4/s
+    assert all(r.arrival_s < 10.0 for r in timed)
+    # The same seed by count: the same requests, and the next one would arrive after the window.
+    counted = make_text_workload(LoadSpec(num_requests=len(timed) + 1, rate_per_s=4.0, seed=5))
+    assert counted[:-1] == timed
+    assert counted[-1].arrival_s >= 10.0
+    with pytest.raises(ValueError, match="--rate"):
+        make_text_workload(LoadSpec(duration_s=10.0))  # all at once has no duration
+
+
+def _count_like_a_tokenizer(text: str) -> int:
+    """A start token, then a token per word of up to 4 letters and two per longer word."""
+    return 1 + sum(1 if len(word) <= 4 else 2 for word in text.split())
+
+
+def test_prompt_lengths_in_tokens_are_met_exactly_where_the_words_allow() -> None:
+    from serving.benchmarks.serve_bench import LoadSpec, make_text_workload
+
+    spec = LoadSpec(num_requests=40, min_prompt_len=3, max_prompt_len=50, seed=2)
+    by_words = make_text_workload(spec)
+    by_tokens = make_text_workload(spec, _count_like_a_tokenizer)
+    for words, tokens in zip(by_words, by_tokens, strict=True):
+        target = len(words.text.split())  # the same draw: the length asked for
+        assert _count_like_a_tokenizer(tokens.text) == target
+        assert (tokens.arrival_s, tokens.max_tokens) == (words.arrival_s, words.max_tokens)
+
+
+def test_prompt_lengths_in_tokens_on_a_real_tokenizer(demo_model_dir: Path) -> None:
+    from serving.benchmarks.serve_bench import LoadSpec, _token_counter, make_text_workload
+
+    count_tokens = _token_counter(demo_model_dir)
+    requests = make_text_workload(
+        LoadSpec(num_requests=30, min_prompt_len=8, max_prompt_len=40), count_tokens
+    )
+    assert all(8 <= count_tokens(r.text) <= 40 for r in requests)
+
+
+def test_bench_serve_options_that_contradict_each_other_are_refused() -> None:
+    from serving.benchmarks.serve_bench import run_serve_from_options
+
+    options: dict[str, object] = {
+        "url": "http://127.0.0.1:9",
+        "key": "k",
+        "model": "m",
+        "output_len": "2-4",
+        "rate": 2.0,
+        "seed": 0,
+        "sla_ttft_ms": 1000.0,
+        "sla_tpot_ms": 100.0,
+        "compare": False,
+    }
+    unused = Path("unused")
+    with pytest.raises(ValueError, match="--duration or --num-requests"):
+        run_serve_from_options({**options, "duration": 5.0, "num_requests": 8}, default_model_dir=unused)
+    with pytest.raises(ValueError, match=r"--prompt-len .* or --prompt-words"):
+        run_serve_from_options({**options, "prompt_len": "8", "prompt_words": "8"}, default_model_dir=unused)
+    with pytest.raises(ValueError, match="--tokenizer"):
+        run_serve_from_options({**options, "prompt_len": "8-16"}, default_model_dir=unused)
+
+
+async def test_a_stream_the_model_ends_early_counts_at_its_length() -> None:
+    from serving.benchmarks.serve_bench import TextRequest, http_report, run_http_load, summarize
+
+    def reply(num_tokens: int, finish_reason: str) -> list[bytes]:
+        events = b'data: {"token": "a"}\n\n' * num_tokens
+        events += b'data: {"finish_reason": "%s", "usage": {"prompt_tokens": 7}}\n\n' % finish_reason.encode()
+        return [SSE_HEAD, chunk(events), b"0\r\n\r\n"]
+
+    requests = [TextRequest("full", 0.0, "x", 3), TextRequest("eos", 0.0, "y", 3)]
+    server = ScriptedServer([reply(3, "length"), reply(1, "stop")])
+    async with server.running():
+        run = await run_http_load(server.url, "k", "m", requests)
+    assert sorted(r.num_output_tokens for r in run.records) == [1, 3]
+    assert all(r.is_complete for r in run.records)  # the EOS one too: its latencies count
+    assert run.num_ended_early == 1
+    assert run.prompt_tokens == [7, 7]
+    summary = summarize(run, sla_ttft_s=60.0, sla_tpot_s=60.0)
+    assert summary["complete"] == 2
+    report = http_report(run, summary, sla_ttft_s=60.0, sla_tpot_s=60.0)
+    assert "and p99 TPOT <= 60000 ms: met" in report
+    assert "100% of completed requests within both" in report
+    assert "prompt tokens (the server's count): min 7, p50 7, max 7" in report
+    assert "1 streams ended (EOS or a stop string) before their max_tokens" in report
+    strict = summarize(run, sla_ttft_s=0.0, sla_tpot_s=60.0)
+    assert ": NOT met (" in http_report(run, strict, sla_ttft_s=0.0, sla_tpot_s=60.0)
