@@ -1,7 +1,12 @@
 """A circuit breaker per replica, in each gateway process: after `failure_threshold` consecutive
-failures (a refused or failed submission, a replica that died under a request) the replica gets no
-traffic for `open_s`; then one trial request is let through (half-open), and its outcome closes the
-breaker or opens it again."""
+failures (a refused or failed submission, a replica that died under a request), or at once when its
+heartbeats stop (`trip`), the replica gets no traffic for `open_s`; then one trial request is let
+through (half-open), and its outcome closes the breaker or opens it again.
+
+Choosing a replica asks `allows` of every candidate and `claim`s only the one chosen, so a half-open
+replica that was a candidate but not the choice still has its trial to come. A trial whose outcome never
+arrives (its client left, or it ended in a request-level error, which says nothing of the replica) stops
+counting after `open_s`, and the next request is the trial."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 class _State:
     num_failures: int = 0
     opened_at: float | None = None
-    is_trial_in_flight: bool = False
+    trial_started_at: float | None = None
 
 
 class CircuitBreaker:
@@ -29,14 +34,28 @@ class CircuitBreaker:
         self._lock = threading.Lock()
 
     def allows(self, replica_id: str) -> bool:
+        """Whether the replica may be chosen now: closed, or half-open with no trial running. Claims
+        nothing; `claim` the replica chosen."""
         with self._lock:
-            state = self._states.get(replica_id)
-            if state is None or state.opened_at is None:
-                return True
-            if self._clock() - state.opened_at < self._open_s or state.is_trial_in_flight:
+            return self._allows(self._states.get(replica_id), self._clock())
+
+    def claim(self, replica_id: str) -> bool:
+        """For the replica chosen, just before a request goes to it: True if it may. While half-open,
+        only the first claim is true, and that request is the trial."""
+        with self._lock:
+            state, now = self._states.get(replica_id), self._clock()
+            if not self._allows(state, now):
                 return False
-            state.is_trial_in_flight = True  # half-open: this caller is the one trial
+            if state is not None and state.opened_at is not None:
+                state.trial_started_at = now
             return True
+
+    def _allows(self, state: _State | None, now: float) -> bool:
+        if state is None or state.opened_at is None:
+            return True
+        if now - state.opened_at < self._open_s:
+            return False
+        return state.trial_started_at is None or now - state.trial_started_at >= self._open_s
 
     def is_open(self, replica_id: str) -> bool:
         with self._lock:
@@ -47,11 +66,17 @@ class CircuitBreaker:
         with self._lock:
             self._states.pop(replica_id, None)
 
+    def trip(self, replica_id: str) -> None:
+        """Open now, whatever the count: the replica's heartbeats stopped."""
+        with self._lock:
+            state = self._states.setdefault(replica_id, _State())
+            state.opened_at, state.trial_started_at = self._clock(), None
+
     def record_failure(self, replica_id: str) -> None:
         with self._lock:
             state = self._states.setdefault(replica_id, _State())
             state.num_failures += 1
-            state.is_trial_in_flight = False
+            state.trial_started_at = None
             if state.opened_at is not None or state.num_failures >= self._failure_threshold:
                 state.opened_at = self._clock()
 

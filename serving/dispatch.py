@@ -108,6 +108,9 @@ class Dispatch:
             if r.is_ready and r.replica_id not in exclude and breaker.allows(r.replica_id)
         ]
         replica = choose_replica(candidates, rng=_rng)
+        while replica is not None and not breaker.claim(replica.replica_id):
+            candidates.remove(replica)  # half-open, and its one trial went to another request meanwhile
+            replica = choose_replica(candidates, rng=_rng)
         if replica is None:
             if charge is not None:
                 # Over quota is still the answer with nothing to serve the request: 429 before 503.
@@ -152,6 +155,7 @@ class Dispatch:
                 await self._retry()
                 return
             raise GatewayError(503, error.get("message", "the replica refused the request"), retry_after_s=2)
+        breaker.record_success(replica.replica_id)  # it took the request: a half-open trial has passed
         self.num_prompt_tokens = int(first.get("num_prompt_tokens", 0))
 
     async def _retry(self) -> None:

@@ -18,6 +18,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from registry.selectors import VersionRef, versions_with_traffic
+from serving.breaker import breaker
 from serving.replica import Replica, ReplicaState
 from serving.replica_directory import Heartbeat, ReplicaDirectory
 from serving.router import REVALIDATE_S, routing_cache
@@ -124,8 +125,13 @@ class Runtime:
         if self.directory is not None:
             local_ids = {h.replica_id for h in handles}
             for beat in await self.directory.replicas(model_name, version, allow_stale=True):
-                if beat.replica_id not in local_ids:
-                    handles.append(_remote_handle(beat))
+                if beat.replica_id in local_ids:
+                    continue
+                if beat.state == "ready" and not beat.is_fresh:
+                    # Missed heartbeats open its breaker: should they resume, it waits out the open
+                    # period and then takes one trial request before it gets its share again.
+                    breaker.trip(beat.replica_id)
+                handles.append(_remote_handle(beat))
         return handles
 
     async def is_alive(self, handle: ReplicaHandle) -> bool:

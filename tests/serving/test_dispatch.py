@@ -22,22 +22,39 @@ def test_breaker_opens_after_consecutive_failures_then_lets_one_trial_through() 
     breaker = CircuitBreaker(failure_threshold=3, open_s=5.0, clock=clock)
     for _ in range(2):
         breaker.record_failure("r1")
-    assert breaker.allows("r1")
+    assert breaker.allows("r1") and breaker.claim("r1")
     breaker.record_success("r1")  # a success resets the count
     for _ in range(3):
         breaker.record_failure("r1")
-    assert not breaker.allows("r1")
+    assert not breaker.allows("r1") and not breaker.claim("r1")
     assert breaker.allows("r2")
     clock.now = 5.1
-    assert breaker.allows("r1")  # half-open: one trial
-    assert not breaker.allows("r1")  # and only one
+    assert breaker.allows("r1") and breaker.allows("r1")  # half-open; asking claims nothing
+    assert breaker.claim("r1")  # the one trial
+    assert not breaker.allows("r1") and not breaker.claim("r1")  # and only one
     breaker.record_failure("r1")  # the trial failed: open again
     assert not breaker.allows("r1")
     clock.now = 10.2
-    assert breaker.allows("r1")
+    assert breaker.claim("r1")
     breaker.record_success("r1")
-    assert breaker.allows("r1")
-    assert breaker.allows("r1")
+    assert breaker.claim("r1") and breaker.claim("r1")
+
+
+def test_a_half_open_replica_keeps_its_trial_until_one_is_sent_and_an_unanswered_trial_expires() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=1, open_s=5.0, clock=clock)
+    breaker.record_failure("r1")
+    clock.now = 6.0
+    # A candidate many times over, never the one chosen: it still has its trial.
+    for _ in range(10):
+        assert breaker.allows("r1")
+    assert breaker.claim("r1")
+    # The trial's client leaves before any outcome: no success, no failure. After open_s, another trial.
+    clock.now = 10.9
+    assert not breaker.allows("r1")
+    clock.now = 11.1
+    assert breaker.claim("r1")
+    assert not breaker.claim("r1")
 
 
 async def test_a_request_whose_replica_dies_before_its_first_token_is_retried_elsewhere(
@@ -124,3 +141,34 @@ async def test_an_over_quota_request_sends_nothing_to_a_replica(
             )
         assert refused.value.status == 429
     assert sent == [SUBMIT]
+
+
+async def test_a_replica_that_misses_its_heartbeats_waits_out_the_open_breaker_when_it_returns() -> None:
+    import time
+
+    from channels.layers import InMemoryChannelLayer
+
+    from serving.breaker import breaker
+    from serving.replica_directory import STALE_AFTER_S, Heartbeat
+    from serving.runtime import Runtime
+
+    class Directory:  # what the other processes' heartbeats say (Redis in production)
+        sent_at = time.time() - STALE_AFTER_S - 1  # its last beat: missed ones since
+
+        async def replicas(self, model_name: str, version: str, *, allow_stale: bool) -> list[Heartbeat]:
+            beat = Heartbeat(
+                "far", model_name, version, "switchyard.replica.x", "ready", 0, 0, 0.0, self.sent_at
+            )
+            return [beat]
+
+    runtime = Runtime(InMemoryChannelLayer())
+    runtime.directory = Directory()  # type: ignore[assignment]
+    try:
+        assert breaker.allows("far")
+        (stale,) = await runtime.candidates("m", "v1")
+        assert not stale.is_ready and breaker.is_open("far")
+        Directory.sent_at = time.time()  # it beats again: ready, but the breaker holds it back a while
+        (back,) = await runtime.candidates("m", "v1")
+        assert back.is_ready and not breaker.allows("far")
+    finally:
+        breaker.record_success("far")  # leave no state for other tests
