@@ -4,15 +4,19 @@ Auth by the `Authorization: Bearer` header of the handshake, or by a first messa
 `{"type": "auth", "api_key": "..."}`. Then `{"type": "infer", "input": ..., "max_tokens": ..., ...}` (the
 /infer body without `stream`) starts a generation; the server answers `{"type": "token", "token", "index"}`
 per token and `{"type": "done", "finish_reason", "usage", "timings", "version"}` at the end, or
-`{"type": "error", "error": {"type", "message"}}`. `{"type": "cancel"}` stops the generation in flight and
-frees its blocks on the replica. One generation at a time per connection. A client that stops reading
-is cut off (serving/streams.py): its generation is aborted, and once it reads again it gets an error
-of type "slow_reader" and the connection closes with code 4408."""
+`{"type": "error", "error": {"type", "message"}}`; an error that ends a generation also carries
+`"finish_reason": "error"` and the version that served it. `{"type": "cancel"}` stops the generation in
+flight and frees its blocks on the replica. One generation at a time per connection. A client that
+stops reading is cut off (serving/streams.py): its generation is aborted, and once it reads again it
+gets an error of type "slow_reader" and the connection closes with code 4408. A frame that is not a
+JSON text message gets an error and the connection closes: 1003 for a binary frame, 1007 for text that
+is not JSON (RFC 6455's codes for data the endpoint cannot take)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
@@ -25,6 +29,8 @@ from serving.requests import parse_infer
 
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_SLOW_READER = 4408
+CLOSE_UNSUPPORTED_DATA = 1003
+CLOSE_INVALID_PAYLOAD = 1007
 
 
 class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
@@ -53,6 +59,21 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     async def _error(self, exc: GatewayError) -> None:
         await self.send_json({"type": "error", **error_body(exc.status, exc.message)})
 
+    async def receive(
+        self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
+    ) -> None:
+        if text_data is None:
+            await self._error(GatewayError(400, "send JSON messages in text frames, not binary ones"))
+            await self.close(code=CLOSE_UNSUPPORTED_DATA)
+            return
+        try:
+            content = json.loads(text_data)
+        except ValueError:
+            await self._error(GatewayError(400, "the message is not JSON"))
+            await self.close(code=CLOSE_INVALID_PAYLOAD)
+            return
+        await self.receive_json(content)
+
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         kind = content.get("type") if isinstance(content, dict) else None
         if kind == "auth":
@@ -74,14 +95,17 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             await self._error(GatewayError(409, "a generation is already running on this connection"))
             return
         body = {k: v for k, v in content.items() if k not in {"type", "version_pin"}}
+        pin = content.get("version_pin")
         try:
+            if pin is not None and not isinstance(pin, str):
+                raise GatewayError(400, "version_pin must be a string")
             request = parse_infer(body)
             if request.stream:
                 raise GatewayError(400, "stream is implied on a WebSocket")
             handle = await dispatch(
                 context=self.context,
                 path_model=self.scope["url_route"]["kwargs"]["model"],
-                pin=content.get("version_pin") or self._header(b"x-version-pin"),
+                pin=pin or self._header(b"x-version-pin"),
                 params=request.sampling_params(),
                 text=request.input,
             )
@@ -96,7 +120,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                 if "token" in event:
                     await self.send_json({"type": "token", "token": event["token"], "index": event["index"]})
                 elif event.get("finish_reason") == "error":
-                    await self.send_json({"type": "error", "error": event.get("error", {})})
+                    await self.send_json(_final_error(handle, event.get("error", {})))
                 else:
                     await self.send_json({"type": "done", "version": handle.version, **event})
         except asyncio.CancelledError:
@@ -105,7 +129,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             with contextlib.suppress(Exception):
                 if handle.is_cut_off:
                     error = {"type": SLOW_READER, "message": SLOW_READER_MESSAGE}
-                    await self.send_json({"type": "error", "error": error})
+                    await self.send_json(_final_error(handle, error))
                     await self.close(code=CLOSE_SLOW_READER)
                 else:
                     await self.send_json(
@@ -128,3 +152,8 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
 
     async def disconnect(self, code: int) -> None:
         await self._cancel()
+
+
+def _final_error(handle: Dispatch, error: dict[str, Any]) -> dict[str, Any]:
+    """The error that ends a generation: it says so, as a done message would, and which version served it."""
+    return {"type": "error", "finish_reason": "error", "version": handle.version, "error": error}

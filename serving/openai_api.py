@@ -105,7 +105,10 @@ async def _stream(
                 if event["token"]:
                     yield _sse(chunk(event["token"], None))
             elif event.get("finish_reason") == "error":
-                yield _sse({"error": event.get("error", {"type": "internal_error", "message": "failed"})})
+                # The choice ends with finish_reason "error"; the error object is what the openai client
+                # raises on (APIError) instead of taking the stream as finished.
+                error = event.get("error", {"type": "internal_error", "message": "failed"})
+                yield _sse({**chunk(None, "error"), "error": error})
             else:
                 final = chunk(None, _finish_reason(event))
                 yield _sse(final)

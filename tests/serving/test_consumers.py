@@ -63,6 +63,47 @@ async def test_bad_requests_get_the_json_error_and_the_socket_stays_usable(acme)
     await ws.disconnect()
 
 
+async def test_a_wrongly_typed_version_pin_is_a_json_error_not_a_crash(acme) -> None:
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1, "version_pin": 5})
+    error = await ws.receive_json_from()
+    assert error["error"] == {"type": "invalid_request_error", "message": "version_pin must be a string"}
+    # A string reaches the gateway's pin check (acme may not pin), and the socket stays usable.
+    await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1, "version_pin": "v1"})
+    assert "may not pin" in (await ws.receive_json_from())["error"]["message"]
+    await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1})
+    assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(2)] == ["token", "done"]
+    await ws.disconnect()
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [({"text_data": "{not json"}, 1007), ({"bytes_data": b'{"type": "infer"}'}, 1003)],
+    ids=["text that is not JSON", "a binary frame"],
+)
+async def test_a_frame_that_is_not_a_json_text_message_gets_an_error_and_a_close_code(
+    acme, frame: dict[str, object], code: int
+) -> None:
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    await ws.send_to(**frame)
+    assert (await ws.receive_json_from())["error"]["type"] == "invalid_request_error"
+    assert await ws.receive_output() == {"type": "websocket.close", "code": code}
+
+
+async def test_a_handshake_from_another_sites_page_is_refused_and_clients_without_an_origin_are_not(
+    acme,
+) -> None:
+    auth = (b"authorization", f"Bearer {acme.key}".encode())
+    foreign = WebsocketCommunicator(application, PATH, headers=[(b"origin", b"http://evil.example"), auth])
+    connected, _ = await foreign.connect()
+    assert not connected
+    for headers in ([(b"origin", b"http://localhost:8000"), auth], [auth]):  # this site's page; a script
+        ws = await _connect(headers)
+        await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1})
+        assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(2)] == ["token", "done"]
+        await ws.disconnect()
+
+
 async def test_cancel_stops_the_generation_and_frees_the_replica(acme, runtime) -> None:
     ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
     await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2000, "temperature": 0})

@@ -126,6 +126,8 @@ async def test_a_websocket_client_that_stops_reading_is_cut_off_and_told_why_whe
     assert len(messages) - 1 < MAX_TOKENS
     assert messages[-1] == {
         "type": "error",
+        "finish_reason": "error",
+        "version": "v1",
         "error": {"type": "slow_reader", "message": "the client fell too far behind the stream"},
     }
     assert client.sent[-1] == {"type": "websocket.close", "code": CLOSE_SLOW_READER}
