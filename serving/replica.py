@@ -55,7 +55,7 @@ from serving.faults import INJECTED_FAULT, Faults, check_fault_injection_allowed
 from serving.metrics import MetricsRecorder, RequestSample, StepSample, register_recorder, unregister_recorder
 from serving.replica_directory import HEARTBEAT_INTERVAL_S, Heartbeat, HeartbeatPublisher
 from serving.shadow import SHADOW_RESULT
-from serving.streams import STEP_MESSAGE
+from serving.streams import STEP_MESSAGE, ReplyHub
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +150,12 @@ class Replica:
         publisher: HeartbeatPublisher | None = None,
         faults: Faults | None = None,
         torch_threads: int | None = None,
+        local_hub: ReplyHub | None = None,
     ) -> None:
         """`layer` brings submissions and aborts; steps go back on `replies` (None: on `layer`). `faults`
-        None: whatever settings.FAULTS sets for this version (normally nothing)."""
+        None: whatever settings.FAULTS sets for this version (normally nothing). `local_hub`: the reply
+        hub of this process (embedded), which gets the steps for its inbox handed to it on the loop
+        rather than sent through `replies`."""
         self.ref = ref
         self.replica_id = uuid.uuid4().hex[:12]
         self.state = ReplicaState.LOADING
@@ -160,6 +163,10 @@ class Replica:
         self.error: str | None = None
         self._layer = layer
         self._replies = layer if replies is None else replies
+        # Embedded, a step sent through the in-memory layer is deep-copied, queued, and waits for the
+        # hub's task to wake: Python on the loop, holding the GIL while the model thread runs the next
+        # step (each step's delivery cost it ~2 GIL waits; docs/benchmarks.md, "Thirteenth machine").
+        self._local_hub = local_hub
         # The model thread's own publisher where the reply layer offers one (Redis); else the loop sends.
         make_publisher = getattr(self._replies, "blocking_publisher", None)
         self._step_publisher: Any = make_publisher() if make_publisher is not None else None
@@ -456,7 +463,14 @@ class Replica:
         while True:
             outgoing = await self._outbox.get()
             for inbox, items in outgoing.result.events_by_inbox.items():
-                await self._send(inbox, items)
+                hub = self._local_hub
+                if hub is not None and inbox == hub.channel_name:
+                    try:
+                        hub.deliver(_step_message(items))
+                    except Exception:
+                        logger.exception("replica %s: could not deliver a step to %s", self.replica_id, inbox)
+                else:
+                    await self._send(inbox, items)
             self._unsent.release()
             if outgoing.is_engine_empty and outgoing.num_taken == self._num_queued:
                 self._idle.set()

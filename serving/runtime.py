@@ -197,6 +197,7 @@ class Runtime:
                 layer=self.layer,
                 replies=self.replies,
                 torch_threads=settings.REPLICA_TORCH_THREADS or settings.EMBEDDED_TORCH_THREADS,
+                local_hub=self.hub,
             )
             self.replicas[key] = replica
             asyncio.get_running_loop().create_task(replica.start(), name=f"replica-start-{ref.version}")

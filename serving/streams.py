@@ -70,19 +70,24 @@ class ReplyHub:
                 logger.exception("reply hub: receive failed; retrying")
                 await asyncio.sleep(0.1)
                 continue
-            if message.get("type") != STEP_MESSAGE:
-                continue
-            for item in message.get("items", ()):
-                request_id = item.get("request_id")
-                entry = self._queues.get(request_id)
-                if entry is None:
-                    continue  # the client went away; its abort is already on its way to the replica
-                queue, on_backlog = entry
-                for event in item.get("events", ()):
-                    queue.put_nowait(event)
-                if queue.qsize() > settings.STREAM_MAX_BACKLOG_EVENTS:
-                    del self._queues[request_id]
-                    on_backlog()
+            self.deliver(message)
+
+    def deliver(self, message: dict[str, Any]) -> None:
+        """Hand a step's events to the queues of the requests they belong to. On the loop: from the
+        receiving task, or directly from a replica in this process (Replica's `local_hub`)."""
+        if message.get("type") != STEP_MESSAGE:
+            return
+        for item in message.get("items", ()):
+            request_id = item.get("request_id")
+            entry = self._queues.get(request_id)
+            if entry is None:
+                continue  # the client went away; its abort is already on its way to the replica
+            queue, on_backlog = entry
+            for event in item.get("events", ()):
+                queue.put_nowait(event)
+            if queue.qsize() > settings.STREAM_MAX_BACKLOG_EVENTS:
+                del self._queues[request_id]
+                on_backlog()
 
 
 async def iterate_events(

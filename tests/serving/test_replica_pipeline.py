@@ -127,6 +127,33 @@ async def test_the_engine_runs_a_request_to_its_end_while_the_sends_are_held(reg
         await replica.stop()
 
 
+async def test_steps_for_the_local_hubs_inbox_are_handed_to_it_not_sent_through_the_layer(
+    registered_model,
+) -> None:
+    from registry.selectors import version_ref
+    from serving.streams import ReplyHub
+
+    replies = HeldReplies()  # never let go: a step sent through it would never arrive
+    layer = InMemoryChannelLayer()
+    hub = ReplyHub(layer)
+    hub.channel_name = INBOX  # as start() would name it, without its receiving task
+    queue = hub.open("r1", on_backlog=lambda: None)
+    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
+    replica = Replica(ref, layer=layer, replies=replies, torch_threads=1, local_hub=hub)
+    await replica.start()
+    try:
+        await _submit(layer, replica, "r1", max_tokens=6)
+        events = [await asyncio.wait_for(queue.get(), timeout=30)]
+        while "finish_reason" not in events[-1]:
+            events.append(await asyncio.wait_for(queue.get(), timeout=30))
+        _assert_one_whole_stream(events, num_tokens=6)
+        assert replies.messages == []
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+    finally:
+        replies.let_go()
+        await replica.stop()
+
+
 async def test_the_model_thread_waits_when_the_loop_falls_behind(registered_model, monkeypatch) -> None:
     from serving import replica as replica_module
 
