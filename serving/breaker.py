@@ -4,9 +4,11 @@ heartbeats stop (`trip`), the replica gets no traffic for `open_s`; then one tri
 through (half-open), and its outcome closes the breaker or opens it again.
 
 Choosing a replica asks `allows` of every candidate and `claim`s only the one chosen, so a half-open
-replica that was a candidate but not the choice still has its trial to come. A trial whose outcome never
-arrives (its client left, or it ended in a request-level error, which says nothing of the replica) stops
-counting after `open_s`, and the next request is the trial."""
+replica that was a candidate but not the choice still has its trial to come. The trial ends when the
+replica accepts the request (`record_accepted`, closed) or fails it (`record_failure`, open again); a
+trial that ends without a verdict (refused by quota before it was sent, a full queue, a request-level
+error, a client gone before the acceptance) is `release`d, and the next request is the trial. A claim
+nobody settles (a bug) stops counting after `trial_timeout_s`."""
 
 from __future__ import annotations
 
@@ -25,10 +27,16 @@ class _State:
 
 class CircuitBreaker:
     def __init__(
-        self, *, failure_threshold: int = 3, open_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        failure_threshold: int = 3,
+        open_s: float = 5.0,
+        trial_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._failure_threshold = failure_threshold
         self._open_s = open_s
+        self._trial_timeout_s = trial_timeout_s
         self._clock = clock
         self._states: dict[str, _State] = {}
         self._lock = threading.Lock()
@@ -55,7 +63,22 @@ class CircuitBreaker:
             return True
         if now - state.opened_at < self._open_s:
             return False
-        return state.trial_started_at is None or now - state.trial_started_at >= self._open_s
+        return state.trial_started_at is None or now - state.trial_started_at >= self._trial_timeout_s
+
+    def release(self, replica_id: str) -> None:
+        """A claimed trial ended without a verdict on the replica: the next request may be the trial."""
+        with self._lock:
+            state = self._states.get(replica_id)
+            if state is not None:
+                state.trial_started_at = None
+
+    def record_accepted(self, replica_id: str) -> None:
+        """The replica took a request: a half-open breaker closes. A closed one keeps its count, so that
+        failures after acceptance (a replica that dies mid-stream) still add up."""
+        with self._lock:
+            state = self._states.get(replica_id)
+            if state is not None and state.opened_at is not None:
+                del self._states[replica_id]
 
     def is_open(self, replica_id: str) -> bool:
         with self._lock:

@@ -127,35 +127,47 @@ class Dispatch:
         # Set before the send: a request cancelled during it may have reached the replica, and close()
         # aborts it there. A refusal is known to have sent nothing: a 429 never touches a replica.
         self.replica = replica
+        is_trial = breaker.is_open(replica.replica_id)  # claimed while half-open: this is its one trial
+        has_verdict = False  # whether the replica's breaker has been told how this went
         try:
-            if charge is None:
-                await layer.send(replica.channel_name, message)
-            else:
-                context, tokens = charge
-                self._ticket = await gateway.quota_store().aadmit_and_send(
-                    context, tokens=tokens, layer=layer, channel=replica.channel_name, message=message
+            try:
+                if charge is None:
+                    await layer.send(replica.channel_name, message)
+                else:
+                    context, tokens = charge
+                    self._ticket = await gateway.quota_store().aadmit_and_send(
+                        context, tokens=tokens, layer=layer, channel=replica.channel_name, message=message
+                    )
+            except GatewayError:
+                self.replica = None
+                raise
+            except ChannelFull as exc:
+                self.replica = None
+                raise GatewayError(503, "the replica's queue is full", retry_after_s=1) from exc
+            first = await self._next_event(timeout_s=ACCEPT_TIMEOUT_S)
+            if first.get("finish_reason") == "error":
+                error = first["error"]
+                if error.get("type") == "invalid_request_error":
+                    breaker.record_accepted(replica.replica_id)  # it answered: alive
+                    has_verdict = True
+                    self.is_finished = True
+                    raise GatewayError(400, error.get("message", "invalid request"))
+                if error.get("type") not in REPLICA_FAILURES:
+                    self._first_event = first  # a request-level failure: the client sees it as a stream error
+                    return
+                breaker.record_failure(replica.replica_id)
+                has_verdict = True
+                if self.num_retries == 0:
+                    await self._retry()
+                    return
+                raise GatewayError(
+                    503, error.get("message", "the replica refused the request"), retry_after_s=2
                 )
-        except GatewayError:
-            self.replica = None
-            raise
-        except ChannelFull as exc:
-            self.replica = None
-            raise GatewayError(503, "the replica's queue is full", retry_after_s=1) from exc
-        first = await self._next_event(timeout_s=ACCEPT_TIMEOUT_S)
-        if first.get("finish_reason") == "error":
-            error = first["error"]
-            if error.get("type") == "invalid_request_error":
-                self.is_finished = True
-                raise GatewayError(400, error.get("message", "invalid request"))
-            if error.get("type") not in REPLICA_FAILURES:
-                self._first_event = first  # a request-level failure: the client sees it as a stream error
-                return
-            breaker.record_failure(replica.replica_id)
-            if self.num_retries == 0:
-                await self._retry()
-                return
-            raise GatewayError(503, error.get("message", "the replica refused the request"), retry_after_s=2)
-        breaker.record_success(replica.replica_id)  # it took the request: a half-open trial has passed
+            breaker.record_accepted(replica.replica_id)  # it took the request: a half-open trial passed
+            has_verdict = True
+        finally:
+            if is_trial and not has_verdict:  # it says nothing of the replica: the next request may try
+                breaker.release(replica.replica_id)
         self.num_prompt_tokens = int(first.get("num_prompt_tokens", 0))
 
     async def _retry(self) -> None:

@@ -26,6 +26,9 @@ _CACHE_S = 0.25
 # heartbeat old anyway, and one that stopped is caught by its heartbeat's age (is_ready) or by the
 # circuit breaker.
 _SERVE_STALE_S = 1.0
+# A beat older than the stale limit plus the cache's age was missed, not merely read from a cache: the
+# runtime opens the replica's circuit breaker on it (serving/breaker.py).
+MISSED_AFTER_S = STALE_AFTER_S + _SERVE_STALE_S
 KEY_PREFIX = "switchyard:replicas:"
 
 
@@ -52,6 +55,10 @@ class Heartbeat:
     @property
     def is_fresh(self) -> bool:
         return time.time() - self.sent_at < STALE_AFTER_S
+
+    @property
+    def has_missed_beats(self) -> bool:
+        return time.time() - self.sent_at >= MISSED_AFTER_S
 
     @property
     def is_ready(self) -> bool:

@@ -127,7 +127,7 @@ class Runtime:
             for beat in await self.directory.replicas(model_name, version, allow_stale=True):
                 if beat.replica_id in local_ids:
                     continue
-                if beat.state == "ready" and not beat.is_fresh:
+                if beat.state == "ready" and beat.has_missed_beats:
                     # Missed heartbeats open its breaker: should they resume, it waits out the open
                     # period and then takes one trial request before it gets its share again.
                     breaker.trip(beat.replica_id)

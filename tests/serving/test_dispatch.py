@@ -40,21 +40,86 @@ def test_breaker_opens_after_consecutive_failures_then_lets_one_trial_through() 
     assert breaker.claim("r1") and breaker.claim("r1")
 
 
-def test_a_half_open_replica_keeps_its_trial_until_one_is_sent_and_an_unanswered_trial_expires() -> None:
+def test_a_half_open_replica_keeps_its_trial_until_one_is_sent_and_the_trial_then_ends() -> None:
     clock = FakeClock()
-    breaker = CircuitBreaker(failure_threshold=1, open_s=5.0, clock=clock)
+    breaker = CircuitBreaker(failure_threshold=1, open_s=5.0, trial_timeout_s=30.0, clock=clock)
     breaker.record_failure("r1")
     clock.now = 6.0
     # A candidate many times over, never the one chosen: it still has its trial.
     for _ in range(10):
         assert breaker.allows("r1")
+    assert breaker.claim("r1") and not breaker.claim("r1")
+    breaker.release("r1")  # the trial said nothing of the replica (refused by quota, say): another may try
     assert breaker.claim("r1")
-    # The trial's client leaves before any outcome: no success, no failure. After open_s, another trial.
-    clock.now = 10.9
+    # A claim nobody settles stops counting after trial_timeout_s.
+    clock.now = 35.9
     assert not breaker.allows("r1")
-    clock.now = 11.1
+    clock.now = 36.1
     assert breaker.claim("r1")
-    assert not breaker.claim("r1")
+    breaker.record_accepted("r1")  # the replica took the trial: closed
+    assert not breaker.is_open("r1") and breaker.claim("r1") and breaker.claim("r1")
+
+
+def test_an_acceptance_keeps_a_closed_breakers_count_of_failures() -> None:
+    breaker = CircuitBreaker(failure_threshold=2, open_s=5.0, clock=FakeClock())
+    breaker.record_failure("r1")
+    breaker.record_accepted("r1")  # accepted, then (say) lost mid-stream: the failures still add up
+    breaker.record_failure("r1")
+    assert breaker.is_open("r1")
+
+
+async def test_a_half_open_replica_gets_one_trial_request_and_the_rest_go_elsewhere(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    import asyncio
+    import contextlib
+
+    from asgiref.sync import sync_to_async
+
+    from serving import dispatch as dispatch_module
+
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=1, open_s=5.0, clock=clock)
+    monkeypatch.setattr(dispatch_module, "breaker", breaker)
+    acme = await sync_to_async(make_tenant)("acme")
+    (good,) = await runtime.candidates("demo-chat", "v1")
+    # Alive by its heartbeat, but it never answers: its trial stays in flight.
+    silent = dataclasses.replace(good, replica_id="silent", channel_name="switchyard.replica.nobody.here")
+    real_candidates, real_is_alive = runtime.candidates, runtime.is_alive
+
+    async def candidates(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        return [silent, *await real_candidates(model_name, version)]
+
+    async def is_alive(handle):  # type: ignore[no-untyped-def]
+        return handle.replica_id == "silent" or await real_is_alive(handle)
+
+    monkeypatch.setattr(dispatch_module, "choose_replica", lambda replicas, rng: replicas[0])
+    monkeypatch.setattr(runtime, "candidates", candidates)
+    monkeypatch.setattr(runtime, "is_alive", is_alive)
+    breaker.record_failure("silent")
+    clock.now = 6.0  # half-open
+
+    def request():  # type: ignore[no-untyped-def]
+        params = {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}
+        return dispatch_module.dispatch(
+            context=acme.context, path_model="demo-chat", pin=None, params=params, text="hello"
+        )
+
+    trial = asyncio.create_task(request())
+    async with asyncio.timeout(10):
+        while breaker.allows("silent"):  # until the trial has claimed it
+            await asyncio.sleep(0)
+    handle = await request()  # preferred too, but its one trial is taken
+    try:
+        assert handle.replica.replica_id == good.replica_id
+        events = [event async for event in handle.events()]
+        assert [e["finish_reason"] for e in events if "finish_reason" in e] == ["length"]
+    finally:
+        await handle.close()
+    trial.cancel()  # its client leaves before the replica answered: no verdict
+    with contextlib.suppress(asyncio.CancelledError):
+        await trial
+    assert breaker.allows("silent") and breaker.is_open("silent")  # the next request is the trial
 
 
 async def test_a_request_whose_replica_dies_before_its_first_token_is_retried_elsewhere(
@@ -149,11 +214,12 @@ async def test_a_replica_that_misses_its_heartbeats_waits_out_the_open_breaker_w
     from channels.layers import InMemoryChannelLayer
 
     from serving.breaker import breaker
-    from serving.replica_directory import STALE_AFTER_S, Heartbeat
+    from serving.replica_directory import MISSED_AFTER_S, STALE_AFTER_S, Heartbeat
     from serving.runtime import Runtime
 
     class Directory:  # what the other processes' heartbeats say (Redis in production)
-        sent_at = time.time() - STALE_AFTER_S - 1  # its last beat: missed ones since
+        # Stale, but no older than a beat read from the directory's cache can be: not tripped for that.
+        sent_at = time.time() - (STALE_AFTER_S + MISSED_AFTER_S) / 2
 
         async def replicas(self, model_name: str, version: str, *, allow_stale: bool) -> list[Heartbeat]:
             beat = Heartbeat(
@@ -164,7 +230,9 @@ async def test_a_replica_that_misses_its_heartbeats_waits_out_the_open_breaker_w
     runtime = Runtime(InMemoryChannelLayer())
     runtime.directory = Directory()  # type: ignore[assignment]
     try:
-        assert breaker.allows("far")
+        (cached,) = await runtime.candidates("m", "v1")
+        assert not cached.is_ready and not breaker.is_open("far")
+        Directory.sent_at = time.time() - MISSED_AFTER_S - 1  # its last beat: missed ones since
         (stale,) = await runtime.candidates("m", "v1")
         assert not stale.is_ready and breaker.is_open("far")
         Directory.sent_at = time.time()  # it beats again: ready, but the breaker holds it back a while
