@@ -31,7 +31,10 @@ def session_route(route: str, consumer: Any) -> URLPattern:
 
 
 def api_route(route: str, consumer: Any) -> URLPattern:
-    return path(route, ForeignOriginRefuser(consumer.as_asgi(), settings.ALLOWED_HOSTS))
+    # The hosts AllowedHostsOriginValidator allows, its DEBUG fallback included. ALLOWED_HOSTS "*" lets
+    # every Origin in, here as there.
+    hosts = settings.ALLOWED_HOSTS or (["localhost", "127.0.0.1", "[::1]"] if settings.DEBUG else [])
+    return path(route, ForeignOriginRefuser(consumer.as_asgi(), hosts))
 
 
 websocket_urlpatterns: list[URLPattern] = [

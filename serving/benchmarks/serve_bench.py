@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import random
 import socket
@@ -87,7 +88,7 @@ class LoadSpec:
 
 
 def make_text_workload(spec: LoadSpec, count_tokens: Callable[[str], int] | None = None) -> list[TextRequest]:
-    if spec.duration_s is not None and not (spec.rate_per_s and spec.duration_s > 0):
+    if spec.duration_s is not None and not (spec.rate_per_s and 0 < spec.duration_s < math.inf):
         raise ValueError("a duration needs a positive --rate (arrivals over time) and a positive --duration")
     if not 1 <= spec.min_prompt_len <= spec.max_prompt_len:
         raise ValueError(
@@ -190,9 +191,13 @@ async def _one(
                             run.prompt_tokens.append(prompt_tokens)
                         if event["finish_reason"] == "error":
                             run.statuses["stream_error"] += 1
-                        elif 0 < record.num_output_tokens < record.max_tokens:
+                        elif (
+                            event["finish_reason"] == "stop"
+                            and 0 < record.num_output_tokens < record.max_tokens
+                        ):
                             # The model ended it (EOS or a stop string): complete at the length it
                             # reached, so that its latencies count rather than only the longest streams'.
+                            # Not a stream cut by the context's end ("length") or aborted.
                             record.max_tokens = record.num_output_tokens
                             run.num_ended_early += 1
     # ValueError: an event that is not JSON.

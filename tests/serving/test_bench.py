@@ -353,6 +353,8 @@ def test_a_duration_sends_every_request_that_arrives_in_it() -> None:
     assert counted[-1].arrival_s >= 10.0
     with pytest.raises(ValueError, match="--rate"):
         make_text_workload(LoadSpec(duration_s=10.0))  # all at once has no duration
+    with pytest.raises(ValueError, match="--duration"):
+        make_text_workload(LoadSpec(rate_per_s=4.0, duration_s=math.inf))  # it would never end
 
 
 def _count_like_a_tokenizer(text: str) -> int:
@@ -413,14 +415,22 @@ async def test_a_stream_the_model_ends_early_counts_at_its_length() -> None:
         events += b'data: {"finish_reason": "%s", "usage": {"prompt_tokens": 7}}\n\n' % finish_reason.encode()
         return [SSE_HEAD, chunk(events), b"0\r\n\r\n"]
 
-    requests = [TextRequest("full", 0.0, "x", 3), TextRequest("eos", 0.0, "y", 3)]
-    server = ScriptedServer([reply(3, "length"), reply(1, "stop")])
+    requests = [
+        TextRequest("full", 0.0, "x", 3),
+        TextRequest("eos", 0.0, "y", 3),
+        TextRequest("cut", 0.0, "z", 3),
+    ]
+    # The third ran into the model's context ("length" before its max_tokens): not complete.
+    server = ScriptedServer([reply(3, "length"), reply(1, "stop"), reply(2, "length")])
     async with server.running():
         run = await run_http_load(server.url, "k", "m", requests)
-    assert sorted(r.num_output_tokens for r in run.records) == [1, 3]
-    assert all(r.is_complete for r in run.records)  # the EOS one too: its latencies count
-    assert run.num_ended_early == 1
-    assert run.prompt_tokens == [7, 7]
+    assert sorted((r.num_output_tokens, r.is_complete) for r in run.records) == [
+        (1, True),
+        (2, False),
+        (3, True),
+    ]
+    assert run.num_ended_early == 1  # the EOS one: its latencies count
+    assert run.prompt_tokens == [7, 7, 7]
     summary = summarize(run, sla_ttft_s=60.0, sla_tpot_s=60.0)
     assert summary["complete"] == 2
     report = http_report(run, summary, sla_ttft_s=60.0, sla_tpot_s=60.0)
