@@ -64,6 +64,9 @@ _ENGINE_IMPORT_LOCK = threading.Lock()
 # How far the model thread may run ahead of the loop's sends (hand-overs not yet sent). A send that
 # hangs then stops the engine, as it would have before, instead of piling up steps without bound.
 MAX_UNSENT = 64
+# Embedded, how long the model thread waits for the loop to deliver a step that starts a stream (see
+# Replica._emit) before it goes on regardless.
+START_DELIVERY_WAIT_S = 0.005
 
 SUBMIT = "replica.submit"
 ABORT = "replica.abort"
@@ -111,6 +114,7 @@ class _Outgoing:
     result: _StepResult
     is_engine_empty: bool = False
     num_taken: int = 0  # inbox items the model thread had taken, all told, when it produced this
+    delivered: threading.Event | None = None
 
 
 @dataclass(slots=True)
@@ -122,9 +126,12 @@ class _StepResult:
     model_time_s: float | None = None  # None: no forward pass
     itl_s: list[float] = field(default_factory=list)
     ended: list[RequestSample] = field(default_factory=list)
+    starts_a_stream: bool = False  # it holds an acceptance or a first token
 
     def add(self, route: _Route, request_id: str, event: dict[str, Any]) -> None:
         self.events_by_inbox[route.reply_to].setdefault(request_id, []).append(event)
+        if "accepted" in event or event.get("index") == 0:
+            self.starts_a_stream = True
 
 
 def engine_config_from_settings() -> Any:
@@ -471,6 +478,9 @@ class Replica:
                         logger.exception("replica %s: could not deliver a step to %s", self.replica_id, inbox)
                 else:
                     await self._send(inbox, items)
+            if outgoing.delivered is not None:
+                # Scheduled after the tasks the delivery woke (the streams' SSE writes), so it runs last.
+                asyncio.get_running_loop().call_soon(outgoing.delivered.set)
             self._unsent.release()
             if outgoing.is_engine_empty and outgoing.num_taken == self._num_queued:
                 self._idle.set()
@@ -485,7 +495,16 @@ class Replica:
         is told when the engine empties either way, since idle is declared there."""
         if self._step_publisher is None:
             if result.events_by_inbox or is_engine_empty:
-                self._hand_to_loop(_Outgoing(result, is_engine_empty, num_taken))
+                # Embedded, the loop's handling of a step is Python that needs the GIL; run alongside
+                # the next forward pass, the two threads trade it at every torch call. For a step that
+                # starts a stream (an acceptance, a first token) the model thread lets the loop finish
+                # first: the gateway's response start and first chunk go out uncontended, and the prefill
+                # runs without them. Other steps do not wait: at 64 streams waiting for every delivery
+                # cost 2-7% of the throughput (docs/benchmarks.md, "Thirteenth machine").
+                delivered = threading.Event() if result.starts_a_stream else None
+                self._hand_to_loop(_Outgoing(result, is_engine_empty, num_taken, delivered))
+                if delivered is not None:
+                    delivered.wait(START_DELIVERY_WAIT_S)
             return
         publish = self._step_publisher.publish_soon if soon else self._step_publisher.publish
         for inbox, items in result.events_by_inbox.items():

@@ -154,6 +154,50 @@ async def test_steps_for_the_local_hubs_inbox_are_handed_to_it_not_sent_through_
         await replica.stop()
 
 
+async def test_embedded_a_stream_starts_on_the_loop_before_the_forward_pass_that_follows(
+    registered_model, monkeypatch
+) -> None:
+    """The acceptance is delivered before the prefill runs, and the first token before the next step."""
+    from registry.selectors import version_ref
+    from serving import replica as replica_module
+    from serving.streams import ReplyHub
+
+    monkeypatch.setattr(replica_module, "START_DELIVERY_WAIT_S", 30.0)  # as long as the loop takes
+    layer = InMemoryChannelLayer()
+    hub = ReplyHub(layer)
+    hub.channel_name = INBOX
+    queue = hub.open("r1", on_backlog=lambda: None)
+    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
+    replica = Replica(ref, layer=layer, replies=HeldReplies(), torch_threads=1, local_hub=hub)
+    await replica.start()
+    delivered: list[dict[str, Any]] = []  # every event the hub was handed, on the loop
+    delivered_at_step: list[int] = []  # how many of them there were when each step began
+    deliver, step = hub.deliver, replica.engine.step
+
+    def watched_deliver(message: dict[str, Any]) -> None:
+        delivered.extend(event for item in message["items"] for event in item["events"])
+        deliver(message)
+
+    def watched() -> Any:
+        delivered_at_step.append(len(delivered))
+        return step()
+
+    hub.deliver = watched_deliver  # type: ignore[method-assign]
+
+    replica.engine.step = watched
+    try:
+        await _submit(layer, replica, "r1", max_tokens=4)
+        events = [await asyncio.wait_for(queue.get(), timeout=30)]
+        while "finish_reason" not in events[-1]:
+            events.append(await asyncio.wait_for(queue.get(), timeout=30))
+        _assert_one_whole_stream(events, num_tokens=4)
+        # The acceptance was delivered before the prefill, the first token before the second step.
+        assert delivered_at_step[:2] == [1, 2]
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+    finally:
+        await replica.stop()
+
+
 async def test_the_model_thread_waits_when_the_loop_falls_behind(registered_model, monkeypatch) -> None:
     from serving import replica as replica_module
 
