@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from channels.layers import get_channel_layer
@@ -88,22 +88,3 @@ class ReplyHub:
             if queue.qsize() > settings.STREAM_MAX_BACKLOG_EVENTS:
                 del self._queues[request_id]
                 on_backlog()
-
-
-async def iterate_events(
-    queue: asyncio.Queue[dict[str, Any]], *, inactivity_timeout_s: float
-) -> AsyncIterator[dict[str, Any]]:
-    """Yield a request's events until its final one (the one with a finish_reason). A replica that falls
-    silent for too long ends the stream with an error event instead of hanging the client."""
-    while True:
-        try:
-            event = await asyncio.wait_for(queue.get(), timeout=inactivity_timeout_s)
-        except TimeoutError:
-            yield {
-                "finish_reason": "error",
-                "error": {"type": "replica_timeout", "message": "the replica stopped answering"},
-            }
-            return
-        yield event
-        if "finish_reason" in event:
-            return
