@@ -765,23 +765,26 @@ def _table(rows: dict[str, dict[str, float]]) -> str:
 
 
 def _load_spec(options: dict[str, object]) -> LoadSpec:
+    """The workload the options describe; what they leave out keeps LoadSpec's defaults."""
     duration, num_requests = options.get("duration"), options.get("num_requests")
     if duration is not None and num_requests is not None:
         raise ValueError("give --duration or --num-requests, not both")
     if options.get("prompt_len") and options.get("prompt_words"):
         raise ValueError("give --prompt-len (tokens) or --prompt-words, not both")
-    prompt_len = _range(str(options.get("prompt_len") or options.get("prompt_words") or "16-128"))
     output_len = _range(str(options["output_len"]))
-    return LoadSpec(
-        num_requests=64 if num_requests is None else int(num_requests),  # type: ignore[call-overload]
+    spec = LoadSpec(
         rate_per_s=options["rate"],  # type: ignore[arg-type]
-        min_prompt_len=prompt_len[0],
-        max_prompt_len=prompt_len[1],
         min_output_tokens=output_len[0],
         max_output_tokens=output_len[1],
         seed=int(options["seed"]),  # type: ignore[call-overload]
         duration_s=None if duration is None else float(duration),  # type: ignore[arg-type]
     )
+    if num_requests is not None:
+        spec = dataclasses.replace(spec, num_requests=int(num_requests))  # type: ignore[call-overload]
+    if prompt_len := options.get("prompt_len") or options.get("prompt_words"):
+        low, high = _range(str(prompt_len))
+        spec = dataclasses.replace(spec, min_prompt_len=low, max_prompt_len=high)
+    return spec
 
 
 def _token_counter(tokenizer_dir: Path) -> Callable[[str], int]:
