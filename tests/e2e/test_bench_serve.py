@@ -9,16 +9,24 @@ from io import StringIO
 from django.core.management import call_command
 
 
-def test_bench_serve_reports_latency_and_the_time_outside_the_replica(platform_server) -> None:
+def _bench_serve(server, *options: str) -> str:  # type: ignore[no-untyped-def]
+    """What `manage.py bench serve --url` prints against the live server's demo model."""
     out = StringIO()
     call_command(
         "bench",
         "serve",
-        *("--url", platform_server.url, "--key", platform_server.key, "--model", "demo-chat"),
-        *("--num-requests", "6", "--prompt-words", "3-6", "--output-len", "2-4", "--rate", "20"),
+        *("--url", server.url, "--key", server.key, "--model", "demo-chat"),
+        *options,
         stdout=out,
     )
-    text = out.getvalue()
+    return out.getvalue()
+
+
+def test_bench_serve_reports_latency_and_the_time_outside_the_replica(platform_server) -> None:
+    text = _bench_serve(
+        platform_server,
+        *("--num-requests", "6", "--prompt-words", "3-6", "--output-len", "2-4", "--rate", "20"),
+    )
     assert "statuses: {'200': 6}" in text
     p50_ttft_ms = float(re.search(r"p50_ttft_ms\s+([\d.]+)", text).group(1))  # type: ignore[union-attr]
     outside_ms = float(re.search(r"outside the replica.*: ([\d.]+) ms", text).group(1))  # type: ignore[union-attr]
@@ -32,16 +40,11 @@ def test_bench_serve_runs_for_a_duration_with_prompts_sized_in_tokens(
 ) -> None:
     # The issue's own command line: a rate and a duration, prompt lengths in tokens. The demo model's
     # tokenizer is the one the fixture builds (the same training, whatever the model's size).
-    out = StringIO()
-    call_command(
-        "bench",
-        "serve",
-        *("--url", platform_server.url, "--key", platform_server.key, "--model", "demo-chat"),
+    text = _bench_serve(
+        platform_server,
         *("--rate", "20", "--duration", "0.5", "--seed", "4"),
         *("--prompt-len", "6-12", "--tokenizer", str(demo_model_dir), "--output-len", "2-4"),
-        stdout=out,
     )
-    text = out.getvalue()
     num_requests = int(re.search(r"requests\s+([\d.]+)", text).group(1).split(".")[0])  # type: ignore[union-attr]
     assert num_requests >= 3  # ~10 arrive in 0.5 s at 20/s
     assert f"statuses: {{'200': {num_requests}}}" in text

@@ -16,6 +16,7 @@ from channels.layers import InMemoryChannelLayer
 
 from serving.channel_layer import StepPubSubChannelLayer
 from serving.replica import ABORT, SUBMIT, Replica
+from serving.streams import ReplyHub
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -127,13 +128,12 @@ async def test_the_engine_runs_a_request_to_its_end_while_the_sends_are_held(reg
         await replica.stop()
 
 
-async def test_steps_for_the_local_hubs_inbox_are_handed_to_it_not_sent_through_the_layer(
-    registered_model,
-) -> None:
+async def _replica_with_a_local_hub(
+    replies: HeldReplies,
+) -> tuple[Replica, InMemoryChannelLayer, ReplyHub, asyncio.Queue[dict[str, Any]]]:
+    """A started replica whose process has a reply hub (embedded), and the hub's queue for request r1."""
     from registry.selectors import version_ref
-    from serving.streams import ReplyHub
 
-    replies = HeldReplies()  # never let go: a step sent through it would never arrive
     layer = InMemoryChannelLayer()
     hub = ReplyHub(layer)
     hub.channel_name = INBOX  # as start() would name it, without its receiving task
@@ -141,12 +141,24 @@ async def test_steps_for_the_local_hubs_inbox_are_handed_to_it_not_sent_through_
     ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
     replica = Replica(ref, layer=layer, replies=replies, torch_threads=1, local_hub=hub)
     await replica.start()
+    return replica, layer, hub, queue
+
+
+async def _read_to_the_end(queue: asyncio.Queue[dict[str, Any]]) -> list[dict[str, Any]]:
+    events = [await asyncio.wait_for(queue.get(), timeout=30)]
+    while "finish_reason" not in events[-1]:
+        events.append(await asyncio.wait_for(queue.get(), timeout=30))
+    return events
+
+
+async def test_steps_for_the_local_hubs_inbox_are_handed_to_it_not_sent_through_the_layer(
+    registered_model,
+) -> None:
+    replies = HeldReplies()  # never let go: a step sent through it would never arrive
+    replica, layer, _, queue = await _replica_with_a_local_hub(replies)
     try:
         await _submit(layer, replica, "r1", max_tokens=6)
-        events = [await asyncio.wait_for(queue.get(), timeout=30)]
-        while "finish_reason" not in events[-1]:
-            events.append(await asyncio.wait_for(queue.get(), timeout=30))
-        _assert_one_whole_stream(events, num_tokens=6)
+        _assert_one_whole_stream(await _read_to_the_end(queue), num_tokens=6)
         assert replies.messages == []
         await asyncio.wait_for(replica.wait_idle(), timeout=10)
     finally:
@@ -158,18 +170,10 @@ async def test_embedded_a_stream_starts_on_the_loop_before_the_forward_pass_that
     registered_model, monkeypatch
 ) -> None:
     """The acceptance is delivered before the prefill runs, and the first token before the next step."""
-    from registry.selectors import version_ref
     from serving import replica as replica_module
-    from serving.streams import ReplyHub
 
     monkeypatch.setattr(replica_module, "START_DELIVERY_WAIT_S", 30.0)  # as long as the loop takes
-    layer = InMemoryChannelLayer()
-    hub = ReplyHub(layer)
-    hub.channel_name = INBOX
-    queue = hub.open("r1", on_backlog=lambda: None)
-    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
-    replica = Replica(ref, layer=layer, replies=HeldReplies(), torch_threads=1, local_hub=hub)
-    await replica.start()
+    replica, layer, hub, queue = await _replica_with_a_local_hub(HeldReplies())
     delivered: list[dict[str, Any]] = []  # every event the hub was handed, on the loop
     delivered_at_step: list[int] = []  # how many of them there were when each step began
     deliver, step = hub.deliver, replica.engine.step
@@ -187,10 +191,7 @@ async def test_embedded_a_stream_starts_on_the_loop_before_the_forward_pass_that
     replica.engine.step = watched
     try:
         await _submit(layer, replica, "r1", max_tokens=4)
-        events = [await asyncio.wait_for(queue.get(), timeout=30)]
-        while "finish_reason" not in events[-1]:
-            events.append(await asyncio.wait_for(queue.get(), timeout=30))
-        _assert_one_whole_stream(events, num_tokens=4)
+        _assert_one_whole_stream(await _read_to_the_end(queue), num_tokens=4)
         # The acceptance was delivered before the prefill, the first token before the second step.
         assert delivered_at_step[:2] == [1, 2]
         await asyncio.wait_for(replica.wait_idle(), timeout=10)
