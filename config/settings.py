@@ -202,8 +202,13 @@ REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_
 REPLICA_KV_CACHE_BYTES = int(os.environ.get("SWITCHYARD_KV_CACHE_MB", "128")) * 1024 * 1024
 REPLICA_COMPILE = _env_bool("SWITCHYARD_COMPILE", False)
 # fp32 on a CPU: Linear weights in oneDNN's format. Faster on some CPUs, slower on others
-# (docs/benchmarks.md, "oneDNN-packed Linear layers"); 0 turns it off.
-REPLICA_PACK_LINEAR = _env_bool("SWITCHYARD_PACK_LINEAR", True)
+# (docs/benchmarks.md, "oneDNN-packed Linear layers"): "auto" (None) times both at load and packs only
+# if it pays; 1 or 0 decides.
+REPLICA_PACK_LINEAR = (
+    None
+    if os.environ.get("SWITCHYARD_PACK_LINEAR", "auto").strip().lower() == "auto"
+    else _env_bool("SWITCHYARD_PACK_LINEAR", True)
+)
 # torch's intra-op threads. A replica process has the cores to itself; replicas inside the server share
 # them with its event loop, and OpenMP threads spinning against the loop made batches crawl on 2 cores.
 REPLICA_TORCH_THREADS = int(os.environ.get("SWITCHYARD_TORCH_THREADS", "0")) or None  # None: by mode

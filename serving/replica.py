@@ -303,6 +303,13 @@ class Replica:
         path = Path(self.ref.artifact_uri)
         artifacts.verify(path, expected_files=self.ref.files, expected_sha256=self.ref.sha256)
         engine = Engine(path, config=self._engine_config or engine_config_from_settings())
+        if engine.runner.packing is not None:
+            logger.info(
+                "replica %s:%s: Linear layers %s",
+                self.ref.model_name,
+                self.ref.version,
+                engine.runner.packing.describe(),
+            )
         engine.warmup()  # allocate scratch and (if enabled) compile before reporting ready
         if self._step_publisher is not None:
             self._step_publisher.connect()  # a Redis that is down fails the load, not the first step

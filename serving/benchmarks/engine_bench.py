@@ -54,7 +54,7 @@ class BenchConfig:
     block_size: int = 16
     kv_cache_bytes: int | None = None  # None: max_num_seqs sequences at the workload's longest length
     compile: bool = False
-    pack_linear: bool = True  # (d) only: oneDNN-format Linear weights on a CPU (engine/packing.py)
+    pack_linear: bool | None = None  # (d) only: oneDNN-format Linear weights on a CPU; None: if it pays
     repeat: int = 1
     warmup: bool = True
     measure_cpu_limit: bool = True
@@ -111,6 +111,7 @@ class BenchReport:
     results: dict[str, SystemResult]
     concurrency: ConcurrencyReport
     engine_run: EngineRunStats | None = None  # the last run's
+    linear_layers: str = ""  # (d)'s: packed or plain, and what the timing found when it chose
     cpu_limit: CpuLimit | None = None
     scheduler_ms_per_step: float | None = None
     scheduler_unavailable_reason: str | None = None
@@ -192,6 +193,8 @@ def run_benchmark(model_dir: str | Path, config: BenchConfig, *, log: Log = lamb
             result.unavailable_reason = f"not available ({exc})"
             log(f"({key}) {result.name}: {result.unavailable_reason}")
             continue
+        if isinstance(systems[key], EngineSystem):
+            report.linear_layers = systems[key].describe_linear_layers()
         if config.warmup:
             systems[key].run(_warmup_requests(model.vocab_size, model.special_ids))
         result.setup_s = time.perf_counter() - setup_began
@@ -250,7 +253,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--pack-linear",
         action=argparse.BooleanOptionalAction,
         default=defaults.pack_linear,
-        help="(d): Linear weights in oneDNN's format on a CPU; the baselines run transformers as shipped",
+        help="(d): Linear weights in oneDNN's format on a CPU (default: if timing both at load says it "
+        "pays); the baselines run transformers as shipped",
     )
     parser.add_argument(
         "--repeat", type=int, default=defaults.repeat, help="runs per system; medians reported"
@@ -290,7 +294,7 @@ def config_from_options(options: dict[str, Any]) -> BenchConfig:
         block_size=options.get("block_size") or BenchConfig.block_size,
         kv_cache_bytes=None if kv_mib is None else math.ceil(kv_mib * 2**20),
         compile=options["compile"],
-        pack_linear=options.get("pack_linear", True),
+        pack_linear=options.get("pack_linear"),
         repeat=options["repeat"],
         warmup=not options.get("no_warmup", False),
         measure_cpu_limit=not options.get("skip_cpu_limit", False),

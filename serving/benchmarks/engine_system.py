@@ -53,7 +53,7 @@ class EngineSystem:
         kv_cache_bytes: int,
         block_size: int,
         compile: bool,
-        pack_linear: bool = True,
+        pack_linear: bool | None = None,
     ) -> None:
         from serving.engine.engine import Engine, EngineConfig
 
@@ -73,6 +73,12 @@ class EngineSystem:
             warmup()  # compiles here when compile is on, outside the measured runs
         self.last_run = EngineRunStats()
         self._num_runs = 0
+
+    def describe_linear_layers(self) -> str:
+        runner = self.engine.runner
+        if runner.packing is not None:
+            return runner.packing.describe()
+        return "packed (oneDNN)" if runner.num_packed_linears else "plain"
 
     def run(self, requests: Sequence[BenchRequest]) -> list[RequestRecord]:
         self._num_runs += 1

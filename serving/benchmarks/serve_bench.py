@@ -699,8 +699,9 @@ def add_serve_arguments(parser: object) -> None:
     add(
         "--pack-linear",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="for --compare: oneDNN-packed Linear layers on a CPU, in the replica and the engine alone",
+        default=None,
+        help="for --compare: oneDNN-packed Linear layers on a CPU, in the replica and the engine alone "
+        "(default: if timing both here says it pays; decided once, for both)",
     )
     add(
         "--torch-threads",
@@ -787,6 +788,20 @@ def _load_spec(options: dict[str, object]) -> LoadSpec:
     return spec
 
 
+def _packing_pays(model_dir: Path, *, log=print) -> bool:  # type: ignore[no-untyped-def]
+    import torch
+
+    from serving.engine.loading import load_causal_lm
+    from serving.engine.packing import can_pack, packing_pays
+
+    device, dtype = torch.device("cpu"), torch.float32
+    if not can_pack(device, dtype):
+        return False
+    verdict = packing_pays(load_causal_lm(model_dir, device=device, dtype=dtype))
+    log(f"Linear layers: {verdict.describe()}")
+    return verdict.pack
+
+
 def _token_counter(tokenizer_dir: Path) -> Callable[[str], int]:
     from serving.engine.loading import load_tokenizer
 
@@ -860,7 +875,6 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         "SWITCHYARD_MAX_NUM_SEQS": str(options["max_num_seqs"]),
         "SWITCHYARD_MAX_NUM_BATCHED_TOKENS": str(options["max_num_batched_tokens"]),
         "SWITCHYARD_KV_CACHE_MB": str(options["kv_cache_mb"]),
-        "SWITCHYARD_PACK_LINEAR": "1" if options.get("pack_linear", True) else "0",
     }
     import logging
 
@@ -875,6 +889,12 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
     )
     engine_env["SWITCHYARD_TORCH_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+    pack = options.get("pack_linear")
+    if pack is None:
+        # Decided here, once, rather than by each engine at its load: on a noisy machine two timings
+        # could choose differently, and the comparison would measure that.
+        pack = _packing_pays(model_dir, log=log)
+    engine_env["SWITCHYARD_PACK_LINEAR"] = "1" if pack else "0"
     platform = Platform(
         model_dir, layer=str(options["layer"]), engine_env=engine_env, redis_url=str(options["redis_url"])
     )

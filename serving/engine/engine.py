@@ -39,7 +39,8 @@ class EngineConfig:
     max_blocks_per_tenant: int | None = None
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the decode attention (slow warm-up, faster steps)
-    pack_linear: bool = True  # fp32 on a CPU: Linear weights in oneDNN's format (engine/packing.py)
+    # fp32 on a CPU: Linear weights in oneDNN's format (engine/packing.py); None: if timing says it pays
+    pack_linear: bool | None = None
     device: str | None = None
     seed: int | None = None  # the shared sampler's seed, for reproducible unseeded sampling in tests
 

@@ -9,12 +9,30 @@ PackedLinear does the same as torch.utils.mkldnn.MkldnnLinear (whose TorchScript
 through the aten operator directly.
 
 Only plain nn.Linear modules are swapped (not subclasses, which may carry behaviour of their own), and
-only for fp32 on a CPU with oneDNN; a GPU keeps its own kernels."""
+only for fp32 on a CPU with oneDNN; a GPU keeps its own kernels.
+
+Whether it pays depends on the CPU and on the BLAS torch was built with: 2x faster on the first
+machine, 7-25% slower on the third, and on a later AMD EPYC (AVX2, MKL) 17% slower prefills and 45%
+slower decode steps (docs/benchmarks.md, "Fourteenth machine"). So by default the runner times both on
+the model's own weights at warm-up (`packing_pays`) and packs only when oneDNN clearly wins."""
 
 from __future__ import annotations
 
+import math
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+# Packed layers must be this much faster than plain ones to be chosen. The timing sees only a warm
+# kernel; packing also costs what it does not see: oneDNN compiles kernels for each new number of rows
+# (a prompt length it has not met: a median 7.7 ms on the fourteenth machine), and its outputs
+# page-fault (180-750 faults a prefill there, against about 1 for plain layers).
+PACK_IF_TIME_RATIO = 0.9
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -50,3 +68,66 @@ def pack_linear_layers(model: nn.Module) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attribute, PackedLinear(linear))
     return len(linears)
+
+
+@dataclass(frozen=True, slots=True)
+class PackingVerdict:
+    """What timing both kinds of Linear layer found: packed time / plain time for the model's Linear
+    layers, per number of rows and overall (the geometric mean), and whether to pack."""
+
+    ratio: float
+    ratio_by_rows: dict[int, float]
+
+    @property
+    def pack(self) -> bool:
+        return self.ratio <= PACK_IF_TIME_RATIO
+
+    def describe(self) -> str:
+        per_rows = ", ".join(f"{rows} rows {ratio:.2f}" for rows, ratio in self.ratio_by_rows.items())
+        choice = "packed" if self.pack else "plain"
+        return f"{choice} (oneDNN/plain time {self.ratio:.2f}: {per_rows})"
+
+
+def packing_pays(
+    model: nn.Module,
+    *,
+    rows: Sequence[int] = (1, 16, 128),
+    rounds: int = 7,
+    clock: Callable[[], float] = time.perf_counter,
+) -> PackingVerdict:
+    """Time each distinct shape of the model's plain nn.Linear layers, on its own weights, as they are
+    and packed, at decode-sized and prefill-sized inputs; a shape weighs as many times as the model
+    holds it. The two kinds alternate within each round and medians over the rounds are compared,
+    because a shared machine's speed drifts by several per cent from one second to the next."""
+    counts: Counter[tuple[int, int, bool]] = Counter()  # (in, out, bias) -> how many layers
+    plain: dict[tuple[int, int, bool], nn.Linear] = {}
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            shape = (module.in_features, module.out_features, module.bias is not None)
+            counts[shape] += 1
+            plain.setdefault(shape, module)
+    if not counts:
+        return PackingVerdict(1.0, {})
+    layers: dict[str, dict[tuple[int, int, bool], nn.Module]] = {
+        "plain": dict(plain),
+        "packed": {shape: PackedLinear(linear) for shape, linear in plain.items()},
+    }
+    ratio_by_rows = {}
+    with torch.inference_mode():
+        for num_rows in rows:
+            times: dict[tuple[str, tuple[int, int, bool]], list[float]] = {}
+            for round_index in range(rounds + 1):  # round 0 warms up: oneDNN compiles its kernels there
+                for kind in ("plain", "packed") if round_index % 2 else ("packed", "plain"):
+                    for shape, layer in layers[kind].items():
+                        x = torch.randn(num_rows, shape[0], dtype=plain[shape].weight.dtype)
+                        started = clock()
+                        layer(x)
+                        if round_index:
+                            times.setdefault((kind, shape), []).append(clock() - started)
+            total = {
+                kind: sum(counts[shape] * statistics.median(times[kind, shape]) for shape in counts)
+                for kind in layers
+            }
+            ratio_by_rows[num_rows] = total["packed"] / total["plain"]
+    ratio = math.exp(statistics.fmean(math.log(r) for r in ratio_by_rows.values()))
+    return PackingVerdict(ratio, ratio_by_rows)

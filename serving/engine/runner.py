@@ -22,7 +22,7 @@ from serving.engine.attention import (
     register_paged_attention,
 )
 from serving.engine.loading import default_device_and_dtype, load_causal_lm
-from serving.engine.packing import can_pack, pack_linear_layers
+from serving.engine.packing import PackingVerdict, can_pack, pack_linear_layers, packing_pays
 from serving.engine.sequence import Sequence
 
 
@@ -65,7 +65,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         compile_attention: bool = False,
-        pack_linear: bool = True,
+        pack_linear: bool | None = None,
     ) -> None:
         for name, value in (
             ("kv_cache_bytes", kv_cache_bytes),
@@ -83,7 +83,12 @@ class ModelRunner:
         self.model = load_causal_lm(
             model_dir, device=self.device, dtype=self.dtype, attn_implementation=attn_name
         )
-        # fp32 on a CPU: Linear weights in oneDNN's format (serving/engine/packing.py), ~2x faster GEMMs.
+        # fp32 on a CPU: Linear weights in oneDNN's format (serving/engine/packing.py), 2x faster GEMMs
+        # on some CPUs and slower on others. None: timed here, both ways, and packed if it pays.
+        self.packing: PackingVerdict | None = None
+        if pack_linear is None and can_pack(self.device, self.dtype):
+            self.packing = packing_pays(self.model)
+            pack_linear = self.packing.pack
         self.num_packed_linears = (
             pack_linear_layers(self.model) if pack_linear and can_pack(self.device, self.dtype) else 0
         )

@@ -1,4 +1,5 @@
-"""A replica's engine is configured from settings (the SWITCHYARD_* environment variables)."""
+"""A replica's engine is configured from settings (the SWITCHYARD_* environment variables), and in a
+replica process from run_replica's flags over them."""
 
 from __future__ import annotations
 
@@ -8,15 +9,40 @@ import pytest
 
 from serving.engine.engine import Engine
 from serving.engine.packing import PackedLinear
+from serving.management.commands.run_replica import engine_config_from_options
 from serving.replica import engine_config_from_settings
 
 
-@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("pack", [True, False, None])
 def test_onednn_packing_of_a_replicas_linear_layers_follows_the_setting(
-    pack: bool, settings, demo_model_dir: Path
+    pack: bool | None, settings, demo_model_dir: Path
 ) -> None:
     settings.REPLICA_PACK_LINEAR = pack  # SWITCHYARD_PACK_LINEAR: slower than plain layers on some CPUs
     settings.REPLICA_KV_CACHE_BYTES = 8 << 20
     engine = Engine(demo_model_dir, config=engine_config_from_settings())
     packed = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
-    assert bool(packed) is pack
+    if pack is None:  # "auto": timed at load, and packed only if that said it pays
+        assert engine.runner.packing is not None
+        assert bool(packed) is engine.runner.packing.pack
+    else:
+        assert engine.runner.packing is None
+        assert bool(packed) is pack
+
+
+@pytest.mark.parametrize("pack", [False, None])
+def test_run_replica_takes_its_flags_over_the_settings_and_the_rest_from_them(
+    pack: bool | None, settings
+) -> None:
+    settings.REPLICA_PACK_LINEAR = pack
+    settings.REPLICA_MAX_NUM_SEQS = 64
+    options = {
+        "max_num_seqs": 3,
+        "max_num_batched_tokens": 96,
+        "kv_cache_mb": 2,
+        "compile": False,
+        "device": "cpu",
+    }
+    config = engine_config_from_options(options)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.kv_cache_bytes) == (3, 96, 2 << 20)
+    assert config.device == "cpu"
+    assert config.pack_linear is pack  # before, run_replica always packed, whatever the setting said

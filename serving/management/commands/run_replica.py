@@ -1,10 +1,27 @@
 import asyncio
+import dataclasses
 import signal
+from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 DRAIN_REPORT_INTERVAL_S = 5.0
+
+
+def engine_config_from_options(options: dict[str, object]) -> Any:
+    """The replica's settings (SWITCHYARD_*), with this command's flags over them; what has no flag
+    (SWITCHYARD_PACK_LINEAR) comes from the settings alone."""
+    from serving.replica import engine_config_from_settings
+
+    return dataclasses.replace(
+        engine_config_from_settings(),
+        max_num_seqs=int(options["max_num_seqs"]),  # type: ignore[call-overload]
+        max_num_batched_tokens=int(options["max_num_batched_tokens"]),  # type: ignore[call-overload]
+        kv_cache_bytes=int(options["kv_cache_mb"]) * 1024 * 1024,  # type: ignore[call-overload]
+        compile=bool(options["compile"]),
+        device=options["device"],
+    )
 
 
 class Command(BaseCommand):
@@ -44,7 +61,6 @@ class Command(BaseCommand):
 
     def handle(self, *args: object, **options: object) -> None:
         from registry.selectors import version_ref
-        from serving.engine.engine import EngineConfig
         from serving.faults import FaultInjectionRefused, Faults, check_fault_injection_allowed
 
         try:
@@ -62,15 +78,13 @@ class Command(BaseCommand):
         ref = version_ref(model_name=str(options["model"]), version=str(options["version"]))
         if ref is None:
             raise CommandError(f"unknown model version {options['model']}:{options['version']}")
-        config = EngineConfig(
-            max_num_seqs=int(options["max_num_seqs"]),  # type: ignore[call-overload]
-            max_num_batched_tokens=int(options["max_num_batched_tokens"]),  # type: ignore[call-overload]
-            kv_cache_bytes=int(options["kv_cache_mb"]) * 1024 * 1024,  # type: ignore[call-overload]
-            compile=bool(options["compile"]),
-            device=options["device"],  # type: ignore[arg-type]
-        )
         code = asyncio.run(
-            self._serve(ref, config, faults if faults.is_active else None, options["metrics_port"])
+            self._serve(
+                ref,
+                engine_config_from_options(options),
+                faults if faults.is_active else None,
+                options["metrics_port"],
+            )
         )
         if code:
             raise CommandError(f"replica of {ref.model_name}:{ref.version} failed to start")
