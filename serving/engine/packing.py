@@ -14,7 +14,7 @@ only for fp32 on a CPU with oneDNN; a GPU keeps its own kernels.
 Whether it pays depends on the CPU and on the BLAS torch was built with: 2x faster on the first
 machine, 7-25% slower on the third, and on a later AMD EPYC (AVX2, MKL) 17% slower prefills and 45%
 slower decode steps (docs/benchmarks.md, "Fourteenth machine"). So by default the runner times both on
-the model's own weights at warm-up (`packing_pays`) and packs only when oneDNN clearly wins."""
+the model's own weights at load (`packing_pays`) and packs only when oneDNN clearly wins."""
 
 from __future__ import annotations
 
