@@ -86,12 +86,11 @@ class ModelRunner:
         # fp32 on a CPU: Linear weights in oneDNN's format (serving/engine/packing.py), 2x faster GEMMs
         # on some CPUs and slower on others. None: timed here, both ways, and packed if it pays.
         self.packing: PackingVerdict | None = None
-        if pack_linear is None and can_pack(self.device, self.dtype):
+        packable = can_pack(self.device, self.dtype)
+        if pack_linear is None and packable:
             self.packing = packing_pays(self.model)
             pack_linear = self.packing.pack
-        self.num_packed_linears = (
-            pack_linear_layers(self.model) if pack_linear and can_pack(self.device, self.dtype) else 0
-        )
+        self.num_packed_linears = pack_linear_layers(self.model) if pack_linear and packable else 0
         config = self.model.config.get_text_config()
         self.num_layers: int = config.num_hidden_layers
         self.num_heads: int = config.num_attention_heads
