@@ -444,28 +444,40 @@ def test_warmup_runs_and_leaves_the_pool_empty(tiny_llama_dir: Path) -> None:
     assert runner.scratch.capacity_blocks >= 8 * 3
 
 
+def _packing_runner(tiny_llama_dir: Path, pack: bool | None) -> ModelRunner:
+    return ModelRunner(
+        tiny_llama_dir,
+        kv_cache_bytes=256 * 8192,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        pack_linear=pack,
+    )
+
+
+def _prompt_logits(runner: ModelRunner) -> torch.Tensor:
+    prompt = list(range(3, 40))
+    seq = Sequence(request_id="a", prompt_token_ids=prompt)
+    seq.block_table = list(range(-(-len(prompt) // BLOCK_SIZE)))
+    return runner.execute(runner.build_batch([seq], [len(prompt)]))
+
+
 def test_cpu_fp32_runners_pack_every_linear_and_compute_the_same_logits(tiny_llama_dir: Path) -> None:
     from serving.engine.packing import PackedLinear
 
-    def runner(pack: bool) -> ModelRunner:
-        return ModelRunner(
-            tiny_llama_dir,
-            kv_cache_bytes=256 * 8192,
-            block_size=BLOCK_SIZE,
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            pack_linear=pack,
-        )
-
-    packed, plain = runner(True), runner(False)
+    packed, plain = _packing_runner(tiny_llama_dir, True), _packing_runner(tiny_llama_dir, False)
     # 2 layers x (q, k, v, o, gate, up, down) + the LM head.
     assert packed.num_packed_linears == 15
     assert isinstance(packed.model.model.layers[0].self_attn.q_proj, PackedLinear)
     assert plain.num_packed_linears == 0
-    prompt = list(range(3, 40))
-    logits = []
-    for r in (packed, plain):
-        seq = Sequence(request_id="a", prompt_token_ids=prompt)
-        seq.block_table = list(range(-(-len(prompt) // BLOCK_SIZE)))
-        logits.append(r.execute(r.build_batch([seq], [len(prompt)])))
-    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_prompt_logits(packed), _prompt_logits(plain), atol=1e-4, rtol=1e-4)
+
+
+def test_a_runner_left_to_choose_times_both_and_follows_its_verdict(tiny_llama_dir: Path) -> None:
+    chosen, plain = _packing_runner(tiny_llama_dir, None), _packing_runner(tiny_llama_dir, False)
+    assert chosen.packing is not None
+    # 2 layers x (q, k, v, o, gate, up, down) + the LM head, all or none.
+    assert chosen.num_packed_linears == (15 if chosen.packing.pack else 0)
+    assert chosen.packing.describe().startswith("packed" if chosen.packing.pack else "plain")
+    assert plain.packing is None  # told, not timed
+    torch.testing.assert_close(_prompt_logits(chosen), _prompt_logits(plain), atol=1e-4, rtol=1e-4)
