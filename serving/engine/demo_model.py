@@ -98,3 +98,92 @@ def build_demo_model(out_dir: str | Path, spec: DemoModelSpec | None = None) -> 
         f"Spec: {json.dumps(asdict(spec))}\n"
     )
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class DemoEmbeddingSpec:
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 512
+    max_position_embeddings: int = 512
+    vocab_size: int = 1024  # upper bound; the trained tokenizer may be smaller
+    seed: int = 0
+
+
+def build_wordpiece_tokenizer(vocab_size: int) -> object:
+    """A BERT-style tokenizer (lower-cased WordPiece, [CLS] text [SEP]) trained on the built-in text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator([line for line in _CORPUS.splitlines() if line], trainer=trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=512,
+    )
+
+
+def build_demo_embedding_model(out_dir: str | Path, spec: DemoEmbeddingSpec | None = None) -> Path:
+    """A small BERT encoder with seeded random weights, saved as a sentence-embedding model (mean pooling,
+    normalized). Its vectors are deterministic but carry no meaning."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    spec = spec or DemoEmbeddingSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_wordpiece_tokenizer(spec.vocab_size)
+    config = BertConfig(
+        vocab_size=len(tokenizer),  # type: ignore[arg-type]
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+    )
+    torch.manual_seed(spec.seed)
+    BertModel(config).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
+    # The sentence-transformers description of the pipeline, which the engine reads for its pooling.
+    (out / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                },
+            ]
+        )
+    )
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": spec.hidden_size, "pooling_mode_mean_tokens": True})
+    )
+    (out / "README.md").write_text(
+        "Switchyard demo embedding model: a small BERT encoder with seeded RANDOM weights and a WordPiece\n"
+        "tokenizer trained on a few built-in sentences, mean-pooled and normalized. Its vectors carry no\n"
+        f"meaning.\nSpec: {json.dumps(asdict(spec))}\n"
+    )
+    return out

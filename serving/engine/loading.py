@@ -1,4 +1,4 @@
-"""Loading a causal LM safely: safetensors only, never remote code."""
+"""Loading a model safely: safetensors only, never remote code."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ def default_device_and_dtype() -> tuple[torch.device, torch.dtype]:
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
-    from transformers import AutoTokenizer
+    with MODEL_LOAD_LOCK:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
 
 
 # Texts on which a direct encoder must give the wrapper's ids before it is trusted: empty, whitespace
@@ -94,8 +95,29 @@ def load_causal_lm(
     dtype: torch.dtype | None = None,
     attn_implementation: str | None = None,
 ) -> Any:
-    from transformers import AutoModelForCausalLM
+    with MODEL_LOAD_LOCK:
+        from transformers import AutoModelForCausalLM
 
+        return _load_pretrained(AutoModelForCausalLM, model_dir, device, dtype, attn_implementation)
+
+
+def load_encoder(
+    model_dir: str | Path, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> Any:
+    """An encoder without a head (BERT and the like), as sentence-embedding models are saved."""
+    with MODEL_LOAD_LOCK:
+        from transformers import AutoModel
+
+        return _load_pretrained(AutoModel, model_dir, device, dtype, None)
+
+
+def _load_pretrained(
+    auto_class: Any,
+    model_dir: str | Path,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+    attn_implementation: str | None,
+) -> Any:
     path = Path(model_dir)
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"no *.safetensors weights in {path}; other formats are refused")
@@ -108,5 +130,5 @@ def load_causal_lm(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with MODEL_LOAD_LOCK:
-        model: Any = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        model: Any = auto_class.from_pretrained(str(path), **kwargs)
         return model.to(device or default_device).eval()

