@@ -113,7 +113,11 @@ async def readyz(request: HttpRequest) -> JsonResponse:
         for h in handles
     ]
     num_ready = sum(1 for h in handles if h.is_ready)
-    is_ready = database_ok and num_ready > 0
+    # Not while a replica of this process is still loading: a server that reported ready with its
+    # embedding model loaded and its chat model not yet answered the first chat requests with 503s. (A
+    # replica that failed to load does not hold readiness back; the others serve.)
+    is_loading = any(h.state == "loading" for h in handles)
+    is_ready = database_ok and num_ready > 0 and not is_loading
     return JsonResponse(
         {"ready": is_ready, "database": database_ok, "num_ready_replicas": num_ready, "replicas": replicas},
         status=200 if is_ready else 503,
