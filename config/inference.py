@@ -16,7 +16,7 @@ from django.http import HttpRequest
 from django.urls import set_script_prefix
 
 # Key-authenticated JSON/SSE endpoints only; /v1/models and the deployments API accept staff sessions.
-INFERENCE_PATHS = re.compile(r"^/v1/(?:models/[^/]+/infer|completions|chat/completions)$")
+INFERENCE_PATHS = re.compile(r"^/v1/(?:models/[^/]+/infer|completions|chat/completions|embeddings)$")
 INFERENCE_MIDDLEWARE = ["serving.middleware.InferenceSecurityMiddleware"]
 
 

@@ -201,6 +201,10 @@ REPLICA_MAX_NUM_SEQS = int(os.environ.get("SWITCHYARD_MAX_NUM_SEQS", "64"))
 REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_TOKENS", "512"))
 REPLICA_KV_CACHE_BYTES = int(os.environ.get("SWITCHYARD_KV_CACHE_MB", "128")) * 1024 * 1024
 REPLICA_COMPILE = _env_bool("SWITCHYARD_COMPILE", False)
+# Embedding models' dynamic batcher: a batch closes at this many inputs, or when its oldest input has
+# waited this long, whichever comes first (serving/engine/batcher.py).
+REPLICA_EMBED_MAX_BATCH_SIZE = int(os.environ.get("SWITCHYARD_EMBED_MAX_BATCH_SIZE", "32"))
+REPLICA_EMBED_MAX_WAIT_S = float(os.environ.get("SWITCHYARD_EMBED_MAX_WAIT_MS", "5")) / 1000
 # fp32 on a CPU: Linear weights in oneDNN's format. Faster on some CPUs, slower on others
 # (docs/benchmarks.md, "oneDNN-packed Linear layers"): "auto" (None) times both at load and packs only
 # if it pays; 1 or 0 decides.

@@ -292,6 +292,7 @@ async def dispatch(
     params: dict[str, Any],
     text: str | None = None,
     messages: list[dict[str, str]] | None = None,
+    inputs: list[str] | None = None,
     kind: str = Model.Kind.CAUSAL_LM,
 ) -> Dispatch:
     """Route, admit and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a
@@ -299,8 +300,8 @@ async def dispatch(
     Where admission and submission can go to Redis in one round trip, the replica is chosen before
     the quota is checked; a store that would save nothing by it (in memory, or a tenant it is
     refusing right now) admits first, so a 429 costs no more than the admission."""
-    if (text is None) == (messages is None):
-        raise ValueError("dispatch needs exactly one of text or messages")
+    if sum(payload is not None for payload in (text, messages, inputs)) != 1:
+        raise ValueError("dispatch needs exactly one of text, messages or inputs")
     model_name, alias = split_model_name(path_model)
     pin = pin.strip() if pin else None
     is_fresh, snapshot = routing_cache.get_fresh(model_name)
@@ -311,10 +312,15 @@ async def dispatch(
     gateway.authorize_model(context, model_name, pinned_version=pin)
     if snapshot.kind != kind:
         raise GatewayError(
-            400, f"model {model_name!r} is a {snapshot.kind} model; this endpoint serves {kind}"
+            400, f"model {model_name!r} is of kind {snapshot.kind}; this endpoint serves {kind} models"
         )
     version = choose_version(snapshot, pin=pin, alias=alias, rng=_rng)
-    input_chars = len(text) if text is not None else sum(len(m["content"]) for m in messages or ())
+    if text is not None:
+        input_chars = len(text)
+    elif messages is not None:
+        input_chars = sum(len(m["content"]) for m in messages)
+    else:
+        input_chars = sum(len(t) for t in inputs or ())
     tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=params.get("max_tokens", 1))
     store = gateway.quota_store()
     ticket = None if store.sends_with_admission(context) else await store.aadmit(context, tokens=tokens)
@@ -323,6 +329,7 @@ async def dispatch(
         "reply_to": runtime.hub.channel_name,
         "input": text,
         "messages": messages,
+        "inputs": inputs,
         "params": params,
         "tenant": context.tenant_name,
         "cache_group": context.cache_group,

@@ -16,6 +16,8 @@ Counters (names used by the store and the selectors):
     rejected, rejected.<type>   refused before any model work: invalid input, replica not ready
     shadow.compared, shadow.matched   shadow copies whose text could be compared with the primary's
                         (serving.shadow), and of those, the ones that matched
+    batches_closed.<reason>   an embedding model's batches, by why the dynamic batcher closed them
+                        (full, timeout); their time to fill is the batch_fill_s histogram
 """
 
 from __future__ import annotations
@@ -36,7 +38,16 @@ logger = logging.getLogger(__name__)
 WINDOW_S = 5
 MAX_PENDING_WINDOWS = 720  # an hour of 5 s windows kept while the store is unreachable
 
-HISTOGRAM_NAMES = ("ttft_s", "tpot_s", "itl_s", "queue_wait_s", "model_time_s", "e2e_s", "batch_size")
+HISTOGRAM_NAMES = (
+    "ttft_s",
+    "tpot_s",
+    "itl_s",
+    "queue_wait_s",
+    "model_time_s",
+    "e2e_s",
+    "batch_size",
+    "batch_fill_s",
+)
 GAUGE_NAMES = ("queue_depth", "running", "kv_cache_usage", "batch_size")
 
 REQUESTS = "requests"
@@ -51,6 +62,7 @@ SHADOW_MATCHED = "shadow.matched"
 FINISH_PREFIX = "finish."
 ERROR_PREFIX = "errors."
 REJECTED_PREFIX = "rejected."
+BATCH_CLOSED_PREFIX = "batches_closed."
 # Refusals before any model work: they say nothing about the version's health.
 REJECTION_TYPES = frozenset({"invalid_request_error", "replica_unavailable"})
 
@@ -166,6 +178,7 @@ class RequestSample:
     e2e_s: float | None = None
     queue_wait_s: float | None = None
     error_type: str | None = None
+    is_generative: bool = True  # an embedding request's result has no output tokens, and is not empty
 
 
 @dataclass(slots=True)
@@ -178,6 +191,9 @@ class StepSample:
     num_running: int
     kv_cache_usage: float
     itl_s: list[float] = field(default_factory=list)  # one per sequence that got a later token
+    # A dynamic batcher's batch (embedding models): why it closed, and its oldest item's wait for it.
+    close_reason: str | None = None
+    fill_time_s: float | None = None
 
 
 def window_start(timestamp: float, window_s: int = WINDOW_S) -> datetime:
@@ -205,7 +221,7 @@ def _add_request(window: MetricsWindow, sample: RequestSample) -> None:
     if reason == "error":
         window.count(ERRORS)
         window.count(ERROR_PREFIX + (sample.error_type or "unknown"))
-    elif sample.num_output_tokens == 0:
+    elif sample.num_output_tokens == 0 and sample.is_generative:
         window.count(EMPTY_OUTPUTS)
     for name, value in (
         ("ttft_s", sample.ttft_s),
@@ -223,6 +239,10 @@ def _add_step(window: MetricsWindow, step: StepSample) -> None:
     itl = window.histogram("itl_s")
     for value in step.itl_s:
         itl.observe(max(0.0, value))
+    if step.close_reason is not None:
+        window.count(BATCH_CLOSED_PREFIX + step.close_reason)
+    if step.fill_time_s is not None:
+        window.histogram("batch_fill_s").observe(max(0.0, step.fill_time_s))
     for name, value in (
         ("queue_depth", step.num_waiting),
         ("running", step.num_running),

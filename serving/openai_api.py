@@ -5,7 +5,10 @@ refused with a 400 rather than silently ignored."""
 
 from __future__ import annotations
 
+import array
+import base64
 import json
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -15,6 +18,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from registry.errors import error_response
+from registry.models import Model
 from serving.api import sse_response
 from serving.dispatch import Dispatch, authenticate, dispatch
 from serving.gateway import GatewayError
@@ -209,3 +213,86 @@ async def completions(request: HttpRequest) -> HttpResponse:
 @csrf_exempt
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     return await _serve(request, _parse_chat, "messages", _chat_chunk, _chat_whole)
+
+
+EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
+MAX_EMBEDDING_INPUTS = 2048  # as the OpenAI API
+
+
+def _parse_embeddings(body: dict[str, Any]) -> tuple[str, list[str], str]:
+    unknown = sorted(set(body) - EMBEDDING_FIELDS)
+    if unknown:
+        raise GatewayError(400, f"unsupported field(s): {', '.join(unknown)}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError(400, "model must be a non-empty string")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise GatewayError(400, 'encoding_format must be "float" or "base64"')
+    if body.get("dimensions") is not None:
+        raise GatewayError(400, "dimensions is not supported: the model's own dimension is returned")
+    raw = body.get("input")
+    inputs = [raw] if isinstance(raw, str) else raw
+    # Token-id arrays, which the OpenAI API also takes, are refused: ids mean nothing across tokenizers.
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) for t in inputs):
+        raise GatewayError(400, "input must be a non-empty string or a non-empty list of strings")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise GatewayError(400, f"input holds {len(inputs)} texts; the limit is {MAX_EMBEDDING_INPUTS}")
+    for i, text in enumerate(inputs):
+        if not text:
+            raise GatewayError(400, f"input[{i}] is empty")
+        if len(text) > settings.MAX_INPUT_CHARS:
+            raise GatewayError(
+                413, f"input[{i}] is {len(text)} characters; the limit is {settings.MAX_INPUT_CHARS}"
+            )
+    return model, inputs, encoding
+
+
+def _embedding_vector(encoded: str, encoding: str) -> str | list[float]:
+    """The replica sends little-endian float32 in base64, which is the "base64" format itself."""
+    if encoding == "base64":
+        return encoded
+    vector = array.array("f", base64.b64decode(encoded))
+    if sys.byteorder != "little":
+        vector.byteswap()
+    return vector.tolist()
+
+
+@csrf_exempt
+async def embeddings(request: HttpRequest) -> HttpResponse:
+    if request.method != "POST":
+        return error_response(405, "use POST")
+    try:
+        context = await authenticate(request.headers.get("Authorization"))
+        model, inputs, encoding = _parse_embeddings(parse_json_body(request))
+        handle = await dispatch(
+            context=context,
+            path_model=model,
+            pin=request.headers.get("X-Version-Pin"),
+            params={},
+            inputs=inputs,
+            kind=Model.Kind.EMBEDDING,
+        )
+        _, final = await handle.collect()
+    except GatewayError as exc:
+        return error_response(exc.status, exc.message, headers=exc.headers)
+    vectors = final.get("embeddings")
+    if final.get("finish_reason") == "error" or not isinstance(vectors, list) or len(vectors) != len(inputs):
+        error = final.get("error") or {}
+        return error_response(
+            503, error.get("message", "the replica returned no embeddings"), headers=handle.response_headers()
+        )
+    usage = final.get("usage") or {}
+    prompt_tokens = int(usage.get("prompt_tokens", 0))
+    return JsonResponse(
+        {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": _embedding_vector(v, encoding)}
+                for i, v in enumerate(vectors)
+            ],
+            "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        },
+        headers=handle.response_headers(),
+    )

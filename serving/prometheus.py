@@ -67,6 +67,12 @@ _HISTOGRAMS = (
     ),
     ("e2e_s", "switchyard_request_duration_seconds", "From arrival to the last token.", SECONDS_BOUNDS),
     ("batch_size", "switchyard_batch_size", "Sequences scheduled per engine step.", BATCH_SIZE_BOUNDS),
+    (
+        "batch_fill_s",
+        "switchyard_batch_fill_seconds",
+        "Dynamic batcher: from a batch's oldest input's arrival to the batch's close.",
+        SECONDS_BOUNDS,
+    ),
 )
 _TOKEN_COUNTERS = (
     (m.PROMPT_TOKENS, "switchyard_prompt_tokens", "Prompt tokens of ended requests."),
@@ -77,6 +83,12 @@ _LABELLED_COUNTERS = (
     (m.FINISH_PREFIX, "switchyard_requests", "finish_reason", "Requests ended, by finish reason."),
     (m.ERROR_PREFIX, "switchyard_errors", "type", "Requests ended in an error, by type."),
     (m.REJECTED_PREFIX, "switchyard_rejected_requests", "type", "Requests refused before any model work."),
+    (
+        m.BATCH_CLOSED_PREFIX,
+        "switchyard_batches_closed",
+        "reason",
+        "Dynamic batcher: batches, by why they closed.",
+    ),
 )
 _GAUGES = (
     ("queue_depth", "switchyard_queue_depth", "Requests waiting in the engine after the last step."),

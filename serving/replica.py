@@ -30,6 +30,7 @@ headers while the prompt is prefilled rather than on the first token's path."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import enum
 import logging
@@ -49,6 +50,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 
 from registry import artifacts
+from registry.models import Model
 from registry.selectors import VersionRef
 from serving import metrics as m
 from serving.faults import INJECTED_FAULT, Faults, check_fault_injection_allowed, configured_faults
@@ -58,8 +60,6 @@ from serving.shadow import SHADOW_RESULT
 from serving.streams import STEP_MESSAGE, ReplyHub
 
 logger = logging.getLogger(__name__)
-
-_ENGINE_IMPORT_LOCK = threading.Lock()
 
 # How far the model thread may run ahead of the loop's sends (hand-overs not yet sent). A send that
 # hangs then stops the engine, as it would have before, instead of piling up steps without bound.
@@ -143,6 +143,14 @@ def engine_config_from_settings() -> Any:
         kv_cache_bytes=settings.REPLICA_KV_CACHE_BYTES,
         compile=settings.REPLICA_COMPILE,
         pack_linear=settings.REPLICA_PACK_LINEAR,
+    )
+
+
+def embedding_config_from_settings() -> Any:
+    from serving.engine.embedding import EmbeddingConfig
+
+    return EmbeddingConfig(
+        max_batch_size=settings.REPLICA_EMBED_MAX_BATCH_SIZE, max_wait_s=settings.REPLICA_EMBED_MAX_WAIT_S
     )
 
 
@@ -288,8 +296,7 @@ class Replica:
         )
 
     def _load(self) -> Any:
-        with _ENGINE_IMPORT_LOCK:  # transformers' lazy module import is not thread-safe
-            from serving.engine.engine import Engine
+        from serving.engine.loading import MODEL_LOAD_LOCK
 
         if self._torch_threads is not None:
             import torch
@@ -302,8 +309,27 @@ class Replica:
             sys.setswitchinterval(settings.REPLICA_GIL_SWITCH_INTERVAL_S)
         path = Path(self.ref.artifact_uri)
         artifacts.verify(path, expected_files=self.ref.files, expected_sha256=self.ref.sha256)
-        engine = Engine(path, config=self._engine_config or engine_config_from_settings())
-        if engine.runner.packing is not None:
+        # transformers' lazy module imports are not thread-safe, and an embedded server loads its
+        # replicas in threads: a generative engine registering its attention while an embedding model
+        # was being built failed to find transformers' own AttentionInterface. Engines are built one at a
+        # time; their warm-ups, below, overlap.
+        with MODEL_LOAD_LOCK:
+            from serving.engine.embedding import EmbeddingConfig, EmbeddingEngine
+            from serving.engine.engine import Engine
+
+            engine: Any
+            if self.ref.kind == Model.Kind.EMBEDDING:
+                # Its own sizing: a generative EngineConfig (run_replica's flags) says nothing of batching.
+                config = self._engine_config
+                engine = EmbeddingEngine(
+                    path,
+                    config=config
+                    if isinstance(config, EmbeddingConfig)
+                    else embedding_config_from_settings(),
+                )
+            else:
+                engine = Engine(path, config=self._engine_config or engine_config_from_settings())
+        if isinstance(engine, Engine) and engine.runner.packing is not None:
             logger.info(
                 "replica %s:%s: Linear layers %s",
                 self.ref.model_name,
@@ -452,10 +478,16 @@ class Replica:
         try:
             raw = message["params"]
             arrival.params = SamplingParams(**{**raw, "stop": tuple(raw.get("stop") or ())})
-            text = message.get("input")
-            if text is None:
-                text = render_chat_prompt(self._engine.tokenizer, message["messages"])
-            arrival.prompt_ids = self._engine.encode(text)
+            inputs = message.get("inputs")  # an embedding request's texts
+            if inputs is not None:
+                if not isinstance(inputs, list) or not all(isinstance(t, str) for t in inputs):
+                    raise ValueError("inputs must be a list of strings")
+                arrival.prompt_ids = [self._engine.encode(t) for t in inputs]
+            else:
+                text = message.get("input")
+                if text is None:
+                    text = render_chat_prompt(self._engine.tokenizer, message["messages"])
+                arrival.prompt_ids = self._engine.encode(text)
             arrival.tenant = message.get("tenant") or "default"
             arrival.cache_group = message.get("cache_group")
         except (TypeError, ValueError, KeyError) as exc:
@@ -543,12 +575,17 @@ class Replica:
         num_taken = 0  # inbox items taken, all told: _deliver compares it with _num_queued
         while True:
             with self._inbox:
-                while not (self._stopping or self._submissions or self._aborts or engine.has_unfinished()):
+                while not (self._stopping or self._submissions or self._aborts):
+                    # A generative engine is due whenever it holds work; an embedding engine's batch when
+                    # it is full or its oldest input has waited its delay. A new arrival wakes this wait.
+                    due_s = engine.seconds_until_ready()
+                    if due_s == 0:
+                        break
                     # With a timeout: a loop closed without stop() (an exception on the way out) must end
                     # this thread too, or the interpreter waits for it at exit.
                     if self._loop is None or self._loop.is_closed():
                         return
-                    self._inbox.wait(timeout=0.5)
+                    self._inbox.wait(timeout=0.5 if due_s is None else min(due_s, 0.5))
                 if self._stopping:
                     return
                 submissions, self._submissions = self._submissions, []
@@ -592,7 +629,7 @@ class Replica:
             result = _StepResult()
         model_time_s: float | None = None
         itl_s: list[float] = []
-        if engine.has_unfinished():
+        if engine.seconds_until_ready() == 0:
             started = time.perf_counter()
             if self._step_delay_s:
                 time.sleep(self._step_delay_s)  # injected: a slow model, so it counts as model time
@@ -636,6 +673,9 @@ class Replica:
                 kv_cache_usage=stats.kv_cache_usage,
                 itl_s=result.itl_s,
             )
+            batch = getattr(self._engine, "last_batch", None)  # an embedding engine's dynamic batch
+            if batch is not None:
+                step.close_reason, step.fill_time_s = str(batch.reason), batch.fill_time_s
             self.metrics.record(step=step)
 
     def _admit(self, arrival: _Arrival, result: _StepResult, ended: list[RequestSample]) -> None:
@@ -678,7 +718,7 @@ class Replica:
                 RequestSample("error", num_prompt_tokens=num_prompt_tokens, error_type=INJECTED_FAULT)
             )
             return
-        route.seq = engine.scheduler.get(request_id)
+        route.seq = engine.sequence(request_id)
         self._routes[request_id] = route
 
     def _fail_all(self, message: str) -> _StepResult:
@@ -717,6 +757,7 @@ def _request_sample(output: Any, route: _Route) -> RequestSample:
         else None,
         e2e_s=finished - arrival,
         queue_wait_s=first_scheduled - arrival if first_scheduled is not None else None,
+        is_generative=getattr(output, "embeddings", None) is None,
     )
 
 
@@ -727,7 +768,7 @@ def _final_event(output: Any, route: _Route) -> dict[str, Any]:
     # of the time before any model work (receiving, tokenizing, waiting for a step), as TGI's queue time.
     first_scheduled = route.seq.first_scheduled_time if route.seq is not None else None
     queue = first_scheduled - output.arrival_time if first_scheduled is not None else None
-    return {
+    event: dict[str, Any] = {
         "finish_reason": str(output.finish_reason),
         "usage": {
             "prompt_tokens": output.num_prompt_tokens,
@@ -741,6 +782,13 @@ def _final_event(output: Any, route: _Route) -> dict[str, Any]:
             "total_s": round(total, 6),
         },
     }
+    embeddings = getattr(output, "embeddings", None)
+    if embeddings is not None:
+        # Little-endian float32, base64: a quarter of the JSON floats' size on the channel layer, and what
+        # the OpenAI API's encoding_format "base64" returns as it is.
+        rows = embeddings.numpy().astype("<f4", copy=False)
+        event["embeddings"] = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    return event
 
 
 def _step_message(items: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -192,6 +192,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def seconds_until_ready(self) -> float | None:
+        """0 when a step has work, None when nothing is queued (the replica's loop asks every engine;
+        an embedding engine may answer that its batch is due later)."""
+        return 0.0 if self.scheduler.has_unfinished() else None
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        return self.scheduler.get(request_id)
+
     # --- the step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

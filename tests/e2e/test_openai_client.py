@@ -13,7 +13,7 @@ def client(platform_server) -> openai.OpenAI:
 
 
 def test_models_list(client: openai.OpenAI) -> None:
-    assert "demo-chat" in [m.id for m in client.models.list()]
+    assert {"demo-chat", "demo-embed"} <= {m.id for m in client.models.list()}
 
 
 def test_completion_json_and_stream_agree_under_greedy_decoding(client: openai.OpenAI) -> None:
@@ -74,3 +74,16 @@ def test_streams_end_with_done(platform_server) -> None:
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     assert response.headers["X-Served-Version"] == "v1"
+
+
+def test_embeddings_in_both_encodings(client: openai.OpenAI) -> None:
+    """The client asks for base64 by default and decodes it; "float" is JSON numbers. Both must agree."""
+    texts = ["hello world", "the quick brown fox"]
+    default = client.embeddings.create(model="demo-embed", input=texts)
+    as_float = client.embeddings.create(model="demo-embed", input=texts, encoding_format="float")
+    assert [d.index for d in default.data] == [0, 1]
+    assert [d.embedding for d in default.data] == [d.embedding for d in as_float.data]
+    assert default.data[0].embedding != default.data[1].embedding
+    assert default.usage.prompt_tokens == default.usage.total_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="this endpoint serves embedding models"):
+        client.embeddings.create(model="demo-chat", input="hi")

@@ -14,7 +14,8 @@ def test_health_and_readiness(platform_server) -> None:
     assert httpx.get(f"{platform_server.url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{platform_server.url}/readyz").json()
     assert ready["ready"] and ready["database"]
-    assert {"model": "demo-chat", "version": "v1"}.items() <= ready["replicas"][0].items()
+    served = {(r["model"], r["version"], r["state"]) for r in ready["replicas"]}
+    assert served == {("demo-chat", "v1", "ready"), ("demo-embed", "v1", "ready")}
 
 
 def test_curl_example_streams_16_token_events_and_a_final_event(platform_server) -> None:

@@ -54,6 +54,11 @@ class Fleet:
         return {r["replica_id"] for r in beats if r["state"] == "ready"}
 
     def start_replica(self) -> None:
+        replica_id, process = self.launch_replica("demo-chat")
+        self.replicas[replica_id] = process
+
+    def launch_replica(self, model: str) -> tuple[str, subprocess.Popen[bytes]]:
+        """A ready `run_replica` process of `model` v1 (not in `replicas`, which holds demo-chat's)."""
         before = self.ready_replicas()
         log_path = self.state / f"replica-{len(self.log_of)}.log"
         with log_path.open("wb") as log:  # the child keeps its own descriptor
@@ -63,7 +68,7 @@ class Fleet:
                     "manage.py",
                     "run_replica",
                     "--model",
-                    "demo-chat",
+                    model,
                     "--version",
                     "v1",
                     "--kv-cache-mb",
@@ -76,8 +81,8 @@ class Fleet:
             )
         self.server.wait_until(lambda: len(self.ready_replicas() - before) == 1, timeout_s=120)
         (replica_id,) = self.ready_replicas() - before
-        self.replicas[replica_id] = process
         self.log_of[replica_id] = log_path
+        return replica_id, process
 
     def wait_for_exit(self, replica_id: str, timeout_s: float = 60) -> int:
         """The replica's exit code. One still running after `timeout_s` is made to print every thread's
@@ -178,6 +183,22 @@ def test_openai_client_streams_through_the_redis_layer(fleet: Fleet) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
     whole = client.completions.create(model="demo-chat", prompt="hello", max_tokens=12, temperature=0)
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+def test_embeddings_through_the_redis_layer_from_a_replica_process(fleet: Fleet) -> None:
+    _, process = fleet.launch_replica("demo-embed")
+    try:
+        client = openai.OpenAI(base_url=f"{fleet.server.url}/v1", api_key=fleet.server.key, max_retries=0)
+        texts = ["hello world", "the quick brown fox", "hello world"]
+        result = client.embeddings.create(model="demo-embed", input=texts, encoding_format="float")
+        vectors = [d.embedding for d in result.data]
+        assert vectors[0] == vectors[2] != vectors[1]
+        assert abs(sum(x * x for x in vectors[1]) - 1.0) < 1e-5  # mean-pooled and normalized
+        with pytest.raises(openai.BadRequestError, match="takes at most 512"):
+            client.embeddings.create(model="demo-embed", input="word " * 600)
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_both_replicas_take_traffic(fleet: Fleet) -> None:

@@ -9,14 +9,16 @@ from registry.models import ApiKey, Model, Tenant
 from registry.services import api_key_create, model_version_register, tenant_create
 
 DEMO_MODEL = "demo-chat"
+DEMO_EMBEDDING_MODEL = "demo-embed"
 DEMO_TENANT = "demo"
 DEMO_KEY_NAME = "make-serve"
 
 
 class Command(BaseCommand):
     help = (
-        "Make sure the demo model (demo-chat v1, stable, 100%) and the demo tenant exist, then issue a fresh "
-        "demo API key (revoking the one issued last time) and print it."
+        "Make sure the demo models (demo-chat v1 and the embedding model demo-embed v1, each stable, 100%) "
+        "and the demo tenant exist, then issue a fresh demo API key (revoking the one issued last time) and "
+        "print it."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -34,6 +36,21 @@ class Command(BaseCommand):
                 name=DEMO_MODEL, version="v1", source_dir=model_dir, created_by="seed_demo"
             )
             self.stdout.write(f"registered {DEMO_MODEL}:v1 sha256:{mv.sha256}")
+        if not Model.objects.filter(name=DEMO_EMBEDDING_MODEL).exists():
+            model_dir = Path(settings.STATE_DIR) / "demo-embedding-model"
+            if not (model_dir / "model.safetensors").exists():
+                from serving.engine.demo_model import build_demo_embedding_model
+
+                self.stdout.write(f"building the random-weight demo embedding model in {model_dir}")
+                build_demo_embedding_model(model_dir)
+            mv = model_version_register(
+                name=DEMO_EMBEDDING_MODEL,
+                version="v1",
+                source_dir=model_dir,
+                kind=Model.Kind.EMBEDDING,
+                created_by="seed_demo",
+            )
+            self.stdout.write(f"registered {DEMO_EMBEDDING_MODEL}:v1 sha256:{mv.sha256}")
         tenant = Tenant.objects.filter(name=DEMO_TENANT).first()
         if tenant is None:
             tenant = tenant_create(
