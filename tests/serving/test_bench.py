@@ -440,3 +440,33 @@ async def test_a_stream_the_model_ends_early_counts_at_its_length() -> None:
     assert "1 streams ended (EOS or a stop string) before their max_tokens" in report
     strict = summarize(run, sla_ttft_s=0.0, sla_tpot_s=60.0)
     assert ": NOT met (" in http_report(run, strict, sla_ttft_s=0.0, sla_tpot_s=60.0)
+
+
+def test_the_embed_bench_runs_both_systems_and_batches_a_burst(demo_embedding_model_dir: Path) -> None:
+    out = StringIO()
+    call_command(
+        "bench",
+        "embed",
+        "--model-dir",
+        str(demo_embedding_model_dir),
+        "--rates",
+        "5000",
+        "--num-requests",
+        "24",
+        "--repeat",
+        "2",
+        "--max-batch-size",
+        "8",
+        stdout=out,
+        stderr=StringIO(),
+    )
+    rows = {
+        line.split()[1]: line.split() for line in out.getvalue().splitlines() if line.startswith("   5000")
+    }
+    assert set(rows) == {"batch", "dynamic"}
+    # ... inputs/s, p50 ms, p99 ms, mean batch, padding, closes
+    assert rows["batch"][-3:-1] == ["1.0", "1.00"]  # one input per pass: nothing padded
+    assert float(rows["dynamic"][-3]) > 1.0  # 24 arrivals within ~5 ms share passes
+    assert "dynamic / batch size 1: throughput x" in out.getvalue()
+    with pytest.raises(CommandError, match="--rates must be positive"):
+        call_command("bench", "embed", "--model-dir", str(demo_embedding_model_dir), "--rates", "0")

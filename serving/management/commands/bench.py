@@ -1,5 +1,6 @@
-"""`manage.py bench engine|serve [options]`: the engine benchmark (serving/benchmarks/engine_bench.py) and
-the serving benchmark through the HTTP API (serving/benchmarks/serve_bench.py)."""
+"""`manage.py bench engine|serve|embed [options]`: the engine benchmark (serving/benchmarks/engine_bench.py),
+the serving benchmark through the HTTP API (serving/benchmarks/serve_bench.py) and the embedding models'
+dynamic batcher against one input per forward pass (serving/benchmarks/embed_bench.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ class Command(BaseCommand):
     help = (
         "Benchmarks. `bench engine`: naive, static batching, transformers' continuous batching, the engine. "
         "`bench serve`: open-loop streaming load over HTTP; --compare runs the same workload through "
-        "gateway + Channels + replica and through the engine alone."
+        "gateway + Channels + replica and through the engine alone. `bench embed`: the dynamic batcher "
+        "against batch size 1 on an embedding model."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
+        from serving.benchmarks.embed_bench import add_embed_arguments
         from serving.benchmarks.engine_bench import add_engine_arguments
         from serving.benchmarks.serve_bench import add_serve_arguments
 
@@ -27,12 +30,19 @@ class Command(BaseCommand):
         add_engine_arguments(engine)
         serve = subcommands.add_parser("serve", help="load through the HTTP API; --compare: vs. the engine")
         add_serve_arguments(serve)
+        embed = subcommands.add_parser("embed", help="an embedding model: dynamic batching vs. batch size 1")
+        add_embed_arguments(embed)
 
     def handle(self, *args: object, **options: object) -> None:
+        from serving.benchmarks.embed_bench import run_embed_from_options
         from serving.benchmarks.engine_bench import run_from_options
         from serving.benchmarks.serve_bench import run_serve_from_options
 
-        runners = {"engine": run_from_options, "serve": run_serve_from_options}
+        runners = {
+            "engine": run_from_options,
+            "serve": run_serve_from_options,
+            "embed": run_embed_from_options,
+        }
         runner = runners.get(str(options["subcommand"]))
         if runner is None:
             raise CommandError(f"unknown benchmark {options['subcommand']!r}")
