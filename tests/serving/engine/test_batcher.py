@@ -47,13 +47,13 @@ def test_a_batch_takes_items_nearest_the_oldest_in_length() -> None:
     assert batch.padded_tokens == 3 * 12
 
 
-def test_items_that_have_waited_their_delay_go_before_nearer_lengths() -> None:
+def test_a_backlog_is_grouped_by_length_and_an_odd_length_waits_only_until_it_is_oldest() -> None:
     batcher = _batcher(max_batch_size=2, max_wait_s=0.010)
-    batcher.add(BatchItem("oldest", 10, arrived_at=1.000))
-    batcher.add(BatchItem("overdue-long", 300, arrived_at=1.001))
-    batcher.add(BatchItem("fresh-near", 10, arrived_at=1.011))
-    batch = batcher.take(1.012)
-    assert batch is not None and [i.key for i in batch.items] == ["oldest", "overdue-long"]
+    for t, (key, length) in enumerate([("a", 10), ("odd", 300), ("b", 11), ("c", 12), ("d", 9)]):
+        batcher.add(BatchItem(key, length, arrived_at=1.0 + t * 0.001))
+    now = 1.1  # every item has waited its delay
+    batches = [[i.key for i in batcher.take(now).items] for _ in range(3)]  # type: ignore[union-attr]
+    assert batches == [["a", "b"], ["odd", "c"], ["d"]]  # b before d: equally near, earlier
 
 
 def test_the_padded_token_cap_skips_items_that_would_overflow_it() -> None:
