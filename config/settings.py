@@ -202,9 +202,11 @@ REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_
 REPLICA_KV_CACHE_BYTES = int(os.environ.get("SWITCHYARD_KV_CACHE_MB", "128")) * 1024 * 1024
 REPLICA_COMPILE = _env_bool("SWITCHYARD_COMPILE", False)
 # Embedding models' dynamic batcher: a batch closes at this many inputs, or when its oldest input has
-# waited this long, whichever comes first (serving/engine/batcher.py).
+# waited this long, whichever comes first (serving/engine/batcher.py). Unset wait: 0 on a CPU, 5 ms on a
+# GPU (serving/engine/embedding.py says why).
 REPLICA_EMBED_MAX_BATCH_SIZE = int(os.environ.get("SWITCHYARD_EMBED_MAX_BATCH_SIZE", "32"))
-REPLICA_EMBED_MAX_WAIT_S = float(os.environ.get("SWITCHYARD_EMBED_MAX_WAIT_MS", "5")) / 1000
+_embed_wait_ms = os.environ.get("SWITCHYARD_EMBED_MAX_WAIT_MS", "").strip()
+REPLICA_EMBED_MAX_WAIT_S = float(_embed_wait_ms) / 1000 if _embed_wait_ms else None
 # fp32 on a CPU: Linear weights in oneDNN's format. Faster on some CPUs, slower on others
 # (docs/benchmarks.md, "oneDNN-packed Linear layers"): "auto" (None) times both at load and packs only
 # if it pays; 1 or 0 decides.

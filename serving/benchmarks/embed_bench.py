@@ -124,7 +124,11 @@ def add_embed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=400)
     parser.add_argument("--words", default="8-48", help="words per text, LOW-HIGH")
     parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    parser.add_argument(
+        "--max-wait-ms",
+        type=float,
+        help="the batcher's delay (default: the engine's, 0 on a CPU, 5 on a GPU)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="rounds per rate, alternating the order")
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -163,14 +167,20 @@ def run_embed_from_options(options: dict[str, Any], *, default_model_dir: Path, 
         if options.get("model_dir")
         else _default_model_dir(default_model_dir.parent, log)
     )
-    engine = EmbeddingEngine(model_dir, config=EmbeddingConfig(max_batch_size=int(options["max_batch_size"])))
+    wait_ms = options.get("max_wait_ms")
+    config = EmbeddingConfig(
+        max_batch_size=int(options["max_batch_size"]),
+        max_wait_s=float(wait_ms) / 1000 if wait_ms is not None else None,
+    )
+    engine = EmbeddingEngine(model_dir, config=config)
     engine.warmup()
+    batcher = engine.batcher.config
     systems = [
         EmbedSystem("batch size 1", 1, 0.0),
         EmbedSystem(
-            f"dynamic ({options['max_batch_size']}, {options['max_wait_ms']:g} ms)",
-            int(options["max_batch_size"]),
-            float(options["max_wait_ms"]) / 1000,
+            f"dynamic ({batcher.max_batch_size}, {batcher.max_wait_s * 1000:g} ms)",
+            batcher.max_batch_size,
+            batcher.max_wait_s,
         ),
     ]
     seed = int(options["seed"])

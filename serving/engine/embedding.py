@@ -32,10 +32,19 @@ from serving.engine.loading import ModelLoadError, load_encoder, load_tokenizer,
 MAX_INPUTS_PER_REQUEST = 2048  # as the OpenAI API
 
 
+# How long a batch's oldest input may wait for company when the config does not say. On a CPU a forward
+# pass costs about in proportion to its tokens, so waiting buys nothing: batches form from what arrives
+# during the pass before, and a 5 ms wait only added latency at light load (docs/benchmarks.md,
+# "Embedding models"). On a GPU a batch of 32 costs little more than one; 5 ms is a starting point there,
+# not measured here.
+CPU_MAX_WAIT_S = 0.0
+GPU_MAX_WAIT_S = 0.005
+
+
 @dataclass(slots=True, frozen=True)
 class EmbeddingConfig:
     max_batch_size: int = 32
-    max_wait_s: float = 0.005
+    max_wait_s: float | None = None  # None: CPU_MAX_WAIT_S or GPU_MAX_WAIT_S, by the model's device
     max_batch_tokens: int = 16_384
     device: str | None = None
 
@@ -128,7 +137,11 @@ class EmbeddingEngine:
         self.batcher = DynamicBatcher(
             BatcherConfig(
                 max_batch_size=config.max_batch_size,
-                max_wait_s=config.max_wait_s,
+                max_wait_s=config.max_wait_s
+                if config.max_wait_s is not None
+                else GPU_MAX_WAIT_S
+                if self.device.type == "cuda"
+                else CPU_MAX_WAIT_S,
                 max_batch_tokens=max(config.max_batch_tokens, self.max_input_tokens),
             )
         )

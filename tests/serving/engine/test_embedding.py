@@ -85,6 +85,14 @@ def test_a_lone_request_waits_the_delay_for_company_and_not_longer(engine: Embed
     assert list(out) == ["lone"]
 
 
+def test_unless_told_a_batch_on_the_cpu_waits_for_no_one(demo_embedding_model_dir: Path) -> None:
+    """What arrives during a forward pass is the next batch; waiting longer only adds latency there."""
+    engine = EmbeddingEngine(demo_embedding_model_dir, config=EmbeddingConfig(max_batch_size=4))
+    assert engine.batcher.config.max_wait_s == 0.0
+    engine.add_request("now", [engine.encode("hello")])
+    assert engine.seconds_until_ready() == 0
+
+
 def test_an_aborted_request_leaves_nothing_queued(engine: EmbeddingEngine) -> None:
     engine.add_request("gone", [engine.encode(t) for t in TEXTS[:2]])
     assert engine.abort("gone") and not engine.abort("gone")
