@@ -25,7 +25,12 @@ After each step the new events of every request go out as ONE message per receiv
 (inbox), never one per token: see ARCHITECTURE.md's transport measurements. Acceptances (or refusals) of
 the requests a step admits go out as its forward pass starts (on Redis written by the publisher's own
 thread during the pass, and always before the step's tokens), so the gateway sends the response's
-headers while the prompt is prefilled rather than on the first token's path."""
+headers while the prompt is prefilled rather than on the first token's path.
+
+A version of an embedding model gets the same replica over an EmbeddingEngine (serving/engine/
+embedding.py): its inputs wait in a dynamic batcher, and the model thread sleeps until the engine says
+a batch is due (full, or its oldest input has waited its delay) or a new arrival wakes it. A request's
+one result is its final event, the vectors in base64."""
 
 from __future__ import annotations
 
