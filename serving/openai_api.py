@@ -35,13 +35,19 @@ COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "logprobs"}
 
 
-def _common(body: dict[str, Any], allowed: frozenset[str]) -> tuple[str, dict[str, Any], bool]:
+def _model(body: dict[str, Any], allowed: frozenset[str]) -> str:
+    """The body's model, after refusing fields the endpoint does not know."""
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise GatewayError(400, f"unsupported field(s): {', '.join(unknown)}")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise GatewayError(400, "model must be a non-empty string")
+    return model
+
+
+def _common(body: dict[str, Any], allowed: frozenset[str]) -> tuple[str, dict[str, Any], bool]:
+    model = _model(body, allowed)
     if body.get("n", 1) != 1:
         raise GatewayError(400, "only n=1 is supported")
     for name in _ZERO_ONLY:
@@ -220,12 +226,7 @@ MAX_EMBEDDING_INPUTS = 2048  # as the OpenAI API
 
 
 def _parse_embeddings(body: dict[str, Any]) -> tuple[str, list[str], str]:
-    unknown = sorted(set(body) - EMBEDDING_FIELDS)
-    if unknown:
-        raise GatewayError(400, f"unsupported field(s): {', '.join(unknown)}")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise GatewayError(400, "model must be a non-empty string")
+    model = _model(body, EMBEDDING_FIELDS)
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise GatewayError(400, 'encoding_format must be "float" or "base64"')

@@ -82,8 +82,9 @@ def test_embeddings_in_both_encodings(client: openai.OpenAI) -> None:
     default = client.embeddings.create(model="demo-embed", input=texts)
     as_float = client.embeddings.create(model="demo-embed", input=texts, encoding_format="float")
     assert [d.index for d in default.data] == [0, 1]
-    assert [d.embedding for d in default.data] == [d.embedding for d in as_float.data]
-    assert default.data[0].embedding != default.data[1].embedding
+    for decoded, as_numbers in zip(default.data, as_float.data, strict=True):
+        assert [*decoded.embedding] == pytest.approx(as_numbers.embedding, abs=1e-6)
+    assert default.data[0].embedding != pytest.approx(default.data[1].embedding, abs=1e-3)
     assert default.usage.prompt_tokens == default.usage.total_tokens > 0
     with pytest.raises(openai.BadRequestError, match="this endpoint serves embedding models"):
         client.embeddings.create(model="demo-chat", input="hi")

@@ -25,32 +25,10 @@ class Command(BaseCommand):
         parser.add_argument("--no-key", action="store_true", help="do not issue a key")
 
     def handle(self, *args: object, **options: object) -> None:
-        if not Model.objects.filter(name=DEMO_MODEL).exists():
-            model_dir = Path(settings.STATE_DIR) / "demo-model"
-            if not (model_dir / "model.safetensors").exists():
-                from serving.engine.demo_model import build_demo_model
-
-                self.stdout.write(f"building the random-weight demo model in {model_dir}")
-                build_demo_model(model_dir)
-            mv = model_version_register(
-                name=DEMO_MODEL, version="v1", source_dir=model_dir, created_by="seed_demo"
-            )
-            self.stdout.write(f"registered {DEMO_MODEL}:v1 sha256:{mv.sha256}")
-        if not Model.objects.filter(name=DEMO_EMBEDDING_MODEL).exists():
-            model_dir = Path(settings.STATE_DIR) / "demo-embedding-model"
-            if not (model_dir / "model.safetensors").exists():
-                from serving.engine.demo_model import build_demo_embedding_model
-
-                self.stdout.write(f"building the random-weight demo embedding model in {model_dir}")
-                build_demo_embedding_model(model_dir)
-            mv = model_version_register(
-                name=DEMO_EMBEDDING_MODEL,
-                version="v1",
-                source_dir=model_dir,
-                kind=Model.Kind.EMBEDDING,
-                created_by="seed_demo",
-            )
-            self.stdout.write(f"registered {DEMO_EMBEDDING_MODEL}:v1 sha256:{mv.sha256}")
+        self._ensure_model(DEMO_MODEL, "demo-model", "build_demo_model", Model.Kind.CAUSAL_LM)
+        self._ensure_model(
+            DEMO_EMBEDDING_MODEL, "demo-embedding-model", "build_demo_embedding_model", Model.Kind.EMBEDDING
+        )
         tenant = Tenant.objects.filter(name=DEMO_TENANT).first()
         if tenant is None:
             tenant = tenant_create(
@@ -71,3 +49,19 @@ class Command(BaseCommand):
             _, raw_key = api_key_create(tenant=tenant, name=DEMO_KEY_NAME)
         self.stdout.write("demo API key (shown once; the previous demo key is now revoked):")
         self.stdout.write(raw_key)
+
+    def _ensure_model(self, name: str, dir_name: str, builder: str, kind: str) -> None:
+        """Register NAME v1, built with random weights under STATE_DIR by serving.engine.demo_model's
+        `builder` the first time (imported only then: it imports torch)."""
+        if Model.objects.filter(name=name).exists():
+            return
+        model_dir = Path(settings.STATE_DIR) / dir_name
+        if not (model_dir / "model.safetensors").exists():
+            from serving.engine import demo_model
+
+            self.stdout.write(f"building the random-weight {name} model in {model_dir}")
+            getattr(demo_model, builder)(model_dir)
+        mv = model_version_register(
+            name=name, version="v1", source_dir=model_dir, kind=kind, created_by="seed_demo"
+        )
+        self.stdout.write(f"registered {name}:v1 sha256:{mv.sha256}")
