@@ -35,6 +35,7 @@ def _openai_model(model: Model) -> dict[str, Any]:
         "object": "model",
         "created": int(model.created_at.timestamp()),
         "owned_by": "switchyard",
+        "kind": model.kind,  # ours: which endpoints serve it (causal-lm: completions; embedding: embeddings)
     }
 
 
@@ -43,6 +44,7 @@ class ModelSchema(serializers.Serializer):  # documents the OpenAI model object
     object = serializers.CharField()
     created = serializers.IntegerField()
     owned_by = serializers.CharField()
+    kind = serializers.ChoiceField(choices=Model.Kind.choices)
 
 
 _VERSION_SCHEMA = inline_serializer(

@@ -12,8 +12,9 @@ def client(platform_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{platform_server.url}/v1", api_key=platform_server.key, max_retries=0)
 
 
-def test_models_list(client: openai.OpenAI) -> None:
-    assert {"demo-chat", "demo-embed"} <= {m.id for m in client.models.list()}
+def test_models_list_says_each_models_kind(client: openai.OpenAI) -> None:
+    kinds = {m.id: getattr(m, "kind", None) for m in client.models.list()}
+    assert kinds == {"demo-chat": "causal-lm", "demo-embed": "embedding"}
 
 
 def test_completion_json_and_stream_agree_under_greedy_decoding(client: openai.OpenAI) -> None:

@@ -105,8 +105,14 @@ async def test_concurrent_requests_share_forward_passes_and_each_gets_its_own_ve
     assert min(np.linalg.norm(vectors[i] - vectors[j]) for i in range(4) for j in range(i)) > 1e-3
     # Eight requests in batches of at most four: fewer forward passes than requests.
     assert sum(replica.engine.batcher.num_closed.values()) - batches_before < 8
-    await replica.wait_idle()
+    await replica.wait_idle()  # set after the last step's metrics are recorded
     assert not replica.engine.has_unfinished()
+    totals = replica.metrics.snapshot().totals
+    closed = {k: v for k, v in totals.counters.items() if k.startswith("batches_closed.")}
+    assert sum(closed.values()) == sum(replica.engine.batcher.num_closed.values())
+    assert closed.get("batches_closed.full", 0) >= 1  # four of the eight made a full batch
+    assert totals.histograms["batch_fill_s"].count == sum(closed.values())
+    assert totals.counters["requests"] == 8 and totals.counters.get("empty_outputs", 0) == 0
 
 
 @pytest.mark.parametrize(
