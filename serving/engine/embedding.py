@@ -134,15 +134,14 @@ class EmbeddingEngine:
         self._vocab_size = int(self.model.config.vocab_size)
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if pad is not None else 0
+        max_wait_s = config.max_wait_s
+        if max_wait_s is None:
+            max_wait_s = GPU_MAX_WAIT_S if self.device.type == "cuda" else CPU_MAX_WAIT_S
         self.batcher = DynamicBatcher(
             BatcherConfig(
                 max_batch_size=config.max_batch_size,
-                max_wait_s=config.max_wait_s
-                if config.max_wait_s is not None
-                else GPU_MAX_WAIT_S
-                if self.device.type == "cuda"
-                else CPU_MAX_WAIT_S,
-                max_batch_tokens=max(config.max_batch_tokens, self.max_input_tokens),
+                max_wait_s=max_wait_s,
+                max_batch_tokens=max(config.max_batch_tokens, self.max_input_tokens),  # any one input fits
             )
         )
         self._requests: dict[str, _Request] = {}
