@@ -151,11 +151,13 @@ def engine_config_from_settings() -> Any:
     )
 
 
-def embedding_config_from_settings() -> Any:
+def embedding_config_from_settings(*, device: str | None = None) -> Any:
     from serving.engine.embedding import EmbeddingConfig
 
     return EmbeddingConfig(
-        max_batch_size=settings.REPLICA_EMBED_MAX_BATCH_SIZE, max_wait_s=settings.REPLICA_EMBED_MAX_WAIT_S
+        max_batch_size=settings.REPLICA_EMBED_MAX_BATCH_SIZE,
+        max_wait_s=settings.REPLICA_EMBED_MAX_WAIT_S,
+        device=device,
     )
 
 
@@ -324,14 +326,12 @@ class Replica:
 
             engine: Any
             if self.ref.kind == Model.Kind.EMBEDDING:
-                # Its own sizing: a generative EngineConfig (run_replica's flags) says nothing of batching.
                 config = self._engine_config
-                engine = EmbeddingEngine(
-                    path,
-                    config=config
-                    if isinstance(config, EmbeddingConfig)
-                    else embedding_config_from_settings(),
-                )
+                if not isinstance(config, EmbeddingConfig):
+                    # run_replica's flags come as a generative EngineConfig: its sizing says nothing of
+                    # batching, but the device it names is where this model must go too.
+                    config = embedding_config_from_settings(device=getattr(config, "device", None))
+                engine = EmbeddingEngine(path, config=config)
             else:
                 engine = Engine(path, config=self._engine_config or engine_config_from_settings())
         if isinstance(engine, Engine) and engine.runner.packing is not None:

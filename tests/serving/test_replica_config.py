@@ -46,3 +46,24 @@ def test_run_replica_takes_its_flags_over_the_settings_and_the_rest_from_them(
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.kv_cache_bytes) == (3, 96, 2 << 20)
     assert config.device == "cpu"
     assert config.pack_linear is pack  # before, run_replica always packed, whatever the setting said
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_embedding_replica_process_takes_run_replicas_device(
+    demo_embedding_model_dir: Path, settings
+) -> None:
+    from registry.models import Model
+    from registry.selectors import version_ref
+    from registry.services import model_version_register
+    from serving.replica import Replica
+
+    model_version_register(
+        name="embed", version="v1", source_dir=demo_embedding_model_dir, kind=Model.Kind.EMBEDDING
+    )
+    settings.REPLICA_EMBED_MAX_BATCH_SIZE = 3
+    options = {"max_num_seqs": 3, "max_num_batched_tokens": 96, "kv_cache_mb": 2, "compile": False}
+    ref = version_ref(model_name="embed", version="v1")
+    replica = Replica(ref, layer=None, engine_config=engine_config_from_options({**options, "device": "cpu"}))
+    engine = replica._load()
+    # --device reaches the embedding engine; its batching comes from the settings, not the KV sizing flags
+    assert (engine.config.device, engine.config.max_batch_size) == ("cpu", 3)
