@@ -25,6 +25,7 @@ The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor 
 Hello, world! How are you today? The weather is fine, the river is calm, and the models are warm.
 """
 
+_CORPUS_LINES = [line for line in _CORPUS.splitlines() if line]  # both tokenizers train on these
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
 
@@ -53,7 +54,7 @@ def build_tokenizer(vocab_size: int) -> object:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([line for line in _CORPUS.splitlines() if line], trainer=trainer)
+    tok.train_from_iterator(_CORPUS_LINES, trainer=trainer)
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=2048
     )
@@ -122,7 +123,7 @@ def build_wordpiece_tokenizer(vocab_size: int) -> object:
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
-    tok.train_from_iterator([line for line in _CORPUS.splitlines() if line], trainer=trainer)
+    tok.train_from_iterator(_CORPUS_LINES, trainer=trainer)
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",

@@ -45,6 +45,11 @@ async def embedding_runtime(registered_model, registered_embedding_model, settin
     return runtime
 
 
+@pytest.fixture
+async def acme(make_tenant):  # type: ignore[no-untyped-def]
+    return await sync_to_async(make_tenant)("acme")
+
+
 def _client() -> httpx.AsyncClient:
     from config.asgi import application
 
@@ -56,10 +61,7 @@ def _embedding_replica(runtime):  # type: ignore[no-untyped-def]
     return replica
 
 
-async def test_float_and_base64_encodings_give_the_same_normalized_vectors(
-    make_tenant, embedding_runtime
-) -> None:
-    acme = await sync_to_async(make_tenant)("acme")
+async def test_float_and_base64_encodings_give_the_same_normalized_vectors(acme, embedding_runtime) -> None:
     async with _client() as client:
         as_float = await client.post(
             "/v1/embeddings", json={"model": "demo-embed", "input": TEXTS[:2]}, headers=acme.auth
@@ -85,9 +87,8 @@ async def test_float_and_base64_encodings_give_the_same_normalized_vectors(
 
 
 async def test_concurrent_requests_share_forward_passes_and_each_gets_its_own_vector(
-    make_tenant, embedding_runtime
+    acme, embedding_runtime
 ) -> None:
-    acme = await sync_to_async(make_tenant)("acme")
     replica = _embedding_replica(embedding_runtime)
     batches_before = sum(replica.engine.batcher.num_closed.values())
     async with _client() as client:
@@ -138,9 +139,8 @@ async def test_concurrent_requests_share_forward_passes_and_each_gets_its_own_ve
     ],
 )
 async def test_bad_requests_get_the_json_error_and_leave_nothing_queued(
-    make_tenant, embedding_runtime, body: dict, status: int, message: str
+    acme, embedding_runtime, body: dict, status: int, message: str
 ) -> None:
-    acme = await sync_to_async(make_tenant)("acme")
     async with _client() as client:
         response = await client.post("/v1/embeddings", json=body, headers=acme.auth)
     assert response.status_code == status, response.text
@@ -148,8 +148,7 @@ async def test_bad_requests_get_the_json_error_and_leave_nothing_queued(
     assert not _embedding_replica(embedding_runtime).engine.has_unfinished()
 
 
-async def test_bodies_that_are_not_json_and_other_methods_are_refused(make_tenant, embedding_runtime) -> None:
-    acme = await sync_to_async(make_tenant)("acme")
+async def test_bodies_that_are_not_json_and_other_methods_are_refused(acme, embedding_runtime) -> None:
     async with _client() as client:
         not_json = await client.post("/v1/embeddings", content=b"{not json", headers=acme.auth)
         bad_utf8 = await client.post("/v1/embeddings", content=b'{"input": "\xff"}', headers=acme.auth)
@@ -164,10 +163,7 @@ async def test_bodies_that_are_not_json_and_other_methods_are_refused(make_tenan
     assert "valid JSON" in not_json.json()["error"]["message"]
 
 
-async def test_an_embedding_model_is_refused_by_the_generative_endpoints(
-    make_tenant, embedding_runtime
-) -> None:
-    acme = await sync_to_async(make_tenant)("acme")
+async def test_an_embedding_model_is_refused_by_the_generative_endpoints(acme, embedding_runtime) -> None:
     async with _client() as client:
         response = await client.post(
             "/v1/completions", json={"model": "demo-embed", "prompt": "hi"}, headers=acme.auth
@@ -178,9 +174,10 @@ async def test_an_embedding_model_is_refused_by_the_generative_endpoints(
     )
 
 
-async def test_over_quota_is_a_429_while_another_tenant_is_served(make_tenant, embedding_runtime) -> None:
+async def test_over_quota_is_a_429_while_another_tenant_is_served(
+    make_tenant, acme, embedding_runtime
+) -> None:
     flooder = await sync_to_async(make_tenant)("flooder", requests_per_second=0.001)
-    acme = await sync_to_async(make_tenant)("acme")
     body = {"model": "demo-embed", "input": "hi"}
     async with _client() as client:
         statuses = [
