@@ -201,9 +201,9 @@ REPLICA_MAX_NUM_SEQS = int(os.environ.get("SWITCHYARD_MAX_NUM_SEQS", "64"))
 REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_TOKENS", "512"))
 REPLICA_KV_CACHE_BYTES = int(os.environ.get("SWITCHYARD_KV_CACHE_MB", "128")) * 1024 * 1024
 REPLICA_COMPILE = _env_bool("SWITCHYARD_COMPILE", False)
-# Embedding models' dynamic batcher: a batch closes at this many inputs, or when its oldest input has
-# waited this long, whichever comes first (serving/engine/batcher.py). Unset wait: 0 on a CPU, 5 ms on a
-# GPU (serving/engine/embedding.py says why).
+# The dynamic batcher of non-generative models (embedding models and classifiers): a batch closes at this
+# many inputs, or when its oldest input has waited this long, whichever comes first
+# (serving/engine/batcher.py). Unset wait: 0 on a CPU, 5 ms on a GPU (serving/engine/encoder.py says why).
 REPLICA_EMBED_MAX_BATCH_SIZE = int(os.environ.get("SWITCHYARD_EMBED_MAX_BATCH_SIZE", "32"))
 _embed_wait_ms = os.environ.get("SWITCHYARD_EMBED_MAX_WAIT_MS", "").strip()
 REPLICA_EMBED_MAX_WAIT_S = float(_embed_wait_ms) / 1000 if _embed_wait_ms else None

@@ -17,6 +17,7 @@ class Model(models.Model):
     class Kind(models.TextChoices):
         CAUSAL_LM = "causal-lm", "Causal language model"
         EMBEDDING = "embedding", "Embedding model"
+        CLASSIFIER = "classifier", "Text classifier"
 
     name = models.CharField(max_length=63, unique=True, validators=[NAME_VALIDATOR])
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.CAUSAL_LM)

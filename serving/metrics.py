@@ -16,7 +16,7 @@ Counters (names used by the store and the selectors):
     rejected, rejected.<type>   refused before any model work: invalid input, replica not ready
     shadow.compared, shadow.matched   shadow copies whose text could be compared with the primary's
                         (serving.shadow), and of those, the ones that matched
-    batches_closed.<reason>   an embedding model's batches, by why the dynamic batcher closed them
+    batches_closed.<reason>   a non-generative model's batches, by why the dynamic batcher closed them
                         (full, timeout); their time to fill is the batch_fill_s histogram
 """
 
@@ -178,7 +178,7 @@ class RequestSample:
     e2e_s: float | None = None
     queue_wait_s: float | None = None
     error_type: str | None = None
-    is_generative: bool = True  # an embedding request's result has no output tokens, and is not empty
+    is_generative: bool = True  # a non-generative request's result has no output tokens, and is not empty
 
 
 @dataclass(slots=True)
@@ -191,7 +191,8 @@ class StepSample:
     num_running: int
     kv_cache_usage: float
     itl_s: list[float] = field(default_factory=list)  # one per sequence that got a later token
-    # A dynamic batcher's batch (embedding models): why it closed, and its oldest item's wait for it.
+    # A dynamic batcher's batch (embedding models, classifiers): why it closed, and how long its oldest
+    # item waited for it.
     close_reason: str | None = None
     fill_time_s: float | None = None
 

@@ -27,13 +27,15 @@ the requests a step admits go out as its forward pass starts (on Redis written b
 thread during the pass, and always before the step's tokens), so the gateway sends the response's
 headers while the prompt is prefilled rather than on the first token's path.
 
-A version of an embedding model gets the same replica over an EmbeddingEngine (serving/engine/
-embedding.py): its inputs wait in a dynamic batcher, and the model thread sleeps until the engine says
-a batch is due (full, or its oldest input has waited its delay) or a new arrival wakes it. A request's
-one result is its final event, the vectors in base64."""
+A version of a non-generative model (an embedding model, a classifier) gets the same replica over an
+EncoderEngine (serving/engine/encoder.py): its inputs wait in a dynamic batcher, and the model thread
+sleeps until the engine says a batch is due (full, or its oldest input has waited its delay) or a new
+arrival wakes it. A request's one result is its final event: the vectors (embeddings, or a classifier's
+scores with its labels) in base64."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import base64
 import contextlib
@@ -151,10 +153,10 @@ def engine_config_from_settings() -> Any:
     )
 
 
-def embedding_config_from_settings(*, device: str | None = None) -> Any:
-    from serving.engine.embedding import EmbeddingConfig
+def encoder_config_from_settings(*, device: str | None = None) -> Any:
+    from serving.engine.encoder import EncoderConfig
 
-    return EmbeddingConfig(
+    return EncoderConfig(
         max_batch_size=settings.REPLICA_EMBED_MAX_BATCH_SIZE,
         max_wait_s=settings.REPLICA_EMBED_MAX_WAIT_S,
         device=device,
@@ -321,17 +323,17 @@ class Replica:
         # was being built failed to find transformers' own AttentionInterface. Engines are built one at a
         # time; their warm-ups, below, overlap.
         with MODEL_LOAD_LOCK:
-            from serving.engine.embedding import EmbeddingConfig, EmbeddingEngine
+            from serving.engine.encoder import EncoderConfig, EncoderEngine
             from serving.engine.engine import Engine
 
             engine: Any
-            if self.ref.kind == Model.Kind.EMBEDDING:
+            if self.ref.kind != Model.Kind.CAUSAL_LM:
                 config = self._engine_config
-                if not isinstance(config, EmbeddingConfig):
+                if not isinstance(config, EncoderConfig):
                     # run_replica's flags come as a generative EngineConfig: its sizing says nothing of
                     # batching, but the device it names is where this model must go too.
-                    config = embedding_config_from_settings(device=getattr(config, "device", None))
-                engine = EmbeddingEngine(path, config=config)
+                    config = encoder_config_from_settings(device=getattr(config, "device", None))
+                engine = EncoderEngine(path, kind=self.ref.kind, config=config)
             else:
                 engine = Engine(path, config=self._engine_config or engine_config_from_settings())
         if isinstance(engine, Engine) and engine.runner.packing is not None:
@@ -341,6 +343,8 @@ class Replica:
                 self.ref.version,
                 engine.runner.packing.describe(),
             )
+        elif isinstance(engine, EncoderEngine):
+            logger.info("replica %s:%s: %s", self.ref.model_name, self.ref.version, engine.head.describe())
         engine.warmup()  # allocate scratch and (if enabled) compile before reporting ready
         if self._step_publisher is not None:
             self._step_publisher.connect()  # a Redis that is down fails the load, not the first step
@@ -483,7 +487,7 @@ class Replica:
         try:
             raw = message["params"]
             arrival.params = SamplingParams(**{**raw, "stop": tuple(raw.get("stop") or ())})
-            inputs = message.get("inputs")  # an embedding request's texts
+            inputs = message.get("inputs")  # a non-generative request's texts
             if inputs is not None:
                 if not isinstance(inputs, list) or not all(isinstance(t, str) for t in inputs):
                     raise ValueError("inputs must be a list of strings")
@@ -581,7 +585,7 @@ class Replica:
         while True:
             with self._inbox:
                 while not (self._stopping or self._submissions or self._aborts):
-                    # A generative engine is due whenever it holds work; an embedding engine's batch when
+                    # A generative engine is due whenever it holds work; an encoder engine's batch when
                     # it is full or its oldest input has waited its delay. A new arrival wakes this wait.
                     due_s = engine.seconds_until_ready()
                     if due_s == 0:
@@ -678,7 +682,7 @@ class Replica:
                 kv_cache_usage=stats.kv_cache_usage,
                 itl_s=result.itl_s,
             )
-            batch = getattr(self._engine, "last_batch", None)  # an embedding engine's dynamic batch
+            batch = getattr(self._engine, "last_batch", None)  # an encoder engine's dynamic batch
             if batch is not None:
                 step.close_reason, step.fill_time_s = str(batch.reason), batch.fill_time_s
             self.metrics.record(step=step)
@@ -762,7 +766,7 @@ def _request_sample(output: Any, route: _Route) -> RequestSample:
         else None,
         e2e_s=finished - arrival,
         queue_wait_s=first_scheduled - arrival if first_scheduled is not None else None,
-        is_generative=getattr(output, "embeddings", None) is None,
+        is_generative=getattr(output, "vectors", None) is None,
     )
 
 
@@ -787,13 +791,27 @@ def _final_event(output: Any, route: _Route) -> dict[str, Any]:
             "total_s": round(total, 6),
         },
     }
-    embeddings = getattr(output, "embeddings", None)
-    if embeddings is not None:
-        # Little-endian float32, base64: a quarter of the JSON floats' size on the channel layer, and what
-        # the OpenAI API's encoding_format "base64" returns as it is.
-        rows = embeddings.numpy().astype("<f4", copy=False)
-        event["embeddings"] = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    vectors = getattr(output, "vectors", None)  # a non-generative model's result
+    if vectors is not None:
+        event[output.result_field] = encode_vectors(vectors)
+        if output.labels is not None:
+            event["labels"] = list(output.labels)
     return event
+
+
+def encode_vectors(vectors: Any) -> list[str]:
+    """Each row of a float tensor as little-endian float32 in base64: a quarter of the JSON floats' size
+    on the channel layer, and what the OpenAI API's encoding_format "base64" returns as it is."""
+    rows = vectors.numpy().astype("<f4", copy=False)
+    return [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+
+
+def decode_vector(encoded: str) -> list[float]:
+    """One row that encode_vectors wrote, as Python floats."""
+    vector = array.array("f", base64.b64decode(encoded))
+    if sys.byteorder != "little":
+        vector.byteswap()
+    return vector.tolist()
 
 
 def _step_message(items: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -48,6 +48,14 @@ def demo_embedding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo_embedding_model(tmp_path_factory.mktemp("demo-embedding-model"), spec)
 
 
+@pytest.fixture(scope="session")
+def demo_classifier_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from serving.engine.demo_model import DemoEmbeddingSpec, build_demo_classifier_model
+
+    spec = DemoEmbeddingSpec(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)
+    return build_demo_classifier_model(tmp_path_factory.mktemp("demo-classifier-model"), spec)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_state(settings: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None]:
     """Each test gets its own artifact store and fresh per-process caches."""

@@ -152,7 +152,7 @@ def _default_model_dir(state_dir: Path, log: Log) -> Path:
 def run_embed_from_options(options: dict[str, Any], *, default_model_dir: Path, log: Log = print) -> str:
     import torch
 
-    from serving.engine.embedding import EmbeddingConfig, EmbeddingEngine
+    from serving.engine.encoder import EncoderConfig, EncoderEngine
 
     low, _, high = str(options["words"]).partition("-")
     min_words, max_words = int(low), int(high or low)
@@ -168,11 +168,11 @@ def run_embed_from_options(options: dict[str, Any], *, default_model_dir: Path, 
         else _default_model_dir(default_model_dir.parent, log)
     )
     wait_ms = options.get("max_wait_ms")
-    config = EmbeddingConfig(
+    config = EncoderConfig(
         max_batch_size=int(options["max_batch_size"]),
         max_wait_s=float(wait_ms) / 1000 if wait_ms is not None else None,
     )
-    engine = EmbeddingEngine(model_dir, config=config)
+    engine = EncoderEngine(model_dir, config=config)
     engine.warmup()
     batcher = engine.batcher.config
     systems = [
@@ -188,8 +188,8 @@ def run_embed_from_options(options: dict[str, Any], *, default_model_dir: Path, 
     inputs = [engine.encode(t) for t in texts]
     lengths = sorted(len(i) for i in inputs)
     lines = [
-        f"Switchyard embedding benchmark: {model_dir} ({engine.dimension} dimensions, pooling "
-        f"{engine.pooling.mode}), torch threads {torch.get_num_threads()}",
+        f"Switchyard embedding benchmark: {model_dir} ({engine.dimension} dimensions, "
+        f"{engine.head.describe()}), torch threads {torch.get_num_threads()}",
         f"workload: {len(inputs)} requests of one text each, {lengths[0]}-{lengths[-1]} tokens (median "
         f"{lengths[len(lengths) // 2]}), Poisson arrivals, seed {seed}; {options['repeat']} rounds per rate, "
         "the order alternating; medians over the rounds",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 _CORPUS = """
 Switchyard serves trained models behind an API on a shared fleet of accelerators. A request arrives at
@@ -144,25 +145,10 @@ def build_wordpiece_tokenizer(vocab_size: int) -> object:
 def build_demo_embedding_model(out_dir: str | Path, spec: DemoEmbeddingSpec | None = None) -> Path:
     """A small BERT encoder with seeded random weights, saved as a sentence-embedding model (mean pooling,
     normalized). Its vectors are deterministic but carry no meaning."""
-    import torch
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
     spec = spec or DemoEmbeddingSpec()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_wordpiece_tokenizer(spec.vocab_size)
-    config = BertConfig(
-        vocab_size=len(tokenizer),  # type: ignore[arg-type]
-        hidden_size=spec.hidden_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        intermediate_size=spec.intermediate_size,
-        max_position_embeddings=spec.max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
-    )
-    torch.manual_seed(spec.seed)
-    BertModel(config).save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
+    out = _save_bert(BertModel, out_dir, spec)
     # The sentence-transformers description of the pipeline, which the engine reads for its pooling.
     (out / "modules.json").write_text(
         json.dumps(
@@ -187,4 +173,54 @@ def build_demo_embedding_model(out_dir: str | Path, spec: DemoEmbeddingSpec | No
         "tokenizer trained on a few built-in sentences, mean-pooled and normalized. Its vectors carry no\n"
         f"meaning.\nSpec: {json.dumps(asdict(spec))}\n"
     )
+    return out
+
+
+DEMO_CLASSIFIER_LABELS = ("negative", "positive")
+
+
+def build_demo_classifier_model(out_dir: str | Path, spec: DemoEmbeddingSpec | None = None) -> Path:
+    """A small BERT text classifier with seeded random weights and two labels. Its scores are
+    deterministic but carry no meaning."""
+    from transformers import BertForSequenceClassification
+
+    spec = spec or DemoEmbeddingSpec()
+    out = _save_bert(
+        BertForSequenceClassification,
+        out_dir,
+        spec,
+        id2label=dict(enumerate(DEMO_CLASSIFIER_LABELS)),
+        label2id={label: i for i, label in enumerate(DEMO_CLASSIFIER_LABELS)},
+        problem_type="single_label_classification",
+    )
+    (out / "README.md").write_text(
+        "Switchyard demo classifier: a small BERT encoder and classification head with seeded RANDOM\n"
+        "weights, labels negative and positive, and a WordPiece tokenizer trained on a few built-in\n"
+        f"sentences. Its scores carry no meaning.\nSpec: {json.dumps(asdict(spec))}\n"
+    )
+    return out
+
+
+def _save_bert(model_class: Any, out_dir: str | Path, spec: DemoEmbeddingSpec, **config_fields: Any) -> Path:
+    """A BERT of the spec's size, of model_class, with seeded random weights and the WordPiece tokenizer,
+    saved as safetensors."""
+    import torch
+    from transformers import BertConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_wordpiece_tokenizer(spec.vocab_size)
+    config = BertConfig(
+        vocab_size=len(tokenizer),  # type: ignore[arg-type]
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+        **config_fields,
+    )
+    torch.manual_seed(spec.seed)
+    model_class(config).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
     return out

@@ -111,6 +111,16 @@ def load_encoder(
         return _load_pretrained(AutoModel, model_dir, device, dtype, None)
 
 
+def load_classifier(
+    model_dir: str | Path, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> Any:
+    """An encoder with its sequence-classification head, as text classifiers are saved."""
+    with MODEL_LOAD_LOCK:
+        from transformers import AutoModelForSequenceClassification
+
+        return _load_pretrained(AutoModelForSequenceClassification, model_dir, device, dtype, None)
+
+
 def _load_pretrained(
     auto_class: Any,
     model_dir: str | Path,

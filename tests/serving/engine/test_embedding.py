@@ -1,5 +1,5 @@
-"""The embedding engine: inputs batched by the dynamic batcher, one padded forward pass per batch, pooled
-as the model's sentence-transformers files say."""
+"""The encoder engine serving an embedding model: inputs batched by the dynamic batcher, one padded
+forward pass per batch, pooled as the model's sentence-transformers files say."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from serving.engine.batcher import CloseReason
-from serving.engine.embedding import EmbeddingConfig, EmbeddingEngine, Pooling, read_pooling
+from serving.engine.encoder import EncoderConfig, EncoderEngine, Pooling, read_pooling
 from serving.engine.loading import ModelLoadError
 
 TEXTS = [
@@ -23,13 +23,11 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def engine(demo_embedding_model_dir: Path) -> EmbeddingEngine:
-    return EmbeddingEngine(
-        demo_embedding_model_dir, config=EmbeddingConfig(max_batch_size=4, max_wait_s=0.002)
-    )
+def engine(demo_embedding_model_dir: Path) -> EncoderEngine:
+    return EncoderEngine(demo_embedding_model_dir, config=EncoderConfig(max_batch_size=4, max_wait_s=0.002))
 
 
-def _run(engine: EmbeddingEngine) -> dict:
+def _run(engine: EncoderEngine) -> dict:
     outputs = {}
     while engine.has_unfinished():
         wait = engine.seconds_until_ready()
@@ -39,14 +37,14 @@ def _run(engine: EmbeddingEngine) -> dict:
     return outputs
 
 
-def test_inputs_batched_together_get_the_vectors_each_gets_alone(engine: EmbeddingEngine) -> None:
+def test_inputs_batched_together_get_the_vectors_each_gets_alone(engine: EncoderEngine) -> None:
     """Padding to the longest input in the batch must not leak into the shorter ones' vectors."""
     ids = [engine.encode(t) for t in TEXTS]
     assert len({len(i) for i in ids}) == len(ids)  # the batch needs padding
     alone = []
     for i, input_ids in enumerate(ids):
         engine.add_request(f"alone-{i}", [input_ids])
-        alone.append(_run(engine)[f"alone-{i}"].embeddings[0])
+        alone.append(_run(engine)[f"alone-{i}"].vectors[0])
         assert engine.last_batch is not None and len(engine.last_batch.items) == 1
     for i, input_ids in enumerate(ids):
         engine.add_request(f"together-{i}", [input_ids])
@@ -54,28 +52,28 @@ def test_inputs_batched_together_get_the_vectors_each_gets_alone(engine: Embeddi
     assert engine.last_batch is not None and len(engine.last_batch.items) == 4
     assert engine.last_batch.reason is CloseReason.FULL
     for i in range(len(ids)):
-        torch.testing.assert_close(together[f"together-{i}"].embeddings[0], alone[i], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(together[f"together-{i}"].vectors[0], alone[i], atol=1e-5, rtol=1e-4)
 
 
 def test_a_request_of_several_inputs_ends_once_all_are_embedded_in_their_order(
-    engine: EmbeddingEngine,
+    engine: EncoderEngine,
 ) -> None:
     ids = [engine.encode(t) for t in TEXTS]
     engine.add_request("many", ids[:3])
     engine.add_request("one", ids[3:])
     out = _run(engine)
-    assert out["many"].embeddings.shape == (3, engine.dimension)
+    assert out["many"].vectors.shape == (3, engine.dimension)
     assert out["many"].num_prompt_tokens == sum(len(i) for i in ids[:3])
-    assert out["one"].embeddings.shape == (1, engine.dimension)
-    for row, input_ids in zip(out["many"].embeddings, ids[:3], strict=True):
-        torch.testing.assert_close(row, engine._embed([input_ids])[0], atol=1e-5, rtol=1e-4)
+    assert out["one"].vectors.shape == (1, engine.dimension)
+    for row, input_ids in zip(out["many"].vectors, ids[:3], strict=True):
+        torch.testing.assert_close(row, engine._forward([input_ids])[0], atol=1e-5, rtol=1e-4)
     # mean-pooled and normalized, as the demo model's modules.json says
-    torch.testing.assert_close(out["many"].embeddings.norm(dim=1), torch.ones(3))
+    torch.testing.assert_close(out["many"].vectors.norm(dim=1), torch.ones(3))
     assert out["many"].first_scheduled_time is not None
     assert out["many"].arrival_time <= out["many"].first_scheduled_time <= out["many"].finished_time
 
 
-def test_a_lone_request_waits_the_delay_for_company_and_not_longer(engine: EmbeddingEngine) -> None:
+def test_a_lone_request_waits_the_delay_for_company_and_not_longer(engine: EncoderEngine) -> None:
     engine.add_request("lone", [engine.encode("hello")])
     assert 0 < engine.seconds_until_ready() <= engine.config.max_wait_s  # type: ignore[operator]
     assert engine.step() == []  # not due: no forward pass
@@ -87,13 +85,13 @@ def test_a_lone_request_waits_the_delay_for_company_and_not_longer(engine: Embed
 
 def test_unless_told_a_batch_on_the_cpu_waits_for_no_one(demo_embedding_model_dir: Path) -> None:
     """What arrives during a forward pass is the next batch; waiting longer only adds latency there."""
-    engine = EmbeddingEngine(demo_embedding_model_dir, config=EmbeddingConfig(max_batch_size=4))
+    engine = EncoderEngine(demo_embedding_model_dir, config=EncoderConfig(max_batch_size=4))
     assert engine.batcher.config.max_wait_s == 0.0
     engine.add_request("now", [engine.encode("hello")])
     assert engine.seconds_until_ready() == 0
 
 
-def test_an_aborted_request_leaves_nothing_queued(engine: EmbeddingEngine) -> None:
+def test_an_aborted_request_leaves_nothing_queued(engine: EncoderEngine) -> None:
     engine.add_request("gone", [engine.encode(t) for t in TEXTS[:2]])
     assert engine.abort("gone") and not engine.abort("gone")
     assert not engine.has_unfinished() and engine.seconds_until_ready() is None
@@ -111,7 +109,7 @@ def test_an_aborted_request_leaves_nothing_queued(engine: EmbeddingEngine) -> No
     ],
 )
 def test_bad_inputs_are_refused_and_nothing_is_queued(
-    engine: EmbeddingEngine, inputs: list, message: str
+    engine: EncoderEngine, inputs: list, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
         engine.add_request("bad", inputs)
@@ -140,9 +138,9 @@ def test_vectors_equal_sentence_transformers_on_a_real_model() -> None:
     reference = torch.tensor(
         sentence_transformers.SentenceTransformer(str(model_dir), device="cpu").encode(texts)
     )
-    engine = EmbeddingEngine(model_dir, config=EmbeddingConfig(max_batch_size=8, max_wait_s=0.0))
+    engine = EncoderEngine(model_dir, config=EncoderConfig(max_batch_size=8, max_wait_s=0.0))
     engine.add_request("r", [engine.encode(t) for t in texts])
-    vectors = _run(engine)["r"].embeddings
+    vectors = _run(engine)["r"].vectors
     torch.testing.assert_close(vectors, reference, atol=1e-5, rtol=1e-4)
     similarity = vectors @ vectors.T
     assert similarity[0, 1] > 0.5 > similarity[0, 2]

@@ -1,19 +1,26 @@
-"""The engine of an embedding model's replica: requests wait in a dynamic batcher, and each step that
-finds a batch due runs one padded forward pass through the encoder and pools it.
+"""The engine of a non-generative model's replica (an embedding model or a text classifier): requests
+wait in a dynamic batcher, and each step that finds a batch due runs one padded forward pass through
+the encoder and its head.
 
-    engine = EmbeddingEngine(model_dir, config=EmbeddingConfig(max_batch_size=32, max_wait_s=0.005))
+    engine = EncoderEngine(model_dir, kind="embedding", config=EncoderConfig(max_batch_size=32))
     engine.add_request("r1", [ids_of_text_1, ids_of_text_2])
     while engine.has_unfinished():
         time.sleep(engine.seconds_until_ready())   # the replica waits on its inbox instead
-        for out in engine.step(): ...   # out.embeddings: one row per input, float32
+        for out in engine.step(): ...   # out.vectors: one row per input, float32
 
 It offers the replica what the generative Engine does (add_request, abort, step, stats, encode), so one
-replica loop serves both. A request may carry several inputs (the OpenAI API takes a list); each is its
-own batch item, and the request finishes when its last input is embedded.
+replica loop serves every kind. A request may carry several inputs (the OpenAI API takes a list); each is
+its own batch item, and the request finishes when its last input is done.
 
-Pooling follows the model's sentence-transformers files when it has them (modules.json: mean or CLS
-pooling, normalized if a Normalize module follows); a plain encoder directory gets mean pooling,
-normalized, as OpenAI's embeddings are. An input longer than the model takes is refused, never cut."""
+The head is what differs by kind:
+- an embedding model pools the last hidden states as the model's sentence-transformers files say
+  (modules.json: mean or CLS pooling, normalized if a Normalize module follows); a plain encoder
+  directory gets mean pooling, normalized, as OpenAI's embeddings are;
+- a classifier (a `...ForSequenceClassification` checkpoint) gives each label a score: softmax over the
+  labels for single-label models, a sigmoid each for multi-label ones and for a single logit, the raw
+  value for regression, as transformers' text-classification pipeline scores them.
+
+An input longer than the model takes is refused, never cut."""
 
 from __future__ import annotations
 
@@ -27,7 +34,13 @@ import torch
 
 from serving.engine.batcher import Batch, BatcherConfig, BatchItem, DynamicBatcher
 from serving.engine.engine import EngineStats
-from serving.engine.loading import ModelLoadError, load_encoder, load_tokenizer, prompt_encoder
+from serving.engine.loading import (
+    ModelLoadError,
+    load_classifier,
+    load_encoder,
+    load_tokenizer,
+    prompt_encoder,
+)
 
 MAX_INPUTS_PER_REQUEST = 2048  # as the OpenAI API
 
@@ -42,7 +55,7 @@ GPU_MAX_WAIT_S = 0.005
 
 
 @dataclass(slots=True, frozen=True)
-class EmbeddingConfig:
+class EncoderConfig:
     max_batch_size: int = 32
     max_wait_s: float | None = None  # None: CPU_MAX_WAIT_S or GPU_MAX_WAIT_S, by the model's device
     max_batch_tokens: int = 16_384
@@ -56,11 +69,15 @@ class Pooling:
 
 
 @dataclass(slots=True)
-class EmbeddingOutput:
-    """A finished request. Carries the fields the replica reads from a generative RequestOutput."""
+class EncoderOutput:
+    """A finished request. Carries the fields the replica reads from a generative RequestOutput, and
+    the result: `vectors` under the name `result_field` gives it (an embedding's "embeddings", a
+    classifier's "scores", with the names of the labels they score)."""
 
     request_id: str
-    embeddings: torch.Tensor  # (number of inputs, dimension), float32 on the CPU
+    vectors: torch.Tensor  # (number of inputs, the head's dimension), float32 on the CPU
+    result_field: str
+    labels: tuple[str, ...] | None
     num_prompt_tokens: int
     arrival_time: float
     finished_time: float
@@ -109,6 +126,88 @@ def read_pooling(model_dir: str | Path) -> Pooling:
     return Pooling(mode, normalize)
 
 
+class EmbeddingHead:
+    """Pools the encoder's last hidden states into one vector per input."""
+
+    result_field = "embeddings"
+    labels: tuple[str, ...] | None = None
+
+    def __init__(self, model_dir: Path) -> None:
+        self.pooling = read_pooling(model_dir)
+
+    def load(self, model_dir: Path, device: str | None) -> Any:
+        return load_encoder(model_dir, device=device)
+
+    def dimension(self, model: Any) -> int:
+        return int(model.config.hidden_size)
+
+    def describe(self) -> str:
+        return f"{self.pooling.mode} pooling{', normalized' if self.pooling.normalize else ''}"
+
+    def __call__(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        hidden = model(input_ids=input_ids, attention_mask=mask).last_hidden_state.float()
+        pooled: torch.Tensor
+        if self.pooling.mode == "cls":
+            pooled = hidden[:, 0]
+        else:
+            weights = mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+        if self.pooling.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2.0, dim=1)
+        return pooled
+
+
+class ClassifierHead:
+    """Scores each of the model's labels for each input."""
+
+    result_field = "scores"
+
+    def __init__(self, model_dir: Path) -> None:
+        config_file = model_dir / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        architectures = config.get("architectures") or []
+        # Loaded as a classifier, a checkpoint without a trained classification head would get a random
+        # one and answer with confident nonsense.
+        if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+            raise ModelLoadError(
+                f"{model_dir} is not a sequence classifier (architectures: {architectures or 'none'}); "
+                "a classifier needs a ...ForSequenceClassification checkpoint"
+            )
+        problem = config.get("problem_type")
+        id2label = config.get("id2label") or {}
+        num_labels = len(id2label) or int(config.get("num_labels") or 2)
+        self.labels = tuple(str(id2label.get(str(i), f"LABEL_{i}")) for i in range(num_labels))
+        if problem == "regression":
+            self.activation = "none"
+        elif problem == "multi_label_classification" or num_labels == 1:
+            self.activation = "sigmoid"
+        else:
+            self.activation = "softmax"
+
+    def load(self, model_dir: Path, device: str | None) -> Any:
+        return load_classifier(model_dir, device=device)
+
+    def dimension(self, model: Any) -> int:
+        return len(self.labels)
+
+    def describe(self) -> str:
+        return f"labels {', '.join(self.labels)}, scored by {self.activation}"
+
+    def __call__(self, model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = model(input_ids=input_ids, attention_mask=mask).logits.float()
+        if self.activation == "softmax":
+            return torch.softmax(logits, dim=-1)
+        if self.activation == "sigmoid":
+            return torch.sigmoid(logits)
+        return logits
+
+
+HEADS: dict[str, type[EmbeddingHead] | type[ClassifierHead]] = {
+    "embedding": EmbeddingHead,
+    "classifier": ClassifierHead,
+}
+
+
 def _max_input_tokens(model_dir: Path, model: Any, tokenizer: Any) -> int:
     limits = [int(model.config.max_position_embeddings)]
     st_config = model_dir / "sentence_bert_config.json"
@@ -120,17 +219,22 @@ def _max_input_tokens(model_dir: Path, model: Any, tokenizer: Any) -> int:
     return min(limits)
 
 
-class EmbeddingEngine:
-    def __init__(self, model_dir: str | Path, *, config: EmbeddingConfig | None = None) -> None:
-        self.config = config = config or EmbeddingConfig()
+class EncoderEngine:
+    def __init__(
+        self, model_dir: str | Path, *, kind: str = "embedding", config: EncoderConfig | None = None
+    ) -> None:
+        """kind: "embedding" or "classifier", as the registry names the model's kind."""
+        self.config = config = config or EncoderConfig()
         path = Path(model_dir)
-        self.pooling = read_pooling(path)
-        self.model: Any = load_encoder(path, device=config.device)
+        if kind not in HEADS:
+            raise ModelLoadError(f"no encoder head for a model of kind {kind!r}")
+        self.head = HEADS[kind](path)
+        self.model: Any = self.head.load(path, config.device)
         self.device = next(self.model.parameters()).device
         self.tokenizer: Any = load_tokenizer(path)
         self._encode = prompt_encoder(self.tokenizer)
         self.max_input_tokens = _max_input_tokens(path, self.model, self.tokenizer)
-        self.dimension = int(self.model.config.hidden_size)
+        self.dimension = self.head.dimension(self.model)
         self._vocab_size = int(self.model.config.vocab_size)
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if pad is not None else 0
@@ -155,7 +259,7 @@ class EmbeddingEngine:
     def warmup(self) -> None:
         """One full-size batch, so the first requests do not pay for first-call allocations."""
         ids = [[self._pad_id] * 16] * self.config.max_batch_size
-        self._embed(ids)
+        self._forward(ids)
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -200,7 +304,7 @@ class EmbeddingEngine:
             self.batcher.add(BatchItem((request_id, i), len(ids), now, ids))
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request and its inputs not yet embedded. False if it was unknown or already finished."""
+        """Drop a request and its inputs not yet run. False if it was unknown or already finished."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
@@ -222,7 +326,7 @@ class EmbeddingEngine:
 
     # --- the step ----------------------------------------------------------------------------------
 
-    def step(self) -> list[EmbeddingOutput]:
+    def step(self) -> list[EncoderOutput]:
         """Run the batch that is due, if one is; return the requests it finished."""
         now = time.monotonic()
         batch = self.batcher.take(now)
@@ -235,7 +339,7 @@ class EmbeddingEngine:
             request = self._requests[request_id]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        vectors = self._embed([item.payload for item in batch.items])
+        vectors = self._forward([item.payload for item in batch.items])
         finished_time = time.monotonic()
         outputs = []
         for (request_id, index), vector in zip(keys, vectors, strict=True):
@@ -245,9 +349,11 @@ class EmbeddingEngine:
             if request.num_left == 0:
                 del self._requests[request_id]
                 outputs.append(
-                    EmbeddingOutput(
+                    EncoderOutput(
                         request_id=request_id,
-                        embeddings=torch.stack(request.vectors),  # type: ignore[arg-type]
+                        vectors=torch.stack(request.vectors),  # type: ignore[arg-type]
+                        result_field=self.head.result_field,
+                        labels=self.head.labels,
                         num_prompt_tokens=request.num_prompt_tokens,
                         arrival_time=request.arrival_time,
                         finished_time=finished_time,
@@ -257,7 +363,7 @@ class EmbeddingEngine:
         return outputs
 
     @torch.inference_mode()
-    def _embed(self, inputs: list[list[int]]) -> torch.Tensor:
+    def _forward(self, inputs: list[list[int]]) -> torch.Tensor:
         """One padded forward pass; (len(inputs), dimension) float32 on the CPU."""
         longest = max(len(ids) for ids in inputs)
         input_ids = torch.full((len(inputs), longest), self._pad_id, dtype=torch.long)
@@ -266,16 +372,7 @@ class EmbeddingEngine:
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[row, : len(ids)] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state.float()
-        pooled: torch.Tensor
-        if self.pooling.mode == "cls":
-            pooled = hidden[:, 0]
-        else:
-            weights = mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
-        if self.pooling.normalize:
-            pooled = torch.nn.functional.normalize(pooled, p=2.0, dim=1)
-        return pooled.cpu()
+        return self.head(self.model, input_ids, mask).cpu()
 
     # --- observability -----------------------------------------------------------------------------
 
