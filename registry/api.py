@@ -35,7 +35,8 @@ def _openai_model(model: Model) -> dict[str, Any]:
         "object": "model",
         "created": int(model.created_at.timestamp()),
         "owned_by": "switchyard",
-        "kind": model.kind,  # ours: which endpoints serve it (causal-lm: completions; embedding: embeddings)
+        # ours: which endpoints serve it (causal-lm: completions; embedding: embeddings; classifier: infer)
+        "kind": model.kind,
     }
 
 

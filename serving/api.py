@@ -12,9 +12,12 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from registry.errors import error_response
-from serving.dispatch import Dispatch, authenticate, dispatch
+from registry.models import Model
+from registry.selectors import TenantContext
+from serving.dispatch import Dispatch, authenticate, dispatch, model_kind
 from serving.gateway import GatewayError
-from serving.requests import parse_infer, parse_json_body
+from serving.replica import decode_vector
+from serving.requests import parse_classify, parse_infer, parse_json_body
 from serving.runtime import get_runtime
 
 
@@ -37,10 +40,16 @@ async def _sse_events(handle: Dispatch) -> AsyncIterator[bytes]:
 
 @csrf_exempt
 async def infer(request: HttpRequest, model: str) -> HttpResponse:
+    """A generative model's text (JSON or SSE), or a classifier's scores: each kind's own body."""
     if request.method != "POST":
         return error_response(405, "use POST")
     try:
         context = await authenticate(request.headers.get("Authorization"))
+        kind = await model_kind(context, model)
+        if kind == Model.Kind.CLASSIFIER:
+            return await _classify(request, context, model)
+        if kind == Model.Kind.EMBEDDING:
+            raise GatewayError(400, f"model {model!r} is an embedding model: use POST /v1/embeddings")
         body = parse_infer(parse_json_body(request))
         handle = await dispatch(
             context=context,
@@ -67,6 +76,47 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
             "finish_reason": final.get("finish_reason"),
             "usage": final.get("usage", {}),
             "timings": final.get("timings", {}),
+        },
+        headers=handle.response_headers(),
+    )
+
+
+async def _classify(request: HttpRequest, context: TenantContext, model: str) -> HttpResponse:
+    """Every input's labels with their scores, best first (the top_k best, if asked)."""
+    inputs, top_k = parse_classify(parse_json_body(request))
+    handle = await dispatch(
+        context=context,
+        path_model=model,
+        pin=request.headers.get("X-Version-Pin"),
+        params={},
+        inputs=inputs,
+        kind=Model.Kind.CLASSIFIER,
+    )
+    _, final = await handle.collect()
+    scores, labels = final.get("scores"), final.get("labels")
+    if (
+        final.get("finish_reason") == "error"
+        or not isinstance(scores, list)
+        or len(scores) != len(inputs)
+        or not isinstance(labels, list)
+    ):
+        error = final.get("error") or {}
+        message = error.get("message", "the replica returned no scores")
+        return error_response(503, message, headers=handle.response_headers())
+    predictions = []
+    for encoded in scores:
+        ranked = sorted(zip(labels, decode_vector(encoded), strict=True), key=lambda p: p[1], reverse=True)
+        predictions.append([{"label": label, "score": score} for label, score in ranked[:top_k]])
+    usage = final.get("usage") or {}
+    prompt_tokens = int(usage.get("prompt_tokens", 0))
+    return JsonResponse(
+        {
+            "id": handle.request_id,
+            "object": "classification",
+            "model": handle.model_name,
+            "version": handle.version,
+            "predictions": predictions,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         },
         headers=handle.response_headers(),
     )

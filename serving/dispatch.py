@@ -20,7 +20,7 @@ from channels.exceptions import ChannelFull
 from django.conf import settings
 
 from registry.models import Model
-from registry.selectors import TenantContext
+from registry.selectors import RoutingSnapshot, TenantContext
 from serving import gateway, shadow
 from serving.breaker import breaker
 from serving.gateway import GatewayError, Ticket
@@ -284,6 +284,25 @@ async def authenticate(authorization: str | None) -> TenantContext:
     return await database_sync_to_async(gateway.authenticate, thread_sensitive=False)(authorization)
 
 
+async def _snapshot(model_name: str) -> RoutingSnapshot | None:
+    is_fresh, snapshot = routing_cache.get_fresh(model_name)
+    if not is_fresh:
+        snapshot = await database_sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
+    return snapshot
+
+
+async def model_kind(context: TenantContext, path_model: str) -> str | None:
+    """The kind of the model a request names (`model` or `model@alias`), None if there is no such model;
+    a 403 if the tenant may not use it, so that its kind tells a stranger nothing. From the routing
+    cache, so it costs no database read while the entry is fresh."""
+    model_name = split_model_name(path_model)[0]
+    snapshot = await _snapshot(model_name)
+    if snapshot is None:
+        return None
+    gateway.authorize_model(context, model_name, pinned_version=None)
+    return snapshot.kind
+
+
 async def dispatch(
     *,
     context: TenantContext,
@@ -304,9 +323,7 @@ async def dispatch(
         raise ValueError("dispatch needs exactly one of text, messages or inputs")
     model_name, alias = split_model_name(path_model)
     pin = pin.strip() if pin else None
-    is_fresh, snapshot = routing_cache.get_fresh(model_name)
-    if not is_fresh:
-        snapshot = await database_sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
+    snapshot = await _snapshot(model_name)
     if snapshot is None:
         raise GatewayError(404, f"model {model_name!r} not found")
     gateway.authorize_model(context, model_name, pinned_version=pin)

@@ -5,10 +5,7 @@ refused with a 400 rather than silently ignored."""
 
 from __future__ import annotations
 
-import array
-import base64
 import json
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -22,7 +19,8 @@ from registry.models import Model
 from serving.api import sse_response
 from serving.dispatch import Dispatch, authenticate, dispatch
 from serving.gateway import GatewayError
-from serving.requests import parse_json_body, parse_sampling
+from serving.replica import decode_vector
+from serving.requests import parse_json_body, parse_sampling, parse_text_inputs
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 # Accepted and ignored: they do not change what we generate.
@@ -222,7 +220,6 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 
 
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
-MAX_EMBEDDING_INPUTS = 2048  # as the OpenAI API
 
 
 def _parse_embeddings(body: dict[str, Any]) -> tuple[str, list[str], str]:
@@ -232,31 +229,12 @@ def _parse_embeddings(body: dict[str, Any]) -> tuple[str, list[str], str]:
         raise GatewayError(400, 'encoding_format must be "float" or "base64"')
     if body.get("dimensions") is not None:
         raise GatewayError(400, "dimensions is not supported: the model's own dimension is returned")
-    raw = body.get("input")
-    inputs = [raw] if isinstance(raw, str) else raw
-    # Token-id arrays, which the OpenAI API also takes, are refused: ids mean nothing across tokenizers.
-    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) for t in inputs):
-        raise GatewayError(400, "input must be a non-empty string or a non-empty list of strings")
-    if len(inputs) > MAX_EMBEDDING_INPUTS:
-        raise GatewayError(400, f"input holds {len(inputs)} texts; the limit is {MAX_EMBEDDING_INPUTS}")
-    for i, text in enumerate(inputs):
-        if not text:
-            raise GatewayError(400, f"input[{i}] is empty")
-        if len(text) > settings.MAX_INPUT_CHARS:
-            raise GatewayError(
-                413, f"input[{i}] is {len(text)} characters; the limit is {settings.MAX_INPUT_CHARS}"
-            )
-    return model, inputs, encoding
+    return model, parse_text_inputs(body.get("input")), encoding
 
 
 def _embedding_vector(encoded: str, encoding: str) -> str | list[float]:
     """The replica sends little-endian float32 in base64, which is the "base64" format itself."""
-    if encoding == "base64":
-        return encoded
-    vector = array.array("f", base64.b64decode(encoded))
-    if sys.byteorder != "little":
-        vector.byteswap()
-    return vector.tolist()
+    return encoded if encoding == "base64" else decode_vector(encoded)
 
 
 @csrf_exempt

@@ -113,3 +113,40 @@ def parse_infer(body: dict[str, Any]) -> InferRequest:
     if len(text) > settings.MAX_INPUT_CHARS:
         raise GatewayError(413, f"input is {len(text)} characters; the limit is {settings.MAX_INPUT_CHARS}")
     return InferRequest(input=text, **parse_sampling(body))
+
+
+MAX_TEXT_INPUTS = 2048  # texts in one request to a non-generative model, as the OpenAI API's embeddings
+
+
+def parse_text_inputs(raw: Any) -> list[str]:
+    """A non-generative request's `input`: one text or a list of them, each non-empty and within
+    MAX_INPUT_CHARS. Token-id arrays, which the OpenAI API also takes, are refused: ids mean nothing
+    across tokenizers."""
+    inputs = [raw] if isinstance(raw, str) else raw
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) for t in inputs):
+        raise GatewayError(400, "input must be a non-empty string or a non-empty list of strings")
+    if len(inputs) > MAX_TEXT_INPUTS:
+        raise GatewayError(400, f"input holds {len(inputs)} texts; the limit is {MAX_TEXT_INPUTS}")
+    for i, text in enumerate(inputs):
+        if not text:
+            raise GatewayError(400, f"input[{i}] is empty")
+        if len(text) > settings.MAX_INPUT_CHARS:
+            raise GatewayError(
+                413, f"input[{i}] is {len(text)} characters; the limit is {settings.MAX_INPUT_CHARS}"
+            )
+    return inputs
+
+
+CLASSIFY_FIELDS = frozenset({"input", "top_k"})
+
+
+def parse_classify(body: dict[str, Any]) -> tuple[list[str], int | None]:
+    """/infer's body for a classifier: the texts, and how many of the best labels to return for each
+    (None: all of them)."""
+    unknown = sorted(set(body) - CLASSIFY_FIELDS)
+    if unknown:
+        raise GatewayError(400, f"unknown field(s) for a classifier: {', '.join(unknown)}")
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise GatewayError(400, "top_k must be a positive integer")
+    return parse_text_inputs(body.get("input")), top_k

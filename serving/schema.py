@@ -12,6 +12,32 @@ _ERROR = {
     },
 }
 
+_GENERATE = {
+    "type": "object",
+    "title": "generate (causal-lm)",
+    "required": ["input"],
+    "properties": {
+        "input": {"type": "string"},
+        "max_tokens": {"type": "integer", "minimum": 1, "default": 16},
+        "stream": {"type": "boolean", "default": False},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
+        "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "default": 1},
+        "seed": {"type": "integer", "nullable": True},
+        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    },
+}
+_CLASSIFY = {
+    "type": "object",
+    "title": "classify (classifier)",
+    "required": ["input"],
+    "properties": {
+        "input": {
+            "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 2048}]
+        },
+        "top_k": {"type": "integer", "minimum": 1, "nullable": True, "description": "default: every label"},
+    },
+}
+
 
 def add_inference_paths(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
     errors = {
@@ -29,7 +55,10 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any, pu
     result.setdefault("paths", {})["/v1/models/{model}/infer"] = {
         "post": {
             "operationId": "models_infer",
-            "summary": "Generate from a model (JSON, or SSE when stream is true)",
+            "summary": "Generate from a model (JSON, or SSE when stream is true), or classify texts",
+            "description": "The body a model takes depends on its kind: a causal LM generates from "
+            "`input`; a classifier scores its labels for each of the inputs and returns "
+            "`{predictions: [[{label, score}, ...] per input, best first], usage}`.",
             "parameters": [
                 {
                     "name": "model",
@@ -44,37 +73,14 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any, pu
                 "required": True,
                 "content": {
                     "application/json": {
-                        "schema": {
-                            "type": "object",
-                            "required": ["input"],
-                            "properties": {
-                                "input": {"type": "string"},
-                                "max_tokens": {"type": "integer", "minimum": 1, "default": 16},
-                                "stream": {"type": "boolean", "default": False},
-                                "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
-                                "top_p": {
-                                    "type": "number",
-                                    "minimum": 0,
-                                    "exclusiveMinimum": True,
-                                    "maximum": 1,
-                                    "default": 1,
-                                },
-                                "seed": {"type": "integer", "nullable": True},
-                                "stop": {
-                                    "oneOf": [
-                                        {"type": "string"},
-                                        {"type": "array", "items": {"type": "string"}},
-                                    ]
-                                },
-                            },
-                        }
+                        "schema": {"oneOf": [_GENERATE, _CLASSIFY]},
                     }
                 },
             },
             "responses": {
                 "200": {
                     "description": "the output, or an SSE stream of `data: {token, index}` events then "
-                    "`data: {finish_reason, usage}`",
+                    "`data: {finish_reason, usage}`; a classifier's predictions",
                     "headers": {"X-Served-Version": {"schema": {"type": "string"}}},
                 },
                 **errors,

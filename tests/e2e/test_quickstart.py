@@ -15,7 +15,11 @@ def test_health_and_readiness(platform_server) -> None:
     ready = httpx.get(f"{platform_server.url}/readyz").json()
     assert ready["ready"] and ready["database"]
     served = {(r["model"], r["version"], r["state"]) for r in ready["replicas"]}
-    assert served == {("demo-chat", "v1", "ready"), ("demo-embed", "v1", "ready")}
+    assert served == {
+        ("demo-chat", "v1", "ready"),
+        ("demo-embed", "v1", "ready"),
+        ("demo-classify", "v1", "ready"),
+    }
 
 
 def test_curl_example_streams_16_token_events_and_a_final_event(platform_server) -> None:
@@ -38,6 +42,19 @@ def test_curl_example_streams_16_token_events_and_a_final_event(platform_server)
     assert all(isinstance(e["token"], str) for e in tokens)
     assert final["finish_reason"] == "length"
     assert final["usage"]["completion_tokens"] == 16
+
+
+def test_classifier_example_scores_both_labels(platform_server) -> None:
+    response = httpx.post(
+        f"{platform_server.url}/v1/models/demo-classify/infer",
+        headers={"Authorization": f"Bearer {platform_server.key}"},
+        json={"input": ["hello", "hello world"], "top_k": 1},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    predictions = response.json()["predictions"]
+    assert len(predictions) == 2
+    assert all(len(p) == 1 and p[0]["label"] in {"negative", "positive"} for p in predictions)
 
 
 def test_openapi_schema_lists_the_inference_and_registry_paths(platform_server) -> None:

@@ -202,6 +202,29 @@ def test_embeddings_through_the_redis_layer_from_a_replica_process(fleet: Fleet)
         process.wait()
 
 
+def test_a_classifier_through_the_redis_layer_from_a_replica_process(fleet: Fleet) -> None:
+    _, process = fleet.launch_replica("demo-classify")
+    try:
+        response = httpx.post(
+            f"{fleet.server.url}/v1/models/demo-classify/infer",
+            headers={"Authorization": f"Bearer {fleet.server.key}"},
+            json={"input": ["hello world", "the quick brown fox", "hello world"]},
+            timeout=30,
+        )
+        assert response.status_code == 200, response.text
+        assert response.headers["X-Served-Version"] == "v1"
+        first, second, again = (
+            {p["label"]: p["score"] for p in labels} for labels in response.json()["predictions"]
+        )
+        assert set(first) == {"negative", "positive"}
+        assert first == pytest.approx(again, abs=1e-5)  # the same text, in another row of the batch
+        assert first != pytest.approx(second, abs=1e-6)
+        assert sum(second.values()) == pytest.approx(1.0, abs=1e-5)
+    finally:
+        process.kill()
+        process.wait()
+
+
 def test_both_replicas_take_traffic(fleet: Fleet) -> None:
     served: set[str] = set()
     for _ in range(40):  # both within a few requests; more only if a heartbeat runs late under load

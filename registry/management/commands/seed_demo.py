@@ -10,15 +10,16 @@ from registry.services import api_key_create, model_version_register, tenant_cre
 
 DEMO_MODEL = "demo-chat"
 DEMO_EMBEDDING_MODEL = "demo-embed"
+DEMO_CLASSIFIER_MODEL = "demo-classify"
 DEMO_TENANT = "demo"
 DEMO_KEY_NAME = "make-serve"
 
 
 class Command(BaseCommand):
     help = (
-        "Make sure the demo models (demo-chat v1 and the embedding model demo-embed v1, each stable, 100%) "
-        "and the demo tenant exist, then issue a fresh demo API key (revoking the one issued last time) and "
-        "print it."
+        "Make sure the demo models (demo-chat v1, the embedding model demo-embed v1 and the classifier "
+        "demo-classify v1, each stable, 100%) and the demo tenant exist, then issue a fresh demo API key "
+        "(revoking the one issued last time) and print it."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -28,6 +29,12 @@ class Command(BaseCommand):
         self._ensure_model(DEMO_MODEL, "demo-model", "build_demo_model", Model.Kind.CAUSAL_LM)
         self._ensure_model(
             DEMO_EMBEDDING_MODEL, "demo-embedding-model", "build_demo_embedding_model", Model.Kind.EMBEDDING
+        )
+        self._ensure_model(
+            DEMO_CLASSIFIER_MODEL,
+            "demo-classifier-model",
+            "build_demo_classifier_model",
+            Model.Kind.CLASSIFIER,
         )
         tenant = Tenant.objects.filter(name=DEMO_TENANT).first()
         if tenant is None:
