@@ -167,25 +167,27 @@ class ClassifierHead:
         config = json.loads(config_file.read_text()) if config_file.exists() else {}
         architectures = config.get("architectures") or []
         # Loaded as a classifier, a checkpoint without a trained classification head would get a random
-        # one and answer with confident nonsense.
+        # one and answer with confident nonsense (load_classifier also refuses weights it lacks).
         if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
             raise ModelLoadError(
                 f"{model_dir} is not a sequence classifier (architectures: {architectures or 'none'}); "
                 "a classifier needs a ...ForSequenceClassification checkpoint"
             )
-        problem = config.get("problem_type")
-        id2label = config.get("id2label") or {}
-        num_labels = len(id2label) or int(config.get("num_labels") or 2)
-        self.labels = tuple(str(id2label.get(str(i), f"LABEL_{i}")) for i in range(num_labels))
-        if problem == "regression":
+        self.labels: tuple[str, ...] = ()
+        self.activation = "softmax"
+
+    def load(self, model_dir: Path, device: str | None) -> Any:
+        """The model; its labels and how they are scored come from its own config, as the pipeline's."""
+        model = load_classifier(model_dir, device=device)
+        config = model.config
+        self.labels = tuple(str(config.id2label[i]) for i in range(config.num_labels))
+        if config.problem_type == "regression":
             self.activation = "none"
-        elif problem == "multi_label_classification" or num_labels == 1:
+        elif config.problem_type == "multi_label_classification" or config.num_labels == 1:
             self.activation = "sigmoid"
         else:
             self.activation = "softmax"
-
-    def load(self, model_dir: Path, device: str | None) -> Any:
-        return load_classifier(model_dir, device=device)
+        return model
 
     def dimension(self, model: Any) -> int:
         return len(self.labels)

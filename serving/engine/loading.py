@@ -118,7 +118,10 @@ def load_classifier(
     with MODEL_LOAD_LOCK:
         from transformers import AutoModelForSequenceClassification
 
-        return _load_pretrained(AutoModelForSequenceClassification, model_dir, device, dtype, None)
+        # A head the checkpoint lacks would be initialised at random: confident nonsense, so refused.
+        return _load_pretrained(
+            AutoModelForSequenceClassification, model_dir, device, dtype, None, require_all_weights=True
+        )
 
 
 def _load_pretrained(
@@ -127,6 +130,8 @@ def _load_pretrained(
     device: torch.device | str | None,
     dtype: torch.dtype | None,
     attn_implementation: str | None,
+    *,
+    require_all_weights: bool = False,
 ) -> Any:
     path = Path(model_dir)
     if not any(path.glob("*.safetensors")):
@@ -140,5 +145,15 @@ def _load_pretrained(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with MODEL_LOAD_LOCK:
-        model: Any = auto_class.from_pretrained(str(path), **kwargs)
+        model: Any
+        if require_all_weights:
+            model, info = auto_class.from_pretrained(str(path), output_loading_info=True, **kwargs)
+            missing = sorted(info.get("missing_keys") or ())
+            if missing:
+                raise ModelLoadError(
+                    f"{path} lacks weights the model needs ({', '.join(missing[:4])}"
+                    f"{', …' if len(missing) > 4 else ''}); refused rather than initialised at random"
+                )
+        else:
+            model = auto_class.from_pretrained(str(path), **kwargs)
         return model.to(device or default_device).eval()

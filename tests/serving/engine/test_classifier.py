@@ -76,17 +76,62 @@ def _with_config(source: Path, target: Path, **changes: object) -> Path:
     return target
 
 
-def test_a_multi_label_model_scores_each_label_on_its_own(
-    demo_classifier_model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("problem_type", "sums_to_one"),
+    [("multi_label_classification", False), ("regression", False), ("single_label_classification", True)],
+)
+def test_each_problem_type_is_scored_as_the_pipeline_scores_it(
+    demo_classifier_model_dir: Path, tmp_path: Path, problem_type: str, sums_to_one: bool
 ) -> None:
-    model_dir = _with_config(
-        demo_classifier_model_dir, tmp_path / "multi", problem_type="multi_label_classification"
-    )
+    """Multi-label: a sigmoid per label; regression: the raw logits; single-label: a softmax."""
+    model_dir = _with_config(demo_classifier_model_dir, tmp_path / "m", problem_type=problem_type)
     engine = _classifier(model_dir)
     engine.add_request("r", [engine.encode(t) for t in TEXTS])
     scores = _run(engine)["r"].vectors
     torch.testing.assert_close(scores, _pipeline_scores(model_dir, TEXTS), atol=1e-5, rtol=1e-4)
-    assert not torch.allclose(scores.sum(dim=1), torch.ones(len(TEXTS)))  # sigmoids, not one distribution
+    assert torch.allclose(scores.sum(dim=1), torch.ones(len(TEXTS))) == sums_to_one
+
+
+def test_a_single_logit_is_scored_by_a_sigmoid(demo_classifier_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig.from_pretrained(demo_classifier_model_dir, num_labels=1, id2label={0: "toxic"})
+    config.problem_type = None
+    model_dir = _with_config(demo_classifier_model_dir, tmp_path / "one")
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(model_dir, safe_serialization=True)
+    engine = _classifier(model_dir)
+    assert engine.head.labels == ("toxic",) and engine.head.activation == "sigmoid"
+    engine.add_request("r", [engine.encode(t) for t in TEXTS])
+    scores = _run(engine)["r"].vectors
+    with torch.inference_mode():
+        logits = engine.model(**_padded(engine, TEXTS)).logits
+    torch.testing.assert_close(scores, torch.sigmoid(logits), atol=1e-5, rtol=1e-4)
+
+
+def _padded(engine: EncoderEngine, texts: list[str]) -> dict[str, torch.Tensor]:
+    ids = [engine.encode(t) for t in texts]
+    longest = max(len(i) for i in ids)
+    return {
+        "input_ids": torch.tensor([i + [0] * (longest - len(i)) for i in ids]),
+        "attention_mask": torch.tensor([[1] * len(i) + [0] * (longest - len(i)) for i in ids]),
+    }
+
+
+def test_a_classifier_whose_weights_lack_the_head_is_refused(
+    demo_classifier_model_dir: Path, tmp_path: Path
+) -> None:
+    """The config says classifier, but the head's weights are not in the file: transformers would
+    initialise them at random and only warn."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = _with_config(demo_classifier_model_dir, tmp_path / "headless")
+    weights = load_file(model_dir / "model.safetensors")
+    save_file(
+        {k: v for k, v in weights.items() if not k.startswith("classifier.")}, model_dir / "model.safetensors"
+    )
+    with pytest.raises(ModelLoadError, match=r"lacks weights the model needs \(classifier\."):
+        _classifier(model_dir)
 
 
 def test_a_checkpoint_without_a_classification_head_is_refused(demo_embedding_model_dir: Path) -> None:
