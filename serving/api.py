@@ -14,11 +14,12 @@ from django.views.decorators.csrf import csrf_exempt
 from registry.errors import error_response
 from registry.models import Model
 from registry.selectors import TenantContext
-from serving.dispatch import Dispatch, authenticate, dispatch, model_kind
+from serving.dispatch import Dispatch, authenticate, dispatch, model_kind, prompt_usage
 from serving.gateway import GatewayError
-from serving.replica import decode_vector
 from serving.requests import parse_classify, parse_infer, parse_json_body
+from serving.router import split_model_name
 from serving.runtime import get_runtime
+from serving.vectors import decode_vector
 
 
 def _gateway_error(exc: GatewayError) -> JsonResponse:
@@ -46,6 +47,8 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
     try:
         context = await authenticate(request.headers.get("Authorization"))
         kind = await model_kind(context, model)
+        if kind is None:
+            raise GatewayError(404, f"model {split_model_name(model)[0]!r} not found")
         if kind == Model.Kind.CLASSIFIER:
             return await _classify(request, context, model)
         if kind == Model.Kind.EMBEDDING:
@@ -92,23 +95,11 @@ async def _classify(request: HttpRequest, context: TenantContext, model: str) ->
         inputs=inputs,
         kind=Model.Kind.CLASSIFIER,
     )
-    _, final = await handle.collect()
-    scores, labels = final.get("scores"), final.get("labels")
-    if (
-        final.get("finish_reason") == "error"
-        or not isinstance(scores, list)
-        or len(scores) != len(inputs)
-        or not isinstance(labels, list)
-    ):
-        error = final.get("error") or {}
-        message = error.get("message", "the replica returned no scores")
-        return error_response(503, message, headers=handle.response_headers())
-    predictions = []
-    for encoded in scores:
-        ranked = sorted(zip(labels, decode_vector(encoded), strict=True), key=lambda p: p[1], reverse=True)
-        predictions.append([{"label": label, "score": score} for label, score in ranked[:top_k]])
-    usage = final.get("usage") or {}
-    prompt_tokens = int(usage.get("prompt_tokens", 0))
+    try:
+        rows, final = await handle.collect_vectors("scores", len(inputs))
+        predictions = [_ranked(final.get("labels"), decode_vector(row), top_k) for row in rows]
+    except GatewayError as exc:
+        return error_response(exc.status, exc.message, headers=handle.response_headers())
     return JsonResponse(
         {
             "id": handle.request_id,
@@ -116,10 +107,17 @@ async def _classify(request: HttpRequest, context: TenantContext, model: str) ->
             "model": handle.model_name,
             "version": handle.version,
             "predictions": predictions,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+            "usage": prompt_usage(final),
         },
         headers=handle.response_headers(),
     )
+
+
+def _ranked(labels: object, scores: list[float], top_k: int | None) -> list[dict[str, Any]]:
+    if not isinstance(labels, list) or len(labels) != len(scores):
+        raise GatewayError(503, "the replica's scores do not match its labels")
+    ranked = sorted(zip(labels, scores, strict=True), key=lambda pair: pair[1], reverse=True)
+    return [{"label": label, "score": score} for label, score in ranked[:top_k]]
 
 
 def sse_response(events: AsyncIterator[bytes], handle: Dispatch) -> StreamingHttpResponse:

@@ -257,6 +257,16 @@ class Dispatch:
             raise GatewayError(503, final.get("error", {}).get("message", "the replica failed"))
         return "".join(pieces), final
 
+    async def collect_vectors(self, result_field: str, count: int) -> tuple[list[str], dict[str, Any]]:
+        """A non-generative request's result: the `count` rows (base64 float32, serving/vectors.py) its
+        final event carries under `result_field`, and that event. Raises GatewayError(503) when the
+        replica failed or sent no such rows."""
+        _, final = await self.collect()
+        rows = final.get(result_field)
+        if not isinstance(rows, list) or len(rows) != count:
+            raise GatewayError(503, f"the replica returned no {result_field}")
+        return rows, final
+
     async def close(self) -> None:
         """Idempotent. A request that has not finished is aborted on its replica, freeing its blocks."""
         if self._is_closed:
@@ -273,6 +283,12 @@ class Dispatch:
             return
         used = self.num_prompt_tokens + self.num_completion_tokens
         await gateway.quota_store().arelease(self._ticket, used_tokens=used)
+
+
+def prompt_usage(final: dict[str, Any]) -> dict[str, int]:
+    """A non-generative request's usage, from its final event: prompt tokens only, as OpenAI's embeddings."""
+    prompt_tokens = int((final.get("usage") or {}).get("prompt_tokens", 0))
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
 
 
 async def authenticate(authorization: str | None) -> TenantContext:

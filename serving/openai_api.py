@@ -17,10 +17,10 @@ from django.views.decorators.csrf import csrf_exempt
 from registry.errors import error_response
 from registry.models import Model
 from serving.api import sse_response
-from serving.dispatch import Dispatch, authenticate, dispatch
+from serving.dispatch import Dispatch, authenticate, dispatch, prompt_usage
 from serving.gateway import GatewayError
-from serving.replica import decode_vector
 from serving.requests import parse_json_body, parse_sampling, parse_text_inputs
+from serving.vectors import decode_vector
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 # Accepted and ignored: they do not change what we generate.
@@ -252,17 +252,12 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
             inputs=inputs,
             kind=Model.Kind.EMBEDDING,
         )
-        _, final = await handle.collect()
     except GatewayError as exc:
         return error_response(exc.status, exc.message, headers=exc.headers)
-    vectors = final.get("embeddings")
-    if final.get("finish_reason") == "error" or not isinstance(vectors, list) or len(vectors) != len(inputs):
-        error = final.get("error") or {}
-        return error_response(
-            503, error.get("message", "the replica returned no embeddings"), headers=handle.response_headers()
-        )
-    usage = final.get("usage") or {}
-    prompt_tokens = int(usage.get("prompt_tokens", 0))
+    try:
+        vectors, final = await handle.collect_vectors("embeddings", len(inputs))
+    except GatewayError as exc:
+        return error_response(exc.status, exc.message, headers=handle.response_headers())
     return JsonResponse(
         {
             "object": "list",
@@ -271,7 +266,7 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
                 for i, v in enumerate(vectors)
             ],
             "model": model,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+            "usage": prompt_usage(final),
         },
         headers=handle.response_headers(),
     )

@@ -35,9 +35,7 @@ scores with its labels) in base64."""
 
 from __future__ import annotations
 
-import array
 import asyncio
-import base64
 import contextlib
 import enum
 import logging
@@ -65,6 +63,7 @@ from serving.metrics import MetricsRecorder, RequestSample, StepSample, register
 from serving.replica_directory import HEARTBEAT_INTERVAL_S, Heartbeat, HeartbeatPublisher
 from serving.shadow import SHADOW_RESULT
 from serving.streams import STEP_MESSAGE, ReplyHub
+from serving.vectors import encode_vectors
 
 logger = logging.getLogger(__name__)
 
@@ -797,21 +796,6 @@ def _final_event(output: Any, route: _Route) -> dict[str, Any]:
         if output.labels is not None:
             event["labels"] = list(output.labels)
     return event
-
-
-def encode_vectors(vectors: Any) -> list[str]:
-    """Each row of a float tensor as little-endian float32 in base64: a quarter of the JSON floats' size
-    on the channel layer, and what the OpenAI API's encoding_format "base64" returns as it is."""
-    rows = vectors.numpy().astype("<f4", copy=False)
-    return [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
-
-
-def decode_vector(encoded: str) -> list[float]:
-    """One row that encode_vectors wrote, as Python floats."""
-    vector = array.array("f", base64.b64decode(encoded))
-    if sys.byteorder != "little":
-        vector.byteswap()
-    return vector.tolist()
 
 
 def _step_message(items: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from serving.requests import MAX_TEXT_INPUTS
+
 _ERROR = {
     "type": "object",
     "properties": {
@@ -32,7 +34,10 @@ _CLASSIFY = {
     "required": ["input"],
     "properties": {
         "input": {
-            "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 2048}]
+            "oneOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "maxItems": MAX_TEXT_INPUTS},
+            ]
         },
         "top_k": {"type": "integer", "minimum": 1, "nullable": True, "description": "default: every label"},
     },
@@ -73,7 +78,7 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any, pu
                 "required": True,
                 "content": {
                     "application/json": {
-                        "schema": {"oneOf": [_GENERATE, _CLASSIFY]},
+                        "schema": {"anyOf": [_GENERATE, _CLASSIFY]},
                     }
                 },
             },

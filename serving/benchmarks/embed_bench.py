@@ -2,7 +2,7 @@
 and one seeded open-loop workload, in this process.
 
 Each rate runs both systems in turn, `--repeat` times, alternating which goes first. A system is the
-embedding engine driven as the replica's model thread drives it: inputs that arrived by the start of a
+encoder engine driven as the replica's model thread drives it: inputs that arrived by the start of a
 step are added, a step runs the batch that is due, and the thread sleeps until the next arrival or the
 batch's deadline, whichever is sooner. Arrivals are Poisson at the rate given; requests carry one text
 each, prompts tokenized beforehand (the replica tokenizes off the model thread). Latency is from a

@@ -1,6 +1,6 @@
-"""Dynamic batching for non-generative models (embeddings): a batch closes when it is full or when its
-oldest item has waited `max_wait_s`, whichever comes first, as Triton's dynamic batcher and
-TorchServe's batch size / max batch delay do.
+"""Dynamic batching for non-generative models (embedding models, classifiers): a batch closes when it
+is full or when its oldest item has waited `max_wait_s`, whichever comes first, as Triton's dynamic
+batcher and TorchServe's batch size / max batch delay do.
 
     batcher = DynamicBatcher(BatcherConfig(max_batch_size=32, max_wait_s=0.005))
     batcher.add(BatchItem(key, length=num_tokens, arrived_at=now, payload=token_ids))

@@ -194,7 +194,7 @@ class Engine:
 
     def seconds_until_ready(self) -> float | None:
         """0 when a step has work, None when nothing is queued (the replica's loop asks every engine;
-        an embedding engine may answer that its batch is due later)."""
+        an encoder engine may answer that its batch is due later)."""
         return 0.0 if self.scheduler.has_unfinished() else None
 
     def sequence(self, request_id: str) -> Sequence | None:

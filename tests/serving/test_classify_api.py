@@ -50,6 +50,18 @@ async def classifier_runtime(  # type: ignore[no-untyped-def]
 ):
     """The demo chat model, the classifier and an embedding model served in process; batches of up to
     4, a long delay so that concurrent requests of a test always find company."""
+    return await _serve(settings)
+
+
+@pytest.fixture
+async def failing_classifier_runtime(registered_classifier, settings):  # type: ignore[no-untyped-def]
+    """The classifier alone, its replica failing every request it accepts (fault injection)."""
+    settings.DEBUG = True  # fault injection is refused otherwise
+    settings.FAULTS = "demo-classify:v1=error_rate:1"
+    return await _serve(settings)
+
+
+async def _serve(settings):  # type: ignore[no-untyped-def]
     from serving.runtime import get_runtime
 
     settings.ALLOWED_HOSTS = ["localhost"]
@@ -151,6 +163,7 @@ async def test_concurrent_requests_share_forward_passes(acme, classifier_runtime
             400,
             "is an embedding model: use POST /v1/embeddings",
         ),
+        ("/v1/models/demo-clasify/infer", {"input": ["hi"]}, 404, "model 'demo-clasify' not found"),
     ],
 )
 async def test_bad_requests_get_the_json_error_and_leave_nothing_queued(
@@ -173,3 +186,16 @@ async def test_a_tenant_not_allowed_the_classifier_learns_nothing_of_it(
     # 403 before the body is read as a classifier's: neither its kind nor its fields give it away
     assert (refused.status_code, not_json.status_code) == (403, 403)
     assert "may not use model 'demo-classify'" in refused.json()["error"]["message"]
+
+
+async def test_a_replica_that_fails_the_request_gives_a_503_that_names_the_version(
+    acme, failing_classifier_runtime
+) -> None:
+    async with _client() as client:
+        response = await client.post(INFER, json={"input": ["hello", "world"]}, headers=acme.auth)
+    assert response.status_code == 503, response.text
+    assert "injected fault" in response.json()["error"]["message"]
+    assert response.headers["X-Served-Version"] == "v1" and response.headers["X-Request-Id"]
+    replica = _replica(failing_classifier_runtime)
+    await replica.wait_idle()
+    assert not replica.engine.has_unfinished()  # the failed request's inputs left the batcher

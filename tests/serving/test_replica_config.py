@@ -65,5 +65,5 @@ def test_an_embedding_replica_process_takes_run_replicas_device(
     ref = version_ref(model_name="embed", version="v1")
     replica = Replica(ref, layer=None, engine_config=engine_config_from_options({**options, "device": "cpu"}))
     engine = replica._load()
-    # --device reaches the embedding engine; its batching comes from the settings, not the KV sizing flags
+    # --device reaches the encoder engine; its batching comes from the settings, not the KV sizing flags
     assert (engine.config.device, engine.config.max_batch_size) == ("cpu", 3)
