@@ -142,6 +142,11 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
         "options": {"expires": ROLLOUT_JUDGE_INTERVAL_S},  # a tick not run in time is dropped, not queued
     },
     "metrics-maintain": {"task": "serving.tasks.metrics_maintain_tick", "schedule": 60.0},
+    "autoscaler": {
+        "task": "rollouts.tasks.autoscaler_tick",
+        "schedule": float(os.environ.get("SWITCHYARD_AUTOSCALER_INTERVAL_S", "5")),
+        "options": {"expires": 5.0},
+    },
 }
 # Started by the `serve` command when there is no Redis (so no Celery beat): the same tasks, in-process.
 EMBEDDED_SCHEDULER_STARTER = "rollouts.scheduler.start_embedded_scheduler"
@@ -238,6 +243,17 @@ ROLLOUT_WINDOW_READER = os.environ.get("SWITCHYARD_ROLLOUT_WINDOW_READER", "serv
 # Is the candidate's replica ready? f(deployment) -> bool (dotted path; see rollouts.services).
 ROLLOUT_READINESS_CHECK = "rollouts.services.candidate_is_ready"
 ROLLOUT_PROVISION_TIMEOUT_S = int(os.environ.get("SWITCHYARD_ROLLOUT_PROVISION_TIMEOUT_S", "600"))
+# The autoscaler's policy (rollouts/autoscaler.py): replicas per serving version, and the load each may
+# carry before another is wanted; it scales down only after a whole window of lower recommendations.
+AUTOSCALER = {
+    "min_replicas": int(os.environ.get("SWITCHYARD_AUTOSCALER_MIN_REPLICAS", "1")),
+    "max_replicas": int(os.environ.get("SWITCHYARD_AUTOSCALER_MAX_REPLICAS", "4")),
+    "target_queue_per_replica": float(os.environ.get("SWITCHYARD_AUTOSCALER_TARGET_QUEUE", "2")),
+    "target_saturation": float(os.environ.get("SWITCHYARD_AUTOSCALER_TARGET_SATURATION", "0.9")),
+    "target_kv_usage": float(os.environ.get("SWITCHYARD_AUTOSCALER_TARGET_KV_USAGE", "0.8")),
+    "warm_buffer": int(os.environ.get("SWITCHYARD_AUTOSCALER_WARM_BUFFER", "0")),
+    "scale_down_window_s": float(os.environ.get("SWITCHYARD_AUTOSCALER_SCALE_DOWN_WINDOW_S", "120")),
+}
 # Metrics: each replica flushes its 5 s windows to the store this often (seconds, at most 5).
 METRICS_FLUSH_INTERVAL_S = float(os.environ.get("SWITCHYARD_METRICS_FLUSH_INTERVAL_S", "5"))
 # Fault injection (serving/faults.py), for demos and tests: refused unless DEBUG or explicitly allowed.

@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from rollouts.models import Deployment, DeploymentEvent
+from rollouts.models import Deployment, DeploymentEvent, ScaleTarget
 
 
 class DeploymentEventInline(admin.TabularInline):
@@ -32,6 +32,19 @@ class DeploymentAdmin(admin.ModelAdmin):
 
     def get_readonly_fields(self, request, obj=None):  # type: ignore[no-untyped-def]
         return [f.name for f in Deployment._meta.fields]
+
+    def has_add_permission(self, request):  # type: ignore[no-untyped-def]
+        return False
+
+
+@admin.register(ScaleTarget)
+class ScaleTargetAdmin(admin.ModelAdmin):
+    """Read-only: the autoscaler writes the targets every tick (rollouts.services.autoscale)."""
+
+    list_display = ("version", "replicas", "reason", "changed_at", "updated_at")
+
+    def get_readonly_fields(self, request, obj=None):  # type: ignore[no-untyped-def]
+        return [f.name for f in ScaleTarget._meta.fields]
 
     def has_add_permission(self, request):  # type: ignore[no-untyped-def]
         return False

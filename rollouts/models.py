@@ -107,3 +107,20 @@ class DeploymentEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment_id}: {self.from_state or '-'} -> {self.to_state} ({self.reason[:60]})"
+
+
+class ScaleTarget(models.Model):
+    """How many replicas a model version should have: the autoscaler's decision (rollouts.autoscaler),
+    which the provisioners carry out. One row per version the autoscaler has seen."""
+
+    version = models.OneToOneField(ModelVersion, on_delete=models.CASCADE, related_name="scale_target")
+    replicas = models.PositiveSmallIntegerField()
+    reason = models.TextField(blank=True, help_text="The signal that decided the last recommendation.")
+    signals = models.JSONField(default=dict, blank=True, help_text="The figures it was made from.")
+    # [[unix time, replicas], ...] of the scale-down window: the target never falls below any of them.
+    recommendations = models.JSONField(default=list, blank=True)
+    changed_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.version}: {self.replicas} replica(s)"

@@ -1,9 +1,11 @@
-"""Reads for rollouts: deployments for the API and the judge, version states for /versions, and the
-metrics windows the judge compares (through the metrics store's selector, never its tables)."""
+"""Reads for rollouts: deployments for the API and the judge, version states for /versions, the
+metrics windows the judge compares (through the metrics store's selector, never its tables), the
+replicas' heartbeats the autoscaler reads and the targets the provisioners carry out."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -13,13 +15,17 @@ from django.utils.module_loading import import_string
 
 from registry.models import Model
 from rollouts.judge import VersionWindow
-from rollouts.models import Deployment, DeploymentEvent
+from rollouts.models import Deployment, DeploymentEvent, ScaleTarget
 
 
 class WindowReader(Protocol):
     def __call__(
         self, *, model_name: str, version: str, start: dt.datetime, end: dt.datetime
     ) -> VersionWindow: ...
+
+
+class HeartbeatsUnavailable(Exception):
+    """The replicas' heartbeats could not be read; the autoscaler holds every target where it is."""
 
 
 class MetricsUnavailable(Exception):
@@ -171,3 +177,53 @@ def as_version_window(window: Any) -> VersionWindow:
         )
     except AttributeError as exc:
         raise MetricsUnavailable(f"the metrics window lacks a field the judge needs: {exc}") from exc
+
+
+def fleet_heartbeats() -> list[Any]:
+    """The latest heartbeat (serving.replica_directory.Heartbeat) of every replica that sends one: those
+    this process hosts (embedded mode; read from the judge's or autoscaler's thread, never touching the
+    runtimes' loops), and with Redis the hashes every replica process writes. Raises
+    HeartbeatsUnavailable when Redis cannot be read: no heartbeats would look like no load."""
+    from serving import runtime as data_plane  # rollouts may import serving; imported late, only here
+    from serving.replica_directory import KEY_PREFIX, Heartbeat
+
+    beats = {
+        replica.replica_id: replica.heartbeat()
+        for loop, rt in list(data_plane._runtimes.items())
+        if not loop.is_closed()
+        for replica in list(rt.replicas.values())
+    }
+    if not settings.REDIS_URL:
+        return list(beats.values())
+    import redis
+
+    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        for key in client.scan_iter(f"{KEY_PREFIX}*"):
+            for value in client.hgetall(key).values():
+                beat = Heartbeat(**json.loads(value))
+                beats.setdefault(beat.replica_id, beat)
+    except (redis.RedisError, ValueError, TypeError) as exc:
+        raise HeartbeatsUnavailable(f"replica heartbeats unreadable ({exc})") from exc
+    finally:
+        client.close()
+    return list(beats.values())
+
+
+def scale_targets() -> dict[tuple[str, str], int]:
+    """(model, version) -> the replicas the autoscaler wants; versions it has not decided on are absent."""
+    rows = ScaleTarget.objects.select_related("version__model")
+    return {(t.version.model.name, t.version.version): t.replicas for t in rows}
+
+
+def wanted_replicas() -> dict[tuple[str, str], int]:
+    """What the provisioners carry out: the autoscaler's targets, and for a version that must serve but
+    has none yet (the autoscaler has not ticked since it got traffic) the policy's minimum, at least one,
+    so a new canary's replica starts without waiting for the autoscaler."""
+    from registry.selectors import versions_with_traffic
+
+    wanted = scale_targets()
+    floor = max(1, int(settings.AUTOSCALER["min_replicas"]))
+    for ref in versions_with_traffic():
+        wanted.setdefault((ref.model_name, ref.version), floor)
+    return wanted

@@ -20,6 +20,7 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from registry.models import Alias, Model, ModelVersion, RoutingTable
+from registry.selectors import versions_with_traffic
 from registry.services import (
     STABLE_ALIAS,
     RegistryError,
@@ -28,8 +29,9 @@ from registry.services import (
     routing_table_set,
 )
 from rollouts import judge
-from rollouts.models import Deployment, DeploymentEvent
-from rollouts.selectors import MetricsUnavailable, WindowReader, window_reader
+from rollouts.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
+from rollouts.models import Deployment, DeploymentEvent, ScaleTarget
+from rollouts.selectors import MetricsUnavailable, WindowReader, fleet_heartbeats, window_reader
 
 logger = logging.getLogger(__name__)
 
@@ -698,3 +700,72 @@ def deployment_promote(*, deployment: Deployment, actor: str, reason: str = "") 
     except RegistryError as exc:
         raise DeploymentConflict(str(exc)) from exc
     return deployment
+
+
+# --- the autoscaler ------------------------------------------------------------------------------------
+
+
+AUTOSCALER_ACTOR = "autoscaler"
+
+
+def autoscale(
+    *, heartbeats: list[Any] | None = None, policy: ScalingPolicy | None = None, now: float | None = None
+) -> dict[tuple[str, str], int]:
+    """One autoscaler tick: each version that must serve (traffic, an alias, shadow copies) gets a
+    target from its ready replicas' heartbeats (rollouts.autoscaler); every other version that had one
+    gets 0. Returns the targets that changed. `heartbeats` (Heartbeat objects) default to the fleet's;
+    raises HeartbeatsUnavailable when they cannot be read, changing nothing."""
+    policy = policy or ScalingPolicy(**settings.AUTOSCALER)
+    now = time.time() if now is None else now
+    beats = fleet_heartbeats() if heartbeats is None else heartbeats
+    signals: dict[tuple[str, str], list[ReplicaSignals]] = {}
+    for beat in beats:
+        if beat.is_ready:  # a loading or draining replica is neither capacity nor load yet
+            signals.setdefault((beat.model_name, beat.version), []).append(
+                ReplicaSignals(beat.num_waiting, beat.num_running, beat.capacity, beat.kv_cache_usage)
+            )
+    serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_with_traffic()}
+    existing = {
+        (t.version.model.name, t.version.version): t
+        for t in ScaleTarget.objects.select_related("version__model")
+    }
+    changed: dict[tuple[str, str], int] = {}
+    for key, version_id in serving.items():
+        advice = recommend(signals.get(key, []), policy)
+        target = existing.get(key) or ScaleTarget(version_id=version_id, replicas=0)
+        history = [
+            (float(t), int(n)) for t, n in target.recommendations if now - t <= policy.scale_down_window_s
+        ]
+        history.append((now, advice.replicas))
+        replicas_before = target.replicas
+        target.replicas = next_target(history, now=now, current=replicas_before, policy=policy)
+        target.recommendations = [list(entry) for entry in history]
+        target.reason = advice.reason
+        target.signals = {**advice.figures, "recommended": advice.replicas}
+        if target.replicas != replicas_before or target.pk is None:
+            target.changed_at = timezone.now()
+            changed[key] = target.replicas
+            logger.info(
+                "autoscaler: %s:%s %d -> %d replicas (%s)",
+                *key,
+                replicas_before,
+                target.replicas,
+                advice.reason,
+            )
+        target.save()
+    for key, target in existing.items():
+        if key not in serving and target.replicas:
+            logger.info(
+                "autoscaler: %s:%s %d -> 0 replicas (no traffic, alias or shadow copies)",
+                *key,
+                target.replicas,
+            )
+            target.replicas, target.reason, target.recommendations = (
+                0,
+                "no traffic, alias or shadow copies",
+                [],
+            )
+            target.changed_at = timezone.now()
+            target.save()
+            changed[key] = 0
+    return changed

@@ -30,3 +30,14 @@ def rollout_judge_tick() -> int:
             continue
         num_judged += 1
     return num_judged
+
+
+@shared_task(name="rollouts.tasks.autoscaler_tick", ignore_result=True)
+def autoscaler_tick() -> int:
+    """One autoscaler tick (rollouts.services.autoscale); returns how many targets changed. Heartbeats
+    that cannot be read change nothing."""
+    try:
+        return len(services.autoscale())
+    except selectors.HeartbeatsUnavailable as exc:
+        logger.warning("autoscaler: holding every target: %s", exc)
+        return 0

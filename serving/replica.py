@@ -224,6 +224,7 @@ class Replica:
         self.num_waiting = 0
         self.num_running = 0
         self.kv_cache_usage = 0.0
+        self.capacity = 0  # set once the engine is built
         self.metrics = MetricsRecorder(
             model_name=ref.model_name,
             version=ref.version,
@@ -344,6 +345,10 @@ class Replica:
             )
         elif isinstance(engine, EncoderEngine):
             logger.info("replica %s:%s: %s", self.ref.model_name, self.ref.version, engine.head.describe())
+        # What the autoscaler reads as full: a generative engine's running batch, an encoder's batch.
+        self.capacity = (
+            engine.config.max_num_seqs if isinstance(engine, Engine) else engine.config.max_batch_size
+        )
         engine.warmup()  # allocate scratch and (if enabled) compile before reporting ready
         if self._step_publisher is not None:
             self._step_publisher.connect()  # a Redis that is down fails the load, not the first step
@@ -398,6 +403,7 @@ class Replica:
             num_running=self.num_running,
             kv_cache_usage=self.kv_cache_usage,
             sent_at=time.time(),
+            capacity=self.capacity,
         )
 
     async def _beat(self) -> None:

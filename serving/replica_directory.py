@@ -47,6 +47,7 @@ class Heartbeat:
     num_running: int
     kv_cache_usage: float
     sent_at: float  # wall clock
+    capacity: int = 0  # the most sequences (or batch items) it runs at once; 0: not known (older replicas)
 
     @property
     def load(self) -> int:

@@ -1,0 +1,116 @@
+"""How many replicas a model version needs, from leading signals: pure policy, no database, no clock.
+
+A version's replicas send heartbeats (serving/replica_directory.py) with their queue depth, the
+sequences they run and their capacity, and their KV-cache use. Each signal says how many replicas would
+bring it to its target, as Kubernetes' HPA computes a desired count (current x observed / target):
+
+- queue depth: requests waiting for a slot, at most `target_queue_per_replica` each;
+- batch saturation: running sequences over the replicas' capacity, at most `target_saturation`;
+- KV-cache use: at most `target_kv_usage` on average.
+
+The recommendation is the largest of them, plus a warm buffer, within [min_replicas, max_replicas]. These
+signals lead latency: a queue forms and the cache fills before p99 TTFT and TPOT move, so acting on them
+adds capacity before the latency promise breaks.
+
+Scaling up happens at once. Scaling down is held back (hysteresis): the target never falls below any
+recommendation made in the last `scale_down_window_s`, so a load that dips between bursts does not cost
+a replica's load and warm-up each time, and the target falls one window after the load did."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingPolicy:
+    min_replicas: int = 1  # for a version that must serve (traffic, an alias, shadow copies)
+    max_replicas: int = 4
+    target_queue_per_replica: float = 2.0
+    target_saturation: float = 0.9
+    target_kv_usage: float = 0.8
+    warm_buffer: int = 0
+    scale_down_window_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError("need 0 <= min_replicas <= max_replicas")
+        if min(self.target_queue_per_replica, self.target_saturation, self.target_kv_usage) <= 0:
+            raise ValueError("every target must be positive")
+        if self.warm_buffer < 0 or self.scale_down_window_s < 0:
+            raise ValueError("warm_buffer and scale_down_window_s must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSignals:
+    """One ready replica's last heartbeat."""
+
+    num_waiting: int
+    num_running: int
+    capacity: int  # the most sequences (or batch items) it runs at once; 0 when it does not say
+    kv_cache_usage: float
+
+
+@dataclass(frozen=True, slots=True)
+class Recommendation:
+    replicas: int
+    reason: str  # which signal decided it, with its figures
+    figures: dict[str, float] = field(default_factory=dict)  # the version's load it was made from
+
+
+def recommend(replicas: Sequence[ReplicaSignals], policy: ScalingPolicy) -> Recommendation:
+    """The replicas the version's current load needs. `replicas`: its ready replicas' heartbeats (none
+    for a version that has none yet: it gets min_replicas)."""
+    if not replicas:
+        return _bounded(policy.min_replicas, "no ready replica", policy, {"ready": 0})
+    n = len(replicas)
+    waiting = sum(r.num_waiting for r in replicas)
+    running = sum(r.num_running for r in replicas)
+    capacity = sum(r.capacity for r in replicas)
+    saturation = running / capacity if capacity else 0.0
+    kv_usage = sum(r.kv_cache_usage for r in replicas) / n
+    figures = {
+        "ready": n,
+        "waiting": waiting,
+        "running": running,
+        "capacity": capacity,
+        "kv_cache_usage": round(kv_usage, 4),
+    }
+    needs = {
+        f"queue depth {waiting} (target {policy.target_queue_per_replica:g} a replica)": math.ceil(
+            waiting / policy.target_queue_per_replica
+        ),
+        f"batch saturation {saturation:.0%} (target {policy.target_saturation:.0%})": _ceil_ratio(
+            n * saturation, policy.target_saturation
+        ),
+        f"KV-cache use {kv_usage:.0%} (target {policy.target_kv_usage:.0%})": _ceil_ratio(
+            n * kv_usage, policy.target_kv_usage
+        ),
+    }
+    reason, needed = max(needs.items(), key=lambda item: item[1])
+    return _bounded(needed, f"{reason} on {n} replica{'s' if n > 1 else ''}", policy, figures)
+
+
+def _ceil_ratio(load: float, target: float) -> int:
+    # A hair of float error must not ask for one replica more (3 x 0.8 / 0.8 is not quite 3).
+    return math.ceil(load / target - 1e-9)
+
+
+def _bounded(needed: int, reason: str, policy: ScalingPolicy, figures: dict[str, float]) -> Recommendation:
+    replicas = min(policy.max_replicas, max(policy.min_replicas, needed) + policy.warm_buffer)
+    return Recommendation(replicas, reason, figures)
+
+
+def next_target(
+    history: Sequence[tuple[float, int]], *, now: float, current: int, policy: ScalingPolicy
+) -> int:
+    """The target after the newest recommendation, given every recommendation of the window so far as
+    (time, replicas), the newest last: up at once, down only as far as the whole window allows."""
+    if not history:
+        return current
+    newest = history[-1][1]
+    if newest >= current:
+        return newest
+    in_window = [n for t, n in history if now - t <= policy.scale_down_window_s]
+    return min(current, max(in_window, default=newest))

@@ -1,0 +1,278 @@
+"""The autoscaler: its policy (pure, with property tests) and its tick, which writes each serving
+version's target from the replicas' heartbeats."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollouts.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
+
+POLICY = ScalingPolicy(
+    min_replicas=1,
+    max_replicas=6,
+    target_queue_per_replica=2,
+    target_saturation=0.9,
+    target_kv_usage=0.8,
+    scale_down_window_s=60,
+)
+
+
+def idle(capacity: int = 64) -> ReplicaSignals:
+    return ReplicaSignals(num_waiting=0, num_running=0, capacity=capacity, kv_cache_usage=0.0)
+
+
+# --- recommend -----------------------------------------------------------------------------------------
+
+
+def test_each_signal_asks_for_replicas_by_its_own_target() -> None:
+    assert recommend([], POLICY).replicas == 1  # a version that must serve gets one before it has load
+    assert recommend([idle(), idle(), idle()], POLICY).replicas == 1  # idle: down to the minimum
+    queued = recommend([ReplicaSignals(7, 64, 64, 0.5)], POLICY)
+    assert queued.replicas == 4 and queued.reason.startswith("queue depth 7")  # ceil(7 / 2)
+    full_cache = recommend([ReplicaSignals(0, 10, 64, 0.95), ReplicaSignals(0, 10, 64, 0.85)], POLICY)
+    assert full_cache.replicas == 3 and full_cache.reason.startswith("KV-cache use 90%")  # ceil(2 x .9 / .8)
+    busy = recommend([ReplicaSignals(0, 64, 64, 0.2)], POLICY)
+    assert busy.replicas == 2 and busy.reason.startswith("batch saturation 100%")
+    assert busy.figures == {"ready": 1, "waiting": 0, "running": 64, "capacity": 64, "kv_cache_usage": 0.2}
+    # exactly at the target is enough: no replica more for float error (3 x 0.8 / 0.8)
+    assert recommend([ReplicaSignals(0, 0, 64, 0.8)] * 3, POLICY).replicas == 3
+
+
+def test_the_warm_buffer_and_the_bounds() -> None:
+    buffered = ScalingPolicy(min_replicas=1, max_replicas=6, warm_buffer=1)
+    assert recommend([idle()], buffered).replicas == 2
+    assert recommend([ReplicaSignals(100, 64, 64, 1.0)], POLICY).replicas == POLICY.max_replicas
+    with pytest.raises(ValueError, match="min_replicas"):
+        ScalingPolicy(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="positive"):
+        ScalingPolicy(target_kv_usage=0)
+
+
+@st.composite
+def signals(draw: st.DrawFn) -> ReplicaSignals:
+    capacity = draw(st.sampled_from([0, 8, 64]))
+    return ReplicaSignals(
+        num_waiting=draw(st.integers(0, 200)),
+        num_running=draw(st.integers(0, capacity)),  # never more than it runs at once
+        capacity=capacity,
+        kv_cache_usage=draw(st.floats(0, 1)),
+    )
+
+
+policies = st.builds(
+    ScalingPolicy,
+    min_replicas=st.integers(0, 3),
+    max_replicas=st.integers(3, 10),
+    target_queue_per_replica=st.floats(0.5, 8),
+    target_saturation=st.floats(0.1, 1),
+    target_kv_usage=st.floats(0.1, 1),
+    warm_buffer=st.integers(0, 2),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    replicas=st.lists(signals(), max_size=8),
+    policy=policies,
+    index=st.integers(0, 7),
+    more=st.integers(1, 50),
+)
+def test_a_recommendation_stays_in_bounds_and_more_load_never_asks_for_fewer(
+    replicas: list[ReplicaSignals], policy: ScalingPolicy, index: int, more: int
+) -> None:
+    advice = recommend(replicas, policy)
+    assert policy.min_replicas <= advice.replicas <= policy.max_replicas
+    if not replicas:
+        return
+    i = index % len(replicas)
+    r = replicas[i]
+    heavier = [
+        ReplicaSignals(r.num_waiting + more, r.num_running, r.capacity, r.kv_cache_usage),
+        ReplicaSignals(r.num_waiting, min(r.num_running + more, r.capacity), r.capacity, r.kv_cache_usage),
+        ReplicaSignals(r.num_waiting, r.num_running, r.capacity, min(1.0, r.kv_cache_usage + more / 50)),
+    ]
+    for replacement in heavier:
+        loaded = [*replicas[:i], replacement, *replicas[i + 1 :]]
+        assert recommend(loaded, policy).replicas >= advice.replicas
+
+
+# --- next_target: up at once, down after a whole window --------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.floats(0.5, 40), st.integers(0, 6)), min_size=1, max_size=40),
+    start=st.integers(0, 6),
+)
+def test_the_target_rises_at_once_and_never_falls_below_the_window(
+    steps: list[tuple[float, int]], start: int
+) -> None:
+    """Replays recommendations (seconds since the last one, replicas) as the tick does."""
+    now, current, history = 0.0, start, []
+    for gap, recommended in steps:
+        now += gap
+        history = [(t, n) for t, n in history if now - t <= POLICY.scale_down_window_s]
+        history.append((now, recommended))
+        target = next_target(history, now=now, current=current, policy=POLICY)
+        if recommended >= current:
+            assert target == recommended  # up (or level) at once
+        else:
+            assert recommended <= target <= current  # down, but not past the window
+            assert target >= max(n for _, n in history)  # nothing the window asked for is taken away
+        current = target
+    # A whole window of one lower recommendation later, the target is that recommendation.
+    low = min(current, steps[-1][1])
+    for _ in range(int(POLICY.scale_down_window_s / 10) + 2):
+        now += 10
+        history = [(t, n) for t, n in history if now - t <= POLICY.scale_down_window_s]
+        history.append((now, low))
+        current = next_target(history, now=now, current=current, policy=POLICY)
+    assert current == low
+
+
+# --- the tick ----------------------------------------------------------------------------------------
+
+
+def beat(
+    model: str, version: str, *, waiting: int = 0, running: int = 0, kv: float = 0.0, state: str = "ready"
+):  # type: ignore[no-untyped-def]
+    from serving.replica_directory import Heartbeat
+
+    return Heartbeat(
+        replica_id=f"{model}-{version}-{time.monotonic_ns()}",
+        model_name=model,
+        version=version,
+        channel_name="unused",
+        state=state,
+        num_waiting=waiting,
+        num_running=running,
+        kv_cache_usage=kv,
+        sent_at=time.time(),
+        capacity=64,
+    )
+
+
+def _targets() -> dict[tuple[str, str], int]:
+    from rollouts.selectors import scale_targets
+
+    return scale_targets()
+
+
+@pytest.mark.django_db
+def test_a_tick_scales_a_loaded_version_up_at_once_and_down_a_window_later(make_model) -> None:
+    from rollouts.services import autoscale
+
+    make_model("chat")
+    assert autoscale(heartbeats=[], policy=POLICY, now=1000.0) == {("chat", "v1"): 1}
+    assert _targets() == {("chat", "v1"): 1}  # v2 and v3 carry no traffic: no target
+
+    loaded = [beat("chat", "v1", waiting=7, running=64, kv=0.6)]
+    assert autoscale(heartbeats=loaded, policy=POLICY, now=1005.0) == {("chat", "v1"): 4}
+    from rollouts.models import ScaleTarget
+
+    row = ScaleTarget.objects.get(version__version="v1")
+    assert row.reason.startswith("queue depth 7") and row.signals["waiting"] == 7
+    assert row.signals["recommended"] == 4
+
+    calm = [beat("chat", "v1", running=4, kv=0.1) for _ in range(4)]
+    assert autoscale(heartbeats=calm, policy=POLICY, now=1030.0) == {}  # held: 4 was asked 25 s ago
+    assert _targets() == {("chat", "v1"): 4}
+    assert autoscale(heartbeats=calm, policy=POLICY, now=1070.0) == {("chat", "v1"): 1}  # a window on
+
+
+@pytest.mark.django_db
+def test_a_version_that_stops_serving_goes_to_zero_and_a_canary_gets_one(make_model) -> None:
+    from registry.services import routing_table_set
+    from rollouts.services import autoscale
+
+    model = make_model("chat")
+    autoscale(heartbeats=[beat("chat", "v1")], policy=POLICY, now=1000.0)
+    routing_table_set(model=model, weights={"v2": 100})
+    # v1 keeps its stable alias, so it still serves; v2 now does too
+    assert autoscale(heartbeats=[beat("chat", "v1")], policy=POLICY, now=1001.0) == {("chat", "v2"): 1}
+    from registry.models import ModelVersion
+    from registry.services import alias_set
+
+    alias_set(
+        model=model, name="stable", version=ModelVersion.objects.get(version="v2"), actor="t", reason="r"
+    )
+    assert autoscale(heartbeats=[], policy=POLICY, now=1002.0) == {("chat", "v1"): 0}
+    assert _targets() == {("chat", "v1"): 0, ("chat", "v2"): 1}
+
+
+@pytest.mark.django_db
+def test_replicas_still_loading_or_draining_are_neither_load_nor_capacity(make_model) -> None:
+    from rollouts.services import autoscale
+
+    make_model("chat")
+    loading = [
+        beat("chat", "v1", waiting=50, state="loading"),
+        beat("chat", "v1", waiting=50, state="draining"),
+    ]
+    assert autoscale(heartbeats=loading, policy=POLICY, now=1000.0) == {("chat", "v1"): 1}
+
+
+@pytest.mark.django_db
+def test_the_tick_reads_an_embedded_replica_and_heartbeats_in_redis(make_model, settings, redis_url) -> None:
+    """The real sources: this process's replicas (here a stand-in runtime) and the hashes replica
+    processes write to Redis."""
+    import asyncio
+    import json
+    from dataclasses import asdict
+
+    import redis
+
+    from rollouts.tasks import autoscaler_tick
+    from serving import runtime as data_plane
+    from serving.replica_directory import version_key
+
+    make_model("chat")
+    make_model("other", versions=("v1",))
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    remote = beat("chat", "v1", waiting=9, running=64, kv=0.5)
+    client.hset(version_key("chat", "v1"), remote.replica_id, json.dumps(asdict(remote)))
+
+    class LocalReplica:
+        replica_id = "local-1"
+
+        def heartbeat(self):  # type: ignore[no-untyped-def]
+            return beat("other", "v1", running=64)
+
+    class StandInRuntime:
+        replicas = {("other", "v1"): LocalReplica()}
+
+    loop = asyncio.new_event_loop()
+    data_plane._runtimes[loop] = StandInRuntime()  # type: ignore[assignment]
+    settings.REDIS_URL = redis_url
+    try:
+        assert autoscaler_tick() == 2
+    finally:
+        del data_plane._runtimes[loop]
+        loop.close()
+        client.flushdb()
+    assert _targets() == {("chat", "v1"): 4, ("other", "v1"): 2}  # ceil(9 / 2) = 5, capped; 64/64 > 0.9
+
+
+@pytest.mark.django_db
+def test_heartbeats_that_cannot_be_read_change_nothing(make_model, settings) -> None:
+    from rollouts.tasks import autoscaler_tick
+
+    make_model("chat")
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+    assert autoscaler_tick() == 0
+    assert _targets() == {}
+
+
+def test_the_autoscaler_is_on_beat_and_the_embedded_schedule() -> None:
+    from django.conf import settings as django_settings
+
+    from rollouts.scheduler import parse_schedule, resolve_task
+    from rollouts.tasks import autoscaler_tick
+
+    (entry,) = [e for e in parse_schedule(django_settings.CELERY_BEAT_SCHEDULE) if e.name == "autoscaler"]
+    assert resolve_task(entry.task_name).name == autoscaler_tick.name and entry.interval_s == 5.0
