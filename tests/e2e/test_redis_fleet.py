@@ -225,6 +225,59 @@ def test_a_classifier_through_the_redis_layer_from_a_replica_process(fleet: Flee
         process.wait()
 
 
+def _set_target(fleet: Fleet, model: str, replicas: int) -> None:
+    code = (
+        "from registry.models import ModelVersion; from rollouts.models import ScaleTarget; "
+        f"v = ModelVersion.objects.get(model__name={model!r}, version='v1'); "
+        f"ScaleTarget.objects.update_or_create(version=v, defaults={{'replicas': {replicas}}})"
+    )
+    result = fleet.server.manage("shell", "-c", code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_provisioner_runs_as_many_replica_processes_as_the_target_and_drains_the_extra(
+    fleet: Fleet,
+) -> None:
+    def ready_replicas() -> int:
+        beats = httpx.get(f"{fleet.server.url}/readyz").json()["replicas"]
+        return sum(1 for r in beats if r["model"] == "demo-classify" and r["state"] == "ready")
+
+    _set_target(fleet, "demo-classify", 2)
+    log_path = fleet.state / "provisioner.log"
+    with log_path.open("wb") as log:
+        provisioner = subprocess.Popen(
+            [
+                *(sys.executable, "manage.py", "run_provisioner", "--model", "demo-classify"),
+                *("--devices", "cpu", "--interval", "0.5"),
+            ],
+            cwd=REPO_ROOT,
+            env=fleet.server.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        fleet.server.wait_until(lambda: ready_replicas() == 2, timeout_s=120)
+        _set_target(fleet, "demo-classify", 1)
+        fleet.server.wait_until(lambda: ready_replicas() == 1, timeout_s=60)
+        response = httpx.post(
+            f"{fleet.server.url}/v1/models/demo-classify/infer",
+            headers={"Authorization": f"Bearer {fleet.server.key}"},
+            json={"input": "hello"},
+            timeout=30,
+        )
+        assert response.status_code == 200, response.text
+        provisioner.send_signal(signal.SIGTERM)  # drains what it runs, then exits
+        assert provisioner.wait(60) == 0, log_path.read_text()
+        fleet.server.wait_until(lambda: ready_replicas() == 0, timeout_s=30)
+    finally:
+        if provisioner.poll() is None:
+            provisioner.kill()
+            provisioner.wait()
+    text = log_path.read_text()
+    assert text.count("started a replica of demo-classify:v1") == 2, text
+    assert text.count("draining the replica of demo-classify:v1") == 2, text
+
+
 def test_both_replicas_take_traffic(fleet: Fleet) -> None:
     served: set[str] = set()
     for _ in range(40):  # both within a few requests; more only if a heartbeat runs late under load
