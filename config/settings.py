@@ -266,8 +266,13 @@ if FAULTS and not (DEBUG or ALLOW_FAULT_INJECTION):
         "SWITCHYARD_FAULTS is set but fault injection is refused when DEBUG is off; "
         "set SWITCHYARD_ALLOW_FAULT_INJECTION=1 to allow it"
     )
-# Prompts and completions are never logged unless sampled logging is turned on (then redacted).
+# Prompts and completions are never logged unless sampled logging is turned on: then this share of
+# requests goes, redacted, to the `switchyard.prompts` logger (serving/prompt_log.py).
 LOG_PROMPTS_SAMPLE_RATE = float(os.environ.get("SWITCHYARD_LOG_PROMPTS_SAMPLE_RATE", "0"))
+if not 0 <= LOG_PROMPTS_SAMPLE_RATE <= 1:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("SWITCHYARD_LOG_PROMPTS_SAMPLE_RATE must be a share from 0 to 1")
 
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"

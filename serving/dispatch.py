@@ -21,7 +21,7 @@ from django.conf import settings
 
 from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
-from serving import gateway, shadow
+from serving import gateway, prompt_log, shadow
 from serving.breaker import breaker
 from serving.gateway import GatewayError, Ticket
 from serving.replica import ABORT, SUBMIT
@@ -373,6 +373,7 @@ async def dispatch(
     except BaseException:
         await handle.close()
         raise
+    prompt_log.maybe_log(handle, tenant=context.tenant_name, submission=submission)  # off by default
     if shadow.should_mirror(snapshot.mirror, version, _rng):
         assert snapshot.mirror is not None
         shadow.start_mirror(handle, runtime=runtime, version=snapshot.mirror[0], submission=submission)

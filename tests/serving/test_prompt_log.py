@@ -1,0 +1,146 @@
+"""Prompts and completions are logged only when sampled logging is on, and then redacted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+from django.test import AsyncClient
+from hypothesis import given
+from hypothesis import strategies as st
+
+from serving.prompt_log import LOGGED_CHARS, redact
+
+SECRETS = {
+    "an e-mail address": ("write to jane.doe+ml@example.co.uk today", "[EMAIL]"),
+    "one of our keys": ("key sy-AbC123_dEf456-ghIJ789 works", "[SECRET]"),
+    "another provider's key": ("OPENAI sk-proj1234abcd5678efgh", "[SECRET]"),
+    "a bearer token": ("Authorization: Bearer eyJhbGciOi.J9.abc-def", "Bearer [SECRET]"),
+    "an AWS key": ("id AKIAIOSFODNN7EXAMPLE here", "[SECRET]"),
+    "a digest": ("sha 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", "[SECRET]"),
+    "a card number": ("card 4111 1111 1111 1111 exp", "[NUMBER]"),
+    "a phone number": ("call +1 (555) 123-4567 now", "[NUMBER]"),
+    "an IP address": ("from 192.168.10.254 at noon", "[IP]"),
+}
+
+
+@pytest.mark.parametrize("kind", SECRETS)
+def test_each_kind_of_secret_is_replaced(kind: str) -> None:
+    text, placeholder = SECRETS[kind]
+    redacted = redact(text)
+    assert placeholder in redacted
+    assert redacted.split()[0] == text.split()[0]  # the words around it stay
+
+
+def test_ordinary_text_and_short_numbers_stay_and_long_text_is_cut() -> None:
+    text = "In 2026 the 42 trains carried 1,250 parcels between 3 towns: version v2.1 (build 77)."
+    assert redact(text) == text
+    long = redact("word " * 1000)
+    assert len(long) < LOGGED_CHARS + 40 and long.endswith("[3000 more characters]")
+
+
+_word = st.text(alphabet="abcdefghij klmnop.,!?", max_size=30)
+_email = st.builds(
+    "{}@{}.{}".format,
+    st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789._+-", min_size=1, max_size=12),
+    st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789", min_size=1, max_size=10),
+    st.sampled_from(["com", "org", "io", "co.uk"]),
+)
+_number = st.lists(st.integers(0, 9), min_size=9, max_size=19).map(lambda ds: "".join(map(str, ds)))
+_key = st.text(
+    alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-", min_size=8, max_size=40
+)
+
+
+@given(before=_word, after=_word, secret=st.one_of(_email, _number, _key.map(lambda k: f"sy-{k}")))
+def test_a_secret_anywhere_in_text_never_survives(before: str, after: str, secret: str) -> None:
+    redacted = redact(f"{before} {secret} {after}")
+    assert secret not in redacted
+    assert redact(redacted) == redacted  # the placeholders are not themselves redacted again
+
+
+# --- through the API ---------------------------------------------------------------------------------
+
+pytestmark_db = pytest.mark.django_db(transaction=True)
+PROMPT = "Hello from jane.doe@example.com, my card is 4111 1111 1111 1111, please reply"
+
+
+@pytest.fixture
+def acme(make_tenant, registered_model, runtime):  # type: ignore[no-untyped-def]
+    return make_tenant("acme")
+
+
+async def _infer(acme) -> dict:  # type: ignore[no-untyped-def]
+    response = await AsyncClient().post(
+        "/v1/models/demo-chat/infer",
+        data=json.dumps({"input": PROMPT, "max_tokens": 6, "temperature": 0}),
+        content_type="application/json",
+        headers=acme.auth,
+    )
+    assert response.status_code == 200
+    return {**response.json(), "request_id": response.headers["X-Request-Id"]}
+
+
+@pytestmark_db
+async def test_by_default_no_log_record_anywhere_holds_the_prompt_or_the_output(acme, caplog) -> None:
+    caplog.set_level(logging.DEBUG)  # every logger, every level
+    body = await _infer(acme)
+    for _ in range(10):  # a sampled record would be written by a task on this loop as the request ends
+        await asyncio.sleep(0)
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    for secret in ("jane.doe@example.com", "4111 1111", "my card is", "Hello from"):
+        assert secret not in logged
+    if len(body["output"].strip()) >= 10:  # long enough not to turn up in other text by chance
+        assert body["output"].strip() not in logged
+
+
+@pytestmark_db
+async def test_a_sampled_request_is_logged_once_redacted(acme, caplog, settings) -> None:
+    settings.LOG_PROMPTS_SAMPLE_RATE = 1.0
+    caplog.set_level(logging.INFO, logger="switchyard.prompts")
+    body = await _infer(acme)
+    for _ in range(100):  # written by a task once the request has ended
+        if any(r.name == "switchyard.prompts" for r in caplog.records):
+            break
+        await asyncio.sleep(0.01)
+    (record,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "switchyard.prompts"]
+    assert record == {
+        "request_id": body["request_id"],
+        "tenant": "acme",
+        "model": "demo-chat",
+        "version": "v1",
+        "input": "Hello from [EMAIL], my card is [NUMBER], please reply",
+        "completed": True,
+        "output": redact(body["output"]),
+    }
+
+
+async def test_chat_messages_and_embedding_inputs_are_redacted_and_vectors_never_logged(
+    settings, caplog
+) -> None:
+    from serving import prompt_log
+
+    class Handle:
+        request_id, model_name, version = "r1", "m", "v1"
+
+        def capture_text(self) -> asyncio.Future[str | None]:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result("")
+            return done
+
+    settings.LOG_PROMPTS_SAMPLE_RATE = 1.0
+    caplog.set_level(logging.INFO, logger="switchyard.prompts")
+    chat = {"messages": [{"role": "user", "content": "mail me at a@b.io"}], "input": None, "inputs": None}
+    embed = {"input": None, "messages": None, "inputs": ["call 555 123 4567", "hi"]}
+    assert prompt_log.maybe_log(Handle(), tenant="t", submission=chat)
+    assert prompt_log.maybe_log(Handle(), tenant="t", submission=embed)
+    while prompt_log._writing:
+        await asyncio.sleep(0)
+    chat_record, embed_record = [json.loads(r.getMessage()) for r in caplog.records]
+    assert chat_record["input"] == [{"role": "user", "content": "mail me at [EMAIL]"}]
+    assert chat_record["output"] == "" and chat_record["completed"]
+    assert embed_record["input"] == ["call [NUMBER]", "hi"] and "output" not in embed_record
+    settings.LOG_PROMPTS_SAMPLE_RATE = 0.0
+    assert not prompt_log.maybe_log(Handle(), tenant="t", submission=chat)
