@@ -4,7 +4,8 @@ A version's replicas send heartbeats (serving/replica_directory.py) with their q
 sequences they run and their capacity, and their KV-cache use. Each signal says how many replicas would
 bring it to its target, as Kubernetes' HPA computes a desired count (current x observed / target):
 
-- queue depth: requests waiting for a slot, at most `target_queue_per_replica` each;
+- queue depth: requests waiting for a slot, at most `target_queue_per_replica` each (an encoder's
+  queue, inputs waiting for a batch, counts in full batches: it holds inputs back on purpose);
 - batch saturation: running sequences over the replicas' capacity, at most `target_saturation`;
 - KV-cache use: at most `target_kv_usage` on average.
 
@@ -12,9 +13,11 @@ The recommendation is the largest of them, plus a warm buffer, within [min_repli
 signals lead latency: a queue forms and the cache fills before p99 TTFT and TPOT move, so acting on them
 adds capacity before the latency promise breaks.
 
-Scaling up happens at once. Scaling down is held back (hysteresis): the target never falls below any
-recommendation made in the last `scale_down_window_s`, so a load that dips between bursts does not cost
-a replica's load and warm-up each time, and the target falls one window after the load did."""
+Never below one replica: scaling to zero would need the gateway to hold a request while a replica
+loads, which it does not. Scaling up happens at once. Scaling down is held back (hysteresis): the target
+never falls below any recommendation made in the last `scale_down_window_s`, so a load that dips between
+bursts does not cost a replica's load and warm-up each time, and the target falls one window after the
+load did."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class ScalingPolicy:
-    min_replicas: int = 1  # for a version that must serve (traffic, an alias, shadow copies)
+    min_replicas: int = 1  # for a version that must serve (traffic, an alias, shadow copies); at least 1
     max_replicas: int = 4
     target_queue_per_replica: float = 2.0
     target_saturation: float = 0.9
@@ -34,8 +37,8 @@ class ScalingPolicy:
     scale_down_window_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.min_replicas <= self.max_replicas:
-            raise ValueError("need 0 <= min_replicas <= max_replicas")
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError("need 1 <= min_replicas <= max_replicas (no scaling to zero)")
         if min(self.target_queue_per_replica, self.target_saturation, self.target_kv_usage) <= 0:
             raise ValueError("every target must be positive")
         if self.warm_buffer < 0 or self.scale_down_window_s < 0:
@@ -50,6 +53,7 @@ class ReplicaSignals:
     num_running: int
     capacity: int  # the most sequences (or batch items) it runs at once; 0 when it does not say
     kv_cache_usage: float
+    is_generative: bool = True  # False: an encoder, whose num_waiting is inputs and num_running 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,20 +70,23 @@ def recommend(replicas: Sequence[ReplicaSignals], policy: ScalingPolicy) -> Reco
         return _bounded(policy.min_replicas, "no ready replica", policy, {"ready": 0})
     n = len(replicas)
     waiting = sum(r.num_waiting for r in replicas)
+    queued = sum(r.num_waiting if r.is_generative else r.num_waiting / max(1, r.capacity) for r in replicas)
     running = sum(r.num_running for r in replicas)
-    capacity = sum(r.capacity for r in replicas)
-    saturation = running / capacity if capacity else 0.0
+    # Only replicas that say their capacity, and that run sequences, tell how full a batch is.
+    measured = [r for r in replicas if r.capacity and r.is_generative]
+    capacity = sum(r.capacity for r in measured)
+    saturation = sum(r.num_running for r in measured) / capacity if capacity else 0.0
     kv_usage = sum(r.kv_cache_usage for r in replicas) / n
     figures = {
         "ready": n,
         "waiting": waiting,
         "running": running,
-        "capacity": capacity,
+        "capacity": sum(r.capacity for r in replicas),
         "kv_cache_usage": round(kv_usage, 4),
     }
     needs = {
-        f"queue depth {waiting} (target {policy.target_queue_per_replica:g} a replica)": math.ceil(
-            waiting / policy.target_queue_per_replica
+        f"queue depth {queued:g} (target {policy.target_queue_per_replica:g} a replica)": _ceil_ratio(
+            queued, policy.target_queue_per_replica
         ),
         f"batch saturation {saturation:.0%} (target {policy.target_saturation:.0%})": _ceil_ratio(
             n * saturation, policy.target_saturation

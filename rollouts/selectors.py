@@ -5,7 +5,7 @@ replicas' heartbeats the autoscaler reads and the targets the provisioners carry
 from __future__ import annotations
 
 import datetime as dt
-import json
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -16,6 +16,8 @@ from django.utils.module_loading import import_string
 from registry.models import Model
 from rollouts.judge import VersionWindow
 from rollouts.models import Deployment, DeploymentEvent, ScaleTarget
+
+logger = logging.getLogger(__name__)
 
 
 class WindowReader(Protocol):
@@ -201,9 +203,13 @@ def fleet_heartbeats() -> list[Any]:
     try:
         for key in client.scan_iter(f"{KEY_PREFIX}*"):
             for value in client.hgetall(key).values():
-                beat = Heartbeat(**json.loads(value))
+                try:
+                    beat = Heartbeat.from_json(value)
+                except (ValueError, TypeError) as exc:  # one bad entry must not blind the rest
+                    logger.warning("skipping a replica heartbeat that does not parse (%s)", exc)
+                    continue
                 beats.setdefault(beat.replica_id, beat)
-    except (redis.RedisError, ValueError, TypeError) as exc:
+    except redis.RedisError as exc:
         raise HeartbeatsUnavailable(f"replica heartbeats unreadable ({exc})") from exc
     finally:
         client.close()

@@ -8,7 +8,6 @@ up by every gateway within its revalidation interval (serving.router.REVALIDATE_
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import math
 import time
@@ -172,7 +171,7 @@ def _fleet_replica_ready(deployment: Deployment) -> bool | None:
 
     def beats(version: str) -> list[Heartbeat]:
         raw = client.hgetall(version_key(model_name, version))
-        return [Heartbeat(**json.loads(value)) for value in raw.values()]
+        return [Heartbeat.from_json(value) for value in raw.values()]
 
     client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
     try:
@@ -705,7 +704,7 @@ def deployment_promote(*, deployment: Deployment, actor: str, reason: str = "") 
 # --- the autoscaler ------------------------------------------------------------------------------------
 
 
-AUTOSCALER_ACTOR = "autoscaler"
+AUTOSCALER_BEAT_MAX_AGE_S = 10.0
 
 
 def autoscale(
@@ -720,14 +719,27 @@ def autoscale(
     beats = fleet_heartbeats() if heartbeats is None else heartbeats
     signals: dict[tuple[str, str], list[ReplicaSignals]] = {}
     for beat in beats:
-        if beat.is_ready:  # a loading or draining replica is neither capacity nor load yet
+        # A loading or draining replica is neither capacity nor load yet. Freshness is looser than the
+        # router's: a busy replica's beat may be late, and this host's clock may differ a little; the
+        # scale-down window covers a replica that is missed for a tick.
+        if beat.state == "ready" and now - beat.sent_at < AUTOSCALER_BEAT_MAX_AGE_S:
             signals.setdefault((beat.model_name, beat.version), []).append(
-                ReplicaSignals(beat.num_waiting, beat.num_running, beat.capacity, beat.kv_cache_usage)
+                ReplicaSignals(
+                    beat.num_waiting, beat.num_running, beat.capacity, beat.kv_cache_usage, beat.is_generative
+                )
             )
+    with transaction.atomic():
+        return _write_targets(signals, policy, now)
+
+
+def _write_targets(
+    signals: dict[tuple[str, str], list[ReplicaSignals]], policy: ScalingPolicy, now: float
+) -> dict[tuple[str, str], int]:
+    """autoscale's writes, in one transaction."""
     serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_with_traffic()}
-    existing = {
+    existing = {  # locked: a second tick running meanwhile (two workers) waits, then reads these rows
         (t.version.model.name, t.version.version): t
-        for t in ScaleTarget.objects.select_related("version__model")
+        for t in ScaleTarget.objects.select_for_update().select_related("version__model")
     }
     changed: dict[tuple[str, str], int] = {}
     for key, version_id in serving.items():
@@ -741,6 +753,8 @@ def autoscale(
         target.replicas = next_target(history, now=now, current=replicas_before, policy=policy)
         target.recommendations = [list(entry) for entry in history]
         target.reason = advice.reason
+        if target.replicas > advice.replicas:
+            target.reason = f"held by the scale-down window; now {advice.reason} asks for {advice.replicas}"
         target.signals = {**advice.figures, "recommended": advice.replicas}
         if target.replicas != replicas_before or target.pk is None:
             target.changed_at = timezone.now()

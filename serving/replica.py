@@ -404,6 +404,7 @@ class Replica:
             kv_cache_usage=self.kv_cache_usage,
             sent_at=time.time(),
             capacity=self.capacity,
+            is_generative=self.ref.kind == Model.Kind.CAUSAL_LM,
         )
 
     async def _beat(self) -> None:

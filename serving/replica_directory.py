@@ -9,6 +9,7 @@ the runtime knows its in-process replicas directly."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -48,6 +49,14 @@ class Heartbeat:
     kv_cache_usage: float
     sent_at: float  # wall clock
     capacity: int = 0  # the most sequences (or batch items) it runs at once; 0: not known (older replicas)
+    is_generative: bool = True  # False: an encoder, whose queue is inputs waiting for a batch
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Heartbeat:
+        """A beat as a replica wrote it. Fields this code does not know (a newer replica's, during a
+        rolling upgrade) are left out rather than refused; a missing required field raises TypeError."""
+        values = json.loads(raw)
+        return cls(**{k: v for k, v in values.items() if k in _HEARTBEAT_FIELDS})
 
     @property
     def load(self) -> int:
@@ -64,6 +73,9 @@ class Heartbeat:
     @property
     def is_ready(self) -> bool:
         return self.state == "ready" and self.is_fresh
+
+
+_HEARTBEAT_FIELDS = frozenset(f.name for f in dataclasses.fields(Heartbeat))
 
 
 class HeartbeatPublisher:
@@ -123,7 +135,7 @@ class ReplicaDirectory:
         raw = await self._redis.hgetall(key)
         beats, forgotten = [], []
         for field, value in raw.items():
-            beat = Heartbeat(**json.loads(value))
+            beat = Heartbeat.from_json(value)
             if time.time() - beat.sent_at > _FORGET_AFTER_S:
                 forgotten.append(field)  # a replica that died without withdrawing
             else:

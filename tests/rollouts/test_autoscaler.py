@@ -42,12 +42,30 @@ def test_each_signal_asks_for_replicas_by_its_own_target() -> None:
     assert recommend([ReplicaSignals(0, 0, 64, 0.8)] * 3, POLICY).replicas == 3
 
 
+def test_an_encoder_queue_counts_in_batches_and_an_older_replica_does_not_skew_saturation() -> None:
+    # An embedding request of 8 inputs waiting for a batch of up to 32 is a quarter of a batch, not 8
+    # requests: one replica still does.
+    encoder = ReplicaSignals(
+        num_waiting=8, num_running=0, capacity=32, kv_cache_usage=0.0, is_generative=False
+    )
+    assert recommend([encoder], POLICY).replicas == 1
+    assert (
+        recommend([ReplicaSignals(200, 0, 32, 0.0, is_generative=False)], POLICY).replicas == 4
+    )  # 6.25 batches
+    # A replica that does not say its capacity (an older one) adds neither running nor capacity.
+    older, newer = ReplicaSignals(0, 64, 0, 0.1), ReplicaSignals(0, 16, 64, 0.1)
+    advice = recommend([older, newer], POLICY)
+    assert advice.replicas == 1 and "saturation 25%" in advice.reason
+
+
 def test_the_warm_buffer_and_the_bounds() -> None:
     buffered = ScalingPolicy(min_replicas=1, max_replicas=6, warm_buffer=1)
     assert recommend([idle()], buffered).replicas == 2
     assert recommend([ReplicaSignals(100, 64, 64, 1.0)], POLICY).replicas == POLICY.max_replicas
     with pytest.raises(ValueError, match="min_replicas"):
         ScalingPolicy(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="no scaling to zero"):
+        ScalingPolicy(min_replicas=0)
     with pytest.raises(ValueError, match="positive"):
         ScalingPolicy(target_kv_usage=0)
 
@@ -55,17 +73,20 @@ def test_the_warm_buffer_and_the_bounds() -> None:
 @st.composite
 def signals(draw: st.DrawFn) -> ReplicaSignals:
     capacity = draw(st.sampled_from([0, 8, 64]))
+    is_generative = draw(st.booleans())
     return ReplicaSignals(
         num_waiting=draw(st.integers(0, 200)),
-        num_running=draw(st.integers(0, capacity)),  # never more than it runs at once
+        # never more than it runs at once, when it says; an encoder runs none between its batches
+        num_running=draw(st.integers(0, capacity or 64)) if is_generative else 0,
         capacity=capacity,
-        kv_cache_usage=draw(st.floats(0, 1)),
+        kv_cache_usage=draw(st.floats(0, 1)) if is_generative else 0.0,
+        is_generative=is_generative,
     )
 
 
 policies = st.builds(
     ScalingPolicy,
-    min_replicas=st.integers(0, 3),
+    min_replicas=st.integers(1, 3),
     max_replicas=st.integers(3, 10),
     target_queue_per_replica=st.floats(0.5, 8),
     target_saturation=st.floats(0.1, 1),
@@ -90,10 +111,13 @@ def test_a_recommendation_stays_in_bounds_and_more_load_never_asks_for_fewer(
         return
     i = index % len(replicas)
     r = replicas[i]
+    g = r.is_generative
     heavier = [
-        ReplicaSignals(r.num_waiting + more, r.num_running, r.capacity, r.kv_cache_usage),
-        ReplicaSignals(r.num_waiting, min(r.num_running + more, r.capacity), r.capacity, r.kv_cache_usage),
-        ReplicaSignals(r.num_waiting, r.num_running, r.capacity, min(1.0, r.kv_cache_usage + more / 50)),
+        ReplicaSignals(r.num_waiting + more, r.num_running, r.capacity, r.kv_cache_usage, g),
+        ReplicaSignals(
+            r.num_waiting, min(r.num_running + more, r.capacity or 64), r.capacity, r.kv_cache_usage, g
+        ),
+        ReplicaSignals(r.num_waiting, r.num_running, r.capacity, min(1.0, r.kv_cache_usage + more / 50), g),
     ]
     for replacement in heavier:
         loaded = [*replicas[:i], replacement, *replicas[i + 1 :]]
@@ -137,9 +161,16 @@ def test_the_target_rises_at_once_and_never_falls_below_the_window(
 # --- the tick ----------------------------------------------------------------------------------------
 
 
-def beat(
-    model: str, version: str, *, waiting: int = 0, running: int = 0, kv: float = 0.0, state: str = "ready"
-):  # type: ignore[no-untyped-def]
+def beat(  # type: ignore[no-untyped-def]
+    model: str,
+    version: str,
+    *,
+    waiting: int = 0,
+    running: int = 0,
+    kv: float = 0.0,
+    state: str = "ready",
+    sent_at: float | None = None,
+):
     from serving.replica_directory import Heartbeat
 
     return Heartbeat(
@@ -151,7 +182,7 @@ def beat(
         num_waiting=waiting,
         num_running=running,
         kv_cache_usage=kv,
-        sent_at=time.time(),
+        sent_at=time.time() if sent_at is None else sent_at,
         capacity=64,
     )
 
@@ -170,7 +201,7 @@ def test_a_tick_scales_a_loaded_version_up_at_once_and_down_a_window_later(make_
     assert autoscale(heartbeats=[], policy=POLICY, now=1000.0) == {("chat", "v1"): 1}
     assert _targets() == {("chat", "v1"): 1}  # v2 and v3 carry no traffic: no target
 
-    loaded = [beat("chat", "v1", waiting=7, running=64, kv=0.6)]
+    loaded = [beat("chat", "v1", waiting=7, running=64, kv=0.6, sent_at=1005.0)]
     assert autoscale(heartbeats=loaded, policy=POLICY, now=1005.0) == {("chat", "v1"): 4}
     from rollouts.models import ScaleTarget
 
@@ -178,10 +209,13 @@ def test_a_tick_scales_a_loaded_version_up_at_once_and_down_a_window_later(make_
     assert row.reason.startswith("queue depth 7") and row.signals["waiting"] == 7
     assert row.signals["recommended"] == 4
 
-    calm = [beat("chat", "v1", running=4, kv=0.1) for _ in range(4)]
-    assert autoscale(heartbeats=calm, policy=POLICY, now=1030.0) == {}  # held: 4 was asked 25 s ago
+    def calm(at: float) -> list:  # type: ignore[type-arg]
+        return [beat("chat", "v1", running=4, kv=0.1, sent_at=at) for _ in range(4)]
+
+    assert autoscale(heartbeats=calm(1030.0), policy=POLICY, now=1030.0) == {}  # held: 4 was asked 25 s ago
     assert _targets() == {("chat", "v1"): 4}
-    assert autoscale(heartbeats=calm, policy=POLICY, now=1070.0) == {("chat", "v1"): 1}  # a window on
+    assert ScaleTarget.objects.get(version__version="v1").reason.startswith("held by the scale-down window")
+    assert autoscale(heartbeats=calm(1070.0), policy=POLICY, now=1070.0) == {("chat", "v1"): 1}  # a window on
 
 
 @pytest.mark.django_db
@@ -209,11 +243,18 @@ def test_replicas_still_loading_or_draining_are_neither_load_nor_capacity(make_m
     from rollouts.services import autoscale
 
     make_model("chat")
+    make_model("other", versions=("v1",))
+    now = 1000.0
+    # a ready beat 5 s late still counts (a busy replica's); one 15 s old does not
+    late = [beat("chat", "v1", waiting=9, sent_at=now - 5), beat("chat", "v1", waiting=50, sent_at=now - 15)]
     loading = [
-        beat("chat", "v1", waiting=50, state="loading"),
-        beat("chat", "v1", waiting=50, state="draining"),
+        beat("other", "v1", waiting=50, state="loading", sent_at=now),
+        beat("other", "v1", waiting=50, state="draining", sent_at=now),
     ]
-    assert autoscale(heartbeats=loading, policy=POLICY, now=1000.0) == {("chat", "v1"): 1}
+    assert autoscale(heartbeats=late + loading, policy=POLICY, now=now) == {
+        ("chat", "v1"): 5,
+        ("other", "v1"): 1,
+    }
 
 
 @pytest.mark.django_db
@@ -235,7 +276,9 @@ def test_the_tick_reads_an_embedded_replica_and_heartbeats_in_redis(make_model, 
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     remote = beat("chat", "v1", waiting=9, running=64, kv=0.5)
-    client.hset(version_key("chat", "v1"), remote.replica_id, json.dumps(asdict(remote)))
+    # a newer replica's beat, with a field this code does not know, and one that does not parse
+    client.hset(version_key("chat", "v1"), remote.replica_id, json.dumps({**asdict(remote), "new_field": 1}))
+    client.hset(version_key("chat", "v1"), "broken", b"{not json")
 
     class LocalReplica:
         replica_id = "local-1"
@@ -249,6 +292,7 @@ def test_the_tick_reads_an_embedded_replica_and_heartbeats_in_redis(make_model, 
     loop = asyncio.new_event_loop()
     data_plane._runtimes[loop] = StandInRuntime()  # type: ignore[assignment]
     settings.REDIS_URL = redis_url
+    settings.AUTOSCALER = {**settings.AUTOSCALER, "max_replicas": 4}
     try:
         assert autoscaler_tick() == 2
     finally:
