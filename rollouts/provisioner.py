@@ -3,10 +3,13 @@ has as many replicas as its target says (rollouts.selectors.wanted_replicas: the
 
 `manage.py run_provisioner` calls `reconcile` every few seconds. It starts what is missing; it stops what
 is over with SIGTERM, on which a replica drains (admits nothing new, finishes what it holds) and exits,
-so scaling down loses no request; the newest replica goes first. A replica that exits on its own is
-started again, but not sooner than `restart_delay_s` after it died, so a version whose replica cannot
-load does not spin. With devices given (`cuda:0,cuda:1`), each replica gets a device of its own and a
-version waits when none is free; `cpu` is shared by any number.
+so scaling down loses no request; the newest replica goes first, and one still draining after
+`drain_timeout_s` is killed. A replica that exits on its own is started again after `restart_delay_s`,
+doubling with each replica of that version that dies young (up to `max_restart_delay_s`), so a version
+whose replica cannot load does not spin. With devices given (`cuda:0,cuda:1`), each replica gets a device
+of its own, every version's first replica before any version's second, and a version waits when none is
+free; `cpu` is shared by any number. Replicas get SIGTERM when the provisioner dies, so none is left
+running unsupervised.
 
 Beyond one machine, a Kubernetes Deployment per version with `replicas` set to the same target does
 this job (not built here: no cluster to run it against)."""
@@ -41,6 +44,7 @@ class Process(Protocol):
 
 
 Launcher = Callable[[str, str, str], Process]  # (model, version, device) -> a started replica process
+LIVED_S = 60.0  # a replica that died sooner than this after its start counts toward a longer back-off
 
 
 def run_replica_launcher(manage_py: Path, *, extra_args: Sequence[str] = ()) -> Launcher:
@@ -48,9 +52,20 @@ def run_replica_launcher(manage_py: Path, *, extra_args: Sequence[str] = ()) -> 
 
     def launch(model: str, version: str, device: str) -> Process:
         command = [sys.executable, str(manage_py), "run_replica", "--model", model, "--version", version]
-        return subprocess.Popen([*command, "--device", device, *extra_args], cwd=manage_py.parent)
+        return subprocess.Popen(
+            [*command, "--device", device, *extra_args], cwd=manage_py.parent, preexec_fn=_drain_with_parent
+        )
 
     return launch
+
+
+def _drain_with_parent() -> None:
+    """In the child, before it runs: SIGTERM (a drain) when the provisioner dies, however it dies."""
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(slots=True)
@@ -59,6 +74,7 @@ class _Child:
     device: str
     process: Process
     started_at: float
+    stopped_at: float | None = None  # when it was sent SIGTERM
 
 
 @dataclass(slots=True)
@@ -67,10 +83,13 @@ class LocalProvisioner:
     devices: Sequence[str] = ("cpu",)
     models: frozenset[str] | None = None  # only these models' versions; None: every model
     restart_delay_s: float = 5.0
+    max_restart_delay_s: float = 300.0
+    drain_timeout_s: float = 600.0
     clock: Callable[[], float] = time.monotonic
     serving: dict[Key, list[_Child]] = field(default_factory=dict)
     stopping: list[_Child] = field(default_factory=list)  # sent SIGTERM, draining
-    _died_at: dict[Key, float] = field(default_factory=dict)
+    _restart_at: dict[Key, float] = field(default_factory=dict)  # not before then, after a death
+    _young_deaths: dict[Key, int] = field(default_factory=dict)  # in a row, each within LIVED_S of its start
 
     def reconcile(self, targets: Mapping[Key, int]) -> None:
         """One pass: reap the children that exited, then start or stop replicas to meet the targets (a
@@ -80,22 +99,22 @@ class LocalProvisioner:
         wanted = {k: n for k, n in targets.items() if self.models is None or k[0] in self.models}
         for key in sorted(set(self.serving) | set(wanted)):
             children = self.serving.setdefault(key, [])
-            missing = wanted.get(key, 0) - len(children)
-            if missing < 0:
-                for child in sorted(children, key=lambda c: c.started_at)[missing:]:
-                    self._stop(child)
-            elif missing > 0 and now - self._died_at.get(key, -1e18) >= self.restart_delay_s:
-                for _ in range(missing):
-                    if not self._start(key, now):
-                        break
-            if not children:
-                del self.serving[key]
+            for child in sorted(children, key=lambda c: c.started_at)[wanted.get(key, 0) :]:
+                self._stop(child, now)  # the newest of those over the target
+        # Every version's first replica before any version's second: extras never starve a canary of
+        # the last free device.
+        for rank in range(max(wanted.values(), default=0)):
+            for key in sorted(wanted):
+                if len(self.serving[key]) == rank < wanted[key] and now >= self._restart_at.get(key, now):
+                    self._start(key, now)
+        for key in [k for k, children in self.serving.items() if not children]:
+            del self.serving[key]
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop every replica (each drains first) and wait for them to exit; kill what outlives the wait."""
         for children in list(self.serving.values()):
             for child in list(children):
-                self._stop(child)
+                self._stop(child, self.clock())
         self.serving.clear()
         deadline = self.clock() + timeout_s
         for child in self.stopping:
@@ -111,31 +130,41 @@ class LocalProvisioner:
 
     def _reap(self, now: float) -> None:
         self.stopping = [c for c in self.stopping if c.process.poll() is None]
+        for child in self.stopping:
+            if child.stopped_at is not None and now - child.stopped_at > self.drain_timeout_s:
+                logger.warning("provisioner: replica pid %d still draining; killing it", child.process.pid)
+                child.process.send_signal(signal.SIGKILL)
+                child.stopped_at = None  # killed once; reaped when it is gone
         for key, children in self.serving.items():
             for child in [c for c in children if c.process.poll() is not None]:
                 children.remove(child)
-                self._died_at[key] = now
+                young = now - child.started_at < LIVED_S
+                self._young_deaths[key] = self._young_deaths.get(key, 0) + 1 if young else 1
+                delay = min(
+                    self.max_restart_delay_s, self.restart_delay_s * 2 ** (self._young_deaths[key] - 1)
+                )
+                self._restart_at[key] = now + delay
                 logger.warning(
-                    "provisioner: replica of %s:%s (pid %d) exited with %s; restarted in %g s or later",
+                    "provisioner: replica of %s:%s (pid %d) exited with %s; restarted in %g s",
                     *key,
                     child.process.pid,
                     child.process.poll(),
-                    self.restart_delay_s,
+                    delay,
                 )
 
-    def _start(self, key: Key, now: float) -> bool:
+    def _start(self, key: Key, now: float) -> None:
         device = self._free_device()
         if device is None:
             logger.warning("provisioner: no free device for another replica of %s:%s", *key)
-            return False
+            return
         process = self.launch(key[0], key[1], device)
-        self.serving.setdefault(key, []).append(_Child(key, device, process, now))
+        self.serving[key].append(_Child(key, device, process, now))
         logger.info("provisioner: started a replica of %s:%s on %s (pid %d)", *key, device, process.pid)
-        return True
 
-    def _stop(self, child: _Child) -> None:
+    def _stop(self, child: _Child, now: float) -> None:
         self.serving[child.key].remove(child)
         child.process.send_signal(signal.SIGTERM)
+        child.stopped_at = now
         self.stopping.append(child)
         logger.info("provisioner: draining the replica of %s:%s (pid %d)", *child.key, child.process.pid)
 

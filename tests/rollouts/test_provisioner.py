@@ -63,7 +63,7 @@ def test_it_starts_what_is_missing_and_drains_the_newest_of_what_is_over() -> No
 
     machine.now = 10.0
     provisioner.reconcile({("chat", "v1"): 3})  # embed lost its target: it drains
-    first, second, embed, third = machine.started
+    first, embed, second, third = machine.started  # each version's first replica first
     assert embed.signals == [signal.SIGTERM] and third.model == "chat"
     machine.now = 20.0
     provisioner.reconcile({("chat", "v1"): 1})
@@ -122,3 +122,40 @@ def test_wanted_replicas_are_the_targets_and_one_for_a_serving_version_without_a
     ScaleTarget.objects.create(version=ModelVersion.objects.get(model__name="chat", version="v1"), replicas=3)
     ScaleTarget.objects.create(version=ModelVersion.objects.get(model__name="chat", version="v2"), replicas=0)
     assert wanted_replicas() == {("chat", "v1"): 3, ("chat", "v2"): 0, ("embed", "v1"): 1}
+
+
+def test_a_replica_that_keeps_dying_young_waits_longer_each_time() -> None:
+    machine = Machine()
+    provisioner = machine.provisioner(restart_delay_s=5.0, max_restart_delay_s=15.0)
+    restarts = []
+    for _ in range(80):  # 80 s, a pass a second; every replica dies within its first second
+        provisioner.reconcile({("chat", "v1"): 1})
+        for process in machine.started:
+            process.returncode = 1 if process.returncode is None else process.returncode
+        if len(machine.started) > len(restarts):
+            restarts.append(machine.now)
+        machine.now += 1.0
+    gaps = [b - a for a, b in itertools.pairwise(restarts)]
+    assert gaps[:4] == [6.0, 11.0, 16.0, 16.0]  # 5, 10, then capped at 15 s (plus the pass it died in)
+
+
+def test_a_replica_stuck_draining_is_killed_after_the_timeout() -> None:
+    machine = Machine()
+    provisioner = machine.provisioner(drain_timeout_s=30.0)
+    provisioner.reconcile({("chat", "v1"): 1})
+    provisioner.reconcile({})
+    (process,) = machine.started
+    process.wait = lambda timeout=None: 0  # type: ignore[method-assign]  # never exits on SIGTERM
+    machine.now = 20.0
+    provisioner.reconcile({})
+    assert process.signals == [signal.SIGTERM]
+    machine.now = 31.0
+    provisioner.reconcile({})
+    assert process.signals == [signal.SIGTERM, signal.SIGKILL]
+
+
+def test_every_version_gets_its_first_gpu_before_any_gets_a_second() -> None:
+    machine = Machine()
+    provisioner = machine.provisioner(devices=("cuda:0", "cuda:1"))
+    provisioner.reconcile({("big", "v1"): 2, ("canary", "v2"): 1})
+    assert sorted((p.model, p.device) for p in machine.started) == [("big", "cuda:0"), ("canary", "cuda:1")]
