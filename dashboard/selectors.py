@@ -53,8 +53,11 @@ def model_versions(*, model: Model) -> list[dict[str, Any]]:
     GET /v1/models/{model}/versions reports them."""
     rows = model_versions_overview(model=model)
     states = rollout_selectors.version_states(model=model)
+    targets = rollout_selectors.scale_targets_of(model=model)
     for row in rows:
         row["state"] = states.get(row["version"], row["state"])
+        # The autoscaler's target and why (None: it has not decided on this version)
+        row["target_replicas"], row["target_reason"] = targets.get(row["version"], (None, ""))
     return rows
 
 

@@ -222,6 +222,12 @@ def scale_targets() -> dict[tuple[str, str], int]:
     return {(t.version.model.name, t.version.version): t.replicas for t in rows}
 
 
+def scale_targets_of(*, model: Model) -> dict[str, tuple[int, str]]:
+    """version -> (the autoscaler's target, its reason), for the model's versions it has decided on."""
+    rows = ScaleTarget.objects.filter(version__model=model).select_related("version")
+    return {t.version.version: (t.replicas, t.reason) for t in rows}
+
+
 def wanted_replicas() -> dict[tuple[str, str], int]:
     """What the provisioners carry out: the autoscaler's targets, and for a version that must serve but
     has none yet (the autoscaler has not ticked since it got traffic) the policy's minimum, at least one,

@@ -370,3 +370,20 @@ def test_tenants_page_counts_429s(staff_client: Client, make_tenant: Any) -> Non
         quota_store().admit(acme.context, tokens=1)
     html = staff_client.get("/dashboard/tenants/").text
     assert re.search(r'data-field="num_refused_429">1<', html)
+
+
+def test_model_page_shows_the_autoscalers_target_and_its_reason(staff_client: Client, chat: Any) -> None:
+    from registry.models import ModelVersion
+    from rollouts.models import ScaleTarget
+
+    v1 = ModelVersion.objects.get(model__name="chat", version="v1")
+    ScaleTarget.objects.create(
+        version=v1, replicas=3, reason="queue depth 5 (target 2 a replica) on 1 replica"
+    )
+    response = staff_client.get("/dashboard/models/chat/")
+    cells = re.findall(r'data-field="target_replicas" title="([^"]*)">([^<]*)<', response.text)
+    assert cells == [("queue depth 5 (target 2 a replica) on 1 replica", "3"), ("", "—")]
+    from dashboard.selectors import model_versions
+
+    rows = {r["version"]: r for r in model_versions(model=v1.model)}
+    assert (rows["v1"]["target_replicas"], rows["v2"]["target_replicas"]) == (3, None)  # what the feed pushes

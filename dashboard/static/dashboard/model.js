@@ -151,6 +151,9 @@
       live.setField(row, "traffic", v.traffic_pct + "%");
       live.stateBadge(row.querySelector('[data-field="state"]'), v.state);
       live.setField(row, "aliases", v.aliases.length ? v.aliases.join(", ") : "—");
+      live.setField(row, "target_replicas", v.target_replicas === null ? "—" : String(v.target_replicas));
+      var target = row.querySelector('[data-field="target_replicas"]');
+      if (target) { target.title = v.target_reason; }
       var m = lastMinute[v.version];
       if (m) {
         live.setField(row, "req_s", live.fmt(m.req_s, "", 2));
