@@ -11,6 +11,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F
+from django.utils import timezone
 
 from registry import artifacts
 from registry.models import (
@@ -197,6 +198,23 @@ def tenant_create(
     )
     quota.allowed_models.set(list(allowed_models))
     return tenant
+
+
+def api_key_revoke(*, prefix: str) -> list[ApiKey]:
+    """Revoke every live key that starts with `prefix` (as `create_api_key` printed it; at least the
+    stored prefix's length, so one typo cannot revoke a tenant's every key). Gateways stop accepting it
+    within their auth cache's few seconds. Returns the keys revoked."""
+    if len(prefix) < ApiKey.PREFIX_LENGTH:
+        raise RegistryError(f"give at least the key's first {ApiKey.PREFIX_LENGTH} characters")
+    keys = list(
+        ApiKey.objects.filter(prefix=prefix[: ApiKey.PREFIX_LENGTH], revoked_at__isnull=True).select_related(
+            "tenant"
+        )
+    )
+    if len(prefix) > ApiKey.PREFIX_LENGTH:  # a whole key: only the one whose hash matches
+        keys = [k for k in keys if k.key_hash == hash_api_key(prefix)]
+    ApiKey.objects.filter(pk__in=[k.pk for k in keys]).update(revoked_at=timezone.now())
+    return keys
 
 
 def api_key_create(*, tenant: Tenant, name: str = "") -> tuple[ApiKey, str]:

@@ -93,3 +93,26 @@ def test_create_demo_model_writes_safetensors_and_a_tokenizer(tmp_path: Path) ->
     assert not list(out_dir.glob("*.bin"))
     with pytest.raises(CommandError, match="not empty"):
         _run("create_demo_model", str(out_dir))
+
+
+def test_revoke_api_key_by_prefix_or_whole_key_and_the_gateway_refuses_it(make_tenant) -> None:
+    from registry.services import api_key_create
+    from serving import gateway
+
+    acme = make_tenant("acme")
+    tenant = Tenant.objects.get(name="acme")
+    _, second = api_key_create(tenant=tenant)
+    assert tenant_context_for_api_key(acme.key) is not None
+    assert f"revoked {acme.key[:8]}… of tenant acme" in _run("revoke_api_key", acme.key[:8])
+    assert tenant_context_for_api_key(acme.key) is None
+    assert tenant_context_for_api_key(second) is not None  # another key of the tenant stays
+    gateway.clear_auth_cache()
+    with pytest.raises(gateway.GatewayError) as refused:
+        gateway.authenticate(f"Bearer {acme.key}")
+    assert refused.value.status == 401
+    _run("revoke_api_key", second)  # the whole key
+    assert tenant_context_for_api_key(second) is None
+    with pytest.raises(CommandError, match="no live key matches"):
+        _run("revoke_api_key", second)
+    with pytest.raises(CommandError, match="first 8 characters"):
+        _run("revoke_api_key", "sy-")

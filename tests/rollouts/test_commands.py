@@ -1,0 +1,59 @@
+"""Operators' commands of the rollouts app."""
+
+from __future__ import annotations
+
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+
+pytestmark = pytest.mark.django_db
+
+
+def _run(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+def test_set_alias_moves_it_logs_the_move_and_bumps_the_routing_revision(make_model: Any) -> None:
+    from registry.models import AliasEvent
+    from tests.rollouts.conftest import routing_state
+
+    model = make_model("chat")
+    revision, _, aliases = routing_state(model)
+    assert aliases["stable"] == "v1"
+    assert (
+        _run("set_alias", "chat", "stable", "v2", "--reason", "v1 misbehaves").strip() == "chat@stable -> v2"
+    )
+    new_revision, _, aliases = routing_state(model)
+    assert aliases["stable"] == "v2" and new_revision > revision  # gateways revalidate on the revision
+    event = AliasEvent.objects.filter(alias__name="stable").latest("id")
+    assert (event.from_version.version, event.to_version.version, event.actor, event.reason) == (
+        "v1",
+        "v2",
+        "cli",
+        "v1 misbehaves",
+    )
+    _run("set_alias", "chat", "eval", "v3")
+    assert routing_state(model)[2] == {"stable": "v2", "eval": "v3"}
+
+
+def test_set_alias_refuses_unknown_names_and_the_canary_alias_of_a_deployment_in_flight(
+    make_model: Any,
+) -> None:
+    from rollouts.services import deployment_create
+
+    make_model("chat")
+    with pytest.raises(CommandError, match="unknown model"):
+        _run("set_alias", "nope", "stable", "v1")
+    with pytest.raises(CommandError, match="unknown version"):
+        _run("set_alias", "chat", "stable", "v9")
+    with pytest.raises(CommandError, match="invalid alias name"):
+        _run("set_alias", "chat", "Bad Name!", "v1")
+    from registry.models import Model
+
+    deployment_create(model=Model.objects.get(name="chat"), version="v2", created_by="test")
+    with pytest.raises(CommandError, match="deployment in flight"):
+        _run("set_alias", "chat", "canary", "v3")
