@@ -14,34 +14,89 @@ _ERROR = {
     },
 }
 
+_SAMPLING = {  # /infer's and the OpenAI endpoints' shared fields (serving/requests.py parse_sampling)
+    "max_tokens": {"type": "integer", "minimum": 1, "default": 16},
+    "stream": {"type": "boolean", "default": False},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
+    "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "default": 1},
+    "seed": {"type": "integer", "nullable": True},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+}
 _GENERATE = {
     "type": "object",
     "title": "generate (causal-lm)",
     "required": ["input"],
-    "properties": {
-        "input": {"type": "string"},
-        "max_tokens": {"type": "integer", "minimum": 1, "default": 16},
-        "stream": {"type": "boolean", "default": False},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
-        "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "default": 1},
-        "seed": {"type": "integer", "nullable": True},
-        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    },
+    "properties": {"input": {"type": "string"}, **_SAMPLING},
+}
+_TEXTS = {
+    "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_TEXT_INPUTS}]
 }
 _CLASSIFY = {
     "type": "object",
     "title": "classify (classifier)",
     "required": ["input"],
     "properties": {
-        "input": {
-            "oneOf": [
-                {"type": "string"},
-                {"type": "array", "items": {"type": "string"}, "maxItems": MAX_TEXT_INPUTS},
-            ]
-        },
+        "input": _TEXTS,
         "top_k": {"type": "integer", "minimum": 1, "nullable": True, "description": "default: every label"},
     },
 }
+
+_OPENAI_SAMPLING = {
+    **_SAMPLING,
+    "model": {"type": "string"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "n": {"type": "integer", "enum": [1]},
+}
+_OPENAI_PATHS = [
+    (
+        "/v1/completions",
+        "completions_create",
+        "Complete a prompt (a causal-lm model)",
+        {
+            "type": "object",
+            "required": ["model", "prompt"],
+            "properties": {**_OPENAI_SAMPLING, "prompt": {"type": "string"}},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        "chat_completions_create",
+        "Answer a chat (a causal-lm model; the tokenizer's chat template, or a plain default)",
+        {
+            "type": "object",
+            "required": ["model", "messages"],
+            "properties": {
+                **_OPENAI_SAMPLING,
+                "max_completion_tokens": {"type": "integer", "minimum": 1},
+                "messages": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["role", "content"],
+                        "properties": {
+                            "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+                            "content": {"type": "string"},
+                        },
+                    },
+                },
+            },
+        },
+    ),
+    (
+        "/v1/embeddings",
+        "embeddings_create",
+        "Embed texts (an embedding model)",
+        {
+            "type": "object",
+            "required": ["model", "input"],
+            "properties": {
+                "model": {"type": "string"},
+                "input": _TEXTS,
+                "encoding_format": {"type": "string", "enum": ["float", "base64"], "default": "float"},
+            },
+        },
+    ),
+]
 
 
 def add_inference_paths(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
@@ -93,6 +148,26 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any, pu
             "security": [{"bearerAuth": []}],
         }
     }
+    paths = result["paths"]
+    for path, operation_id, summary, body in _OPENAI_PATHS:
+        paths[path] = {
+            "post": {
+                "operationId": operation_id,
+                "summary": summary,
+                "description": "The OpenAI API's shape (the `openai` client works with base_url=…/v1); "
+                "fields we do not implement are refused with a 400, never ignored.",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                "responses": {
+                    "200": {
+                        "description": "the OpenAI response object, or an SSE stream ending with "
+                        "`data: [DONE]` when stream is true",
+                        "headers": {"X-Served-Version": {"schema": {"type": "string"}}},
+                    },
+                    **errors,
+                },
+                "security": [{"bearerAuth": []}],
+            }
+        }
     result.setdefault("components", {}).setdefault("securitySchemes", {})["bearerAuth"] = {
         "type": "http",
         "scheme": "bearer",

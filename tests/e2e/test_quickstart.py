@@ -69,6 +69,11 @@ def test_openapi_schema_lists_the_inference_and_registry_paths(platform_server) 
     assert response.status_code == 200
     paths = response.json()["paths"]
     assert {"/v1/models/{model}/infer", "/v1/models", "/v1/models/{model}/versions"} <= set(paths)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
+        body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert {"model"} < set(body["required"]) <= set(body["properties"])
+    infer = paths["/v1/models/{model}/infer"]["post"]["requestBody"]["content"]["application/json"]
+    assert [s["title"] for s in infer["schema"]["anyOf"]] == ["generate (causal-lm)", "classify (classifier)"]
 
 
 def test_a_newly_registered_model_gets_a_replica_without_a_restart(
