@@ -206,6 +206,12 @@ REPLICA_MAX_NUM_SEQS = int(os.environ.get("SWITCHYARD_MAX_NUM_SEQS", "64"))
 REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_TOKENS", "512"))
 REPLICA_KV_CACHE_BYTES = int(os.environ.get("SWITCHYARD_KV_CACHE_MB", "128")) * 1024 * 1024
 REPLICA_COMPILE = _env_bool("SWITCHYARD_COMPILE", False)
+# Per-tenant caps inside a replica, so one tenant cannot hold a whole batch or cache (unset: none; the
+# scheduler's fair order across tenants applies either way).
+_tenant_running = os.environ.get("SWITCHYARD_MAX_RUNNING_PER_TENANT", "").strip()
+REPLICA_MAX_RUNNING_PER_TENANT = int(_tenant_running) if _tenant_running else None
+_tenant_kv = os.environ.get("SWITCHYARD_MAX_KV_SHARE_PER_TENANT", "").strip()
+REPLICA_MAX_KV_SHARE_PER_TENANT = float(_tenant_kv) if _tenant_kv else None  # a share of the KV blocks
 # The dynamic batcher of non-generative models (embedding models and classifiers): a batch closes at this
 # many inputs, or when its oldest input has waited this long, whichever comes first
 # (serving/engine/batcher.py). Unset wait: 0 on a CPU, 5 ms on a GPU (serving/engine/encoder.py says why).

@@ -149,6 +149,8 @@ def engine_config_from_settings() -> Any:
         kv_cache_bytes=settings.REPLICA_KV_CACHE_BYTES,
         compile=settings.REPLICA_COMPILE,
         pack_linear=settings.REPLICA_PACK_LINEAR,
+        max_running_per_tenant=settings.REPLICA_MAX_RUNNING_PER_TENANT,
+        max_kv_share_per_tenant=settings.REPLICA_MAX_KV_SHARE_PER_TENANT,
     )
 
 

@@ -37,12 +37,23 @@ class EngineConfig:
     block_size: int = 16
     max_running_per_tenant: int | None = None
     max_blocks_per_tenant: int | None = None
+    max_kv_share_per_tenant: float | None = None  # the same cap as a share of the pool, whatever its size
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the decode attention (slow warm-up, faster steps)
     # fp32 on a CPU: Linear weights in oneDNN's format (engine/packing.py); None: if timing says it pays
     pack_linear: bool | None = None
     device: str | None = None
     seed: int | None = None  # the shared sampler's seed, for reproducible unseeded sampling in tests
+
+
+def _tenant_block_cap(config: EngineConfig, num_blocks: int) -> int | None:
+    """The tighter of the two per-tenant block caps, the share counted in this pool's blocks."""
+    caps = [config.max_blocks_per_tenant] if config.max_blocks_per_tenant is not None else []
+    if config.max_kv_share_per_tenant is not None:
+        if not 0 < config.max_kv_share_per_tenant <= 1:
+            raise ValueError("max_kv_share_per_tenant must be in (0, 1]")
+        caps.append(max(1, int(config.max_kv_share_per_tenant * num_blocks)))
+    return min(caps) if caps else None
 
 
 @dataclass(slots=True)
@@ -124,7 +135,7 @@ class Engine:
                 max_model_len=self.runner.max_model_len,
                 block_size=config.block_size,
                 max_running_per_tenant=config.max_running_per_tenant,
-                max_blocks_per_tenant=config.max_blocks_per_tenant,
+                max_blocks_per_tenant=_tenant_block_cap(config, self.runner.num_blocks),
                 eos_token_id=eos_ids[0] if eos_ids else None,
             ),
             self.kv_cache,

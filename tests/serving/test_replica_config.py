@@ -67,3 +67,29 @@ def test_an_embedding_replica_process_takes_run_replicas_device(
     engine = replica._load()
     # --device reaches the encoder engine; its batching comes from the settings, not the KV sizing flags
     assert (engine.config.device, engine.config.max_batch_size) == ("cpu", 3)
+
+
+def test_per_tenant_caps_reach_the_scheduler_and_a_tenant_stays_within_its_share(
+    settings, demo_model_dir: Path
+) -> None:
+    from serving.engine.sequence import SamplingParams
+
+    settings.REPLICA_KV_CACHE_BYTES = 8 << 20
+    settings.REPLICA_MAX_RUNNING_PER_TENANT = 2
+    settings.REPLICA_MAX_KV_SHARE_PER_TENANT = 0.25
+    engine = Engine(demo_model_dir, config=engine_config_from_settings())
+    cap = engine.scheduler.config.max_blocks_per_tenant
+    assert engine.scheduler.config.max_running_per_tenant == 2
+    assert cap == int(0.25 * engine.runner.num_blocks)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    for i in range(4):
+        engine.add_request(f"greedy-{i}", engine.encode("hello there " * 8), params, tenant_id="greedy")
+    engine.add_request("other", engine.encode("hello"), params, tenant_id="other")
+    engine.step()
+    running = engine.scheduler.running_seqs()
+    by_tenant = [s.tenant_id for s in running]
+    assert by_tenant.count("greedy") == 2 and "other" in by_tenant  # the other tenant is not starved
+    assert sum(len(s.block_table) for s in running if s.tenant_id == "greedy") <= cap
+    settings.REPLICA_MAX_KV_SHARE_PER_TENANT = 1.5
+    with pytest.raises(ValueError, match="max_kv_share_per_tenant"):
+        Engine(demo_model_dir, config=engine_config_from_settings())
