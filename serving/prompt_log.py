@@ -4,8 +4,11 @@ Nothing a client sends or gets back is logged anywhere else. With settings.LOG_P
 0 (SWITCHYARD_LOG_PROMPTS_SAMPLE_RATE; 0 by default), that share of requests is written, once each
 request has ended, as one JSON line to the `switchyard.prompts` logger (route it where such records may
 go): its ids, tenant, model and version, the input and the output text. Both texts are redacted first
-(e-mail addresses, API keys, bearer tokens and other long secrets, IP addresses, runs of nine or more
-digits such as card, phone and account numbers) and then cut to LOGGED_CHARS. A non-generative
+(private keys, bearer and basic credentials, passwords in URLs and in `password=…`-style pairs, API
+keys, runs of 24+ characters mixing letters and digits such as digests and base64 secrets, e-mail
+addresses, IPv4 and IPv6 addresses, runs of nine or more digits such as card, phone and account
+numbers) and then cut to LOGGED_CHARS. Redaction is pattern matching: it catches the common shapes,
+not every secret a prompt can hold, which is why logging is off unless asked for. A non-generative
 request's inputs are logged; its vectors and scores are not."""
 
 from __future__ import annotations
@@ -22,15 +25,38 @@ from django.conf import settings
 prompt_logger = logging.getLogger("switchyard.prompts")
 LOGGED_CHARS = 2000
 
-# Most specific first: a key is a secret before its digits are a number.
-_REDACTIONS: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]+"), "Bearer [SECRET]"),
+
+def _opaque_token(match: re.Match[str]) -> str:
+    """A run of 24+ token characters is a secret when it mixes letters and digits (keys, digests,
+    base64); a long word or number alone is not."""
+    run = match.group(0)
+    has_digit = any(c.isdigit() for c in run)
+    return "[SECRET]" if has_digit and any(c.isalpha() for c in run) else run
+
+
+# Most specific first: a key is a secret before its digits are a number. Every pattern runs in time
+# linear in the text (bounded repeats, no nested unbounded ones), and the text is cut first.
+_REDACTIONS: list[tuple[re.Pattern[str], str | Any]] = [
+    (re.compile(r"-----BEGIN [A-Z ]{1,40}-----.*?(?:-----END [A-Z ]{1,40}-----|\Z)", re.S), "[SECRET]"),
+    (re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+"), r"\1 [SECRET]"),
+    (re.compile(r"(?<=://)[^\s/:@]{1,256}:[^\s/@]{1,256}(?=@)"), "[SECRET]"),  # user:password@ in a URL
+    (
+        re.compile(
+            r"(?i)\b(password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key)(\s*[:=]\s*)\S{1,256}"
+        ),
+        r"\1\2[SECRET]",
+    ),
     (re.compile(r"\b(?:sy|sk|pk|rk)-[A-Za-z0-9_-]{8,}"), "[SECRET]"),
     (re.compile(r"\bAKIA[0-9A-Z]{16}\b"), "[SECRET]"),
-    # an opaque token: 24+ characters of letters and digits mixed (hex digests, base64 keys)
-    (re.compile(r"\b(?=[A-Za-z_-]*\d)(?=[\d_-]*[A-Za-z])[A-Za-z0-9_-]{24,}\b"), "[SECRET]"),
-    (re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"), "[EMAIL]"),
+    (re.compile(r"[A-Za-z0-9_+/=-]{24,}"), _opaque_token),
+    (
+        re.compile(
+            r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,8}\.[A-Za-z]{2,24}"
+        ),
+        "[EMAIL]",
+    ),
     (re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}\b"), "[IP]"),
+    (re.compile(r"\b[0-9A-Fa-f]{1,4}(?::[0-9A-Fa-f]{0,4}){3,7}\b"), "[IP]"),  # IPv6, :: included
     (re.compile(r"\+?\d(?:[\s().-]{0,3}\d){8,}"), "[NUMBER]"),
 ]
 
@@ -39,10 +65,15 @@ _writing: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak refe
 
 
 def redact(text: str) -> str:
+    """The text with secrets and personal data replaced, cut to LOGGED_CHARS. Cut to twice that before
+    the patterns run (a secret across the first cut is still redacted whole), so a long input costs no
+    more than a short one."""
+    num_chars = len(text)
+    text = text[: 2 * LOGGED_CHARS]
     for pattern, replacement in _REDACTIONS:
         text = pattern.sub(replacement, text)
-    if len(text) > LOGGED_CHARS:
-        text = f"{text[:LOGGED_CHARS]}…[{len(text) - LOGGED_CHARS} more characters]"
+    if len(text) > LOGGED_CHARS or num_chars > 2 * LOGGED_CHARS:
+        text = f"{text[:LOGGED_CHARS]}…[{num_chars - LOGGED_CHARS} more characters]"
     return text
 
 

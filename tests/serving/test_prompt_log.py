@@ -23,6 +23,15 @@ SECRETS = {
     "a card number": ("card 4111 1111 1111 1111 exp", "[NUMBER]"),
     "a phone number": ("call +1 (555) 123-4567 now", "[NUMBER]"),
     "an IP address": ("from 192.168.10.254 at noon", "[IP]"),
+    "an IPv6 address": ("from 2001:db8:85a3::8a2e:370:7334 at noon", "[IP]"),
+    "a base64 secret": ("AWS_SECRET wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY ok", "[SECRET]"),
+    "a password in a URL": ("dsn postgres://app:S3cret!@db:5432/x", "postgres://[SECRET]@db"),
+    "a password pair": ("login password=hunter2 please", "password=[SECRET]"),
+    "basic credentials": ("Authorization: Basic dXNlcjpwYXNzd29yZA== sent", "Basic [SECRET]"),
+    "a private key": (
+        "key -----BEGIN RSA PRIVATE KEY-----\nMIIEow\n-----END RSA PRIVATE KEY----- end",
+        "key [SECRET] end",
+    ),
 }
 
 
@@ -35,7 +44,7 @@ def test_each_kind_of_secret_is_replaced(kind: str) -> None:
 
 
 def test_ordinary_text_and_short_numbers_stay_and_long_text_is_cut() -> None:
-    text = "In 2026 the 42 trains carried 1,250 parcels between 3 towns: version v2.1 (build 77)."
+    text = "In 2026 the 42 trains carried 1,250 parcels between 3 towns at 12:30:45: version v2.1 (build 77)."
     assert redact(text) == text
     long = redact("word " * 1000)
     assert len(long) < LOGGED_CHARS + 40 and long.endswith("[3000 more characters]")
@@ -54,7 +63,18 @@ _key = st.text(
 )
 
 
-@given(before=_word, after=_word, secret=st.one_of(_email, _number, _key.map(lambda k: f"sy-{k}")))
+_base64 = st.text(
+    alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/", min_size=22, max_size=60
+).map(
+    lambda t: f"{t}7Q="  # a digit and a letter, as any real key of that length has
+)
+
+
+@given(
+    before=_word,
+    after=_word,
+    secret=st.one_of(_email, _number, _key.map(lambda k: f"sy-{k}"), _base64),
+)
 def test_a_secret_anywhere_in_text_never_survives(before: str, after: str, secret: str) -> None:
     redacted = redact(f"{before} {secret} {after}")
     assert secret not in redacted
