@@ -200,19 +200,24 @@ def tenant_create(
     return tenant
 
 
-def api_key_revoke(*, prefix: str) -> list[ApiKey]:
-    """Revoke every live key that starts with `prefix` (as `create_api_key` printed it; at least the
-    stored prefix's length, so one typo cannot revoke a tenant's every key). Gateways stop accepting it
-    within their auth cache's few seconds. Returns the keys revoked."""
-    if len(prefix) < ApiKey.PREFIX_LENGTH:
-        raise RegistryError(f"give at least the key's first {ApiKey.PREFIX_LENGTH} characters")
-    keys = list(
-        ApiKey.objects.filter(prefix=prefix[: ApiKey.PREFIX_LENGTH], revoked_at__isnull=True).select_related(
-            "tenant"
-        )
-    )
-    if len(prefix) > ApiKey.PREFIX_LENGTH:  # a whole key: only the one whose hash matches
-        keys = [k for k in keys if k.key_hash == hash_api_key(prefix)]
+def api_key_revoke(*, key: str, tenant: Tenant | None = None) -> list[ApiKey]:
+    """Revoke a live key, given whole (only that key) or by its printed prefix (at least the stored
+    prefix's length). A prefix that matches keys of more than one tenant, or several keys, is refused
+    unless `tenant` narrows it to that tenant's keys: a typo must not revoke someone else's. Gateways
+    stop accepting a revoked key within their auth cache's few seconds. Returns the keys revoked."""
+    if len(key) < ApiKey.PREFIX_LENGTH:
+        raise RegistryError(f"give the whole key or at least its first {ApiKey.PREFIX_LENGTH} characters")
+    live = ApiKey.objects.filter(revoked_at__isnull=True).select_related("tenant")
+    if len(key) > ApiKey.PREFIX_LENGTH:
+        keys = list(live.filter(key_hash=hash_api_key(key)))
+    else:
+        keys = list(live.filter(prefix=key, **({"tenant": tenant} if tenant is not None else {})))
+        if len(keys) > 1 and tenant is None:
+            owners = sorted({k.tenant.name for k in keys})
+            raise RegistryError(
+                f"{len(keys)} live keys start with {key} (tenants: {', '.join(owners)}); "
+                "give the whole key, or the tenant"
+            )
     ApiKey.objects.filter(pk__in=[k.pk for k in keys]).update(revoked_at=timezone.now())
     return keys
 

@@ -116,3 +116,17 @@ def test_revoke_api_key_by_prefix_or_whole_key_and_the_gateway_refuses_it(make_t
         _run("revoke_api_key", second)
     with pytest.raises(CommandError, match="first 8 characters"):
         _run("revoke_api_key", "sy-")
+
+
+def test_a_prefix_two_tenants_share_is_refused_unless_the_tenant_is_named(make_tenant) -> None:
+    acme, _ = make_tenant("acme"), make_tenant("other")
+    ApiKey.objects.filter(tenant__name="other").update(prefix=acme.key[:8])  # 30 random bits can collide
+
+    def live(tenant: str) -> bool:
+        return ApiKey.objects.filter(tenant__name=tenant, revoked_at__isnull=True).exists()
+
+    with pytest.raises(CommandError, match=r"2 live keys start with \S+ \(tenants: acme, other\)"):
+        _run("revoke_api_key", acme.key[:8])
+    assert live("acme") and live("other")
+    _run("revoke_api_key", acme.key[:8], "--tenant", "other")
+    assert live("acme") and not live("other")  # acme's key, with the same prefix, stays
