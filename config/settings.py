@@ -212,6 +212,10 @@ _tenant_running = os.environ.get("SWITCHYARD_MAX_RUNNING_PER_TENANT", "").strip(
 REPLICA_MAX_RUNNING_PER_TENANT = int(_tenant_running) if _tenant_running else None
 _tenant_kv = os.environ.get("SWITCHYARD_MAX_KV_SHARE_PER_TENANT", "").strip()
 REPLICA_MAX_KV_SHARE_PER_TENANT = float(_tenant_kv) if _tenant_kv else None  # a share of the KV blocks
+if REPLICA_MAX_KV_SHARE_PER_TENANT is not None and not 0 < REPLICA_MAX_KV_SHARE_PER_TENANT <= 1:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("SWITCHYARD_MAX_KV_SHARE_PER_TENANT must be a share in (0, 1]")
 # The dynamic batcher of non-generative models (embedding models and classifiers): a batch closes at this
 # many inputs, or when its oldest input has waited this long, whichever comes first
 # (serving/engine/batcher.py). Unset wait: 0 on a CPU, 5 ms on a GPU (serving/engine/encoder.py says why).
@@ -260,6 +264,12 @@ AUTOSCALER = {
     "warm_buffer": int(os.environ.get("SWITCHYARD_AUTOSCALER_WARM_BUFFER", "0")),
     "scale_down_window_s": float(os.environ.get("SWITCHYARD_AUTOSCALER_SCALE_DOWN_WINDOW_S", "120")),
 }
+if not 1 <= AUTOSCALER["min_replicas"] <= AUTOSCALER["max_replicas"]:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        "SWITCHYARD_AUTOSCALER_MIN_REPLICAS must be from 1 (no scaling to zero) to ..._MAX_REPLICAS"
+    )
 # Metrics: each replica flushes its 5 s windows to the store this often (seconds, at most 5).
 METRICS_FLUSH_INTERVAL_S = float(os.environ.get("SWITCHYARD_METRICS_FLUSH_INTERVAL_S", "5"))
 # Fault injection (serving/faults.py), for demos and tests: refused unless DEBUG or explicitly allowed.

@@ -205,7 +205,7 @@ def fleet_heartbeats() -> list[Any]:
             for value in client.hgetall(key).values():
                 try:
                     beat = Heartbeat.from_json(value)
-                except (ValueError, TypeError) as exc:  # one bad entry must not blind the rest
+                except ValueError as exc:  # one bad entry must not blind the rest
                     logger.warning("skipping a replica heartbeat that does not parse (%s)", exc)
                     continue
                 beats.setdefault(beat.replica_id, beat)

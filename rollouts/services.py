@@ -739,7 +739,8 @@ def _write_targets(
     serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_with_traffic()}
     existing = {  # locked: a second tick running meanwhile (two workers) waits, then reads these rows
         (t.version.model.name, t.version.version): t
-        for t in ScaleTarget.objects.select_for_update().select_related("version__model")
+        # of=self: the registry's rows stay unlocked (a deployment locks its Model row)
+        for t in ScaleTarget.objects.select_for_update(of=("self",)).select_related("version__model")
     }
     changed: dict[tuple[str, str], int] = {}
     for key, version_id in serving.items():

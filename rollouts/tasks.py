@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
+from django.db import IntegrityError
 
 from rollouts import selectors, services
 
@@ -40,4 +41,6 @@ def autoscaler_tick() -> int:
         return len(services.autoscale())
     except selectors.HeartbeatsUnavailable as exc:
         logger.warning("autoscaler: holding every target: %s", exc)
-        return 0
+    except IntegrityError:  # another tick created a version's first row meanwhile: the next tick reads it
+        logger.info("autoscaler: a concurrent tick wrote first; this one is dropped")
+    return 0

@@ -54,9 +54,20 @@ class Heartbeat:
     @classmethod
     def from_json(cls, raw: str | bytes) -> Heartbeat:
         """A beat as a replica wrote it. Fields this code does not know (a newer replica's, during a
-        rolling upgrade) are left out rather than refused; a missing required field raises TypeError."""
+        rolling upgrade) are left out rather than refused. Raises ValueError for anything else that is
+        not a beat: not a JSON object, a field missing or of the wrong type."""
         values = json.loads(raw)
-        return cls(**{k: v for k, v in values.items() if k in _HEARTBEAT_FIELDS})
+        if not isinstance(values, dict):
+            raise ValueError("a heartbeat is a JSON object")
+        try:
+            beat = cls(**{k: v for k, v in values.items() if k in _HEARTBEAT_FIELDS})
+        except TypeError as exc:
+            raise ValueError(f"not a heartbeat: {exc}") from None
+        for name, kinds in _HEARTBEAT_TYPES.items():
+            value = getattr(beat, name)
+            if (isinstance(value, bool) and kinds != (bool,)) or not isinstance(value, kinds):
+                raise ValueError(f"heartbeat field {name} is {value!r}")
+        return beat
 
     @property
     def load(self) -> int:
@@ -76,6 +87,12 @@ class Heartbeat:
 
 
 _HEARTBEAT_FIELDS = frozenset(f.name for f in dataclasses.fields(Heartbeat))
+_HEARTBEAT_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("replica_id", "model_name", "version", "channel_name", "state"), (str,)),
+    **dict.fromkeys(("num_waiting", "num_running", "capacity"), (int,)),
+    **dict.fromkeys(("kv_cache_usage", "sent_at"), (int, float)),
+    "is_generative": (bool,),
+}
 
 
 class HeartbeatPublisher:
@@ -135,7 +152,11 @@ class ReplicaDirectory:
         raw = await self._redis.hgetall(key)
         beats, forgotten = [], []
         for field, value in raw.items():
-            beat = Heartbeat.from_json(value)
+            try:
+                beat = Heartbeat.from_json(value)
+            except ValueError as exc:  # one bad entry must not hide the version's other replicas
+                logger.warning("replica directory: skipping %s in %s: %s", field, key, exc)
+                continue
             if time.time() - beat.sent_at > _FORGET_AFTER_S:
                 forgotten.append(field)  # a replica that died without withdrawing
             else:

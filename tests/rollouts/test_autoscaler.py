@@ -320,3 +320,23 @@ def test_the_autoscaler_is_on_beat_and_the_embedded_schedule() -> None:
 
     (entry,) = [e for e in parse_schedule(django_settings.CELERY_BEAT_SCHEDULE) if e.name == "autoscaler"]
     assert resolve_task(entry.task_name).name == autoscaler_tick.name and entry.interval_s == 5.0
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("SWITCHYARD_AUTOSCALER_MIN_REPLICAS", "0", "no scaling to zero"),
+        ("SWITCHYARD_MAX_KV_SHARE_PER_TENANT", "1.5", "must be a share in (0, 1]"),
+    ],
+)
+def test_a_setting_out_of_range_stops_the_server_at_start(variable: str, value: str, message: str) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    env = {"PATH": "/usr/bin:/bin", variable: value}
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode != 0 and message in result.stderr

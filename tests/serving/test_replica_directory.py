@@ -43,3 +43,43 @@ async def test_routing_gets_the_cached_heartbeats_at_once_and_the_next_read_gets
         await publisher.withdraw(beat)
         await publisher.close()
         await directory.close()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"[1, 2]", b'"ready"', b"{}", b'{"replica_id": "r1"}'],
+    ids=["a list", "a string", "empty", "fields missing"],
+)
+def test_what_is_not_a_heartbeat_is_refused(raw: bytes) -> None:
+    with pytest.raises(ValueError, match="heartbeat"):
+        Heartbeat.from_json(raw)
+
+
+def test_a_heartbeat_of_a_newer_replica_parses_and_a_wrongly_typed_one_does_not() -> None:
+    beat = Heartbeat("r1", "m", "v1", "c", "ready", 1, 0, 0.5, time.time(), capacity=8)
+    values = dataclasses.asdict(beat)
+    import json
+
+    assert Heartbeat.from_json(json.dumps({**values, "added_later": [1]})) == beat
+    for field, bad in (("sent_at", None), ("num_waiting", "3"), ("num_running", True), ("state", 1)):
+        with pytest.raises(ValueError, match=f"heartbeat field {field}"):
+            Heartbeat.from_json(json.dumps({**values, field: bad}))
+
+
+@pytest.mark.redis
+async def test_one_entry_that_does_not_parse_hides_none_of_the_others(redis_url: str) -> None:
+    import redis.asyncio as aioredis
+
+    model = f"dir-{uuid.uuid4().hex[:8]}"
+    beat = Heartbeat("r1", model, "v1", "switchyard.replica.x", "ready", 0, 0, 0.0, time.time())
+    publisher, directory = HeartbeatPublisher(redis_url), ReplicaDirectory(redis_url)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await publisher.publish(beat)
+        await client.hset(replica_directory.version_key(model, "v1"), "junk", b'{"sent_at": null}')
+        assert [b.replica_id for b in await directory.replicas(model, "v1")] == ["r1"]
+    finally:
+        await client.delete(replica_directory.version_key(model, "v1"))
+        await client.aclose()
+        await publisher.close()
+        await directory.close()
