@@ -17,6 +17,7 @@ this job (not built here: no cluster to run it against)."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -50,22 +51,34 @@ LIVED_S = 60.0  # a replica that died sooner than this after its start counts to
 def run_replica_launcher(manage_py: Path, *, extra_args: Sequence[str] = ()) -> Launcher:
     """Starts `python manage.py run_replica` with this process's environment (database, Redis)."""
 
+    drain_with_parent = _drain_with_parent_hook()
+
     def launch(model: str, version: str, device: str) -> Process:
         command = [sys.executable, str(manage_py), "run_replica", "--model", model, "--version", version]
         return subprocess.Popen(
-            [*command, "--device", device, *extra_args], cwd=manage_py.parent, preexec_fn=_drain_with_parent
+            [*command, "--device", device, *extra_args], cwd=manage_py.parent, preexec_fn=drain_with_parent
         )
 
     return launch
 
 
-def _drain_with_parent() -> None:
-    """In the child, before it runs: SIGTERM (a drain) when the provisioner dies, however it dies."""
-    if sys.platform == "linux":
-        import ctypes
+def _drain_with_parent_hook() -> Callable[[], None] | None:
+    """For the child, between fork and exec: ask Linux for SIGTERM (a drain) when the provisioner dies,
+    however it dies. Everything is looked up here, in the parent: between fork and exec the child may only
+    call what needs no lock. None off Linux."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
 
-        PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+    pr_set_pdeathsig = 1  # from <sys/prctl.h>
+
+    def hook() -> None:
+        if prctl(pr_set_pdeathsig, signal.SIGTERM) != 0 or os.getppid() != parent:
+            os._exit(1)  # could not arrange it, or the provisioner is already gone: do not run unwatched
+
+    return hook
 
 
 @dataclass(slots=True)
@@ -107,8 +120,23 @@ class LocalProvisioner:
             for key in sorted(wanted):
                 if len(self.serving[key]) == rank < wanted[key] and now >= self._restart_at.get(key, now):
                     self._start(key, now)
+        self._make_room_for_first_replicas(wanted, now)
         for key in [k for k, children in self.serving.items() if not children]:
             del self.serving[key]
+
+    def _make_room_for_first_replicas(self, wanted: Mapping[Key, int], now: float) -> None:
+        """A version that wants a replica and has none, with every device taken: drain the newest replica
+        of a version that has more than one. It starts once that one has gone, on a later pass."""
+        if self._free_device() is not None or self.stopping:
+            return  # a device is free, or one is being freed already
+        if not any(
+            n > 0 and not self.serving.get(k) and now >= self._restart_at.get(k, now)
+            for k, n in wanted.items()
+        ):
+            return
+        extras = [c for children in self.serving.values() if len(children) > 1 for c in children]
+        if extras:
+            self._stop(sorted(extras, key=lambda c: c.started_at)[-1], now)  # the newest, as over a target
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop every replica (each drains first) and wait for them to exit; kill what outlives the wait."""
@@ -136,21 +164,25 @@ class LocalProvisioner:
                 child.process.send_signal(signal.SIGKILL)
                 child.stopped_at = None  # killed once; reaped when it is gone
         for key, children in self.serving.items():
-            for child in [c for c in children if c.process.poll() is not None]:
+            dead = [c for c in children if c.process.poll() is not None]
+            if any(now - c.started_at >= LIVED_S for c in children if c not in dead):
+                self._young_deaths[key] = 0  # a replica of it has stayed up: loading works
+            if not dead:
+                continue
+            for child in dead:
                 children.remove(child)
-                young = now - child.started_at < LIVED_S
-                self._young_deaths[key] = self._young_deaths.get(key, 0) + 1 if young else 1
-                delay = min(
-                    self.max_restart_delay_s, self.restart_delay_s * 2 ** (self._young_deaths[key] - 1)
-                )
-                self._restart_at[key] = now + delay
                 logger.warning(
-                    "provisioner: replica of %s:%s (pid %d) exited with %s; restarted in %g s",
+                    "provisioner: replica of %s:%s (pid %d) exited with %s",
                     *key,
                     child.process.pid,
                     child.process.poll(),
-                    delay,
                 )
+            # Once per pass, however many died in it: the back-off doubles per round of deaths.
+            young = any(now - c.started_at < LIVED_S for c in dead)
+            self._young_deaths[key] = self._young_deaths.get(key, 0) + 1 if young else 1
+            delay = min(self.max_restart_delay_s, self.restart_delay_s * 2 ** (self._young_deaths[key] - 1))
+            self._restart_at[key] = now + delay
+            logger.warning("provisioner: %s:%s is restarted in %g s", *key, delay)
 
     def _start(self, key: Key, now: float) -> None:
         device = self._free_device()

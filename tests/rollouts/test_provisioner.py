@@ -159,3 +159,38 @@ def test_every_version_gets_its_first_gpu_before_any_gets_a_second() -> None:
     provisioner = machine.provisioner(devices=("cuda:0", "cuda:1"))
     provisioner.reconcile({("big", "v1"): 2, ("canary", "v2"): 1})
     assert sorted((p.model, p.device) for p in machine.started) == [("big", "cuda:0"), ("canary", "cuda:1")]
+
+
+def test_a_version_without_a_replica_gets_a_device_drained_from_another_versions_extra() -> None:
+    machine = Machine()
+    provisioner = machine.provisioner(devices=("cuda:0", "cuda:1"))
+    provisioner.reconcile({("big", "v1"): 2})
+    first, second = machine.started
+    machine.now = 10.0
+    provisioner.reconcile({("big", "v1"): 2, ("canary", "v2"): 1})  # every device taken
+    assert second.signals == [signal.SIGTERM] and first.signals == []  # the newest extra makes room
+    assert len(machine.started) == 2  # not before it has gone: it still holds its device
+    second.returncode = 0
+    provisioner.reconcile({("big", "v1"): 2, ("canary", "v2"): 1})
+    assert (machine.started[2].model, machine.started[2].device) == ("canary", "cuda:1")
+    provisioner.reconcile({("big", "v1"): 2, ("canary", "v2"): 1})
+    assert len(machine.started) == 3  # big stays at one until a device frees: no ping-pong
+
+
+def test_the_back_off_starts_over_once_a_replica_has_stayed_up() -> None:
+    machine = Machine()
+    provisioner = machine.provisioner(restart_delay_s=5.0)
+    provisioner.reconcile({("chat", "v1"): 1})
+    machine.started[-1].returncode = 1
+    machine.now = 1.0
+    provisioner.reconcile({("chat", "v1"): 1})  # died young: 5 s
+    machine.now = 6.0
+    provisioner.reconcile({("chat", "v1"): 1})  # restarted; it stays up past a minute
+    machine.now = 70.0
+    provisioner.reconcile({("chat", "v1"): 1})
+    machine.started[-1].returncode = 1
+    machine.now = 71.0
+    provisioner.reconcile({("chat", "v1"): 1})
+    machine.now = 76.0
+    provisioner.reconcile({("chat", "v1"): 1})
+    assert len(machine.started) == 3  # 5 s again, not 10: loading had worked
