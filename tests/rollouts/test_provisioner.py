@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -194,3 +195,35 @@ def test_the_back_off_starts_over_once_a_replica_has_stayed_up() -> None:
     machine.now = 76.0
     provisioner.reconcile({("chat", "v1"): 1})
     assert len(machine.started) == 3  # 5 s again, not 10: loading had worked
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_replica_is_signalled_when_its_provisioner_dies_however_it_dies() -> None:
+    """A stand-in provisioner process starts a child the way run_replica_launcher does, and is killed
+    with SIGKILL (no handler runs): the child gets SIGTERM from the kernel and ends."""
+    import os
+    import select
+    import subprocess
+
+    from tests.conftest import REPO_ROOT
+
+    code = (
+        "import subprocess, sys, time\n"
+        "from rollouts.provisioner import _drain_with_parent_hook\n"
+        "child = subprocess.Popen(['sleep', '600'], preexec_fn=_drain_with_parent_hook())\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child_pid = int(parent.stdout.readline())
+    child = os.pidfd_open(child_pid)  # readable once the child has exited
+    try:
+        parent.kill()
+        parent.wait()
+        readable, _, _ = select.select([child], [], [], 10.0)
+        if not readable:
+            os.kill(child_pid, signal.SIGKILL)
+            pytest.fail("the child outlived its provisioner")
+    finally:
+        os.close(child)
