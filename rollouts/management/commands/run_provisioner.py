@@ -20,6 +20,38 @@ def _devices(spec: str) -> list[str]:
     return [f"cuda:{i}" for i in range(count)] if count else ["cpu"]
 
 
+def _local(options: dict[str, Any]) -> Any:
+    from rollouts.provisioner import LocalProvisioner, run_replica_launcher
+
+    return LocalProvisioner(
+        run_replica_launcher(Path(settings.BASE_DIR) / "manage.py"),
+        devices=_devices(options["devices"]),
+        models=frozenset(options["models"]) if options["models"] else None,
+        restart_delay_s=options["restart_delay"],
+    )
+
+
+def _kubernetes(options: dict[str, Any]) -> Any:
+    from rollouts.kubernetes import DeploymentsApi, KubernetesProvisioner, PodTemplate
+
+    if not options["image"]:
+        raise CommandError("--kubernetes needs --image")
+    try:
+        api = DeploymentsApi.in_cluster(options["namespace"])
+    except (KeyError, OSError) as exc:
+        raise CommandError(f"not in a Kubernetes pod with a service account: {exc}") from None
+    template = PodTemplate(
+        image=options["image"], env_from=(options["env_secret"],), gpus=options["gpus_per_replica"]
+    )
+    models = frozenset(options["models"]) if options["models"] else None
+    return KubernetesProvisioner(api, template, models=models)
+
+
+def _describe(provisioner: Any) -> str:
+    devices = getattr(provisioner, "devices", None)
+    return f"local processes on {', '.join(devices)}" if devices else "a Kubernetes Deployment per version"
+
+
 class Command(BaseCommand):
     help = (
         "Run this machine's replicas: start and stop `run_replica` processes so that every model version "
@@ -38,25 +70,27 @@ class Command(BaseCommand):
         )
         parser.add_argument("--interval", type=float, default=2.0, help="seconds between passes")
         parser.add_argument("--restart-delay", type=float, default=5.0, help="least seconds before a restart")
+        cluster = parser.add_argument_group(
+            "Kubernetes", "a Deployment per version instead of local processes (in-cluster service account)"
+        )
+        cluster.add_argument("--kubernetes", action="store_true")
+        cluster.add_argument("--image", help="the image replicas run (this project's)")
+        cluster.add_argument("--namespace", default=None, help="default: the service account's")
+        cluster.add_argument("--gpus-per-replica", type=int, default=1)
+        cluster.add_argument(
+            "--env-secret", default="switchyard-env", help="the Secret replicas take their environment from"
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from rollouts.provisioner import LocalProvisioner, run_replica_launcher
         from rollouts.selectors import wanted_replicas
 
         if not settings.REDIS_URL:
             raise CommandError("replica processes serve over Redis: set REDIS_URL")
-        provisioner = LocalProvisioner(
-            run_replica_launcher(Path(settings.BASE_DIR) / "manage.py"),
-            devices=_devices(options["devices"]),
-            models=frozenset(options["models"]) if options["models"] else None,
-            restart_delay_s=options["restart_delay"],
-        )
+        provisioner = _kubernetes(options) if options["kubernetes"] else _local(options)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        self.stdout.write(
-            f"provisioner: devices {', '.join(provisioner.devices)}; every {options['interval']:g} s"
-        )
+        self.stdout.write(f"provisioner: {_describe(provisioner)}; every {options['interval']:g} s")
         try:
             while not stop.is_set():
                 try:
@@ -67,5 +101,5 @@ class Command(BaseCommand):
                     close_old_connections()
                 stop.wait(options["interval"])
         finally:
-            self.stdout.write("provisioner: draining every replica")
-            provisioner.shutdown()
+            self.stdout.write("provisioner: stopping")
+            provisioner.shutdown()  # local: drains every replica; Kubernetes: they run on
