@@ -1,10 +1,13 @@
-"""Helpers the serving tests share: a submissions layer on the test Redis, and a record of the commands
-a redis.asyncio client issues."""
+"""Helpers the serving tests share: a submissions layer on the test Redis, a record of the commands a
+redis.asyncio client issues, the demo encoder models registered, and an HTTP client on the ASGI app."""
 
 from __future__ import annotations
 
 import uuid
 from typing import Any
+
+import httpx
+import pytest
 
 from serving.channel_layer import OneTripRedisChannelLayer
 
@@ -31,3 +34,32 @@ def record_commands(client: Any) -> list[tuple[Any, ...]]:
 
     client.execute_command = recorded
     return commands
+
+
+def _register(name: str, kind: str, source_dir: Any) -> Any:
+    from registry.services import model_version_register
+
+    return model_version_register(
+        name=name, version="v1", source_dir=source_dir, kind=kind, created_by="test"
+    )
+
+
+@pytest.fixture
+def registered_embedding_model(db: None, demo_embedding_model_dir):  # type: ignore[no-untyped-def]
+    from registry.models import Model
+
+    return _register("demo-embed", Model.Kind.EMBEDDING, demo_embedding_model_dir)
+
+
+@pytest.fixture
+def registered_classifier(db: None, demo_classifier_model_dir):  # type: ignore[no-untyped-def]
+    from registry.models import Model
+
+    return _register("demo-classify", Model.Kind.CLASSIFIER, demo_classifier_model_dir)
+
+
+def asgi_client() -> httpx.AsyncClient:
+    """A real HTTP client on the whole ASGI application (routing, the inference handler, middleware)."""
+    from config.asgi import application
+
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://localhost")

@@ -6,42 +6,15 @@ from __future__ import annotations
 import asyncio
 import math
 
-import httpx
 import pytest
 from asgiref.sync import sync_to_async
+
+from tests.serving.conftest import asgi_client
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 TEXTS = ["hello", "Readability counts.", "Once upon a time there was a little train", "The quick brown fox"]
 INFER = "/v1/models/demo-classify/infer"
-
-
-@pytest.fixture
-def registered_classifier(db: None, demo_classifier_model_dir):  # type: ignore[no-untyped-def]
-    from registry.models import Model
-    from registry.services import model_version_register
-
-    return model_version_register(
-        name="demo-classify",
-        version="v1",
-        source_dir=demo_classifier_model_dir,
-        kind=Model.Kind.CLASSIFIER,
-        created_by="test",
-    )
-
-
-@pytest.fixture
-def registered_embedding_model(db: None, demo_embedding_model_dir):  # type: ignore[no-untyped-def]
-    from registry.models import Model
-    from registry.services import model_version_register
-
-    return model_version_register(
-        name="demo-embed",
-        version="v1",
-        source_dir=demo_embedding_model_dir,
-        kind=Model.Kind.EMBEDDING,
-        created_by="test",
-    )
 
 
 @pytest.fixture
@@ -77,19 +50,13 @@ async def acme(make_tenant):  # type: ignore[no-untyped-def]
     return await sync_to_async(make_tenant)("acme")
 
 
-def _client() -> httpx.AsyncClient:
-    from config.asgi import application
-
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://localhost")
-
-
 def _replica(runtime):  # type: ignore[no-untyped-def]
     (replica,) = [r for r in runtime.replicas.values() if r.ref.model_name == "demo-classify"]
     return replica
 
 
 async def test_each_input_gets_every_label_scored_best_first(acme, classifier_runtime) -> None:
-    async with _client() as client:
+    async with asgi_client() as client:
         response = await client.post(INFER, json={"input": TEXTS[:2]}, headers=acme.auth)
     assert response.status_code == 200, response.text
     assert response.headers["X-Served-Version"] == "v1"
@@ -111,7 +78,7 @@ async def test_each_input_gets_every_label_scored_best_first(acme, classifier_ru
 
 
 async def test_top_k_keeps_the_best_labels_and_one_text_is_a_list_of_one(acme, classifier_runtime) -> None:
-    async with _client() as client:
+    async with asgi_client() as client:
         every = await client.post(INFER, json={"input": TEXTS[0]}, headers=acme.auth)
         best = await client.post(INFER, json={"input": TEXTS[0], "top_k": 1}, headers=acme.auth)
     assert every.status_code == best.status_code == 200
@@ -122,7 +89,7 @@ async def test_top_k_keeps_the_best_labels_and_one_text_is_a_list_of_one(acme, c
 async def test_concurrent_requests_share_forward_passes(acme, classifier_runtime) -> None:
     replica = _replica(classifier_runtime)
     batches_before = sum(replica.engine.batcher.num_closed.values())
-    async with _client() as client:
+    async with asgi_client() as client:
         responses = await asyncio.gather(
             *(client.post(INFER, json={"input": text}, headers=acme.auth) for text in TEXTS * 2)
         )
@@ -169,7 +136,7 @@ async def test_concurrent_requests_share_forward_passes(acme, classifier_runtime
 async def test_bad_requests_get_the_json_error_and_leave_nothing_queued(
     acme, classifier_runtime, path: str, body: dict, status: int, message: str
 ) -> None:
-    async with _client() as client:
+    async with asgi_client() as client:
         response = await client.post(path, json=body, headers=acme.auth)
     assert response.status_code == status, response.text
     assert message in response.json()["error"]["message"]
@@ -180,7 +147,7 @@ async def test_a_tenant_not_allowed_the_classifier_learns_nothing_of_it(
     make_tenant, registered_model, classifier_runtime
 ) -> None:
     other = await sync_to_async(make_tenant)("other", allowed_models=[registered_model.model])
-    async with _client() as client:
+    async with asgi_client() as client:
         refused = await client.post(INFER, json={"input": "hi", "max_tokens": 4}, headers=other.auth)
         not_json = await client.post(INFER, content=b"{not json", headers=other.auth)
     # 403 before the body is read as a classifier's: neither its kind nor its fields give it away
@@ -191,7 +158,7 @@ async def test_a_tenant_not_allowed_the_classifier_learns_nothing_of_it(
 async def test_a_replica_that_fails_the_request_gives_a_503_that_names_the_version(
     acme, failing_classifier_runtime
 ) -> None:
-    async with _client() as client:
+    async with asgi_client() as client:
         response = await client.post(INFER, json={"input": ["hello", "world"]}, headers=acme.auth)
     assert response.status_code == 503, response.text
     assert "injected fault" in response.json()["error"]["message"]

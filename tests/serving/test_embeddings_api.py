@@ -7,28 +7,15 @@ import asyncio
 import base64
 import math
 
-import httpx
 import numpy as np
 import pytest
 from asgiref.sync import sync_to_async
 
+from tests.serving.conftest import asgi_client
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 TEXTS = ["hello", "Readability counts.", "Once upon a time there was a little train", "The quick brown fox"]
-
-
-@pytest.fixture
-def registered_embedding_model(db: None, demo_embedding_model_dir):  # type: ignore[no-untyped-def]
-    from registry.models import Model
-    from registry.services import model_version_register
-
-    return model_version_register(
-        name="demo-embed",
-        version="v1",
-        source_dir=demo_embedding_model_dir,
-        kind=Model.Kind.EMBEDDING,
-        created_by="test",
-    )
 
 
 @pytest.fixture
@@ -50,19 +37,13 @@ async def acme(make_tenant):  # type: ignore[no-untyped-def]
     return await sync_to_async(make_tenant)("acme")
 
 
-def _client() -> httpx.AsyncClient:
-    from config.asgi import application
-
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://localhost")
-
-
 def _embedding_replica(runtime):  # type: ignore[no-untyped-def]
     (replica,) = [r for r in runtime.replicas.values() if r.ref.model_name == "demo-embed"]
     return replica
 
 
 async def test_float_and_base64_encodings_give_the_same_normalized_vectors(acme, embedding_runtime) -> None:
-    async with _client() as client:
+    async with asgi_client() as client:
         as_float = await client.post(
             "/v1/embeddings", json={"model": "demo-embed", "input": TEXTS[:2]}, headers=acme.auth
         )
@@ -91,7 +72,7 @@ async def test_concurrent_requests_share_forward_passes_and_each_gets_its_own_ve
 ) -> None:
     replica = _embedding_replica(embedding_runtime)
     batches_before = sum(replica.engine.batcher.num_closed.values())
-    async with _client() as client:
+    async with asgi_client() as client:
         responses = await asyncio.gather(
             *(
                 client.post("/v1/embeddings", json={"model": "demo-embed", "input": text}, headers=acme.auth)
@@ -141,7 +122,7 @@ async def test_concurrent_requests_share_forward_passes_and_each_gets_its_own_ve
 async def test_bad_requests_get_the_json_error_and_leave_nothing_queued(
     acme, embedding_runtime, body: dict, status: int, message: str
 ) -> None:
-    async with _client() as client:
+    async with asgi_client() as client:
         response = await client.post("/v1/embeddings", json=body, headers=acme.auth)
     assert response.status_code == status, response.text
     assert message in response.json()["error"]["message"]
@@ -149,7 +130,7 @@ async def test_bad_requests_get_the_json_error_and_leave_nothing_queued(
 
 
 async def test_bodies_that_are_not_json_and_other_methods_are_refused(acme, embedding_runtime) -> None:
-    async with _client() as client:
+    async with asgi_client() as client:
         not_json = await client.post("/v1/embeddings", content=b"{not json", headers=acme.auth)
         bad_utf8 = await client.post("/v1/embeddings", content=b'{"input": "\xff"}', headers=acme.auth)
         get = await client.get("/v1/embeddings", headers=acme.auth)
@@ -164,7 +145,7 @@ async def test_bodies_that_are_not_json_and_other_methods_are_refused(acme, embe
 
 
 async def test_an_embedding_model_is_refused_by_the_generative_endpoints(acme, embedding_runtime) -> None:
-    async with _client() as client:
+    async with asgi_client() as client:
         response = await client.post(
             "/v1/completions", json={"model": "demo-embed", "prompt": "hi"}, headers=acme.auth
         )
@@ -179,7 +160,7 @@ async def test_over_quota_is_a_429_while_another_tenant_is_served(
 ) -> None:
     flooder = await sync_to_async(make_tenant)("flooder", requests_per_second=0.001)
     body = {"model": "demo-embed", "input": "hi"}
-    async with _client() as client:
+    async with asgi_client() as client:
         statuses = [
             (await client.post("/v1/embeddings", json=body, headers=flooder.auth)).status_code
             for _ in range(3)

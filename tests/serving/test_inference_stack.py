@@ -8,13 +8,9 @@ import httpx
 import pytest
 from asgiref.sync import sync_to_async
 
+from tests.serving.conftest import asgi_client
+
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def _client() -> httpx.AsyncClient:
-    from config.asgi import application
-
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://localhost")
 
 
 async def test_an_over_quota_inference_request_is_refused_with_security_headers_and_no_cookies(
@@ -22,7 +18,7 @@ async def test_an_over_quota_inference_request_is_refused_with_security_headers_
 ) -> None:
     settings.ALLOWED_HOSTS = ["localhost"]
     flooder = await sync_to_async(make_tenant)("flooder", requests_per_second=0.001)
-    async with _client() as client:
+    async with asgi_client() as client:
         statuses = []
         for _ in range(3):
             response = await client.post(
@@ -40,14 +36,14 @@ async def test_an_over_quota_inference_request_is_refused_with_security_headers_
 async def test_an_inference_request_for_an_unknown_host_is_refused(make_tenant, settings) -> None:
     settings.ALLOWED_HOSTS = ["api.example"]
     acme = await sync_to_async(make_tenant)("acme")
-    async with _client() as client:
+    async with asgi_client() as client:
         response = await client.post("/v1/completions", json={"prompt": "hi"}, headers=acme.auth)
     assert response.status_code == 400
 
 
 async def test_other_paths_keep_the_full_stack(settings) -> None:
     settings.ALLOWED_HOSTS = ["localhost"]
-    async with _client() as client:
+    async with asgi_client() as client:
         response = await client.get("/dashboard/")
     assert response.status_code == 302  # to the login page: sessions and auth ran
     assert response.headers["X-Frame-Options"] == "DENY"
@@ -67,7 +63,7 @@ async def test_refusals_do_not_start_a_thread_per_request(make_tenant, registere
         started.append(thread.name)
         original_start(thread)
 
-    async with _client() as client:
+    async with asgi_client() as client:
         await client.post(
             "/v1/models/demo-chat/infer", json={"input": "hi", "max_tokens": 2}, headers=flooder.auth
         )  # warm-up
@@ -122,7 +118,7 @@ async def test_keys_still_authenticate_after_the_database_dropped_the_gateways_c
         tenant = await sync_to_async(make_tenant)(tenant_name)  # a new key: never in the auth cache
         return await client.post("/v1/models/no-such-model/infer", json={"input": "hi"}, headers=tenant.auth)
 
-    async with _client() as client:
+    async with asgi_client() as client:
         for i in range(3):  # the worker threads open their connections
             assert (await infer_unknown_model(f"before-{i}")).status_code == 404
         await sync_to_async(drop_other_connections)()
