@@ -15,10 +15,13 @@ server (httpx.MockTransport) that answers as the Kubernetes API does for these c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+import ssl
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (model name, version)
 MANAGED_BY = "switchyard-provisioner"
+TEMPLATE_HASH = "switchyard/template-hash"
+MERGE_PATCH = "application/merge-patch+json"
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
@@ -41,10 +46,18 @@ class PodTemplate:
     """What every replica pod gets besides its model and version."""
 
     image: str
+    # The registry's artifacts: a ReadWriteMany claim the web pods that register models mount too, at
+    # the same path (ARTIFACT_ROOT), since a version's files are found by the path they were stored at.
+    artifact_claim: str
+    artifact_root: str
     env_from: Sequence[str] = ("switchyard-env",)  # Secrets with DATABASE_URL, REDIS_URL, SECRET_KEY, …
-    gpus: int = 1  # nvidia.com/gpu per replica; 0: CPU replicas
+    gpus: int = 1  # nvidia.com/gpu per replica (a replica uses one device); 0: CPU replicas
     drain_grace_s: int = 600  # SIGTERM to SIGKILL: what a replica may take to finish its requests
     labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.gpus not in (0, 1):
+            raise ValueError("a replica uses one device: gpus must be 0 or 1")
 
 
 def deployment_name(model: str, version: str) -> str:
@@ -65,25 +78,44 @@ def deployment_manifest(model: str, version: str, replicas: int, template: PodTe
         "name": "replica",
         "image": template.image,
         "command": ["python", "manage.py", "run_replica", "--model", model, "--version", version],
+        "env": [{"name": "ARTIFACT_ROOT", "value": template.artifact_root}],
         "envFrom": [{"secretRef": {"name": n}} for n in template.env_from],
         "resources": resources,
+        "volumeMounts": [{"name": "artifacts", "mountPath": template.artifact_root, "readOnly": True}],
     }
+    pod_template = {
+        "metadata": {"labels": labels, "annotations": annotations},
+        "spec": {
+            "containers": [container],
+            "volumes": [
+                {"name": "artifacts", "persistentVolumeClaim": {"claimName": template.artifact_claim}}
+            ],
+            "terminationGracePeriodSeconds": template.drain_grace_s,
+        },
+    }
+    # So that a changed image, GPU count or environment reaches Deployments made before the change.
+    annotations = {**annotations, TEMPLATE_HASH: _template_hash(pod_template)}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "labels": labels, "annotations": annotations},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": selector},
-            "template": {
-                "metadata": {"labels": labels, "annotations": annotations},
-                "spec": {
-                    "containers": [container],
-                    "terminationGracePeriodSeconds": template.drain_grace_s,
-                },
-            },
-        },
+        "spec": {"replicas": replicas, "selector": {"matchLabels": selector}, "template": pod_template},
     }
+
+
+def _template_hash(pod_template: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(pod_template, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _ServiceAccountToken(httpx.Auth):
+    """The pod's token, read for each request: the kubelet rotates the file."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    def auth_flow(self, request: httpx.Request) -> Any:
+        request.headers["Authorization"] = f"Bearer {self._path.read_text().strip()}"
+        yield request
 
 
 class DeploymentsApi:
@@ -99,12 +131,12 @@ class DeploymentsApi:
         import os
 
         host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"]
-        token = (SERVICE_ACCOUNT / "token").read_text().strip()
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address
         namespace = namespace or (SERVICE_ACCOUNT / "namespace").read_text().strip()
         client = httpx.Client(
             base_url=f"https://{host}:{port}",
-            headers={"Authorization": f"Bearer {token}"},
-            verify=str(SERVICE_ACCOUNT / "ca.crt"),
+            auth=_ServiceAccountToken(SERVICE_ACCOUNT / "token"),
+            verify=ssl.create_default_context(cafile=str(SERVICE_ACCOUNT / "ca.crt")),
             timeout=10.0,
         )
         return cls(client, namespace)
@@ -119,12 +151,22 @@ class DeploymentsApi:
     def create(self, manifest: dict[str, Any]) -> None:
         self._call("POST", self._base, json=manifest)
 
+    def replace_template(self, name: str, manifest: dict[str, Any]) -> None:
+        """The pod template and its hash annotation from `manifest`; replicas as they are."""
+        patch = {
+            "metadata": {"annotations": {TEMPLATE_HASH: manifest["metadata"]["annotations"][TEMPLATE_HASH]}},
+            "spec": {"template": manifest["spec"]["template"]},
+        }
+        self._call(
+            "PATCH", f"{self._base}/{name}", content=json.dumps(patch), headers={"Content-Type": MERGE_PATCH}
+        )
+
     def scale(self, name: str, replicas: int) -> None:
         self._call(
             "PATCH",
             f"{self._base}/{name}/scale",
-            content=f'{{"spec": {{"replicas": {int(replicas)}}}}}',
-            headers={"Content-Type": "application/merge-patch+json"},
+            content=json.dumps({"spec": {"replicas": int(replicas)}}),
+            headers={"Content-Type": MERGE_PATCH},
         )
 
     def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
@@ -144,29 +186,49 @@ class KubernetesProvisioner:
     models: frozenset[str] | None = None  # only these models' versions; None: every model
 
     def reconcile(self, targets: Mapping[Key, int]) -> None:
-        """One pass: every wanted version's Deployment exists with its target as `replicas`; every other
-        Deployment this provisioner made is at 0. Raises KubernetesError, having done what it could."""
+        """One pass: every wanted version's Deployment exists with its target as `replicas` and this
+        provisioner's pod template; every other Deployment it made is at 0. A call that fails does not
+        stop the others: the pass goes on, then raises KubernetesError naming each failure."""
         wanted = {k: n for k, n in targets.items() if self.models is None or k[0] in self.models}
         existing = self.api.managed()
         names = {deployment_name(*key): key for key in wanted}
+        failures: list[str] = []
         for name, key in sorted(names.items()):
-            replicas = wanted[key]
-            deployment = existing.get(name)
-            if deployment is None:
-                if replicas > 0:
-                    self.api.create(deployment_manifest(*key, replicas, self.template))
-                    logger.info("provisioner: created %s for %s:%s with %d replicas", name, *key, replicas)
-            elif deployment["spec"].get("replicas") != replicas:
-                self.api.scale(name, replicas)
-                logger.info("provisioner: %s:%s scaled to %d replicas", *key, replicas)
+            with _noted(failures):
+                self._meet(name, key, wanted[key], existing.get(name))
         for name, deployment in sorted(existing.items()):
-            annotations = deployment["metadata"].get("annotations", {})
-            model = annotations.get("switchyard/model")
+            model = deployment["metadata"].get("annotations", {}).get("switchyard/model")
             if name in names or (self.models is not None and model not in self.models):
                 continue
             if deployment["spec"].get("replicas"):
-                self.api.scale(name, 0)  # kept, at 0: a rollback to it is one number
-                logger.info("provisioner: %s scaled to 0 (its version no longer serves)", name)
+                with _noted(failures):
+                    self.api.scale(name, 0)  # kept, at 0: a rollback to it is one number
+                    logger.info("provisioner: %s scaled to 0 (its version no longer serves)", name)
+        if failures:
+            raise KubernetesError("; ".join(failures))
+
+    def _meet(self, name: str, key: Key, replicas: int, deployment: dict[str, Any] | None) -> None:
+        manifest = deployment_manifest(*key, replicas, self.template)
+        if deployment is None:
+            if replicas > 0:
+                self.api.create(manifest)  # a 409 (the name taken by something not ours) is a failure
+                logger.info("provisioner: created %s for %s:%s with %d replicas", name, *key, replicas)
+            return
+        annotations = deployment["metadata"].get("annotations", {})
+        if annotations.get(TEMPLATE_HASH) != manifest["metadata"]["annotations"][TEMPLATE_HASH]:
+            self.api.replace_template(name, manifest)  # Kubernetes rolls the pods over to it
+            logger.info("provisioner: %s takes the current pod template", name)
+        if deployment["spec"].get("replicas") != replicas:
+            self.api.scale(name, replicas)
+            logger.info("provisioner: %s:%s scaled to %d replicas", *key, replicas)
 
     def shutdown(self, timeout_s: float = 0.0) -> None:
         """Nothing to stop: the cluster keeps the replicas running, and the next provisioner takes over."""
+
+
+@contextlib.contextmanager
+def _noted(failures: list[str]) -> Iterator[None]:
+    try:
+        yield
+    except KubernetesError as exc:
+        failures.append(str(exc))

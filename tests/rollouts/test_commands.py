@@ -57,3 +57,22 @@ def test_set_alias_refuses_unknown_names_and_the_canary_alias_of_a_deployment_in
     deployment_create(model=Model.objects.get(name="chat"), version="v2", created_by="test")
     with pytest.raises(CommandError, match="deployment in flight"):
         _run("set_alias", "chat", "canary", "v3")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--kubernetes",), "needs --image"),
+        (("--kubernetes", "--image", "x", "--devices", "cuda:0"), "--devices is for local processes"),
+        (("--image", "x"), "--image and --namespace are for --kubernetes"),
+        (("--interval", "0"), "--interval must be above 0"),
+        (("--devices", "tpu:0"), "--devices takes"),
+        (("--kubernetes", "--image", "x"), "not in a Kubernetes pod"),  # no service account here
+    ],
+)
+def test_run_provisioner_refuses_options_of_the_other_mode_and_bad_values(
+    settings: Any, args: tuple[str, ...], message: str
+) -> None:
+    settings.REDIS_URL = "redis://127.0.0.1:6379/15"  # never reached: each refusal comes first
+    with pytest.raises(CommandError, match=message):
+        _run("run_provisioner", *args)

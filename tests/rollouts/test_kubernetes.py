@@ -46,6 +46,13 @@ class ApiServer:
                 return httpx.Response(409, json={"kind": "Status", "reason": "AlreadyExists"})
             self.deployments[name] = body
             return httpx.Response(201, json=body)
+        if request.method == "PATCH" and not path.endswith("/scale"):  # a merge patch of the Deployment
+            assert request.headers["Content-Type"] == "application/merge-patch+json"
+            deployment = self.deployments[path.removeprefix(BASE + "/")]
+            patch = json.loads(request.content)
+            deployment["metadata"]["annotations"].update(patch["metadata"]["annotations"])
+            deployment["spec"]["template"] = patch["spec"]["template"]
+            return httpx.Response(200, json=deployment)
         if request.method == "PATCH" and path.endswith("/scale"):
             assert request.headers["Content-Type"] == "application/merge-patch+json"
             name = path.removeprefix(BASE + "/").removesuffix("/scale")
@@ -71,11 +78,10 @@ def server() -> ApiServer:
     return ApiServer()
 
 
-def _provisioner(server: ApiServer, **options: Any) -> KubernetesProvisioner:
+def _provisioner(server: ApiServer, image: str = "switchyard:1", **options: Any) -> KubernetesProvisioner:
     client = httpx.Client(transport=httpx.MockTransport(server.handle), base_url="https://k8s")
-    return KubernetesProvisioner(
-        DeploymentsApi(client, "serving"), PodTemplate(image="switchyard:1"), **options
-    )
+    template = PodTemplate(image=image, artifact_claim="artifacts", artifact_root="/srv/artifacts")
+    return KubernetesProvisioner(DeploymentsApi(client, "serving"), template, **options)
 
 
 def test_each_version_gets_a_deployment_scaled_to_its_target_and_a_retired_one_goes_to_zero(
@@ -113,6 +119,16 @@ def test_the_pod_runs_its_versions_replica_with_a_gpu_the_shared_environment_and
     assert container["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
     assert container["envFrom"] == [{"secretRef": {"name": "switchyard-env"}}]
     assert pod["spec"]["terminationGracePeriodSeconds"] == 600  # SIGTERM drains; this long to do it
+    # the registry's files, at the path they were stored under
+    assert container["env"] == [{"name": "ARTIFACT_ROOT", "value": "/srv/artifacts"}]
+    assert container["volumeMounts"] == [
+        {"name": "artifacts", "mountPath": "/srv/artifacts", "readOnly": True}
+    ]
+    assert pod["spec"]["volumes"] == [
+        {"name": "artifacts", "persistentVolumeClaim": {"claimName": "artifacts"}}
+    ]
+    with pytest.raises(ValueError, match="gpus must be 0 or 1"):
+        PodTemplate(image="x", artifact_claim="a", artifact_root="/a", gpus=2)
 
 
 def test_names_stay_apart_where_their_slugs_would_meet() -> None:
@@ -126,6 +142,25 @@ def test_another_provisioners_models_and_unmanaged_deployments_are_left_alone(se
     server.deployments["web"] = {"metadata": {"name": "web", "labels": {}}, "spec": {"replicas": 3}}
     _provisioner(server).reconcile({("chat", "v1"): 2, ("embed", "v1"): 1})
     assert server.deployments["web"]["spec"]["replicas"] == 3  # not labelled as ours: never listed
+
+
+def test_a_new_image_reaches_the_deployments_made_before_it(server: ApiServer) -> None:
+    _provisioner(server).reconcile({("chat", "v1"): 2})
+    _provisioner(server, image="switchyard:2").reconcile({("chat", "v1"): 2})
+    (deployment,) = server.deployments.values()
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "switchyard:2"
+    assert deployment["spec"]["replicas"] == 2
+    writes = len([c for c in server.calls if c[0] != "GET"])
+    _provisioner(server, image="switchyard:2").reconcile({("chat", "v1"): 2})
+    assert len([c for c in server.calls if c[0] != "GET"]) == writes  # the same template: no patch
+
+
+def test_a_name_taken_by_something_else_fails_that_version_only(server: ApiServer) -> None:
+    taken = deployment_name("chat", "v1")
+    server.deployments[taken] = {"metadata": {"name": taken, "labels": {}}, "spec": {"replicas": 1}}
+    with pytest.raises(KubernetesError, match="409"):
+        _provisioner(server).reconcile({("chat", "v1"): 1, ("embed", "v1"): 1})
+    assert server.replicas() == {"embed:v1": 1}  # the other version was not held up by it
 
 
 def test_an_api_server_that_refuses_raises_and_the_next_pass_catches_up(server: ApiServer) -> None:

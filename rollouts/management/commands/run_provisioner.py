@@ -23,6 +23,9 @@ def _devices(spec: str) -> list[str]:
 def _local(options: dict[str, Any]) -> Any:
     from rollouts.provisioner import LocalProvisioner, run_replica_launcher
 
+    if options["image"] or options["namespace"]:
+        raise CommandError("--image and --namespace are for --kubernetes")
+
     return LocalProvisioner(
         run_replica_launcher(Path(settings.BASE_DIR) / "manage.py"),
         devices=_devices(options["devices"]),
@@ -36,12 +39,18 @@ def _kubernetes(options: dict[str, Any]) -> Any:
 
     if not options["image"]:
         raise CommandError("--kubernetes needs --image")
+    if options["devices"] != "auto":
+        raise CommandError("--devices is for local processes; on Kubernetes each pod gets its own GPU")
     try:
         api = DeploymentsApi.in_cluster(options["namespace"])
     except (KeyError, OSError) as exc:
         raise CommandError(f"not in a Kubernetes pod with a service account: {exc}") from None
     template = PodTemplate(
-        image=options["image"], env_from=(options["env_secret"],), gpus=options["gpus_per_replica"]
+        image=options["image"],
+        artifact_claim=options["artifact_claim"],
+        artifact_root=str(settings.ARTIFACT_ROOT),
+        env_from=(options["env_secret"],),
+        gpus=options["gpus_per_replica"],
     )
     models = frozenset(options["models"]) if options["models"] else None
     return KubernetesProvisioner(api, template, models=models)
@@ -54,9 +63,10 @@ def _describe(provisioner: Any) -> str:
 
 class Command(BaseCommand):
     help = (
-        "Run this machine's replicas: start and stop `run_replica` processes so that every model version "
-        "has as many as the autoscaler's target (a version that must serve and has no target yet: one). "
-        "Needs Redis (replica processes serve over it). SIGTERM or Ctrl-C drains every replica and exits."
+        "Keep every model version at the autoscaler's target of replicas (a version that must serve and has "
+        "no target yet: one): as run_replica processes on this machine, drained by SIGTERM or Ctrl-C here "
+        "before it exits; or with --kubernetes as a Deployment per version, which go on running when it "
+        "stops. Needs Redis (replicas serve over it)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -76,7 +86,12 @@ class Command(BaseCommand):
         cluster.add_argument("--kubernetes", action="store_true")
         cluster.add_argument("--image", help="the image replicas run (this project's)")
         cluster.add_argument("--namespace", default=None, help="default: the service account's")
-        cluster.add_argument("--gpus-per-replica", type=int, default=1)
+        cluster.add_argument("--gpus-per-replica", type=int, default=1, choices=(0, 1))
+        cluster.add_argument(
+            "--artifact-claim",
+            default="switchyard-artifacts",
+            help="the ReadWriteMany claim holding ARTIFACT_ROOT, mounted there in every replica pod",
+        )
         cluster.add_argument(
             "--env-secret", default="switchyard-env", help="the Secret replicas take their environment from"
         )
@@ -86,6 +101,8 @@ class Command(BaseCommand):
 
         if not settings.REDIS_URL:
             raise CommandError("replica processes serve over Redis: set REDIS_URL")
+        if options["interval"] <= 0:
+            raise CommandError("--interval must be above 0")
         provisioner = _kubernetes(options) if options["kubernetes"] else _local(options)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
