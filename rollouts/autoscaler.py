@@ -106,6 +106,10 @@ def _ceil_ratio(load: float, target: float) -> int:
 
 def _bounded(needed: int, reason: str, policy: ScalingPolicy, figures: dict[str, float]) -> Recommendation:
     replicas = min(policy.max_replicas, max(policy.min_replicas, needed) + policy.warm_buffer)
+    if needed < policy.min_replicas:
+        reason = f"the minimum, {policy.min_replicas} (the load needs {needed}: {reason})"
+    elif needed > policy.max_replicas:
+        reason = f"the maximum, {policy.max_replicas} (the load needs {needed}: {reason})"
     return Recommendation(replicas, reason, figures)
 
 

@@ -30,7 +30,8 @@ def idle(capacity: int = 64) -> ReplicaSignals:
 
 def test_each_signal_asks_for_replicas_by_its_own_target() -> None:
     assert recommend([], POLICY).replicas == 1  # a version that must serve gets one before it has load
-    assert recommend([idle(), idle(), idle()], POLICY).replicas == 1  # idle: down to the minimum
+    idle_advice = recommend([idle(), idle(), idle()], POLICY)
+    assert idle_advice.replicas == 1 and idle_advice.reason.startswith("the minimum, 1 (the load needs 0")
     queued = recommend([ReplicaSignals(7, 64, 64, 0.5)], POLICY)
     assert queued.replicas == 4 and queued.reason.startswith("queue depth 7")  # ceil(7 / 2)
     full_cache = recommend([ReplicaSignals(0, 10, 64, 0.95), ReplicaSignals(0, 10, 64, 0.85)], POLICY)
