@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from rollouts.models import Deployment, DeploymentEvent, ScaleTarget
+from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
 
 
 class DeploymentEventInline(admin.TabularInline):
@@ -48,3 +48,8 @@ class ScaleTargetAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request):  # type: ignore[no-untyped-def]
         return False
+
+
+@admin.register(ScalingBounds)
+class ScalingBoundsAdmin(admin.ModelAdmin):
+    list_display = ("model", "min_replicas", "max_replicas", "updated_at")

@@ -117,11 +117,12 @@ def next_target(
     history: Sequence[tuple[float, int]], *, now: float, current: int, policy: ScalingPolicy
 ) -> int:
     """The target after the newest recommendation, given every recommendation of the window so far as
-    (time, replicas), the newest last: up at once, down only as far as the whole window allows."""
+    (time, replicas), the newest last: up at once, down only as far as the whole window allows, and
+    never over the policy's maximum (lowered by an operator, it holds at once)."""
     if not history:
-        return current
+        return min(current, policy.max_replicas)
     newest = history[-1][1]
     if newest >= current:
         return newest
     in_window = [n for t, n in history if now - t <= policy.scale_down_window_s]
-    return min(current, max(in_window, default=newest))
+    return min(current, max(in_window, default=newest), policy.max_replicas)

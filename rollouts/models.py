@@ -124,3 +124,25 @@ class ScaleTarget(models.Model):
 
     def __str__(self) -> str:
         return f"{self.version}: {self.replicas} replica(s)"
+
+
+class ScalingBounds(models.Model):
+    """A model's own replica bounds, over the autoscaler's defaults (settings.AUTOSCALER): each of its
+    serving versions gets between min_replicas and max_replicas. Set with `manage.py set_scaling`."""
+
+    model = models.OneToOneField(Model, on_delete=models.CASCADE, related_name="scaling_bounds")
+    min_replicas = models.PositiveSmallIntegerField()
+    max_replicas = models.PositiveSmallIntegerField()
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(min_replicas__gte=1)
+                & models.Q(max_replicas__gte=models.F("min_replicas")),
+                name="scaling_bounds_in_order",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model.name}: {self.min_replicas}-{self.max_replicas} replicas"

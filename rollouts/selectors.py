@@ -15,7 +15,7 @@ from django.utils.module_loading import import_string
 
 from registry.models import Model
 from rollouts.judge import VersionWindow
-from rollouts.models import Deployment, DeploymentEvent, ScaleTarget
+from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +228,12 @@ def scale_targets_of(*, model: Model) -> dict[str, tuple[int, str]]:
     return {t.version.version: (t.replicas, t.reason) for t in rows}
 
 
+def scaling_bounds() -> dict[str, tuple[int, int]]:
+    """model name -> its own (min, max) replicas, for the models that have them."""
+    rows = ScalingBounds.objects.select_related("model")
+    return {b.model.name: (b.min_replicas, b.max_replicas) for b in rows}
+
+
 def wanted_replicas() -> dict[tuple[str, str], int]:
     """What the provisioners carry out: the autoscaler's targets, and for a version that must serve but
     has none yet (the autoscaler has not ticked since it got traffic) the policy's minimum, at least one,
@@ -236,6 +242,7 @@ def wanted_replicas() -> dict[tuple[str, str], int]:
 
     wanted = scale_targets()
     floor = max(1, int(settings.AUTOSCALER["min_replicas"]))
+    bounds = scaling_bounds()
     for ref in versions_with_traffic():
-        wanted.setdefault((ref.model_name, ref.version), floor)
+        wanted.setdefault((ref.model_name, ref.version), bounds.get(ref.model_name, (floor, 0))[0])
     return wanted

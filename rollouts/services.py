@@ -7,6 +7,7 @@ up by every gateway within its revalidation interval (serving.router.REVALIDATE_
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import math
@@ -30,7 +31,13 @@ from registry.services import (
 from rollouts import judge
 from rollouts.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
 from rollouts.models import Deployment, DeploymentEvent, ScaleTarget
-from rollouts.selectors import MetricsUnavailable, WindowReader, fleet_heartbeats, window_reader
+from rollouts.selectors import (
+    MetricsUnavailable,
+    WindowReader,
+    fleet_heartbeats,
+    scaling_bounds,
+    window_reader,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -732,11 +739,19 @@ def autoscale(
         return _write_targets(signals, policy, now)
 
 
+def _bounded_policy(policy: ScalingPolicy, bounds: tuple[int, int] | None) -> ScalingPolicy:
+    """The policy with a model's own bounds (ScalingBounds) over the defaults."""
+    if bounds is None:
+        return policy
+    return dataclasses.replace(policy, min_replicas=bounds[0], max_replicas=bounds[1])
+
+
 def _write_targets(
     signals: dict[tuple[str, str], list[ReplicaSignals]], policy: ScalingPolicy, now: float
 ) -> dict[tuple[str, str], int]:
     """autoscale's writes, in one transaction."""
     serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_with_traffic()}
+    bounds = scaling_bounds()
     existing = {  # locked: a second tick running meanwhile (two workers) waits, then reads these rows
         (t.version.model.name, t.version.version): t
         # of=self: the registry's rows stay unlocked (a deployment locks its Model row)
@@ -744,14 +759,15 @@ def _write_targets(
     }
     changed: dict[tuple[str, str], int] = {}
     for key, version_id in serving.items():
-        advice = recommend(signals.get(key, []), policy)
+        model_policy = _bounded_policy(policy, bounds.get(key[0]))
+        advice = recommend(signals.get(key, []), model_policy)
         target = existing.get(key) or ScaleTarget(version_id=version_id, replicas=0)
         history = [
             (float(t), int(n)) for t, n in target.recommendations if now - t <= policy.scale_down_window_s
         ]
         history.append((now, advice.replicas))
         replicas_before = target.replicas
-        target.replicas = next_target(history, now=now, current=replicas_before, policy=policy)
+        target.replicas = next_target(history, now=now, current=replicas_before, policy=model_policy)
         target.recommendations = [list(entry) for entry in history]
         target.reason = advice.reason
         if target.replicas > advice.replicas:

@@ -76,3 +76,32 @@ def test_run_provisioner_refuses_options_of_the_other_mode_and_bad_values(
     settings.REDIS_URL = "redis://127.0.0.1:6379/15"  # never reached: each refusal comes first
     with pytest.raises(CommandError, match=message):
         _run("run_provisioner", *args)
+
+
+def test_set_scaling_bounds_a_models_versions_and_clear_goes_back_to_the_defaults(
+    make_model: Any, settings: Any
+) -> None:
+    from rollouts.autoscaler import ScalingPolicy
+    from rollouts.selectors import wanted_replicas
+    from rollouts.services import autoscale
+    from tests.rollouts.test_autoscaler import beat
+
+    make_model("chat")
+    make_model("embed", versions=("v1",))
+    settings.AUTOSCALER = {**settings.AUTOSCALER, "min_replicas": 1, "max_replicas": 4}
+    assert (
+        _run("set_scaling", "chat", "--min", "2", "--max", "8").strip()
+        == "chat: 2 to 8 replicas per serving version"
+    )
+    assert wanted_replicas() == {("chat", "v1"): 2, ("embed", "v1"): 1}  # before any tick: the model's floor
+    flood = [beat("chat", "v1", waiting=40, sent_at=1000.0), beat("embed", "v1", waiting=40, sent_at=1000.0)]
+    policy = ScalingPolicy(**settings.AUTOSCALER)
+    assert autoscale(heartbeats=flood, policy=policy, now=1000.0) == {("chat", "v1"): 8, ("embed", "v1"): 4}
+    _run("set_scaling", "chat", "--max", "3")  # the other bound stays
+    assert autoscale(heartbeats=flood, policy=policy, now=1001.0) == {("chat", "v1"): 3}
+    with pytest.raises(CommandError, match="no scaling to zero"):
+        _run("set_scaling", "chat", "--min", "0")
+    with pytest.raises(CommandError, match="min 5, max 3"):
+        _run("set_scaling", "chat", "--min", "5")
+    _run("set_scaling", "chat", "--clear")
+    assert autoscale(heartbeats=flood, policy=policy, now=1002.0) == {("chat", "v1"): 4}
