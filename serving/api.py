@@ -13,8 +13,8 @@ from django.views.decorators.csrf import csrf_exempt
 
 from registry.errors import error_response
 from registry.models import Model
-from registry.selectors import TenantContext
-from serving.dispatch import Dispatch, authenticate, dispatch, model_kind, prompt_usage
+from registry.selectors import RoutingSnapshot, TenantContext
+from serving.dispatch import Dispatch, authenticate, dispatch, model_snapshot, prompt_usage
 from serving.gateway import GatewayError
 from serving.requests import parse_classify, parse_infer, parse_json_body
 from serving.router import split_model_name
@@ -46,12 +46,12 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
         return error_response(405, "use POST")
     try:
         context = await authenticate(request.headers.get("Authorization"))
-        kind = await model_kind(context, model)
-        if kind is None:
+        snapshot = await model_snapshot(context, model)
+        if snapshot is None:
             raise GatewayError(404, f"model {split_model_name(model)[0]!r} not found")
-        if kind == Model.Kind.CLASSIFIER:
-            return await _classify(request, context, model)
-        if kind == Model.Kind.EMBEDDING:
+        if snapshot.kind == Model.Kind.CLASSIFIER:
+            return await _classify(request, context, model, snapshot)
+        if snapshot.kind == Model.Kind.EMBEDDING:
             raise GatewayError(400, f"model {model!r} is an embedding model: use POST /v1/embeddings")
         body = parse_infer(parse_json_body(request))
         handle = await dispatch(
@@ -60,6 +60,7 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
             pin=request.headers.get("X-Version-Pin"),
             params=body.sampling_params(),
             text=body.input,
+            snapshot=snapshot,
         )
     except GatewayError as exc:
         return _gateway_error(exc)
@@ -84,7 +85,9 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
     )
 
 
-async def _classify(request: HttpRequest, context: TenantContext, model: str) -> HttpResponse:
+async def _classify(
+    request: HttpRequest, context: TenantContext, model: str, snapshot: RoutingSnapshot
+) -> HttpResponse:
     """Every input's labels with their scores, best first (the top_k best, if asked)."""
     inputs, top_k = parse_classify(parse_json_body(request))
     handle = await dispatch(
@@ -94,6 +97,7 @@ async def _classify(request: HttpRequest, context: TenantContext, model: str) ->
         params={},
         inputs=inputs,
         kind=Model.Kind.CLASSIFIER,
+        snapshot=snapshot,
     )
     try:
         rows, final = await handle.collect_vectors("scores", len(inputs))

@@ -307,16 +307,16 @@ async def _snapshot(model_name: str) -> RoutingSnapshot | None:
     return snapshot
 
 
-async def model_kind(context: TenantContext, path_model: str) -> str | None:
-    """The kind of the model a request names (`model` or `model@alias`), None if there is no such model;
-    a 403 if the tenant may not use it, so that its kind tells a stranger nothing. From the routing
-    cache, so it costs no database read while the entry is fresh."""
+async def model_snapshot(context: TenantContext, path_model: str) -> RoutingSnapshot | None:
+    """The routing snapshot of the model a request names (`model` or `model@alias`), None if there is
+    no such model; a 403 if the tenant may not use it, so that its kind tells a stranger nothing. From
+    the routing cache, so it costs no database read while the entry is fresh. Give it to dispatch(),
+    which then does not look it up again."""
     model_name = split_model_name(path_model)[0]
     snapshot = await _snapshot(model_name)
-    if snapshot is None:
-        return None
-    gateway.authorize_model(context, model_name, pinned_version=None)
-    return snapshot.kind
+    if snapshot is not None:
+        gateway.authorize_model(context, model_name, pinned_version=None)
+    return snapshot
 
 
 async def dispatch(
@@ -329,6 +329,7 @@ async def dispatch(
     messages: list[dict[str, str]] | None = None,
     inputs: list[str] | None = None,
     kind: str = Model.Kind.CAUSAL_LM,
+    snapshot: RoutingSnapshot | None = None,
 ) -> Dispatch:
     """Route, admit and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a
     replica when it can; a prompt the replica refuses (too long for the model) comes back as a 400.
@@ -339,7 +340,8 @@ async def dispatch(
         raise ValueError("dispatch needs exactly one of text, messages or inputs")
     model_name, alias = split_model_name(path_model)
     pin = pin.strip() if pin else None
-    snapshot = await _snapshot(model_name)
+    if snapshot is None:  # not already read by the caller (model_snapshot)
+        snapshot = await _snapshot(model_name)
     if snapshot is None:
         raise GatewayError(404, f"model {model_name!r} not found")
     gateway.authorize_model(context, model_name, pinned_version=pin)
