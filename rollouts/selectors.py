@@ -191,8 +191,7 @@ def fleet_heartbeats() -> list[Any]:
 
     beats = {
         replica.replica_id: replica.heartbeat()
-        for loop, rt in list(data_plane._runtimes.items())
-        if not loop.is_closed()
+        for rt in data_plane.live_runtimes()
         for replica in list(rt.replicas.values())
     }
     if not settings.REDIS_URL:

@@ -153,7 +153,7 @@ def _embedded_replica_ready(model_name: str, version: str) -> bool | None:
         return None
     from serving import runtime as data_plane  # rollouts may import serving; imported late, only here
 
-    runtimes = [rt for loop, rt in list(data_plane._runtimes.items()) if not loop.is_closed()]
+    runtimes = data_plane.live_runtimes()
     if not runtimes:
         return None
     for rt in runtimes:

@@ -228,6 +228,12 @@ class Runtime:
 _runtimes: dict[asyncio.AbstractEventLoop, Runtime] = {}
 
 
+def live_runtimes() -> list[Runtime]:
+    """This process's runtimes whose loops are still open. For other threads (the rollout judge, the
+    autoscaler), which only read their replicas' state and never touch their loops."""
+    return [rt for loop, rt in list(_runtimes.items()) if not loop.is_closed()]
+
+
 async def get_runtime() -> Runtime:
     loop = asyncio.get_running_loop()
     runtime = _runtimes.get(loop)
