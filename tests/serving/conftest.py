@@ -63,3 +63,21 @@ def asgi_client() -> httpx.AsyncClient:
     from config.asgi import application
 
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://localhost")
+
+
+async def serve_encoders(settings: Any) -> Any:
+    """The in-process runtime with every registered model served, ready; encoders batch up to 4 inputs
+    with a long delay, so that concurrent requests of a test always find company."""
+    from serving.runtime import get_runtime
+
+    settings.ALLOWED_HOSTS = ["localhost"]
+    settings.REPLICA_EMBED_MAX_BATCH_SIZE = 4
+    settings.REPLICA_EMBED_MAX_WAIT_S = 0.5
+    runtime = await get_runtime()
+    assert await runtime.wait_ready()
+    return runtime
+
+
+def replica_of(runtime: Any, model_name: str) -> Any:
+    (replica,) = [r for r in runtime.replicas.values() if r.ref.model_name == model_name]
+    return replica

@@ -9,7 +9,7 @@ import math
 import pytest
 from asgiref.sync import sync_to_async
 
-from tests.serving.conftest import asgi_client
+from tests.serving.conftest import asgi_client, replica_of, serve_encoders
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -21,9 +21,8 @@ INFER = "/v1/models/demo-classify/infer"
 async def classifier_runtime(  # type: ignore[no-untyped-def]
     registered_model, registered_classifier, registered_embedding_model, settings
 ):
-    """The demo chat model, the classifier and an embedding model served in process; batches of up to
-    4, a long delay so that concurrent requests of a test always find company."""
-    return await _serve(settings)
+    """The demo chat model, the classifier and an embedding model served in process."""
+    return await serve_encoders(settings)
 
 
 @pytest.fixture
@@ -31,18 +30,7 @@ async def failing_classifier_runtime(registered_classifier, settings):  # type: 
     """The classifier alone, its replica failing every request it accepts (fault injection)."""
     settings.DEBUG = True  # fault injection is refused otherwise
     settings.FAULTS = "demo-classify:v1=error_rate:1"
-    return await _serve(settings)
-
-
-async def _serve(settings):  # type: ignore[no-untyped-def]
-    from serving.runtime import get_runtime
-
-    settings.ALLOWED_HOSTS = ["localhost"]
-    settings.REPLICA_EMBED_MAX_BATCH_SIZE = 4
-    settings.REPLICA_EMBED_MAX_WAIT_S = 0.5
-    runtime = await get_runtime()
-    assert await runtime.wait_ready()
-    return runtime
+    return await serve_encoders(settings)
 
 
 @pytest.fixture
@@ -51,8 +39,7 @@ async def acme(make_tenant):  # type: ignore[no-untyped-def]
 
 
 def _replica(runtime):  # type: ignore[no-untyped-def]
-    (replica,) = [r for r in runtime.replicas.values() if r.ref.model_name == "demo-classify"]
-    return replica
+    return replica_of(runtime, "demo-classify")
 
 
 async def test_each_input_gets_every_label_scored_best_first(acme, classifier_runtime) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from asgiref.sync import sync_to_async
 
-from tests.serving.conftest import asgi_client
+from tests.serving.conftest import asgi_client, replica_of, serve_encoders
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -20,16 +20,8 @@ TEXTS = ["hello", "Readability counts.", "Once upon a time there was a little tr
 
 @pytest.fixture
 async def embedding_runtime(registered_model, registered_embedding_model, settings):  # type: ignore[no-untyped-def]
-    """Both demo models served in process; batches of up to 4, a long delay so that concurrent requests
-    of a test always find company."""
-    from serving.runtime import get_runtime
-
-    settings.ALLOWED_HOSTS = ["localhost"]
-    settings.REPLICA_EMBED_MAX_BATCH_SIZE = 4
-    settings.REPLICA_EMBED_MAX_WAIT_S = 0.5
-    runtime = await get_runtime()
-    assert await runtime.wait_ready()
-    return runtime
+    """Both demo models served in process."""
+    return await serve_encoders(settings)
 
 
 @pytest.fixture
@@ -38,8 +30,7 @@ async def acme(make_tenant):  # type: ignore[no-untyped-def]
 
 
 def _embedding_replica(runtime):  # type: ignore[no-untyped-def]
-    (replica,) = [r for r in runtime.replicas.values() if r.ref.model_name == "demo-embed"]
-    return replica
+    return replica_of(runtime, "demo-embed")
 
 
 async def test_float_and_base64_encodings_give_the_same_normalized_vectors(acme, embedding_runtime) -> None:
