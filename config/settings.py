@@ -263,13 +263,21 @@ AUTOSCALER = {
     "target_kv_usage": float(os.environ.get("SWITCHYARD_AUTOSCALER_TARGET_KV_USAGE", "0.8")),
     "warm_buffer": int(os.environ.get("SWITCHYARD_AUTOSCALER_WARM_BUFFER", "0")),
     "scale_down_window_s": float(os.environ.get("SWITCHYARD_AUTOSCALER_SCALE_DOWN_WINDOW_S", "120")),
+    # For a model that scales to zero (`manage.py set_scaling MODEL --min 0`): no request for this long,
+    # and its version keeps no replica.
+    "idle_before_zero_s": float(os.environ.get("SWITCHYARD_AUTOSCALER_IDLE_BEFORE_ZERO_S", "300")),
 }
 if not 1 <= AUTOSCALER["min_replicas"] <= AUTOSCALER["max_replicas"]:
     from django.core.exceptions import ImproperlyConfigured
 
+    # Scaling to zero is a model's own choice (set_scaling --min 0), never every model's by default.
     raise ImproperlyConfigured(
-        "SWITCHYARD_AUTOSCALER_MIN_REPLICAS must be from 1 (no scaling to zero) to ..._MAX_REPLICAS"
+        "SWITCHYARD_AUTOSCALER_MIN_REPLICAS must be from 1 to ..._MAX_REPLICAS "
+        "(scaling to zero is per model: manage.py set_scaling MODEL --min 0)"
     )
+# How long a request for a version scaled to zero waits at the gateway for a replica to start (load and
+# warm up) before it gets a 503.
+COLD_START_TIMEOUT_S = float(os.environ.get("SWITCHYARD_COLD_START_TIMEOUT_S", "120"))
 # Metrics: each replica flushes its 5 s windows to the store this often (seconds, at most 5).
 METRICS_FLUSH_INTERVAL_S = float(os.environ.get("SWITCHYARD_METRICS_FLUSH_INTERVAL_S", "5"))
 # Fault injection (serving/faults.py), for demos and tests: refused unless DEBUG or explicitly allowed.

@@ -65,6 +65,9 @@ class RoutingSnapshot:
     aliases: dict[str, str]  # alias -> version
     versions: frozenset[str]  # every registered version
     mirror: tuple[str, int] | None = None  # (version, percent) that shadow copies go to
+    # Its idle versions may have no replica (rollouts.ScalingBounds with min_replicas 0): a request that
+    # finds none waits while one starts, where it would otherwise get a 503 at once.
+    scales_to_zero: bool = False
 
 
 def tenant_context_for_api_key(raw_key: str) -> TenantContext | None:
@@ -109,7 +112,8 @@ def routing_revision(*, model_name: str) -> int | None:
 def routing_snapshot(*, model_name: str) -> RoutingSnapshot | None:
     model = (
         Model.objects.filter(name=model_name)
-        .select_related("routing_table", "routing_table__mirror_version")
+        # scaling_bounds: rollouts' one-to-one row, read through the relation (no import of rollouts)
+        .select_related("routing_table", "routing_table__mirror_version", "scaling_bounds")
         .prefetch_related(
             Prefetch("aliases", queryset=Alias.objects.select_related("version")),
             "versions",
@@ -132,6 +136,8 @@ def routing_snapshot(*, model_name: str) -> RoutingSnapshot | None:
         mirror=(table.mirror_version.version, table.mirror_pct)
         if table is not None and table.mirror_version is not None and table.mirror_pct > 0
         else None,
+        scales_to_zero=getattr(model, "scaling_bounds", None) is not None
+        and model.scaling_bounds.min_replicas == 0,
     )
 
 

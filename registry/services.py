@@ -106,6 +106,12 @@ def model_version_register(
     return model_version
 
 
+def routing_changed(*, model: Model) -> None:
+    """Something a gateway routes by changed outside the routing table (the model's scaling bounds): move
+    its revision, so every gateway's cache reads the model afresh within a second."""
+    RoutingTable.objects.filter(model=model).update(revision=F("revision") + 1)
+
+
 @transaction.atomic
 def alias_set(*, model: Model, name: str, version: ModelVersion, actor: str, reason: str = "") -> Alias:
     if version.model_id != model.pk:

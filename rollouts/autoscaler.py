@@ -13,11 +13,16 @@ The recommendation is the largest of them, plus a warm buffer, within [min_repli
 signals lead latency: a queue forms and the cache fills before p99 TTFT and TPOT move, so acting on them
 adds capacity before the latency promise breaks.
 
-Never below one replica: scaling to zero would need the gateway to hold a request while a replica
-loads, which it does not. Scaling up happens at once. Scaling down is held back (hysteresis): the target
-never falls below any recommendation made in the last `scale_down_window_s`, so a load that dips between
-bursts does not cost a replica's load and warm-up each time, and the target falls one window after the
-load did."""
+Scaling up happens at once. Scaling down is held back (hysteresis): the target never falls below any
+recommendation made in the last `scale_down_window_s`, so a load that dips between bursts does not cost
+a replica's load and warm-up each time, and the target falls one window after the load did.
+
+Scaling to zero, for a model that allows it (min_replicas 0, as KServe's minReplicas: 0): its versions
+keep one replica until they have had no request for `idle_before_zero_s`, and then go to none at once
+(the idle time was the hysteresis). A request that finds no replica then waits at the gateway while one
+starts (a cold start; serving.runtime.Runtime.wait_for_replica), and its wait counts as a request here:
+the caller passes how long the version has been idle, from the replicas' last requests and the gateway's
+waits."""
 
 from __future__ import annotations
 
@@ -28,21 +33,22 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class ScalingPolicy:
-    min_replicas: int = 1  # for a version that must serve (traffic, an alias, shadow copies); at least 1
+    min_replicas: int = 1  # per version that must serve (traffic, an alias, shadow copies); 0: none when idle
     max_replicas: int = 4
     target_queue_per_replica: float = 2.0
     target_saturation: float = 0.9
     target_kv_usage: float = 0.8
     warm_buffer: int = 0
     scale_down_window_s: float = 120.0
+    idle_before_zero_s: float = 300.0  # with min_replicas 0: no request for this long, and none are kept
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_replicas <= self.max_replicas:
-            raise ValueError("need 1 <= min_replicas <= max_replicas (no scaling to zero)")
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError("need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
         if min(self.target_queue_per_replica, self.target_saturation, self.target_kv_usage) <= 0:
             raise ValueError("every target must be positive")
-        if self.warm_buffer < 0 or self.scale_down_window_s < 0:
-            raise ValueError("warm_buffer and scale_down_window_s must not be negative")
+        if self.warm_buffer < 0 or self.scale_down_window_s < 0 or self.idle_before_zero_s < 0:
+            raise ValueError("warm_buffer, scale_down_window_s and idle_before_zero_s must not be negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +69,18 @@ class Recommendation:
     figures: dict[str, float] = field(default_factory=dict)  # the version's load it was made from
 
 
-def recommend(replicas: Sequence[ReplicaSignals], policy: ScalingPolicy) -> Recommendation:
+def recommend(
+    replicas: Sequence[ReplicaSignals], policy: ScalingPolicy, *, idle_s: float = 0.0
+) -> Recommendation:
     """The replicas the version's current load needs. `replicas`: its ready replicas' heartbeats (none
-    for a version that has none yet: it gets min_replicas)."""
+    for a version that has none yet: it gets min_replicas). `idle_s`: how long since the version last
+    had a request or a request waited for it (math.inf: never); it matters only with min_replicas 0."""
+    floor = _Floor(policy.min_replicas, f"the minimum, {policy.min_replicas}")
+    if policy.min_replicas == 0 and idle_s < policy.idle_before_zero_s:
+        since = "a request is waiting" if idle_s == 0 else f"the last request {idle_s:.0f} s ago"
+        floor = _Floor(1, f"kept warm, {since}; to zero after {policy.idle_before_zero_s:g} s idle")
     if not replicas:
-        return _bounded(policy.min_replicas, "no ready replica", policy, {"ready": 0})
+        return _bounded(0, "no ready replica", policy, floor, {"ready": 0})
     n = len(replicas)
     waiting = sum(r.num_waiting for r in replicas)
     queued = sum(r.num_waiting if r.is_generative else r.num_waiting / max(1, r.capacity) for r in replicas)
@@ -96,7 +109,7 @@ def recommend(replicas: Sequence[ReplicaSignals], policy: ScalingPolicy) -> Reco
         ),
     }
     reason, needed = max(needs.items(), key=lambda item: item[1])
-    return _bounded(needed, f"{reason} on {n} replica{'s' if n > 1 else ''}", policy, figures)
+    return _bounded(needed, f"{reason} on {n} replica{'s' if n > 1 else ''}", policy, floor, figures)
 
 
 def _ceil_ratio(load: float, target: float) -> int:
@@ -104,10 +117,21 @@ def _ceil_ratio(load: float, target: float) -> int:
     return math.ceil(load / target - 1e-9)
 
 
-def _bounded(needed: int, reason: str, policy: ScalingPolicy, figures: dict[str, float]) -> Recommendation:
-    replicas = min(policy.max_replicas, max(policy.min_replicas, needed) + policy.warm_buffer)
-    if needed < policy.min_replicas:
-        reason = f"the minimum, {policy.min_replicas} (the load needs {needed}: {reason})"
+@dataclass(frozen=True, slots=True)
+class _Floor:
+    replicas: int
+    reason: str
+
+
+def _bounded(
+    needed: int, reason: str, policy: ScalingPolicy, floor: _Floor, figures: dict[str, float]
+) -> Recommendation:
+    base = max(floor.replicas, needed)
+    replicas = min(policy.max_replicas, base + policy.warm_buffer) if base else 0  # no buffer for none
+    if replicas == 0:
+        reason = f"scaled to zero, no request for {policy.idle_before_zero_s:g} s ({reason})"
+    elif needed < floor.replicas:
+        reason = f"{floor.reason} (the load needs {needed}: {reason})"
     elif needed > policy.max_replicas:
         reason = f"the maximum, {policy.max_replicas} (the load needs {needed}: {reason})"
     return Recommendation(replicas, reason, figures)
@@ -118,11 +142,12 @@ def next_target(
 ) -> int:
     """The target after the newest recommendation, given every recommendation of the window so far as
     (time, replicas), the newest last: up at once, down only as far as the whole window allows, and
-    never over the policy's maximum (lowered by an operator, it holds at once)."""
+    never over the policy's maximum (lowered by an operator, it holds at once). Zero, which only an idle
+    version of a policy that scales to zero is recommended, holds at once: the idle time was the wait."""
     if not history:
         return min(current, policy.max_replicas)
     newest = history[-1][1]
-    if newest >= current:
+    if newest >= current or (newest == 0 and policy.min_replicas == 0):
         return newest
     in_window = [n for t, n in history if now - t <= policy.scale_down_window_s]
     return min(current, max(in_window, default=newest), policy.max_replicas)

@@ -128,7 +128,9 @@ class ScaleTarget(models.Model):
 
 class ScalingBounds(models.Model):
     """A model's own replica bounds, over the autoscaler's defaults (settings.AUTOSCALER): each of its
-    serving versions gets between min_replicas and max_replicas. Set with `manage.py set_scaling`."""
+    serving versions gets between min_replicas and max_replicas. min_replicas 0: an idle version scales to
+    zero, and a request for it waits at the gateway while a replica starts. Set with `manage.py
+    set_scaling`."""
 
     model = models.OneToOneField(Model, on_delete=models.CASCADE, related_name="scaling_bounds")
     min_replicas = models.PositiveSmallIntegerField()
@@ -138,7 +140,7 @@ class ScalingBounds(models.Model):
     class Meta:
         constraints = [
             models.CheckConstraint(
-                condition=models.Q(min_replicas__gte=1)
+                condition=models.Q(max_replicas__gte=1)
                 & models.Q(max_replicas__gte=models.F("min_replicas")),
                 name="scaling_bounds_in_order",
             )

@@ -215,6 +215,34 @@ def fleet_heartbeats() -> list[Any]:
     return list(beats.values())
 
 
+def fleet_demand() -> dict[tuple[str, str], float]:
+    """(model, version) -> the wall clock at which a request last waited at a gateway for a replica of a
+    version that had none (serving.replica_directory.DEMAND_KEY); empty without Redis. Raises
+    HeartbeatsUnavailable when Redis cannot be read: no demand would let a waiting request's version stay
+    at zero."""
+    if not settings.REDIS_URL:
+        return {}
+    import redis
+
+    from serving.replica_directory import DEMAND_KEY
+
+    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        raw = client.hgetall(DEMAND_KEY)
+    except redis.RedisError as exc:
+        raise HeartbeatsUnavailable(f"gateway demand unreadable ({exc})") from exc
+    finally:
+        client.close()
+    demand: dict[tuple[str, str], float] = {}
+    for field, value in raw.items():
+        model_name, _, version = field.decode().partition(":")
+        try:
+            demand[(model_name, version)] = float(value)
+        except ValueError:
+            logger.warning("skipping gateway demand %r for %s", value, field)
+    return demand
+
+
 def scale_targets() -> dict[tuple[str, str], int]:
     """(model, version) -> the replicas the autoscaler wants; versions it has not decided on are absent."""
     rows = ScaleTarget.objects.select_related("version__model")
@@ -235,8 +263,9 @@ def scaling_bounds() -> dict[str, tuple[int, int]]:
 
 def wanted_replicas() -> dict[tuple[str, str], int]:
     """What the provisioners carry out: the autoscaler's targets, and for a version that must serve but
-    has none yet (the autoscaler has not ticked since it got traffic) the policy's minimum, at least one,
-    so a new canary's replica starts without waiting for the autoscaler."""
+    has none yet (the autoscaler has not ticked since it got traffic) its model's minimum, so a new
+    canary's replica starts without waiting for the autoscaler (none for a model that scales to zero:
+    its first request asks for one)."""
     from registry.selectors import versions_with_traffic
 
     wanted = scale_targets()

@@ -25,15 +25,17 @@ from registry.services import (
     STABLE_ALIAS,
     RegistryError,
     alias_set,
+    routing_changed,
     routing_mirror_set,
     routing_table_set,
 )
 from rollouts import judge
 from rollouts.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
-from rollouts.models import Deployment, DeploymentEvent, ScaleTarget
+from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
 from rollouts.selectors import (
     MetricsUnavailable,
     WindowReader,
+    fleet_demand,
     fleet_heartbeats,
     scaling_bounds,
     window_reader,
@@ -715,28 +717,69 @@ AUTOSCALER_BEAT_MAX_AGE_S = 10.0
 
 
 def autoscale(
-    *, heartbeats: list[Any] | None = None, policy: ScalingPolicy | None = None, now: float | None = None
+    *,
+    heartbeats: list[Any] | None = None,
+    demand: dict[tuple[str, str], float] | None = None,
+    policy: ScalingPolicy | None = None,
+    now: float | None = None,
 ) -> dict[tuple[str, str], int]:
     """One autoscaler tick: each version that must serve (traffic, an alias, shadow copies) gets a
     target from its ready replicas' heartbeats (rollouts.autoscaler); every other version that had one
-    gets 0. Returns the targets that changed. `heartbeats` (Heartbeat objects) default to the fleet's;
+    gets 0. Returns the targets that changed. `heartbeats` (Heartbeat objects) default to the fleet's,
+    `demand` (version -> when a request last waited at a gateway for a replica of it) to the gateways';
     raises HeartbeatsUnavailable when they cannot be read, changing nothing."""
     policy = policy or ScalingPolicy(**settings.AUTOSCALER)
     now = time.time() if now is None else now
     beats = fleet_heartbeats() if heartbeats is None else heartbeats
+    demand = fleet_demand() if demand is None else demand
     signals: dict[tuple[str, str], list[ReplicaSignals]] = {}
+    last_request: dict[tuple[str, str], float] = dict(demand)
     for beat in beats:
         # A loading or draining replica is neither capacity nor load yet. Freshness is looser than the
         # router's: a busy replica's beat may be late, and this host's clock may differ a little; the
         # scale-down window covers a replica that is missed for a tick.
-        if beat.state == "ready" and now - beat.sent_at < AUTOSCALER_BEAT_MAX_AGE_S:
-            signals.setdefault((beat.model_name, beat.version), []).append(
+        if now - beat.sent_at >= AUTOSCALER_BEAT_MAX_AGE_S:
+            continue
+        key = (beat.model_name, beat.version)
+        # A replica that does not say (0: an older one) is never taken for idle.
+        last_request[key] = max(last_request.get(key, 0.0), beat.last_request_at or now)
+        if beat.state == "ready":
+            signals.setdefault(key, []).append(
                 ReplicaSignals(
                     beat.num_waiting, beat.num_running, beat.capacity, beat.kv_cache_usage, beat.is_generative
                 )
             )
     with transaction.atomic():
-        return _write_targets(signals, policy, now)
+        return _write_targets(signals, last_request, policy, now)
+
+
+@transaction.atomic
+def scaling_bounds_set(*, model: Model, min_replicas: int | None, max_replicas: int | None) -> ScalingBounds:
+    """A model's own replica bounds; a bound not given keeps its current value (or the settings').
+    min_replicas 0 scales its idle versions to zero: every gateway learns it within a second, and holds a
+    request that finds no replica while one starts. Raises ValueError unless 0 <= min <= max, 1 <= max."""
+    current = ScalingBounds.objects.select_for_update().filter(model=model).first()
+    low, high = (
+        (current.min_replicas, current.max_replicas)
+        if current is not None
+        else (settings.AUTOSCALER["min_replicas"], settings.AUTOSCALER["max_replicas"])
+    )
+    low = low if min_replicas is None else min_replicas
+    high = high if max_replicas is None else max_replicas
+    if not 0 <= low <= high or high < 1:
+        raise ValueError(f"need 0 <= min <= max and max >= 1, got min {low}, max {high}")
+    bounds, _ = ScalingBounds.objects.update_or_create(
+        model=model, defaults={"min_replicas": low, "max_replicas": high}
+    )
+    routing_changed(model=model)
+    return bounds
+
+
+@transaction.atomic
+def scaling_bounds_clear(*, model: Model) -> None:
+    """Back to the settings' bounds (which never scale to zero)."""
+    if ScalingBounds.objects.filter(model=model).delete()[0]:
+        routing_changed(model=model)
 
 
 def _bounded_policy(policy: ScalingPolicy, bounds: tuple[int, int] | None) -> ScalingPolicy:
@@ -747,11 +790,20 @@ def _bounded_policy(policy: ScalingPolicy, bounds: tuple[int, int] | None) -> Sc
 
 
 def _write_targets(
-    signals: dict[tuple[str, str], list[ReplicaSignals]], policy: ScalingPolicy, now: float
+    signals: dict[tuple[str, str], list[ReplicaSignals]],
+    last_request: dict[tuple[str, str], float],
+    policy: ScalingPolicy,
+    now: float,
 ) -> dict[tuple[str, str], int]:
     """autoscale's writes, in one transaction."""
     serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_with_traffic()}
     bounds = scaling_bounds()
+    # A deployment's versions are never idle: it waits for its candidate's replica, and judges both.
+    in_deployment = set()
+    for row in Deployment.objects.filter(state__in=Deployment.IN_FLIGHT_STATES).values_list(
+        "model__name", "candidate__version", "incumbent__version"
+    ):
+        in_deployment |= {(row[0], row[1]), (row[0], row[2])}
     existing = {  # locked: a second tick running meanwhile (two workers) waits, then reads these rows
         (t.version.model.name, t.version.version): t
         # of=self: the registry's rows stay unlocked (a deployment locks its Model row)
@@ -760,7 +812,8 @@ def _write_targets(
     changed: dict[tuple[str, str], int] = {}
     for key, version_id in serving.items():
         model_policy = _bounded_policy(policy, bounds.get(key[0]))
-        advice = recommend(signals.get(key, []), model_policy)
+        idle_s = 0.0 if key in in_deployment else max(0.0, now - last_request.get(key, -math.inf))
+        advice = recommend(signals.get(key, []), model_policy, idle_s=idle_s)
         target = existing.get(key) or ScaleTarget(version_id=version_id, replicas=0)
         history = [
             (float(t), int(n)) for t, n in target.recommendations if now - t <= policy.scale_down_window_s

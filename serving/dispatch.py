@@ -58,8 +58,11 @@ class Dispatch:
         model_name: str,
         version: str,
         submission: dict[str, Any],
+        *,
+        scales_to_zero: bool = False,  # the version may have no replica: wait for one (a cold start)
     ) -> None:
         self._runtime = runtime
+        self._scales_to_zero = scales_to_zero
         self._ticket = ticket
         self.model_name = model_name
         self.version = version
@@ -102,20 +105,19 @@ class Dispatch:
     ) -> None:
         """Pick a replica, send, and wait until it accepts. `charge` (a tenant and the tokens to charge
         it): admit the request too, in the same step as the send. Raises GatewayError (400, 429, 503)."""
+        replicas = await self._runtime.candidates(self.model_name, self.version)
+        if self._scales_to_zero and not exclude and not any(r.is_ready for r in replicas):
+            await self._refuse_if_over_quota(charge)  # a 429 does not wait for a cold start
+            replicas = await self._cold_start()
         candidates = [
-            r
-            for r in await self._runtime.candidates(self.model_name, self.version)
-            if r.is_ready and r.replica_id not in exclude and breaker.allows(r.replica_id)
+            r for r in replicas if r.is_ready and r.replica_id not in exclude and breaker.allows(r.replica_id)
         ]
         replica = choose_replica(candidates, rng=_rng)
         while replica is not None and not breaker.claim(replica.replica_id):
             candidates.remove(replica)  # half-open, and its one trial went to another request meanwhile
             replica = choose_replica(candidates, rng=_rng)
         if replica is None:
-            if charge is not None:
-                # Over quota is still the answer with nothing to serve the request: 429 before 503.
-                store = gateway.quota_store()
-                await store.arelease(await store.aadmit(charge[0], tokens=charge[1]), used_tokens=0)
+            await self._refuse_if_over_quota(charge)
             raise GatewayError(503, f"no ready replica for {self.model_name}:{self.version}", retry_after_s=2)
         message = {
             **self._submission,
@@ -169,6 +171,29 @@ class Dispatch:
             if is_trial and not has_verdict:  # it says nothing of the replica: the next request may try
                 breaker.release(replica.replica_id)
         self.num_prompt_tokens = int(first.get("num_prompt_tokens", 0))
+
+    async def _refuse_if_over_quota(self, charge: tuple[TenantContext, int] | None) -> None:
+        """Over quota is still the answer with nothing to serve the request: 429 before 503."""
+        if charge is not None:
+            store = gateway.quota_store()
+            await store.arelease(await store.aadmit(charge[0], tokens=charge[1]), used_tokens=0)
+
+    async def _cold_start(self) -> list[ReplicaHandle]:
+        """The version has scaled to zero: wait, up to COLD_START_TIMEOUT_S, until a replica started for
+        it reports ready, as Knative's activator holds a request. The client waits unanswered; if it
+        leaves, the view is cancelled and so is this wait."""
+        timeout_s = settings.COLD_START_TIMEOUT_S
+        logger.info("%s:%s has no replica: waiting for one to start", self.model_name, self.version)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._runtime.wait_for_replica(self.model_name, self.version)
+        except TimeoutError:
+            raise GatewayError(
+                503,
+                f"no replica of {self.model_name}:{self.version} became ready within {timeout_s:g} s "
+                "(it had scaled to zero and is starting)",
+                retry_after_s=5,
+            ) from None
 
     async def _retry(self) -> None:
         assert self.replica is not None
@@ -369,7 +394,9 @@ async def dispatch(
         "tenant": context.tenant_name,
         "cache_group": context.cache_group,
     }
-    handle = Dispatch(runtime, ticket, model_name, version, submission)
+    handle = Dispatch(
+        runtime, ticket, model_name, version, submission, scales_to_zero=snapshot.scales_to_zero
+    )
     try:
         await handle.submit(charge=(context, tokens) if ticket is None else None)
     except BaseException:

@@ -31,6 +31,9 @@ _SERVE_STALE_S = 1.0
 # runtime opens the replica's circuit breaker on it (serving/breaker.py).
 MISSED_AFTER_S = STALE_AFTER_S + _SERVE_STALE_S
 KEY_PREFIX = "switchyard:replicas:"
+# One hash: "model:version" -> the wall clock at which a request last waited for a replica of a version
+# that had none (scaled to zero). The autoscaler reads it as a request to that version.
+DEMAND_KEY = "switchyard:demand"
 
 
 def version_key(model_name: str, version: str) -> str:
@@ -50,6 +53,9 @@ class Heartbeat:
     sent_at: float  # wall clock
     capacity: int = 0  # the most sequences (or batch items) it runs at once; 0: not known (older replicas)
     is_generative: bool = True  # False: an encoder, whose queue is inputs waiting for a batch
+    # Wall clock of its last submission, or of becoming ready: how long the version has been idle, for
+    # scaling to zero. 0: not known (an older replica), which the autoscaler never takes for idle.
+    last_request_at: float = 0.0
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Heartbeat:
@@ -90,7 +96,7 @@ _HEARTBEAT_FIELDS = frozenset(f.name for f in dataclasses.fields(Heartbeat))
 _HEARTBEAT_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("replica_id", "model_name", "version", "channel_name", "state"), (str,)),
     **dict.fromkeys(("num_waiting", "num_running", "capacity"), (int,)),
-    **dict.fromkeys(("kv_cache_usage", "sent_at"), (int, float)),
+    **dict.fromkeys(("kv_cache_usage", "sent_at", "last_request_at"), (int, float)),
     "is_generative": (bool,),
 }
 
@@ -172,6 +178,9 @@ class ReplicaDirectory:
             model_name, _, version = key.decode()[len(KEY_PREFIX) :].partition(":")
             beats.extend(await self.replicas(model_name, version, refresh=True))
         return beats
+
+    async def record_demand(self, model_name: str, version: str) -> None:
+        await self._redis.hset(DEMAND_KEY, f"{model_name}:{version}", repr(time.time()))
 
     async def is_alive(self, model_name: str, version: str, replica_id: str) -> bool:
         beats = await self.replicas(model_name, version)

@@ -48,6 +48,15 @@ class ReplicaHandle:
     num_running: int = 0
 
 
+COLD_START_POLL_S = 0.25  # how often a cold start looks for its replica's ready heartbeat
+
+
+@dataclass(slots=True)
+class _ColdStart:
+    poller: asyncio.Task[list[ReplicaHandle]]
+    num_waiting: int = 0
+
+
 def _local_handle(replica: Replica) -> ReplicaHandle:
     return ReplicaHandle(
         replica_id=replica.replica_id,
@@ -90,6 +99,7 @@ class Runtime:
         self._draining: dict[str, Replica] = {}  # by replica id: no new work, finishing what they hold
         self._unwanted_since: dict[tuple[str, str], float] = {}  # out of the routing table, not yet draining
         self.directory = ReplicaDirectory(settings.REDIS_URL) if settings.REDIS_URL else None
+        self._cold_starts: dict[tuple[str, str], _ColdStart] = {}  # versions requests wait for a replica of
         self._supervisor: asyncio.Task[None] | None = None
         self._route_refresher: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
@@ -107,6 +117,8 @@ class Runtime:
             self._synced.set()
 
     async def stop(self) -> None:
+        for cold in self._cold_starts.values():
+            cold.poller.cancel()
         for task in (self._supervisor, self._route_refresher):
             if task is not None:
                 task.cancel()
@@ -120,11 +132,17 @@ class Runtime:
         if self.directory is not None:
             await self.directory.close()
 
-    async def candidates(self, model_name: str, version: str) -> list[ReplicaHandle]:
+    async def candidates(
+        self, model_name: str, version: str, *, refresh: bool = False
+    ) -> list[ReplicaHandle]:
+        """The version's replicas, from heartbeats up to a second old unless `refresh`."""
         handles = [_local_handle(r) for (m, v), r in self.replicas.items() if (m, v) == (model_name, version)]
         if self.directory is not None:
             local_ids = {h.replica_id for h in handles}
-            for beat in await self.directory.replicas(model_name, version, allow_stale=True):
+            beats = await self.directory.replicas(
+                model_name, version, refresh=refresh, allow_stale=not refresh
+            )
+            for beat in beats:
                 if beat.replica_id in local_ids:
                     continue
                 if beat.state == "ready" and beat.has_missed_beats:
@@ -133,6 +151,39 @@ class Runtime:
                     breaker.trip(beat.replica_id)
                 handles.append(_remote_handle(beat))
         return handles
+
+    async def wait_for_replica(self, model_name: str, version: str) -> list[ReplicaHandle]:
+        """The version's replicas once one is ready, for a request that found none (its version scaled to
+        zero). Meanwhile the autoscaler is told, through Redis, that a request waits for it. However many
+        requests wait, one task per version polls for the replica; it stops when the last one leaves.
+        The caller bounds the wait (asyncio.timeout)."""
+        key = (model_name, version)
+        cold = self._cold_starts.get(key)
+        if cold is None:
+            poller = asyncio.get_running_loop().create_task(
+                self._poll_for_replica(model_name, version), name=f"cold-start-{model_name}:{version}"
+            )
+            cold = self._cold_starts[key] = _ColdStart(poller)
+        cold.num_waiting += 1
+        try:
+            return await asyncio.shield(cold.poller)
+        finally:
+            cold.num_waiting -= 1
+            if cold.num_waiting == 0 and self._cold_starts.get(key) is cold:
+                del self._cold_starts[key]
+                cold.poller.cancel()  # done already, or nobody waits for it any more
+
+    async def _poll_for_replica(self, model_name: str, version: str) -> list[ReplicaHandle]:
+        while True:
+            try:
+                if self.directory is not None:  # without Redis there is no autoscaler to tell
+                    await self.directory.record_demand(model_name, version)
+                replicas = await self.candidates(model_name, version, refresh=True)
+                if any(r.is_ready for r in replicas):
+                    return replicas
+            except Exception as exc:  # Redis away for a moment: the requests wait on, up to their limit
+                logger.warning("cold start of %s:%s: %r; trying again", model_name, version, exc)
+            await asyncio.sleep(COLD_START_POLL_S)
 
     async def is_alive(self, handle: ReplicaHandle) -> bool:
         if handle.is_local:

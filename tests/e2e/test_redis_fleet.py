@@ -278,6 +278,71 @@ def test_the_provisioner_runs_as_many_replica_processes_as_the_target_and_drains
     assert text.count("draining the replica of demo-classify:v1") == 2, text
 
 
+def test_a_model_scaled_to_zero_gets_a_replica_for_a_request_and_loses_it_when_idle(fleet: Fleet) -> None:
+    """The whole loop, every part real: Celery beat runs the autoscaler, the provisioner starts and drains
+    replica processes, and the gateway holds the request that finds no replica until one is ready."""
+
+    def ready_replicas() -> int:
+        beats = httpx.get(f"{fleet.server.url}/readyz").json()["replicas"]
+        return sum(1 for r in beats if r["model"] == "demo-classify" and r["state"] == "ready")
+
+    assert ready_replicas() == 0
+    _set_target(fleet, "demo-classify", 0)
+    scaled = fleet.server.manage("set_scaling", "demo-classify", "--min", "0", "--max", "1")
+    assert scaled.returncode == 0, scaled.stderr
+    env = {
+        **fleet.server.env,
+        "SWITCHYARD_AUTOSCALER_INTERVAL_S": "0.5",
+        "SWITCHYARD_AUTOSCALER_IDLE_BEFORE_ZERO_S": "5",
+    }
+    logs = {name: fleet.state / f"{name}.log" for name in ("celery", "provisioner-zero")}
+    processes: list[subprocess.Popen[bytes]] = []
+    commands = {
+        "celery": [
+            *(sys.executable, "-m", "celery", "-A", "config", "worker", "--beat", "--pool", "solo"),
+            *("--schedule", str(fleet.state / "beat-schedule"), "--loglevel", "INFO"),
+        ],
+        "provisioner-zero": [
+            *(sys.executable, "manage.py", "run_provisioner", "--model", "demo-classify"),
+            *("--devices", "cpu", "--interval", "0.5"),
+        ],
+    }
+    try:
+        for name, command in commands.items():
+            with logs[name].open("wb") as log:
+                processes.append(
+                    subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
+        response = httpx.post(
+            f"{fleet.server.url}/v1/models/demo-classify/infer",
+            headers={"Authorization": f"Bearer {fleet.server.key}"},
+            json={"input": "hello"},
+            timeout=150,  # the gateway holds it for up to SWITCHYARD_COLD_START_TIMEOUT_S (120 s)
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["predictions"][0][0]["label"] in {"negative", "positive"}
+        assert "started a replica of demo-classify:v1" in logs["provisioner-zero"].read_text()
+        # five seconds without a request: the autoscaler scales it to zero and the provisioner drains it
+        fleet.server.wait_until(lambda: ready_replicas() == 0, timeout_s=60)
+        fleet.server.wait_until(
+            lambda: "draining the replica of demo-classify:v1" in logs["provisioner-zero"].read_text(),
+            timeout_s=30,
+        )
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        fleet.server.manage("set_scaling", "demo-classify", "--clear")
+    provisioner_log = logs["provisioner-zero"].read_text()
+    assert provisioner_log.count("started a replica of demo-classify:v1") == 1, provisioner_log
+    assert "autoscaler: demo-classify:v1 0 -> 1 replicas (kept warm" in logs["celery"].read_text()
+
+
 def test_both_replicas_take_traffic(fleet: Fleet) -> None:
     served: set[str] = set()
     for _ in range(40):  # both within a few requests; more only if a heartbeat runs late under load

@@ -3,6 +3,7 @@ version's target from the replicas' heartbeats."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -65,10 +66,38 @@ def test_the_warm_buffer_and_the_bounds() -> None:
     assert recommend([ReplicaSignals(100, 64, 64, 1.0)], POLICY).replicas == POLICY.max_replicas
     with pytest.raises(ValueError, match="min_replicas"):
         ScalingPolicy(min_replicas=3, max_replicas=2)
-    with pytest.raises(ValueError, match="no scaling to zero"):
-        ScalingPolicy(min_replicas=0)
+    with pytest.raises(ValueError, match="max_replicas >= 1"):
+        ScalingPolicy(min_replicas=0, max_replicas=0)
     with pytest.raises(ValueError, match="positive"):
         ScalingPolicy(target_kv_usage=0)
+
+
+TO_ZERO = ScalingPolicy(min_replicas=0, max_replicas=6, idle_before_zero_s=300, scale_down_window_s=60)
+
+
+def test_a_version_that_scales_to_zero_keeps_one_replica_until_idle_and_then_none() -> None:
+    warm = recommend([idle()], TO_ZERO, idle_s=42)
+    assert warm.replicas == 1
+    assert warm.reason.startswith("kept warm, the last request 42 s ago; to zero after 300 s idle")
+    cold = recommend([idle()], TO_ZERO, idle_s=300)
+    assert cold.replicas == 0 and cold.reason.startswith("scaled to zero, no request for 300 s")
+    # no replica: a request waiting at a gateway (idle 0) gets one; a version never asked for, none
+    assert recommend([], TO_ZERO, idle_s=0).reason.startswith("kept warm, a request is waiting")
+    assert recommend([], TO_ZERO, idle_s=0).replicas == 1
+    assert recommend([], TO_ZERO, idle_s=math.inf).replicas == 0
+    # load still counts as load, and the warm buffer is for replicas that serve, not for none
+    assert recommend([ReplicaSignals(7, 64, 64, 0.5)], TO_ZERO, idle_s=0).replicas == 4
+    buffered = ScalingPolicy(min_replicas=0, max_replicas=6, warm_buffer=1, idle_before_zero_s=300)
+    assert recommend([idle()], buffered, idle_s=10).replicas == 2
+    assert recommend([idle()], buffered, idle_s=301).replicas == 0
+    # a policy that does not scale to zero does not care how long it has been idle
+    assert recommend([idle()], POLICY, idle_s=math.inf).replicas == 1
+
+
+def test_zero_holds_at_once_where_any_other_scale_down_waits_out_the_window() -> None:
+    history = [(1000.0, 3), (1010.0, 1)]
+    assert next_target(history, now=1010.0, current=3, policy=TO_ZERO) == 3
+    assert next_target([*history, (1020.0, 0)], now=1020.0, current=3, policy=TO_ZERO) == 0
 
 
 @st.composite
@@ -87,7 +116,7 @@ def signals(draw: st.DrawFn) -> ReplicaSignals:
 
 policies = st.builds(
     ScalingPolicy,
-    min_replicas=st.integers(1, 3),
+    min_replicas=st.integers(0, 3),
     max_replicas=st.integers(3, 10),
     target_queue_per_replica=st.floats(0.5, 8),
     target_saturation=st.floats(0.1, 1),
@@ -102,12 +131,17 @@ policies = st.builds(
     policy=policies,
     index=st.integers(0, 7),
     more=st.integers(1, 50),
+    idle_s=st.one_of(st.floats(0, 600), st.just(math.inf)),
 )
 def test_a_recommendation_stays_in_bounds_and_more_load_never_asks_for_fewer(
-    replicas: list[ReplicaSignals], policy: ScalingPolicy, index: int, more: int
+    replicas: list[ReplicaSignals], policy: ScalingPolicy, index: int, more: int, idle_s: float
 ) -> None:
-    advice = recommend(replicas, policy)
+    advice = recommend(replicas, policy, idle_s=idle_s)
     assert policy.min_replicas <= advice.replicas <= policy.max_replicas
+    if advice.replicas == 0:  # only a policy that allows it, for a version idle long enough
+        assert policy.min_replicas == 0 and idle_s >= policy.idle_before_zero_s
+    # a request more recent never asks for fewer
+    assert recommend(replicas, policy, idle_s=idle_s / 2).replicas >= advice.replicas
     if not replicas:
         return
     i = index % len(replicas)
@@ -122,7 +156,7 @@ def test_a_recommendation_stays_in_bounds_and_more_load_never_asks_for_fewer(
     ]
     for replacement in heavier:
         loaded = [*replicas[:i], replacement, *replicas[i + 1 :]]
-        assert recommend(loaded, policy).replicas >= advice.replicas
+        assert recommend(loaded, policy, idle_s=idle_s).replicas >= advice.replicas
 
 
 # --- next_target: up at once, down after a whole window --------------------------------------------------
@@ -171,6 +205,7 @@ def beat(  # type: ignore[no-untyped-def]
     kv: float = 0.0,
     state: str = "ready",
     sent_at: float | None = None,
+    last_request_at: float = 0.0,
 ):
     from serving.replica_directory import Heartbeat
 
@@ -185,6 +220,7 @@ def beat(  # type: ignore[no-untyped-def]
         kv_cache_usage=kv,
         sent_at=time.time() if sent_at is None else sent_at,
         capacity=64,
+        last_request_at=last_request_at,
     )
 
 
@@ -237,6 +273,43 @@ def test_a_version_that_stops_serving_goes_to_zero_and_a_canary_gets_one(make_mo
     )
     assert autoscale(heartbeats=[], policy=POLICY, now=1002.0) == {("chat", "v1"): 0}
     assert _targets() == {("chat", "v1"): 0, ("chat", "v2"): 1}
+
+
+@pytest.mark.django_db
+def test_a_model_that_scales_to_zero_goes_to_none_when_idle_and_back_to_one_on_demand(make_model) -> None:
+    from rollouts.models import ScaleTarget, ScalingBounds
+    from rollouts.services import autoscale, deployment_create
+
+    model = make_model("chat")
+    ScalingBounds.objects.create(model=model, min_replicas=0, max_replicas=2)
+    policy = TO_ZERO
+
+    def tick(now: float, beats: list, demand: dict | None = None) -> dict:  # type: ignore[type-arg]
+        return autoscale(heartbeats=beats, demand=demand or {}, policy=policy, now=now)
+
+    def reason() -> str:
+        return ScaleTarget.objects.get(version__version="v1").reason
+
+    assert tick(1000.0, [beat("chat", "v1", sent_at=1000.0, last_request_at=990.0)]) == {("chat", "v1"): 1}
+    assert reason().startswith("kept warm, the last request 10 s ago")
+    # idle for the whole idle time: none at once, though the scale-down window (60 s) has not passed
+    assert tick(1290.0, [beat("chat", "v1", sent_at=1290.0, last_request_at=1000.0)]) == {}
+    assert tick(1300.0, [beat("chat", "v1", sent_at=1300.0, last_request_at=1000.0)]) == {("chat", "v1"): 0}
+    assert reason().startswith("scaled to zero")
+    assert tick(1400.0, []) == {}
+    # a request waits at a gateway: one replica; it is still loading on the next ticks, and kept
+    assert tick(1500.0, [], {("chat", "v1"): 1499.0}) == {("chat", "v1"): 1}
+    loading = beat("chat", "v1", state="loading", sent_at=1700.0)  # says no last request yet
+    assert tick(1700.0, [loading], {("chat", "v1"): 1499.0}) == {}
+    # an older replica that does not say when its last request was is never taken for idle
+    assert tick(2000.0, [beat("chat", "v1", sent_at=2000.0)], {("chat", "v1"): 1499.0}) == {}
+    # a deployment in flight keeps both its versions warm, whatever their last request
+    assert tick(2000.0, [beat("chat", "v1", sent_at=2000.0, last_request_at=1.0)]) == {("chat", "v1"): 0}
+    deployment_create(model=model, version="v2", created_by="t")
+    assert tick(2001.0, [beat("chat", "v1", sent_at=2001.0, last_request_at=1.0)]) == {
+        ("chat", "v1"): 1,
+        ("chat", "v2"): 1,
+    }
 
 
 @pytest.mark.django_db
@@ -326,7 +399,7 @@ def test_the_autoscaler_is_on_beat_and_the_embedded_schedule() -> None:
 @pytest.mark.parametrize(
     ("variable", "value", "message"),
     [
-        ("SWITCHYARD_AUTOSCALER_MIN_REPLICAS", "0", "no scaling to zero"),
+        ("SWITCHYARD_AUTOSCALER_MIN_REPLICAS", "0", "scaling to zero is per model"),
         ("SWITCHYARD_MAX_KV_SHARE_PER_TENANT", "1.5", "must be a share in (0, 1]"),
     ],
 )

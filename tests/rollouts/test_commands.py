@@ -99,9 +99,24 @@ def test_set_scaling_bounds_a_models_versions_and_clear_goes_back_to_the_default
     assert autoscale(heartbeats=flood, policy=policy, now=1000.0) == {("chat", "v1"): 8, ("embed", "v1"): 4}
     _run("set_scaling", "chat", "--max", "3")  # the other bound stays
     assert autoscale(heartbeats=flood, policy=policy, now=1001.0) == {("chat", "v1"): 3}
-    with pytest.raises(CommandError, match="no scaling to zero"):
-        _run("set_scaling", "chat", "--min", "0")
     with pytest.raises(CommandError, match="min 5, max 3"):
         _run("set_scaling", "chat", "--min", "5")
+    with pytest.raises(CommandError, match="max >= 1"):
+        _run("set_scaling", "chat", "--min", "0", "--max", "0")
     _run("set_scaling", "chat", "--clear")
     assert autoscale(heartbeats=flood, policy=policy, now=1002.0) == {("chat", "v1"): 4}
+
+
+def test_set_scaling_to_zero_tells_every_gateway_through_the_routing_revision(make_model: Any) -> None:
+    from registry.selectors import routing_snapshot
+
+    make_model("chat")
+    before = routing_snapshot(model_name="chat")
+    assert before is not None and not before.scales_to_zero
+    out = _run("set_scaling", "chat", "--min", "0", "--max", "2")
+    assert "chat: 0 to 2 replicas per serving version" in out and "no request for 300 s scales to zero" in out
+    after = routing_snapshot(model_name="chat")
+    assert after is not None and after.scales_to_zero and after.revision > before.revision
+    _run("set_scaling", "chat", "--clear")
+    cleared = routing_snapshot(model_name="chat")
+    assert cleared is not None and not cleared.scales_to_zero and cleared.revision > after.revision

@@ -221,7 +221,7 @@ async def test_a_replica_that_misses_its_heartbeats_waits_out_the_open_breaker_w
         # Stale, but no older than a beat read from the directory's cache can be: not tripped for that.
         sent_at = time.time() - (STALE_AFTER_S + MISSED_AFTER_S) / 2
 
-        async def replicas(self, model_name: str, version: str, *, allow_stale: bool) -> list[Heartbeat]:
+        async def replicas(self, model_name: str, version: str, **_: bool) -> list[Heartbeat]:
             beat = Heartbeat(
                 "far", model_name, version, "switchyard.replica.x", "ready", 0, 0, 0.0, self.sent_at
             )

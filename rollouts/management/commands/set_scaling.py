@@ -1,13 +1,14 @@
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import IntegrityError
 
 from registry.models import Model
-from rollouts.models import ScalingBounds
+from rollouts.services import scaling_bounds_clear, scaling_bounds_set
 
 
 class Command(BaseCommand):
     help = (
         "Set a model's own replica bounds for the autoscaler, e.g. `set_scaling chat --min 2 --max 8`; "
+        "`--min 0` scales its idle versions to zero (a request then waits while a replica starts); "
         "`--clear` goes back to the defaults (SWITCHYARD_AUTOSCALER_MIN_REPLICAS/MAX_REPLICAS). Every "
         "serving version of the model gets between min and max replicas from the next tick on."
     )
@@ -19,29 +20,27 @@ class Command(BaseCommand):
         parser.add_argument("--clear", action="store_true")
 
     def handle(self, *args: object, **options: object) -> None:
-        from django.conf import settings
-
         model = Model.objects.filter(name=str(options["model"])).first()
         if model is None:
             raise CommandError(f"unknown model {options['model']!r}")
         if options["clear"]:
-            ScalingBounds.objects.filter(model=model).delete()
+            scaling_bounds_clear(model=model)
             self.stdout.write(f"{model.name}: the autoscaler's defaults")
             return
-        current = ScalingBounds.objects.filter(model=model).first()
-        defaults = (
-            (current.min_replicas, current.max_replicas)
-            if current is not None
-            else (settings.AUTOSCALER["min_replicas"], settings.AUTOSCALER["max_replicas"])
-        )
-        low = options["min_replicas"] if options["min_replicas"] is not None else defaults[0]
-        high = options["max_replicas"] if options["max_replicas"] is not None else defaults[1]
-        if not 1 <= int(low) <= int(high):  # type: ignore[call-overload]
-            raise CommandError(f"need 1 <= min <= max (no scaling to zero), got min {low}, max {high}")
         try:
-            ScalingBounds.objects.update_or_create(
-                model=model, defaults={"min_replicas": low, "max_replicas": high}
+            bounds = scaling_bounds_set(
+                model=model,
+                min_replicas=options["min_replicas"],  # type: ignore[arg-type]
+                max_replicas=options["max_replicas"],  # type: ignore[arg-type]
             )
-        except IntegrityError as exc:  # the database's own check, should the one above ever differ
+        except ValueError as exc:
             raise CommandError(str(exc)) from None
-        self.stdout.write(f"{model.name}: {low} to {high} replicas per serving version")
+        self.stdout.write(
+            f"{model.name}: {bounds.min_replicas} to {bounds.max_replicas} replicas per serving version"
+        )
+        if bounds.min_replicas == 0:
+            idle = settings.AUTOSCALER["idle_before_zero_s"]
+            self.stdout.write(
+                f"{model.name}: a version with no request for {idle:g} s scales to zero"
+                + ("" if settings.REDIS_URL else " (with replica processes: the embedded mode keeps one)")
+            )

@@ -1,0 +1,138 @@
+"""Scaling to zero, at the gateway: a request for a version that has no replica waits while one starts
+(a cold start), and asks the autoscaler for it through Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+PARAMS = {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}
+
+
+@pytest.fixture
+async def remote_runtime(redis_url: str) -> AsyncIterator[Any]:
+    """A gateway's runtime that hosts no replica and learns of replicas from their heartbeats in Redis,
+    as in production; messages go over the in-memory layer, which a replica of the test joins."""
+    import redis.asyncio as aioredis
+    from channels.layers import InMemoryChannelLayer
+
+    from serving.replica_directory import ReplicaDirectory
+    from serving.runtime import Runtime
+
+    client = aioredis.Redis.from_url(redis_url)
+    await client.flushdb()
+    runtime = Runtime(InMemoryChannelLayer())
+    runtime.directory = ReplicaDirectory(redis_url)
+    await runtime.start(embedded_replicas=False)
+    try:
+        yield runtime
+    finally:
+        await runtime.stop()
+        await client.flushdb()
+        await client.aclose()
+
+
+def _dispatch(runtime: Any, *, scales_to_zero: bool) -> Any:
+    from serving.dispatch import Dispatch
+
+    submission = {
+        "reply_to": runtime.hub.channel_name,
+        "input": "hello",
+        "messages": None,
+        "inputs": None,
+        "params": PARAMS,
+        "tenant": "t",
+        "cache_group": "t",
+    }
+    return Dispatch(runtime, None, "demo-chat", "v1", submission, scales_to_zero=scales_to_zero)
+
+
+async def _demand(redis_url: str) -> bytes | None:
+    import redis.asyncio as aioredis
+
+    from serving.replica_directory import DEMAND_KEY
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        value: bytes | None = await client.hget(DEMAND_KEY, "demo-chat:v1")
+        return value
+    finally:
+        await client.aclose()
+
+
+async def test_a_request_waits_for_a_replica_to_start_and_is_served_by_it(
+    registered_model: Any, remote_runtime: Any, redis_url: str
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    from registry.selectors import version_ref
+    from serving.replica import Replica
+    from serving.replica_directory import HeartbeatPublisher
+
+    handle = _dispatch(remote_runtime, scales_to_zero=True)
+    waiting = asyncio.create_task(handle.submit())
+    async with asyncio.timeout(10):  # the gateway tells the autoscaler it wants a replica
+        while await _demand(redis_url) is None:
+            await asyncio.sleep(0.05)
+    assert not waiting.done()
+
+    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
+    replica = Replica(ref, layer=remote_runtime.layer, publisher=HeartbeatPublisher(redis_url))
+    try:
+        await replica.start()  # loads, reports ready in its heartbeat
+        async with asyncio.timeout(30):
+            await waiting
+        events = [event async for event in handle.events()]
+        assert handle.replica.replica_id == replica.replica_id
+        assert [e["index"] for e in events if "token" in e] == [0, 1, 2]
+        assert events[-1]["finish_reason"] == "length"
+    finally:
+        await handle.close()
+        await replica.stop()
+
+
+async def test_a_cold_start_past_its_timeout_is_a_503_and_without_scaling_to_zero_the_503_is_at_once(
+    registered_model: Any, remote_runtime: Any, redis_url: str, settings: Any
+) -> None:
+    from serving.gateway import GatewayError
+
+    handle = _dispatch(remote_runtime, scales_to_zero=False)
+    with pytest.raises(GatewayError, match="no ready replica for demo-chat:v1") as at_once:
+        await handle.submit()
+    assert at_once.value.status == 503 and await _demand(redis_url) is None
+    await handle.close()
+
+    settings.COLD_START_TIMEOUT_S = 0.5
+    handle = _dispatch(remote_runtime, scales_to_zero=True)
+    with pytest.raises(GatewayError, match=r"became ready within 0\.5 s") as timed_out:
+        await handle.submit()
+    assert timed_out.value.status == 503 and timed_out.value.retry_after_s == 5
+    assert await _demand(redis_url) is not None
+    await handle.close()
+
+
+async def test_requests_waiting_for_one_version_share_one_poll_and_it_stops_when_they_leave(
+    registered_model: Any, remote_runtime: Any, redis_url: str
+) -> None:
+    handles = [_dispatch(remote_runtime, scales_to_zero=True) for _ in range(3)]
+    waiting = [asyncio.create_task(handle.submit()) for handle in handles]
+    async with asyncio.timeout(10):
+        while await _demand(redis_url) is None:
+            await asyncio.sleep(0.05)
+    (cold,) = remote_runtime._cold_starts.values()
+    assert cold.num_waiting == 3
+    waiting[0].cancel()  # a client leaves: the others wait on
+    await asyncio.gather(waiting[0], return_exceptions=True)
+    assert cold.num_waiting == 2 and not cold.poller.done()
+    for task in waiting[1:]:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert remote_runtime._cold_starts == {}
+    await asyncio.gather(cold.poller, return_exceptions=True)
+    assert cold.poller.cancelled()
+    for handle in handles:
+        await handle.close()
