@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -165,11 +166,19 @@ async def readyz(request: HttpRequest) -> JsonResponse:
         for h in handles
     ]
     num_ready = sum(1 for h in handles if h.is_ready)
-    # Not while a replica of this process is still loading: a server that reported ready with its
-    # embedding model loaded and its chat model not yet answered the first chat requests with 503s. (A
-    # replica that failed to load does not hold readiness back; the others serve.)
-    is_loading = any(h.state == "loading" for h in handles)
-    is_ready = database_ok and num_ready > 0 and not is_loading
+    if settings.EMBEDDED_REPLICAS:
+        # Not while a replica of this process is still loading: a server that reported ready with its
+        # embedding model loaded and its chat model not yet answered the first chat requests with 503s.
+        # (A replica that failed to load does not hold readiness back; the others serve.)
+        local = [h for h in handles if h.is_local]
+        is_loading = any(h.state == "loading" for h in local)
+        is_ready = database_ok and any(h.is_ready for h in local) and not is_loading
+    else:
+        # A gateway in front of replica processes serves whatever they are doing: it routes, holds a
+        # request through a cold start, or answers a 503 of its own. A replica loading somewhere (a
+        # scale-up), or none at all (every model scaled to zero), must not take every gateway out of its
+        # load balancer, which would leave the clients with refused connections instead.
+        is_ready = database_ok
     return JsonResponse(
         {"ready": is_ready, "database": database_ok, "num_ready_replicas": num_ready, "replicas": replicas},
         status=200 if is_ready else 503,

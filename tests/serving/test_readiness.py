@@ -1,4 +1,5 @@
-"""GET /readyz: ready once the database answers and no replica of this process is still loading."""
+"""GET /readyz: ready once the database answers and, where the server hosts its replicas (embedded), one is
+ready and none is still loading; a gateway in front of replica processes is ready whatever they do."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from serving.runtime import ReplicaHandle
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _handle(model: str, state: str) -> ReplicaHandle:
+def _handle(model: str, state: str, *, is_local: bool = True) -> ReplicaHandle:
     return ReplicaHandle(
         replica_id=f"{model}-{state}",
         model_name=model,
@@ -20,7 +21,7 @@ def _handle(model: str, state: str) -> ReplicaHandle:
         load=0,
         kv_cache_usage=0.0,
         is_ready=state == "ready",
-        is_local=True,
+        is_local=is_local,
     )
 
 
@@ -37,12 +38,47 @@ def _handle(model: str, state: str) -> ReplicaHandle:
 async def test_ready_only_when_no_replica_is_still_loading(
     monkeypatch, settings, states: dict, ready: bool
 ) -> None:
+    settings.EMBEDDED_REPLICAS = True
+    response = await _readyz(
+        monkeypatch, settings, [_handle(model, state) for model, state in states.items()]
+    )
+    assert response.status_code == (200 if ready else 503)
+    assert response.json()["ready"] is ready
+
+
+@pytest.mark.parametrize(
+    "handles",
+    [
+        [],  # every model scaled to zero: requests for them wait at the gateway for a cold start
+        [_handle("chat", "ready", is_local=False), _handle("chat", "loading", is_local=False)],  # scaling up
+    ],
+)
+async def test_a_gateway_in_front_of_replica_processes_is_ready_whatever_they_do(
+    monkeypatch, settings, handles: list
+) -> None:
+    settings.EMBEDDED_REPLICAS = False
+    response = await _readyz(monkeypatch, settings, handles)
+    assert response.status_code == 200 and response.json()["replicas"] == [
+        {
+            "model": "chat",
+            "version": "v1",
+            "state": h.state,
+            "replica_id": h.replica_id,
+            "load": 0,
+            "kv_cache_usage": 0.0,
+            "local": False,
+        }
+        for h in handles
+    ]
+
+
+async def _readyz(monkeypatch, settings, handles: list) -> httpx.Response:  # type: ignore[no-untyped-def]
     from config.asgi import application
     from serving import api
 
     class Runtime:
         async def all_replicas(self) -> list[ReplicaHandle]:
-            return [_handle(model, state) for model, state in states.items()]
+            return handles
 
     async def get_runtime() -> Runtime:
         return Runtime()
@@ -51,6 +87,4 @@ async def test_ready_only_when_no_replica_is_still_loading(
     settings.ALLOWED_HOSTS = ["localhost"]
     transport = httpx.ASGITransport(app=application)
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
-        response = await client.get("/readyz")
-    assert response.status_code == (200 if ready else 503)
-    assert response.json()["ready"] is ready
+        return await client.get("/readyz")
