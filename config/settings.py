@@ -275,6 +275,10 @@ if not 1 <= AUTOSCALER["min_replicas"] <= AUTOSCALER["max_replicas"]:
         "SWITCHYARD_AUTOSCALER_MIN_REPLICAS must be from 1 to ..._MAX_REPLICAS "
         "(scaling to zero is per model: manage.py set_scaling MODEL --min 0)"
     )
+if AUTOSCALER["idle_before_zero_s"] <= 0:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("SWITCHYARD_AUTOSCALER_IDLE_BEFORE_ZERO_S must be above 0")
 # How long a request for a version scaled to zero waits at the gateway for a replica to start (load and
 # warm up) before it gets a 503.
 COLD_START_TIMEOUT_S = float(os.environ.get("SWITCHYARD_COLD_START_TIMEOUT_S", "120"))

@@ -69,6 +69,15 @@ class RoutingSnapshot:
     # finds none waits while one starts, where it would otherwise get a 503 at once.
     scales_to_zero: bool = False
 
+    def serves(self, version: str) -> bool:
+        """Whether the version must have replicas: traffic, an alias or shadow copies (as
+        versions_with_traffic)."""
+        return (
+            self.weights.get(version, 0) > 0
+            or version in self.aliases.values()
+            or (self.mirror is not None and self.mirror[0] == version)
+        )
+
 
 def tenant_context_for_api_key(raw_key: str) -> TenantContext | None:
     """Resolve a presented key. Candidates are found by their visible prefix; the hashes are then

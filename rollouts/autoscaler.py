@@ -47,8 +47,10 @@ class ScalingPolicy:
             raise ValueError("need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
         if min(self.target_queue_per_replica, self.target_saturation, self.target_kv_usage) <= 0:
             raise ValueError("every target must be positive")
-        if self.warm_buffer < 0 or self.scale_down_window_s < 0 or self.idle_before_zero_s < 0:
-            raise ValueError("warm_buffer, scale_down_window_s and idle_before_zero_s must not be negative")
+        if self.warm_buffer < 0 or self.scale_down_window_s < 0:
+            raise ValueError("warm_buffer and scale_down_window_s must not be negative")
+        if self.idle_before_zero_s <= 0:  # 0 would take a version with a request waiting for idle
+            raise ValueError("idle_before_zero_s must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,15 +72,22 @@ class Recommendation:
 
 
 def recommend(
-    replicas: Sequence[ReplicaSignals], policy: ScalingPolicy, *, idle_s: float = 0.0
+    replicas: Sequence[ReplicaSignals],
+    policy: ScalingPolicy,
+    *,
+    idle_s: float = 0.0,
+    kept_warm_by: str | None = None,
 ) -> Recommendation:
     """The replicas the version's current load needs. `replicas`: its ready replicas' heartbeats (none
-    for a version that has none yet: it gets min_replicas). `idle_s`: how long since the version last
-    had a request or a request waited for it (math.inf: never); it matters only with min_replicas 0."""
+    for a version that has none yet: it gets min_replicas). With min_replicas 0 only: `idle_s`, how long
+    since the version last had a request or a request waited for it (math.inf: never); `kept_warm_by`,
+    a reason to keep one replica however long it has been idle."""
     floor = _Floor(policy.min_replicas, f"the minimum, {policy.min_replicas}")
-    if policy.min_replicas == 0 and idle_s < policy.idle_before_zero_s:
-        since = "a request is waiting" if idle_s == 0 else f"the last request {idle_s:.0f} s ago"
-        floor = _Floor(1, f"kept warm, {since}; to zero after {policy.idle_before_zero_s:g} s idle")
+    if policy.min_replicas == 0 and kept_warm_by is not None:
+        floor = _Floor(1, f"kept warm: {kept_warm_by}")
+    elif policy.min_replicas == 0 and idle_s < policy.idle_before_zero_s:
+        after = f"{policy.idle_before_zero_s:g} s"
+        floor = _Floor(1, f"kept warm: the last request {idle_s:.0f} s ago, to zero after {after}")
     if not replicas:
         return _bounded(0, "no ready replica", policy, floor, {"ready": 0})
     n = len(replicas)

@@ -216,8 +216,8 @@ def fleet_heartbeats() -> list[Any]:
 
 
 def fleet_demand() -> dict[tuple[str, str], float]:
-    """(model, version) -> the wall clock at which a request last waited at a gateway for a replica of a
-    version that had none (serving.replica_directory.DEMAND_KEY); empty without Redis. Raises
+    """(model, version) -> seconds since a request last waited at a gateway for a replica of a version
+    that had none (serving.replica_directory.DEMAND_KEY), on Redis' clock; empty without Redis. Raises
     HeartbeatsUnavailable when Redis cannot be read: no demand would let a waiting request's version stay
     at zero."""
     if not settings.REDIS_URL:
@@ -229,6 +229,7 @@ def fleet_demand() -> dict[tuple[str, str], float]:
     client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
     try:
         raw = client.hgetall(DEMAND_KEY)
+        seconds, micros = client.time()
     except redis.RedisError as exc:
         raise HeartbeatsUnavailable(f"gateway demand unreadable ({exc})") from exc
     finally:
@@ -237,7 +238,7 @@ def fleet_demand() -> dict[tuple[str, str], float]:
     for field, value in raw.items():
         model_name, _, version = field.decode().partition(":")
         try:
-            demand[(model_name, version)] = float(value)
+            demand[(model_name, version)] = max(0.0, seconds + micros / 1e6 - float(value))
         except ValueError:
             logger.warning("skipping gateway demand %r for %s", value, field)
     return demand

@@ -726,14 +726,16 @@ def autoscale(
     """One autoscaler tick: each version that must serve (traffic, an alias, shadow copies) gets a
     target from its ready replicas' heartbeats (rollouts.autoscaler); every other version that had one
     gets 0. Returns the targets that changed. `heartbeats` (Heartbeat objects) default to the fleet's,
-    `demand` (version -> when a request last waited at a gateway for a replica of it) to the gateways';
+    `demand` (version -> seconds since a request last waited at a gateway for a replica of it) to the
+    gateways';
     raises HeartbeatsUnavailable when they cannot be read, changing nothing."""
     policy = policy or ScalingPolicy(**settings.AUTOSCALER)
     now = time.time() if now is None else now
     beats = fleet_heartbeats() if heartbeats is None else heartbeats
     demand = fleet_demand() if demand is None else demand
     signals: dict[tuple[str, str], list[ReplicaSignals]] = {}
-    last_request: dict[tuple[str, str], float] = dict(demand)
+    idle_s: dict[tuple[str, str], float] = dict(demand)  # the least any replica or gateway says
+    reported: set[tuple[str, str]] = set()  # versions that a replica says, fresh, how idle they are
     for beat in beats:
         # A loading or draining replica is neither capacity nor load yet. Freshness is looser than the
         # router's: a busy replica's beat may be late, and this host's clock may differ a little; the
@@ -741,8 +743,8 @@ def autoscale(
         if now - beat.sent_at >= AUTOSCALER_BEAT_MAX_AGE_S:
             continue
         key = (beat.model_name, beat.version)
-        # A replica that does not say (0: an older one) is never taken for idle.
-        last_request[key] = max(last_request.get(key, 0.0), beat.last_request_at or now)
+        idle_s[key] = min(idle_s.get(key, math.inf), beat.idle_s)
+        reported.add(key)
         if beat.state == "ready":
             signals.setdefault(key, []).append(
                 ReplicaSignals(
@@ -750,7 +752,7 @@ def autoscale(
                 )
             )
     with transaction.atomic():
-        return _write_targets(signals, last_request, policy, now)
+        return _write_targets(signals, idle_s, reported, policy, now)
 
 
 @transaction.atomic
@@ -782,6 +784,22 @@ def scaling_bounds_clear(*, model: Model) -> None:
         routing_changed(model=model)
 
 
+def _kept_warm() -> dict[tuple[str, str], str]:
+    """Versions that keep a replica however long they have been idle, with why: both versions of a
+    deployment in flight (it waits for its candidate's replica and judges both) and a version that shadow
+    copies go to (they never wait for a cold start)."""
+    kept: dict[tuple[str, str], str] = {}
+    for model_name, candidate, incumbent in Deployment.objects.filter(
+        state__in=Deployment.IN_FLIGHT_STATES
+    ).values_list("model__name", "candidate__version", "incumbent__version"):
+        kept[(model_name, candidate)] = kept[(model_name, incumbent)] = "a deployment in flight"
+    for model_name, version in RoutingTable.objects.filter(
+        mirror_version__isnull=False, mirror_pct__gt=0
+    ).values_list("model__name", "mirror_version__version"):
+        kept.setdefault((model_name, version), "shadow copies go to it")
+    return kept
+
+
 def _bounded_policy(policy: ScalingPolicy, bounds: tuple[int, int] | None) -> ScalingPolicy:
     """The policy with a model's own bounds (ScalingBounds) over the defaults."""
     if bounds is None:
@@ -791,19 +809,15 @@ def _bounded_policy(policy: ScalingPolicy, bounds: tuple[int, int] | None) -> Sc
 
 def _write_targets(
     signals: dict[tuple[str, str], list[ReplicaSignals]],
-    last_request: dict[tuple[str, str], float],
+    idle_s: dict[tuple[str, str], float],
+    reported: set[tuple[str, str]],
     policy: ScalingPolicy,
     now: float,
 ) -> dict[tuple[str, str], int]:
     """autoscale's writes, in one transaction."""
     serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_with_traffic()}
     bounds = scaling_bounds()
-    # A deployment's versions are never idle: it waits for its candidate's replica, and judges both.
-    in_deployment = set()
-    for row in Deployment.objects.filter(state__in=Deployment.IN_FLIGHT_STATES).values_list(
-        "model__name", "candidate__version", "incumbent__version"
-    ):
-        in_deployment |= {(row[0], row[1]), (row[0], row[2])}
+    kept_warm = _kept_warm()
     existing = {  # locked: a second tick running meanwhile (two workers) waits, then reads these rows
         (t.version.model.name, t.version.version): t
         # of=self: the registry's rows stay unlocked (a deployment locks its Model row)
@@ -812,9 +826,15 @@ def _write_targets(
     changed: dict[tuple[str, str], int] = {}
     for key, version_id in serving.items():
         model_policy = _bounded_policy(policy, bounds.get(key[0]))
-        idle_s = 0.0 if key in in_deployment else max(0.0, now - last_request.get(key, -math.inf))
-        advice = recommend(signals.get(key, []), model_policy, idle_s=idle_s)
         target = existing.get(key) or ScaleTarget(version_id=version_id, replicas=0)
+        why = kept_warm.get(key)
+        if why is None and key not in reported and target.replicas:
+            # Only a replica's word takes a version to zero: missed heartbeats, or a replica still loading
+            # (it beats once ready) however long ago its request left, are no evidence of idleness.
+            why = "no replica has said how long it has been idle"
+        advice = recommend(
+            signals.get(key, []), model_policy, idle_s=idle_s.get(key, math.inf), kept_warm_by=why
+        )
         history = [
             (float(t), int(n)) for t, n in target.recommendations if now - t <= policy.scale_down_window_s
         ]

@@ -106,8 +106,14 @@ class Dispatch:
         """Pick a replica, send, and wait until it accepts. `charge` (a tenant and the tokens to charge
         it): admit the request too, in the same step as the send. Raises GatewayError (400, 429, 503)."""
         replicas = await self._runtime.candidates(self.model_name, self.version)
-        if self._scales_to_zero and not exclude and not any(r.is_ready for r in replicas):
-            await self._refuse_if_over_quota(charge)  # a 429 does not wait for a cold start
+        if (
+            self._scales_to_zero
+            and self._runtime.can_cold_start
+            and not any(r.is_ready and r.replica_id not in exclude for r in replicas)
+        ):
+            if charge is not None:  # admitted now: a 429 does not wait, and the wait holds its slot
+                self._ticket = await gateway.quota_store().aadmit(charge[0], tokens=charge[1])
+                charge = None
             replicas = await self._cold_start()
         candidates = [
             r for r in replicas if r.is_ready and r.replica_id not in exclude and breaker.allows(r.replica_id)
@@ -394,9 +400,9 @@ async def dispatch(
         "tenant": context.tenant_name,
         "cache_group": context.cache_group,
     }
-    handle = Dispatch(
-        runtime, ticket, model_name, version, submission, scales_to_zero=snapshot.scales_to_zero
-    )
+    # A cold start only for a version the autoscaler gives replicas to: a pin to any other has none.
+    scales_to_zero = snapshot.scales_to_zero and snapshot.serves(version)
+    handle = Dispatch(runtime, ticket, model_name, version, submission, scales_to_zero=scales_to_zero)
     try:
         await handle.submit(charge=(context, tokens) if ticket is None else None)
     except BaseException:

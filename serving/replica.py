@@ -213,7 +213,7 @@ class Replica:
         self._aborts: list[str] = []
         self._num_preparing = 0  # arrived, still being prepared (under the inbox's lock)
         self._num_queued = 0  # arrivals ever counted in (the model thread counts those it takes)
-        self._last_request_at = 0.0  # wall clock: ready, or its last submission (the autoscaler's idle)
+        self._last_request_at = 0.0  # monotonic: ready, or its last submission (the heartbeat's idle_s)
         self._stopping = False  # tells the model thread to return
         self._engine_run: asyncio.Future[None] | None = None
         self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()  # model thread -> loop, in step order
@@ -266,7 +266,7 @@ class Replica:
             self._settled.set()
             return
         self.state = ReplicaState.READY
-        self._last_request_at = time.time()
+        self._last_request_at = time.monotonic()
         self._settled.set()
         register_recorder(self.metrics)
         self._engine_run = loop.run_in_executor(self._executor, self._run_engine)
@@ -409,7 +409,7 @@ class Replica:
             sent_at=time.time(),
             capacity=self.capacity,
             is_generative=self.ref.kind == Model.Kind.CAUSAL_LM,
-            last_request_at=self._last_request_at,
+            idle_s=time.monotonic() - self._last_request_at if self._last_request_at else 0.0,
         )
 
     async def _beat(self) -> None:
@@ -452,7 +452,7 @@ class Replica:
                         },
                     )
                     continue
-                self._last_request_at = time.time()
+                self._last_request_at = time.monotonic()
                 self._arrive(submission=message)
             elif kind == ABORT:
                 self._arrive(abort=message["request_id"])

@@ -31,9 +31,11 @@ _SERVE_STALE_S = 1.0
 # runtime opens the replica's circuit breaker on it (serving/breaker.py).
 MISSED_AFTER_S = STALE_AFTER_S + _SERVE_STALE_S
 KEY_PREFIX = "switchyard:replicas:"
-# One hash: "model:version" -> the wall clock at which a request last waited for a replica of a version
-# that had none (scaled to zero). The autoscaler reads it as a request to that version.
+# One hash: "model:version" -> when a request last waited for a replica of a version that had none
+# (scaled to zero), in seconds on Redis' own clock (TIME), which the autoscaler compares with the same
+# clock. It reads the entry as a request to that version.
 DEMAND_KEY = "switchyard:demand"
+RECORD_DEMAND_SCRIPT = "local t = redis.call('TIME'); redis.call('HSET', KEYS[1], ARGV[1], t[1]); return t[1]"
 
 
 def version_key(model_name: str, version: str) -> str:
@@ -53,9 +55,10 @@ class Heartbeat:
     sent_at: float  # wall clock
     capacity: int = 0  # the most sequences (or batch items) it runs at once; 0: not known (older replicas)
     is_generative: bool = True  # False: an encoder, whose queue is inputs waiting for a batch
-    # Wall clock of its last submission, or of becoming ready: how long the version has been idle, for
-    # scaling to zero. 0: not known (an older replica), which the autoscaler never takes for idle.
-    last_request_at: float = 0.0
+    # Seconds since its last submission (or since it became ready), on its own clock, so that no host's
+    # clock need agree with another's: how long the version has been idle, for scaling to zero. An older
+    # replica does not say, and 0 is never taken for idle.
+    idle_s: float = 0.0
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Heartbeat:
@@ -96,7 +99,7 @@ _HEARTBEAT_FIELDS = frozenset(f.name for f in dataclasses.fields(Heartbeat))
 _HEARTBEAT_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("replica_id", "model_name", "version", "channel_name", "state"), (str,)),
     **dict.fromkeys(("num_waiting", "num_running", "capacity"), (int,)),
-    **dict.fromkeys(("kv_cache_usage", "sent_at", "last_request_at"), (int, float)),
+    **dict.fromkeys(("kv_cache_usage", "sent_at", "idle_s"), (int, float)),
     "is_generative": (bool,),
 }
 
@@ -180,7 +183,7 @@ class ReplicaDirectory:
         return beats
 
     async def record_demand(self, model_name: str, version: str) -> None:
-        await self._redis.hset(DEMAND_KEY, f"{model_name}:{version}", repr(time.time()))
+        await self._redis.eval(RECORD_DEMAND_SCRIPT, 1, DEMAND_KEY, f"{model_name}:{version}")
 
     async def is_alive(self, model_name: str, version: str, replica_id: str) -> bool:
         beats = await self.replicas(model_name, version)

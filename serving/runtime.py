@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ class ReplicaHandle:
 
 
 COLD_START_POLL_S = 0.25  # how often a cold start looks for its replica's ready heartbeat
+DEMAND_EVERY_S = 1.0  # and how often it tells the autoscaler (Redis) that requests wait
 
 
 @dataclass(slots=True)
@@ -119,6 +121,7 @@ class Runtime:
     async def stop(self) -> None:
         for cold in self._cold_starts.values():
             cold.poller.cancel()
+        self._cold_starts.clear()
         for task in (self._supervisor, self._route_refresher):
             if task is not None:
                 task.cancel()
@@ -152,6 +155,12 @@ class Runtime:
                 handles.append(_remote_handle(beat))
         return handles
 
+    @property
+    def can_cold_start(self) -> bool:
+        """Whether a request may wait for a replica to be started: with replica processes, which the
+        autoscaler and a provisioner start. The embedded supervisor runs one per serving version anyway."""
+        return self.directory is not None
+
     async def wait_for_replica(self, model_name: str, version: str) -> list[ReplicaHandle]:
         """The version's replicas once one is ready, for a request that found none (its version scaled to
         zero). Meanwhile the autoscaler is told, through Redis, that a request waits for it. However many
@@ -174,10 +183,13 @@ class Runtime:
                 cold.poller.cancel()  # done already, or nobody waits for it any more
 
     async def _poll_for_replica(self, model_name: str, version: str) -> list[ReplicaHandle]:
+        assert self.directory is not None
+        told_at = -math.inf
         while True:
             try:
-                if self.directory is not None:  # without Redis there is no autoscaler to tell
+                if time.monotonic() - told_at >= DEMAND_EVERY_S:
                     await self.directory.record_demand(model_name, version)
+                    told_at = time.monotonic()
                 replicas = await self.candidates(model_name, version, refresh=True)
                 if any(r.is_ready for r in replicas):
                     return replicas

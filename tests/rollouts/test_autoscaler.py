@@ -78,13 +78,14 @@ TO_ZERO = ScalingPolicy(min_replicas=0, max_replicas=6, idle_before_zero_s=300, 
 def test_a_version_that_scales_to_zero_keeps_one_replica_until_idle_and_then_none() -> None:
     warm = recommend([idle()], TO_ZERO, idle_s=42)
     assert warm.replicas == 1
-    assert warm.reason.startswith("kept warm, the last request 42 s ago; to zero after 300 s idle")
+    assert warm.reason.startswith("kept warm: the last request 42 s ago, to zero after 300 s")
     cold = recommend([idle()], TO_ZERO, idle_s=300)
     assert cold.replicas == 0 and cold.reason.startswith("scaled to zero, no request for 300 s")
     # no replica: a request waiting at a gateway (idle 0) gets one; a version never asked for, none
-    assert recommend([], TO_ZERO, idle_s=0).reason.startswith("kept warm, a request is waiting")
     assert recommend([], TO_ZERO, idle_s=0).replicas == 1
     assert recommend([], TO_ZERO, idle_s=math.inf).replicas == 0
+    kept = recommend([idle()], TO_ZERO, idle_s=math.inf, kept_warm_by="a deployment in flight")
+    assert kept.replicas == 1 and kept.reason.startswith("kept warm: a deployment in flight")
     # load still counts as load, and the warm buffer is for replicas that serve, not for none
     assert recommend([ReplicaSignals(7, 64, 64, 0.5)], TO_ZERO, idle_s=0).replicas == 4
     buffered = ScalingPolicy(min_replicas=0, max_replicas=6, warm_buffer=1, idle_before_zero_s=300)
@@ -92,6 +93,8 @@ def test_a_version_that_scales_to_zero_keeps_one_replica_until_idle_and_then_non
     assert recommend([idle()], buffered, idle_s=301).replicas == 0
     # a policy that does not scale to zero does not care how long it has been idle
     assert recommend([idle()], POLICY, idle_s=math.inf).replicas == 1
+    with pytest.raises(ValueError, match="idle_before_zero_s must be positive"):
+        ScalingPolicy(min_replicas=0, idle_before_zero_s=0)
 
 
 def test_zero_holds_at_once_where_any_other_scale_down_waits_out_the_window() -> None:
@@ -205,7 +208,7 @@ def beat(  # type: ignore[no-untyped-def]
     kv: float = 0.0,
     state: str = "ready",
     sent_at: float | None = None,
-    last_request_at: float = 0.0,
+    idle_s: float = 0.0,
 ):
     from serving.replica_directory import Heartbeat
 
@@ -220,7 +223,7 @@ def beat(  # type: ignore[no-untyped-def]
         kv_cache_usage=kv,
         sent_at=time.time() if sent_at is None else sent_at,
         capacity=64,
-        last_request_at=last_request_at,
+        idle_s=idle_s,
     )
 
 
@@ -282,34 +285,43 @@ def test_a_model_that_scales_to_zero_goes_to_none_when_idle_and_back_to_one_on_d
 
     model = make_model("chat")
     ScalingBounds.objects.create(model=model, min_replicas=0, max_replicas=2)
-    policy = TO_ZERO
 
     def tick(now: float, beats: list, demand: dict | None = None) -> dict:  # type: ignore[type-arg]
-        return autoscale(heartbeats=beats, demand=demand or {}, policy=policy, now=now)
+        return autoscale(heartbeats=beats, demand=demand or {}, policy=TO_ZERO, now=now)
 
     def reason() -> str:
         return ScaleTarget.objects.get(version__version="v1").reason
 
-    assert tick(1000.0, [beat("chat", "v1", sent_at=1000.0, last_request_at=990.0)]) == {("chat", "v1"): 1}
-    assert reason().startswith("kept warm, the last request 10 s ago")
+    # never asked for: none
+    assert tick(900.0, []) == {("chat", "v1"): 0}
+    # a request waits at a gateway (0.4 s ago, on Redis' clock): one
+    assert tick(1000.0, [], {("chat", "v1"): 0.4}) == {("chat", "v1"): 1}
+    assert reason().startswith("kept warm: the last request 0 s ago")
+    # its replica still loads (it sends no heartbeat until ready), and the request left: kept
+    assert tick(1400.0, [], {("chat", "v1"): 400.0}) == {}
+    assert reason().startswith("kept warm: no replica has said how long it has been idle")
+    # ready, and serving: the least idle time of its replicas counts
+    beats = [
+        beat("chat", "v1", sent_at=1500.0, idle_s=500.0),
+        beat("chat", "v1", sent_at=1500.0, idle_s=10.0),
+    ]
+    assert tick(1500.0, beats) == {}
     # idle for the whole idle time: none at once, though the scale-down window (60 s) has not passed
-    assert tick(1290.0, [beat("chat", "v1", sent_at=1290.0, last_request_at=1000.0)]) == {}
-    assert tick(1300.0, [beat("chat", "v1", sent_at=1300.0, last_request_at=1000.0)]) == {("chat", "v1"): 0}
+    assert tick(1510.0, [beat("chat", "v1", sent_at=1510.0, idle_s=299.0)]) == {}
+    assert tick(1511.0, [beat("chat", "v1", sent_at=1511.0, idle_s=300.0)]) == {("chat", "v1"): 0}
     assert reason().startswith("scaled to zero")
-    assert tick(1400.0, []) == {}
-    # a request waits at a gateway: one replica; it is still loading on the next ticks, and kept
-    assert tick(1500.0, [], {("chat", "v1"): 1499.0}) == {("chat", "v1"): 1}
-    loading = beat("chat", "v1", state="loading", sent_at=1700.0)  # says no last request yet
-    assert tick(1700.0, [loading], {("chat", "v1"): 1499.0}) == {}
-    # an older replica that does not say when its last request was is never taken for idle
-    assert tick(2000.0, [beat("chat", "v1", sent_at=2000.0)], {("chat", "v1"): 1499.0}) == {}
-    # a deployment in flight keeps both its versions warm, whatever their last request
-    assert tick(2000.0, [beat("chat", "v1", sent_at=2000.0, last_request_at=1.0)]) == {("chat", "v1"): 0}
+    # an older replica that does not say how long it has been idle (0) is never taken for idle
+    assert tick(1600.0, [beat("chat", "v1", sent_at=1600.0)]) == {("chat", "v1"): 1}
+    # heartbeats missed (or this host's clock ahead of the replicas'): held, not taken for idle
+    assert tick(1700.0, [beat("chat", "v1", sent_at=1600.0, idle_s=9999.0)]) == {}
+    # a deployment in flight keeps both its versions warm, however idle
+    assert tick(1800.0, [beat("chat", "v1", sent_at=1800.0, idle_s=9999.0)]) == {("chat", "v1"): 0}
     deployment_create(model=model, version="v2", created_by="t")
-    assert tick(2001.0, [beat("chat", "v1", sent_at=2001.0, last_request_at=1.0)]) == {
+    assert tick(1801.0, [beat("chat", "v1", sent_at=1801.0, idle_s=9999.0)]) == {
         ("chat", "v1"): 1,
         ("chat", "v2"): 1,
     }
+    assert reason().startswith("kept warm: a deployment in flight")
 
 
 @pytest.mark.django_db
@@ -353,6 +365,13 @@ def test_the_tick_reads_an_embedded_replica_and_heartbeats_in_redis(make_model, 
     # a newer replica's beat, with a field this code does not know, and one that does not parse
     client.hset(version_key("chat", "v1"), remote.replica_id, json.dumps({**asdict(remote), "new_field": 1}))
     client.hset(version_key("chat", "v1"), "broken", b"{not json")
+    # a model scaled to zero, with no replica, for which a request waits at a gateway
+    from rollouts.models import ScalingBounds
+    from serving.replica_directory import DEMAND_KEY, RECORD_DEMAND_SCRIPT
+
+    cold = make_model("cold", versions=("v1",))
+    ScalingBounds.objects.create(model=cold, min_replicas=0, max_replicas=1)
+    client.eval(RECORD_DEMAND_SCRIPT, 1, DEMAND_KEY, "cold:v1")  # as ReplicaDirectory.record_demand writes it
 
     class LocalReplica:
         replica_id = "local-1"
@@ -368,12 +387,13 @@ def test_the_tick_reads_an_embedded_replica_and_heartbeats_in_redis(make_model, 
     settings.REDIS_URL = redis_url
     settings.AUTOSCALER = {**settings.AUTOSCALER, "max_replicas": 4}
     try:
-        assert autoscaler_tick() == 2
+        assert autoscaler_tick() == 3
     finally:
         del data_plane._runtimes[loop]
         loop.close()
         client.flushdb()
-    assert _targets() == {("chat", "v1"): 4, ("other", "v1"): 2}  # ceil(9 / 2) = 5, capped; 64/64 > 0.9
+    # ceil(9 / 2) = 5, capped; 64/64 > 0.9; and one replica for the request waiting
+    assert _targets() == {("chat", "v1"): 4, ("other", "v1"): 2, ("cold", "v1"): 1}
 
 
 @pytest.mark.django_db

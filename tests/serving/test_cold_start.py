@@ -136,3 +136,49 @@ async def test_requests_waiting_for_one_version_share_one_poll_and_it_stops_when
     assert cold.poller.cancelled()
     for handle in handles:
         await handle.close()
+
+
+async def test_a_request_held_for_a_cold_start_holds_its_quota_slot_and_gives_it_back_when_it_leaves(
+    registered_model: Any, remote_runtime: Any, redis_url: str, make_tenant: Any, monkeypatch: Any
+) -> None:
+    """Through dispatch(), as the views call it: the routing table says the model scales to zero."""
+    from asgiref.sync import sync_to_async
+
+    from registry.models import Model
+    from rollouts.services import scaling_bounds_set
+    from serving import dispatch as dispatch_module
+    from serving.gateway import GatewayError
+    from serving.router import routing_cache
+
+    model = await Model.objects.aget(name="demo-chat")
+    await sync_to_async(scaling_bounds_set)(model=model, min_replicas=0, max_replicas=1)
+    routing_cache.clear()
+    one_at_a_time = await sync_to_async(make_tenant)("solo", max_concurrent_requests=1)
+
+    async def runtime() -> Any:
+        return remote_runtime
+
+    monkeypatch.setattr(dispatch_module, "get_runtime", runtime)
+
+    def request() -> Any:
+        return dispatch_module.dispatch(
+            context=one_at_a_time.context, path_model="demo-chat", pin=None, params=PARAMS, text="hello"
+        )
+
+    waiting = asyncio.create_task(request())
+    async with asyncio.timeout(10):
+        while await _demand(redis_url) is None:
+            await asyncio.sleep(0.05)
+    with pytest.raises(GatewayError) as refused:  # its one slot is the waiting request's
+        await request()
+    assert refused.value.status == 429
+    waiting.cancel()  # the client leaves: its slot is free again, and its wait is over
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert remote_runtime._cold_starts == {}
+    again = asyncio.create_task(request())
+    async with asyncio.timeout(10):
+        while not remote_runtime._cold_starts:
+            await asyncio.sleep(0.05)
+    assert not again.done()  # waiting, not refused
+    again.cancel()
+    await asyncio.gather(again, return_exceptions=True)
