@@ -247,6 +247,7 @@ ROLLOUT_THRESHOLDS: dict[str, float] = {
     "alpha": 0.01,
     "min_rate_increase": 0.005,
     "min_output_length_ratio": 0.5,
+    "min_truncation_increase": 0.05,
 }
 # Where the judge reads a version's window: f(*, model_name, version, start, end) -> window (dotted path).
 ROLLOUT_WINDOW_READER = os.environ.get("SWITCHYARD_ROLLOUT_WINDOW_READER", "serving.selectors.version_window")

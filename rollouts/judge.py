@@ -22,14 +22,18 @@ Rules, in order:
      (hypergeometric upper tail) when the canary's expected count of errors or of successes is below 5,
      else the two-proportion z-test with a pooled variance. The difference must also be at least
      `min_rate_increase` (absolute), so that huge windows do not turn harmless differences into rollbacks.
-   - quality proxy: the empty-output rate (among requests that did not fail), tested the same way; and
-     the canary's mean output length below the incumbent's x `min_output_length_ratio`.
+   - quality proxy: the empty-output rate and the truncated-output rate (requests that ran into their
+     max_tokens, finish_reason "length"; a model that no longer ends its answers does), both among
+     requests that did not fail, tested the same way; the truncated rate must also rise by at least
+     `min_truncation_increase`, since it is large and moves with the clients' max_tokens, which the
+     split gives both versions alike. And the canary's mean output length below the incumbent's x
+     `min_output_length_ratio`.
    `alpha` is the false-rollback rate allowed per step. The judge looks at a growing window every few
-   seconds (`num_looks` per bake window) and runs four tests per look (two latency, two rates), so each
-   single test is run at alpha / (4 x num_looks) (Bonferroni); testing every look at alpha would roll
-   back roughly one healthy canary in twenty (measured by the simulated rollouts in
+   seconds (`num_looks` per bake window) and runs five tests per look (two latency, three rates), so
+   each single test is run at alpha / (5 x num_looks) (Bonferroni); testing every look at alpha would
+   roll back roughly one healthy canary in twenty (measured by the simulated rollouts in
    tests/rollouts/test_judge.py). Looks past the planned ones (a step held by an unconfirmed latency
-   breach) spend a halving share each: look num_looks + j runs each test at alpha / (4 x 2^j), so a
+   breach) spend a halving share each: look num_looks + j runs each test at alpha / (5 x 2^j), so a
    hold of any length adds at most alpha to the step's false-rollback rate (2 x alpha in all).
 3. ADVANCE when healthy (no breach at all) and the step's bake window has elapsed.
 4. HOLD otherwise.
@@ -45,7 +49,7 @@ from typing import Any, Protocol
 FISHER_TEST = "fisher_exact_one_sided"
 Z_TEST = "two_proportion_z_one_sided"
 MIN_EXPECTED_COUNT_FOR_Z = 5.0
-RATE_TESTS = ("errors", "empty_outputs")
+RATE_TESTS = ("errors", "empty_outputs", "truncated")
 LATENCY_METRICS = ("ttft", "tpot")
 NUM_TESTS = len(RATE_TESTS) + len(LATENCY_METRICS)
 
@@ -83,6 +87,7 @@ class VersionWindow:
     # Shadow copies whose text could be compared with the incumbent's, and how many matched.
     num_shadow_compared: int = 0
     num_shadow_matched: int = 0
+    num_truncated: int = 0  # finished without an error at their max_tokens (finish_reason "length")
 
     @property
     def num_ok(self) -> int:
@@ -95,6 +100,10 @@ class VersionWindow:
     @property
     def empty_output_rate(self) -> float | None:
         return self.num_empty_outputs / self.num_ok if self.num_ok else None
+
+    @property
+    def truncated_output_rate(self) -> float | None:
+        return self.num_truncated / self.num_ok if self.num_ok else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +118,7 @@ class Thresholds:
     alpha: float = 0.01
     min_rate_increase: float = 0.005
     min_output_length_ratio: float = 0.5
+    min_truncation_increase: float = 0.05
 
     @classmethod
     def names(cls) -> frozenset[str]:
@@ -212,8 +222,10 @@ def _window_figures(window: VersionWindow) -> dict[str, Any]:
         "num_requests": window.num_requests,
         "num_errors": window.num_errors,
         "num_empty_outputs": window.num_empty_outputs,
+        "num_truncated": window.num_truncated,
         "error_rate": _round(window.error_rate, 6),
         "empty_output_rate": _round(window.empty_output_rate, 6),
+        "truncated_output_rate": _round(window.truncated_output_rate, 6),
         "ttft_p99_ms": _round(window.ttft_p99_ms, 3),
         "tpot_p99_ms": _round(window.tpot_p99_ms, 3),
         "mean_output_tokens": _round(window.mean_output_tokens, 3),
@@ -296,30 +308,32 @@ def decide(
         (
             "errors",
             "error rate",
-            canary.num_errors,
-            canary.num_requests,
-            incumbent.num_errors,
-            incumbent.num_requests,
+            (canary.num_errors, canary.num_requests, incumbent.num_errors, incumbent.num_requests),
+            thresholds.min_rate_increase,
         ),
         (
             "empty_outputs",
             "empty-output rate",
-            canary.num_empty_outputs,
-            canary.num_ok,
-            incumbent.num_empty_outputs,
-            incumbent.num_ok,
+            (canary.num_empty_outputs, canary.num_ok, incumbent.num_empty_outputs, incumbent.num_ok),
+            thresholds.min_rate_increase,
+        ),
+        (
+            "truncated",
+            "truncated-output rate",
+            (canary.num_truncated, canary.num_ok, incumbent.num_truncated, incumbent.num_ok),
+            thresholds.min_truncation_increase,
         ),
     )
-    for key, label, x1, n1, x2, n2 in rate_checks:
+    for key, label, (x1, n1, x2, n2), min_increase in rate_checks:
         test = proportion_greater(x1, n1, x2, n2)
         rate1 = x1 / n1 if n1 else 0.0
         rate2 = x2 / n2 if n2 else 0.0
         figures[f"{key}_test"] = {
             **test.as_dict(),
             "alpha": float(f"{alpha_per_test:.4g}"),
-            "min_rate_increase": thresholds.min_rate_increase,
+            "min_rate_increase": min_increase,
         }
-        if test.p_value < alpha_per_test and rate1 - rate2 >= thresholds.min_rate_increase:
+        if test.p_value < alpha_per_test and rate1 - rate2 >= min_increase:
             regressions.append(
                 f"canary {label} {rate1:.2%} vs incumbent {rate2:.2%}: {test.name} p={test.p_value:.2g} "
                 f"< {alpha_per_test:.2g} (alpha {thresholds.alpha:g} over {NUM_TESTS} tests x "

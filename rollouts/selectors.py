@@ -176,6 +176,7 @@ def as_version_window(window: Any) -> VersionWindow:
             tpot_tail=_TailInMs(window.tpot),
             num_shadow_compared=int(getattr(window, "num_shadow_compared", 0)),
             num_shadow_matched=int(getattr(window, "num_shadow_matched", 0)),
+            num_truncated=int(getattr(window, "num_truncated", 0)),
         )
     except AttributeError as exc:
         raise MetricsUnavailable(f"the metrics window lacks a field the judge needs: {exc}") from exc

@@ -93,7 +93,7 @@ def validate_steps(steps: object) -> list[dict[str, int]]:
 
 
 _INT_THRESHOLDS = {"min_samples"}
-_PROBABILITY_THRESHOLDS = {"alpha", "min_rate_increase"}
+_PROBABILITY_THRESHOLDS = {"alpha", "min_rate_increase", "min_truncation_increase"}
 
 
 def resolve_thresholds(overrides: object) -> dict[str, Any]:

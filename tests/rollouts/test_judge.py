@@ -122,6 +122,24 @@ def test_the_quality_proxy_rolls_back_empty_or_short_outputs() -> None:
     assert "mean output 20.0 tokens < 30.0" in short.reason
 
 
+def test_the_quality_proxy_rolls_back_a_canary_that_runs_into_max_tokens_far_more_often() -> None:
+    # A canary that stopped ending its answers: 70% hit their max_tokens, against the incumbent's 30%.
+    unending = judge(
+        window(num_requests=300, num_errors=0, num_truncated=210),
+        window(num_requests=6000, num_errors=0, num_truncated=1800),
+    )
+    assert unending.kind is VerdictKind.ROLLBACK
+    assert "truncated-output rate 70.00% vs incumbent 30.00%" in unending.reason
+    assert unending.figures["canary"]["truncated_output_rate"] == 0.7
+    # 32% against 30% over big windows is significant, but under the 5-point minimum: clients' max_tokens
+    slightly = judge(
+        window(num_requests=20_000, num_errors=0, num_truncated=6400),
+        window(num_requests=80_000, num_errors=0, num_truncated=24_000),
+    )
+    assert slightly.figures["truncated_test"]["p_value"] < slightly.figures["truncated_test"]["alpha"]
+    assert slightly.kind is VerdictKind.ADVANCE
+
+
 def test_unknown_thresholds_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown threshold"):
         Thresholds.from_dict({"p999_ms": 3})
@@ -194,6 +212,7 @@ class Requests:
     tpot_ms: list[float] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     num_errors: int = 0
+    num_truncated: int = 0
 
     def add(
         self,
@@ -213,6 +232,7 @@ class Requests:
         self.ttft_ms.append(80.0 * stall * rng.lognormvariate(0.0, 0.35))
         self.tpot_ms.append(20.0 * tpot_scale * stall * rng.lognormvariate(0.0, 0.2))
         self.output_tokens.append(0 if rng.random() < 0.005 else rng.randint(20, 100))
+        self.num_truncated += rng.random() < 0.3  # clients' max_tokens cut a third of the answers short
 
     def window(self, *, with_tails: bool = True) -> VersionWindow:
         ok = len(self.output_tokens)
@@ -220,6 +240,7 @@ class Requests:
             num_requests=ok + self.num_errors,
             num_errors=self.num_errors,
             num_empty_outputs=sum(1 for n in self.output_tokens if n == 0),
+            num_truncated=self.num_truncated,
             ttft_p99_ms=_p99(self.ttft_ms),
             tpot_p99_ms=_p99(self.tpot_ms),
             mean_output_tokens=sum(self.output_tokens) / ok if ok else None,
@@ -368,10 +389,10 @@ def test_looks_past_the_bake_window_spend_a_halving_share_of_alpha() -> None:
         )
         return verdict.figures["errors_test"]["alpha"]
 
-    assert alpha_at(7) == pytest.approx(0.01 / 28, rel=1e-3)  # the last planned look
-    assert alpha_at(8) == pytest.approx(0.01 / 8, rel=1e-3)  # then alpha / (4 x 2^j): at most alpha more
-    assert alpha_at(9) == pytest.approx(0.01 / 16, rel=1e-3)
-    assert sum(0.01 / (4 * 2**j) for j in range(1, 60)) * 4 <= 0.01 + 1e-12
+    assert alpha_at(7) == pytest.approx(0.01 / 35, rel=1e-3)  # the last planned look: 5 tests x 7 looks
+    assert alpha_at(8) == pytest.approx(0.01 / 10, rel=1e-3)  # then alpha / (5 x 2^j): at most alpha more
+    assert alpha_at(9) == pytest.approx(0.01 / 20, rel=1e-3)
+    assert sum(0.01 / (5 * 2**j) for j in range(1, 60)) * 5 <= 0.01 + 1e-12
 
 
 def test_repeated_looks_divide_alpha_bonferroni_style() -> None:
@@ -380,5 +401,5 @@ def test_repeated_looks_divide_alpha_bonferroni_style() -> None:
     single = judge(canary, incumbent)
     assert single.kind is VerdictKind.ROLLBACK
     many = decide(canary, incumbent, thresholds=DEFAULTS, bake_elapsed_s=120, bake_seconds=60, num_looks=13)
-    assert many.figures["errors_test"]["alpha"] == pytest.approx(0.01 / 52, rel=1e-3)
+    assert many.figures["errors_test"]["alpha"] == pytest.approx(0.01 / 65, rel=1e-3)  # 5 tests x 13 looks
     assert many.kind is VerdictKind.ADVANCE

@@ -350,15 +350,16 @@ def test_the_judge_reads_the_real_metrics_store_through_its_selector(ramping) ->
         sample = RequestSample("stop", num_prompt_tokens=5, num_output_tokens=40, ttft_s=0.1, tpot_s=tpot_s)
         recorder.record(requests=[sample] * num, now=bucket + 1)
         recorder.record(requests=[RequestSample("error", error_type="boom")], now=bucket + 2)
+        recorder.record(requests=[RequestSample("length", num_output_tokens=64)] * 3, now=bucket + 3)
         assert recorder.flush() == 1
 
     verdict = services.deployment_judge(deployment=deployment, now=step_start + dt.timedelta(seconds=10))
 
     assert verdict.kind is VerdictKind.ROLLBACK
     canary, incumbent = verdict.figures["canary"], verdict.figures["incumbent"]
-    assert (canary["num_requests"], canary["num_errors"]) == (61, 1)
-    assert (incumbent["num_requests"], incumbent["num_errors"]) == (401, 1)
+    assert (canary["num_requests"], canary["num_errors"], canary["num_truncated"]) == (64, 1, 3)
+    assert (incumbent["num_requests"], incumbent["num_errors"], incumbent["num_truncated"]) == (404, 1, 3)
     assert canary["tpot_p99_ms"] == pytest.approx(250.0, rel=0.01)
     assert incumbent["tpot_p99_ms"] == pytest.approx(90.0, rel=0.01)
-    assert canary["mean_output_tokens"] == 40.0
+    assert canary["mean_output_tokens"] == pytest.approx((60 * 40 + 3 * 64) / 63, abs=1e-3)
     assert "p99 TPOT" in verdict.reason
