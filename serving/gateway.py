@@ -42,8 +42,13 @@ class GatewayError(Exception):
 # --- authentication ------------------------------------------------------------------------------
 
 _AUTH_CACHE_TTL_S = 5.0
-_auth_cache: dict[str, tuple[float, TenantContext]] = {}
+# While the database cannot be read, a key that passed this recently still does: the data plane keeps
+# serving the tenants it has seen through a control-plane outage (as routing keeps its last good table).
+# The price: a key revoked meanwhile works until the database answers again.
+_AUTH_STALE_S = 3600.0
+_auth_cache: dict[str, tuple[float, TenantContext]] = {}  # key hash -> (checked at, monotonic; context)
 _auth_cache_lock = threading.Lock()
+_stale_warned_at = -math.inf  # one warning per 10 s of an outage, not one per request
 
 
 def authenticate_from_cache(authorization: str | None) -> TenantContext | None:
@@ -54,12 +59,13 @@ def authenticate_from_cache(authorization: str | None) -> TenantContext | None:
         raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'")
     with _auth_cache_lock:
         hit = _auth_cache.get(hash_api_key(token))
-    return hit[1] if hit is not None and hit[0] > time.monotonic() else None
+    return hit[1] if hit is not None and time.monotonic() - hit[0] < _AUTH_CACHE_TTL_S else None
 
 
 def authenticate(authorization: str | None) -> TenantContext:
     """Resolve the caller. Contexts are cached a few seconds by key hash, so a burst of requests (or
-    of refusals) costs one database read; a revoked key stops working within that time."""
+    of refusals) costs one database read; a revoked key stops working within that time. While the
+    database cannot be read, a key that passed within the last hour still does."""
     cached = authenticate_from_cache(authorization)
     if cached is not None:
         return cached
@@ -70,8 +76,12 @@ def authenticate(authorization: str | None) -> TenantContext:
     try:
         context = tenant_context_for_api_key(token)
     except DatabaseError as exc:
-        # Keys seen in the last few seconds still pass (the cache above); an unseen one cannot be
-        # checked, and the client should retry rather than read a 500.
+        with _auth_cache_lock:
+            hit = _auth_cache.get(cache_key)
+        if hit is not None and now - hit[0] < _AUTH_STALE_S:
+            _warn_stale(exc)
+            return hit[1]
+        # A key not seen lately cannot be checked: the client should retry rather than read a 500.
         logger.warning("API key lookup failed (%s); answering 503", type(exc).__name__)
         raise GatewayError(503, "the API key could not be checked right now", retry_after_s=1) from exc
     if context is None:
@@ -79,8 +89,20 @@ def authenticate(authorization: str | None) -> TenantContext:
     with _auth_cache_lock:
         if len(_auth_cache) > 10_000:
             _auth_cache.clear()
-        _auth_cache[cache_key] = (now + _AUTH_CACHE_TTL_S, context)
+        _auth_cache[cache_key] = (now, context)
     return context
+
+
+def _warn_stale(exc: Exception) -> None:
+    global _stale_warned_at
+    now = time.monotonic()
+    if now - _stale_warned_at >= 10.0:
+        _stale_warned_at = now
+        logger.warning(
+            "API key lookup failed (%s); keys seen in the last %.0f s pass on their last check",
+            type(exc).__name__,
+            _AUTH_STALE_S,
+        )
 
 
 def clear_auth_cache() -> None:

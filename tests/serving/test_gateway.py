@@ -372,3 +372,30 @@ async def test_a_tenant_just_refused_is_admitted_alone_so_refusals_carry_no_prom
     finally:
         await layer.flush()
         store.clear()
+
+
+@pytest.mark.django_db
+def test_while_the_database_is_down_keys_seen_in_the_last_hour_still_pass(make_tenant, monkeypatch) -> None:
+    """The data plane keeps serving the tenants it knows through a control-plane outage; a key it has not
+    seen lately cannot be checked and gets a 503 to retry (the Postgres pass runs the real outage in
+    tests/serving/test_inference_stack.py)."""
+    from django.db import OperationalError
+
+    from serving import gateway
+
+    seen, unseen = make_tenant("seen"), make_tenant("unseen")
+    assert gateway.authenticate(seen.auth["Authorization"]).tenant_name == "seen"
+    monkeypatch.setattr(gateway, "_AUTH_CACHE_TTL_S", 0.0)  # past its few seconds: the database is asked
+
+    def database_down(raw_key: str) -> None:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(gateway, "tenant_context_for_api_key", database_down)
+    assert gateway.authenticate(seen.auth["Authorization"]).tenant_name == "seen"
+    with pytest.raises(GatewayError) as unknown:
+        gateway.authenticate(unseen.auth["Authorization"])
+    assert unknown.value.status == 503 and unknown.value.retry_after_s == 1
+    monkeypatch.setattr(gateway, "_AUTH_STALE_S", 0.0)  # an hour later
+    with pytest.raises(GatewayError) as too_old:
+        gateway.authenticate(seen.auth["Authorization"])
+    assert too_old.value.status == 503
