@@ -19,3 +19,8 @@ urlpatterns = [
     # Pages without an icon link (the admin's) make browsers ask for /favicon.ico; answer, not 404.
     path("favicon.ico", RedirectView.as_view(url="/static/dashboard/favicon.svg", permanent=True)),
 ]
+
+# Under /v1/ every answer is JSON in the one error shape (registry/errors.py), unknown paths and failures
+# included; the dashboard and the admin keep Django's pages.
+handler404 = "registry.errors.not_found"
+handler500 = "registry.errors.server_error"

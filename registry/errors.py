@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.http import JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.views import defaults
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
@@ -49,3 +50,23 @@ def drf_exception_handler(exc: Exception, context: dict[str, Any]) -> Response |
         message = str(getattr(exc, "detail", exc))
     response.data = error_body(response.status_code, message)
     return response
+
+
+def _is_api(request: HttpRequest) -> bool:
+    return request.path.startswith("/v1/")
+
+
+def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """Django's 404 handler (config.urls.handler404): the API's error shape under /v1/, Django's page
+    elsewhere (the dashboard, the admin)."""
+    if _is_api(request):
+        return error_response(404, f"no such endpoint: {request.method} {request.path}")
+    return defaults.page_not_found(request, exception or Http404())
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    """Django's 500 handler: under /v1/ the API's error shape, with nothing of the exception (the log
+    has it); Django's page elsewhere."""
+    if _is_api(request):
+        return error_response(500, "internal error: the server failed on this request")
+    return defaults.server_error(request)

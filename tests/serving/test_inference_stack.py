@@ -49,6 +49,31 @@ async def test_other_paths_keep_the_full_stack(settings) -> None:
     assert response.headers["X-Frame-Options"] == "DENY"
 
 
+async def test_every_answer_under_v1_is_the_json_error_shape_unknown_paths_and_failures_too(
+    make_tenant, registered_model, settings, monkeypatch
+) -> None:
+    from serving import api
+
+    settings.ALLOWED_HOSTS = ["localhost"]
+    acme = await sync_to_async(make_tenant)("acme")
+
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug with a secret in its message")
+
+    async with asgi_client() as client:
+        unknown = await client.get("/v1/no-such-endpoint", headers=acme.auth)
+        page = await client.get("/dashboard/no-such-page")
+        monkeypatch.setattr(api, "model_snapshot", broken)  # a bug in the inference path
+        failed = await client.post("/v1/models/demo-chat/infer", json={"input": "hi"}, headers=acme.auth)
+    assert unknown.status_code == 404
+    assert unknown.json() == {
+        "error": {"type": "not_found_error", "message": "no such endpoint: GET /v1/no-such-endpoint"}
+    }
+    assert page.status_code in (302, 404) and not page.headers["content-type"].startswith("application/json")
+    assert failed.status_code == 500
+    assert failed.json()["error"]["type"] == "internal_error" and "secret" not in failed.text
+
+
 async def test_refusals_do_not_start_a_thread_per_request(make_tenant, registered_model, settings) -> None:
     """Django's ASGIHandler runs each request's sync signal receivers on a thread pool of the request's
     own (a thread started and joined per request); the inference handler shares one thread instead."""
@@ -85,13 +110,16 @@ async def test_refusals_do_not_start_a_thread_per_request(make_tenant, registere
 
 
 async def test_keys_still_authenticate_after_the_database_dropped_the_gateways_connections(
-    make_tenant, settings
+    make_tenant, settings, monkeypatch
 ) -> None:
     """The gateway reads keys and routing tables on worker threads, each with its own connection. When
         the server drops them (a restart, a failover, an idle timeout), the next read must reconnect rather
         than fail on the dead connection, on that request and on every later one; while none can be opened,
-    a key the gateway has not seen lately gets a 503 with Retry-After, never a 500."""
+    a key the gateway has not seen lately gets a 503 with Retry-After, never a 500, and one it has seen
+    still passes."""
     from django.db import connection
+
+    from serving import gateway
 
     if connection.vendor != "postgresql":
         pytest.skip("needs a database server that can drop its clients' connections (the Postgres pass)")
@@ -126,13 +154,22 @@ async def test_keys_still_authenticate_after_the_database_dropped_the_gateways_c
         assert statuses == [404, 404, 404]  # authenticated, then "model not found": the database answered
 
         # While the server takes no connections at all, an unseen key cannot be checked: a 503 to retry.
+        # A key seen before passes on its last check, past the cache's few seconds: the request gets
+        # as far as the routing table, which for this unknown model was never read.
+        seen = await sync_to_async(make_tenant)("seen")
+        assert (
+            await client.post("/v1/models/no-such-model/infer", json={}, headers=seen.auth)
+        ).status_code == 404
+        monkeypatch.setattr(gateway, "_AUTH_CACHE_TTL_S", 0.0)
         await sync_to_async(set_allow_connections)(False)
         try:
             await sync_to_async(drop_other_connections)()
             refused = await infer_unknown_model("during")
+            known = await client.post("/v1/models/no-such-model/infer", json={}, headers=seen.auth)
         finally:
             await sync_to_async(set_allow_connections)(True)
         assert refused.status_code == 503
         assert refused.json()["error"]["message"] == "the API key could not be checked right now"
         assert refused.headers["Retry-After"] == "1"
+        assert known.status_code == 503 and known.json()["error"]["message"] == "routing table unavailable"
         assert (await infer_unknown_model("back")).status_code == 404
