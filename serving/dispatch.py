@@ -387,7 +387,10 @@ async def dispatch(
         input_chars = sum(len(m["content"]) for m in messages)
     else:
         input_chars = sum(len(t) for t in inputs or ())
-    tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=params.get("max_tokens", 1))
+    max_tokens = params.get("max_tokens", 1)  # None: up to the context, at most the limit
+    tokens = gateway.estimate_tokens(
+        input_chars=input_chars, max_tokens=max_tokens or settings.MAX_TOKENS_LIMIT
+    )
     store = gateway.quota_store()
     ticket = None if store.sends_with_admission(context) else await store.aadmit(context, tokens=tokens)
     runtime = await get_runtime()

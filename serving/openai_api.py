@@ -22,7 +22,7 @@ from serving.gateway import GatewayError
 from serving.requests import parse_json_body, parse_sampling, parse_text_inputs
 from serving.vectors import decode_vector
 
-CHAT_ROLES = frozenset({"system", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 # Accepted and ignored: they do not change what we generate.
 _IGNORED = frozenset({"user", "stream_options", "logit_bias", "service_tier", "store", "metadata"})
 _ZERO_ONLY = ("presence_penalty", "frequency_penalty")
@@ -44,7 +44,9 @@ def _model(body: dict[str, Any], allowed: frozenset[str]) -> str:
     return model
 
 
-def _common(body: dict[str, Any], allowed: frozenset[str]) -> tuple[str, dict[str, Any], bool]:
+def _common(
+    body: dict[str, Any], allowed: frozenset[str], *, default_max_tokens: int | None = 16
+) -> tuple[str, dict[str, Any], bool]:
     model = _model(body, allowed)
     if body.get("n", 1) != 1:
         raise GatewayError(400, "only n=1 is supported")
@@ -57,7 +59,7 @@ def _common(body: dict[str, Any], allowed: frozenset[str]) -> tuple[str, dict[st
         raise GatewayError(400, "echo is not supported")
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-    return model, parse_sampling(body), include_usage
+    return model, parse_sampling(body, default_max_tokens=default_max_tokens), include_usage
 
 
 def _parse_completion(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, str]:
@@ -77,21 +79,42 @@ def _parse_completion(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, 
 def _parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, list[dict[str, str]]]:
     if "max_completion_tokens" in body:
         body = {**body, "max_tokens": body.pop("max_completion_tokens")}
-    model, sampling, include_usage = _common(body, CHAT_FIELDS)
+    # OpenAI's chat default: no max_tokens runs to the end of the answer or of the context.
+    model, sampling, include_usage = _common(body, CHAT_FIELDS, default_max_tokens=None)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise GatewayError(400, "messages must be a non-empty list")
     clean = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in CHAT_ROLES:
             raise GatewayError(400, f"messages[{i}] needs a role of {', '.join(sorted(CHAT_ROLES))}")
-        content = message.get("content")
-        if not isinstance(content, str):
-            raise GatewayError(400, f"messages[{i}].content must be a string")
-        clean.append({"role": message["role"], "content": content})
+        # "developer" is what OpenAI's newer models call the system prompt; chat templates know "system".
+        clean.append({"role": "system" if role == "developer" else role, "content": _text(message, i)})
     if sum(len(m["content"]) for m in clean) > settings.MAX_INPUT_CHARS:
         raise GatewayError(413, f"messages are over the {settings.MAX_INPUT_CHARS}-character limit")
     return model, sampling, include_usage, clean
+
+
+def _text(message: dict[str, Any], i: int) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": …}), joined."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise GatewayError(
+                    400, f"messages[{i}].content[{j}] is not a text part: only text content is supported"
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise GatewayError(400, f"messages[{i}].content must be a string or a list of text parts")
 
 
 def _sse(payload: Any) -> bytes:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import random
@@ -498,7 +499,10 @@ class Replica:
         arrival = _Arrival(request_id, route)
         try:
             raw = message["params"]
-            arrival.params = SamplingParams(**{**raw, "stop": tuple(raw.get("stop") or ())})
+            fields = {**raw, "stop": tuple(raw.get("stop") or ())}
+            if "max_tokens" in fields and fields["max_tokens"] is None:
+                fields["max_tokens"] = 1  # set below, once the prompt's length is known
+            arrival.params = SamplingParams(**fields)
             inputs = message.get("inputs")  # a non-generative request's texts
             if inputs is not None:
                 if not isinstance(inputs, list) or not all(isinstance(t, str) for t in inputs):
@@ -509,6 +513,11 @@ class Replica:
                 if text is None:
                     text = render_chat_prompt(self._engine.tokenizer, message["messages"])
                 arrival.prompt_ids = self._engine.encode(text)
+                if raw.get("max_tokens") is None:  # up to the end of the context (chat's default)
+                    room = self._engine.max_model_len - len(arrival.prompt_ids)
+                    arrival.params = dataclasses.replace(
+                        arrival.params, max_tokens=max(1, min(settings.MAX_TOKENS_LIMIT, room))
+                    )
             arrival.tenant = message.get("tenant") or "default"
             arrival.cache_group = message.get("cache_group")
         except (TypeError, ValueError, KeyError) as exc:

@@ -73,11 +73,15 @@ def parse_stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
-    """The sampling fields shared by /infer and the OpenAI-shaped endpoints."""
+def parse_sampling(body: dict[str, Any], *, default_max_tokens: int | None = 16) -> dict[str, Any]:
+    """The sampling fields shared by /infer and the OpenAI-shaped endpoints. `default_max_tokens` None
+    (chat completions, as OpenAI's): without max_tokens the replica generates until the model ends its
+    answer or its context is full, up to MAX_TOKENS_LIMIT."""
     out: dict[str, Any] = {}
-    max_tokens = body.get("max_tokens", 16)
-    if not _is_int(max_tokens) or not 1 <= max_tokens <= settings.MAX_TOKENS_LIMIT:
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    elif not _is_int(max_tokens) or not 1 <= max_tokens <= settings.MAX_TOKENS_LIMIT:
         raise GatewayError(400, f"max_tokens must be an integer from 1 to {settings.MAX_TOKENS_LIMIT}")
     out["max_tokens"] = max_tokens
     stream = body.get("stream", False)

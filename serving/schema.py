@@ -67,6 +67,8 @@ _OPENAI_PATHS = [
             "required": ["model", "messages"],
             "properties": {
                 **_OPENAI_SAMPLING,
+                # As OpenAI's: without it, the answer runs to its end or the context's (MAX_TOKENS_LIMIT).
+                "max_tokens": {"type": "integer", "minimum": 1},
                 "max_completion_tokens": {"type": "integer", "minimum": 1},
                 "messages": {
                     "type": "array",
@@ -74,8 +76,25 @@ _OPENAI_PATHS = [
                         "type": "object",
                         "required": ["role", "content"],
                         "properties": {
-                            "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-                            "content": {"type": "string"},
+                            # developer: OpenAI's newer name for system, read as system
+                            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+                            "content": {
+                                "anyOf": [
+                                    {"type": "string"},
+                                    {
+                                        "type": "array",
+                                        "minItems": 1,
+                                        "items": {
+                                            "type": "object",
+                                            "required": ["type", "text"],
+                                            "properties": {
+                                                "type": {"type": "string", "enum": ["text"]},
+                                                "text": {"type": "string"},
+                                            },
+                                        },
+                                    },
+                                ]
+                            },
                         },
                     },
                 },

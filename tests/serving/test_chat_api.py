@@ -1,0 +1,64 @@
+"""POST /v1/chat/completions as OpenAI's clients send it today: no max_tokens, content as a list of text
+parts, the "developer" role."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from tests.serving.conftest import asgi_client
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def _chat(client: Any, auth: dict[str, str], messages: list[dict[str, Any]], **fields: Any) -> Any:
+    body = {"model": "demo-chat", "messages": messages, "temperature": 0, **fields}
+    return await client.post("/v1/chat/completions", json=body, headers=auth)
+
+
+async def test_without_max_tokens_a_chat_runs_to_the_end_of_the_answer_not_to_16_tokens(
+    runtime: Any, make_tenant: Any, settings: Any
+) -> None:
+    settings.ALLOWED_HOSTS = ["localhost"]
+    settings.MAX_TOKENS_LIMIT = 40  # the ceiling of "to the end of the context", kept short for the test
+    acme = await sync_to_async(make_tenant)("acme")
+    async with asgi_client() as client:
+        response = await _chat(client, acme.auth, [{"role": "user", "content": "hello"}])
+    assert response.status_code == 200, response.text
+    body = response.json()
+    # The random demo model never ends its answer: it stops at the ceiling, where 16 was the old default.
+    assert body["usage"]["completion_tokens"] == 40 and body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_text_parts_and_the_developer_role_read_as_a_string_and_the_system_role(
+    runtime: Any, make_tenant: Any, settings: Any
+) -> None:
+    settings.ALLOWED_HOSTS = ["localhost"]
+    acme = await sync_to_async(make_tenant)("acme")
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    parts = [
+        {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]},
+    ]
+    image = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]},
+    ]
+    async with asgi_client() as client:
+        expected = await _chat(client, acme.auth, plain, max_tokens=8)
+        got = await _chat(client, acme.auth, parts, max_tokens=8)
+        refused = await _chat(client, acme.auth, image, max_tokens=8)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"] == expected.json()["choices"][0]["message"]
+    usage, expected_usage = got.json()["usage"], expected.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
+        expected_usage["prompt_tokens"],
+        expected_usage["completion_tokens"],
+    )
+    # the same prompt, token for token: the second request found all of it in the prefix cache
+    assert expected_usage["cached_prompt_tokens"] == 0 and usage["cached_prompt_tokens"] > 0
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == (
+        "messages[0].content[0] is not a text part: only text content is supported"
+    )
