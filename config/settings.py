@@ -204,7 +204,15 @@ REPLICA_SYNC_INTERVAL_S = float(os.environ.get("SWITCHYARD_REPLICA_SYNC_INTERVAL
 # Engine sizing per replica (override per process with run_replica's flags).
 REPLICA_MAX_NUM_SEQS = int(os.environ.get("SWITCHYARD_MAX_NUM_SEQS", "64"))
 REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_TOKENS", "512"))
-REPLICA_KV_CACHE_BYTES = int(os.environ.get("SWITCHYARD_KV_CACHE_MB", "128")) * 1024 * 1024
+# The KV cache: SWITCHYARD_KV_CACHE_MB if set; else, as vLLM sizes it, a share of the GPU's free memory
+# after the weights are loaded (SWITCHYARD_GPU_MEMORY_FRACTION), or 128 MiB on a CPU.
+_kv_cache_mb = os.environ.get("SWITCHYARD_KV_CACHE_MB", "").strip()
+REPLICA_KV_CACHE_BYTES = int(_kv_cache_mb) * 1024 * 1024 if _kv_cache_mb else None
+REPLICA_GPU_MEMORY_FRACTION = float(os.environ.get("SWITCHYARD_GPU_MEMORY_FRACTION", "0.8"))
+if not 0 < REPLICA_GPU_MEMORY_FRACTION <= 1:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("SWITCHYARD_GPU_MEMORY_FRACTION must be a share in (0, 1]")
 REPLICA_COMPILE = _env_bool("SWITCHYARD_COMPILE", False)
 # Per-tenant caps inside a replica, so one tenant cannot hold a whole batch or cache (unset: none; the
 # scheduler's fair order across tenants applies either way).

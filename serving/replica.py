@@ -147,7 +147,8 @@ def engine_config_from_settings() -> Any:
     return EngineConfig(
         max_num_seqs=settings.REPLICA_MAX_NUM_SEQS,
         max_num_batched_tokens=settings.REPLICA_MAX_NUM_BATCHED_TOKENS,
-        kv_cache_bytes=settings.REPLICA_KV_CACHE_BYTES,
+        kv_cache_bytes=settings.REPLICA_KV_CACHE_BYTES,  # None: sized from the device (the engine)
+        gpu_memory_fraction=settings.REPLICA_GPU_MEMORY_FRACTION,
         compile=settings.REPLICA_COMPILE,
         pack_linear=settings.REPLICA_PACK_LINEAR,
         max_running_per_tenant=settings.REPLICA_MAX_RUNNING_PER_TENANT,

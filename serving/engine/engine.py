@@ -25,14 +25,14 @@ from serving.engine.sampling import Sampler, make_generator
 from serving.engine.scheduler import Scheduler, SchedulerConfig
 from serving.engine.sequence import FinishReason, SamplingParams, Sequence
 
-DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
+DEFAULT_CPU_KV_CACHE_BYTES = 128 * 1024 * 1024
 
 
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    kv_cache_bytes: int | None = None  # None: a fraction of free GPU memory, or 256 MiB on CPU
+    kv_cache_bytes: int | None = None  # None: gpu_memory_fraction of free GPU memory, or 128 MiB on CPU
     gpu_memory_fraction: float = 0.8
     block_size: int = 16
     max_running_per_tenant: int | None = None

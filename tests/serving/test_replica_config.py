@@ -93,3 +93,25 @@ def test_per_tenant_caps_reach_the_scheduler_and_a_tenant_stays_within_its_share
     settings.REPLICA_MAX_KV_SHARE_PER_TENANT = 1.5
     with pytest.raises(ValueError, match="max_kv_share_per_tenant"):
         Engine(demo_model_dir, config=engine_config_from_settings())
+
+
+def test_unset_the_kv_cache_takes_a_share_of_free_gpu_memory_or_128_mib_on_a_cpu(
+    settings, monkeypatch
+) -> None:
+    """As vLLM's gpu_memory_utilization: a fixed 128 MiB would hold a few hundred tokens of a 7B model.
+    The GPU is a boundary this machine has none of: its free-memory query is stood in for."""
+    import torch
+
+    from serving.engine.engine import _kv_cache_bytes
+
+    settings.REPLICA_KV_CACHE_BYTES = None  # SWITCHYARD_KV_CACHE_MB unset
+    settings.REPLICA_GPU_MEMORY_FRACTION = 0.9
+    config = engine_config_from_settings()
+    assert (config.kv_cache_bytes, config.gpu_memory_fraction) == (None, 0.9)
+    assert _kv_cache_bytes(config, torch.device("cpu")) == 128 << 20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 << 30, 141 << 30))  # free, total
+    assert _kv_cache_bytes(config, torch.device("cuda", 0)) == int(0.9 * (60 << 30))
+    # run_replica without --kv-cache-mb keeps that; with it, the flag's size
+    flags = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "compile": False, "device": "cuda:0"}
+    assert engine_config_from_options({**flags, "kv_cache_mb": None}).kv_cache_bytes is None
+    assert engine_config_from_options({**flags, "kv_cache_mb": 64}).kv_cache_bytes == 64 << 20

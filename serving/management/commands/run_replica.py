@@ -14,11 +14,14 @@ def engine_config_from_options(options: dict[str, object]) -> Any:
     (SWITCHYARD_PACK_LINEAR) comes from the settings alone."""
     from serving.replica import engine_config_from_settings
 
+    config = engine_config_from_settings()
+    kv_cache_mb = options.get("kv_cache_mb")  # None: the settings' size, or sized from the device
+    kv_cache_bytes = config.kv_cache_bytes if kv_cache_mb is None else int(kv_cache_mb) << 20  # type: ignore[call-overload]
     return dataclasses.replace(
-        engine_config_from_settings(),
+        config,
         max_num_seqs=int(options["max_num_seqs"]),  # type: ignore[call-overload]
         max_num_batched_tokens=int(options["max_num_batched_tokens"]),  # type: ignore[call-overload]
-        kv_cache_bytes=int(options["kv_cache_mb"]) * 1024 * 1024,  # type: ignore[call-overload]
+        kv_cache_bytes=kv_cache_bytes,
         compile=bool(options["compile"]),
         device=options["device"],
     )
@@ -43,7 +46,11 @@ class Command(BaseCommand):
             "--max-num-batched-tokens", type=int, default=settings.REPLICA_MAX_NUM_BATCHED_TOKENS
         )
         parser.add_argument(
-            "--kv-cache-mb", type=int, default=settings.REPLICA_KV_CACHE_BYTES // (1024 * 1024)
+            "--kv-cache-mb",
+            type=int,
+            default=None,
+            help="KV cache size (default: SWITCHYARD_KV_CACHE_MB, else SWITCHYARD_GPU_MEMORY_FRACTION of the "
+            "GPU's free memory, 0.8, or 128 MiB on a CPU)",
         )
         parser.add_argument("--compile", action="store_true", default=settings.REPLICA_COMPILE)
         parser.add_argument(
