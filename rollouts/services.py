@@ -16,6 +16,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
@@ -784,6 +785,23 @@ def scaling_bounds_clear(*, model: Model) -> None:
         routing_changed(model=model)
 
 
+def _on_demand(
+    idle_s: dict[tuple[str, str], float], serving: dict[tuple[str, str], int], policy: ScalingPolicy
+) -> dict[tuple[str, str], int]:
+    """Versions without traffic, an alias or shadow copies that were asked for lately: pinned requests
+    (X-Version-Pin) waited for one at a gateway, or its replicas served within the idle time (a version
+    that just lost its traffic, to a promotion, keeps them that long: going back is a routing edit).
+    (model, version) -> version id."""
+    asked = [key for key, idle in idle_s.items() if key not in serving and idle < policy.idle_before_zero_s]
+    if not asked:
+        return {}
+    match = Q()
+    for model_name, version in asked:
+        match |= Q(model__name=model_name, version=version)
+    rows = ModelVersion.objects.filter(match).select_related("model")
+    return {(row.model.name, row.version): row.pk for row in rows}
+
+
 def _kept_warm() -> dict[tuple[str, str], str]:
     """Versions that keep a replica however long they have been idle, with why: both versions of a
     deployment in flight (it waits for its candidate's replica and judges both) and a version that shadow
@@ -816,6 +834,8 @@ def _write_targets(
 ) -> dict[tuple[str, str], int]:
     """autoscale's writes, in one transaction."""
     serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_with_traffic()}
+    on_demand = _on_demand(idle_s, serving, policy)
+    serving |= on_demand
     bounds = scaling_bounds()
     kept_warm = _kept_warm()
     existing = {  # locked: a second tick running meanwhile (two workers) waits, then reads these rows
@@ -826,6 +846,8 @@ def _write_targets(
     changed: dict[tuple[str, str], int] = {}
     for key, version_id in serving.items():
         model_policy = _bounded_policy(policy, bounds.get(key[0]))
+        if key in on_demand:  # served while pinned requests ask for it, as a model that scales to zero
+            model_policy = dataclasses.replace(model_policy, min_replicas=0)
         target = existing.get(key) or ScaleTarget(version_id=version_id, replicas=0)
         why = kept_warm.get(key)
         if why is None and key not in reported and target.replicas:

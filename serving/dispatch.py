@@ -59,10 +59,10 @@ class Dispatch:
         version: str,
         submission: dict[str, Any],
         *,
-        scales_to_zero: bool = False,  # the version may have no replica: wait for one (a cold start)
+        cold_start: bool = False,  # the version may have no replica: wait for one to start
     ) -> None:
         self._runtime = runtime
-        self._scales_to_zero = scales_to_zero
+        self._cold_start_allowed = cold_start
         self._ticket = ticket
         self.model_name = model_name
         self.version = version
@@ -107,7 +107,7 @@ class Dispatch:
         it): admit the request too, in the same step as the send. Raises GatewayError (400, 429, 503)."""
         replicas = await self._runtime.candidates(self.model_name, self.version)
         if (
-            self._scales_to_zero
+            self._cold_start_allowed
             and self._runtime.can_cold_start
             and not any(r.is_ready and r.replica_id not in exclude for r in replicas)
         ):
@@ -185,8 +185,9 @@ class Dispatch:
             await store.arelease(await store.aadmit(charge[0], tokens=charge[1]), used_tokens=0)
 
     async def _cold_start(self) -> list[ReplicaHandle]:
-        """The version has scaled to zero: wait, up to COLD_START_TIMEOUT_S, until a replica started for
-        it reports ready, as Knative's activator holds a request. The client waits unanswered; if it
+        """The version has no replica (scaled to zero, or pinned and served on demand): wait, up to
+        COLD_START_TIMEOUT_S, until a replica started for it reports ready, as Knative's activator holds
+        a request. The client waits unanswered; if it
         leaves, the view is cancelled and so is this wait."""
         timeout_s = settings.COLD_START_TIMEOUT_S
         logger.info("%s:%s has no replica: waiting for one to start", self.model_name, self.version)
@@ -197,7 +198,7 @@ class Dispatch:
             raise GatewayError(
                 503,
                 f"no replica of {self.model_name}:{self.version} became ready within {timeout_s:g} s "
-                "(it had scaled to zero and is starting)",
+                "(it had none, and one is starting)",
                 retry_after_s=5,
             ) from None
 
@@ -403,9 +404,11 @@ async def dispatch(
         "tenant": context.tenant_name,
         "cache_group": context.cache_group,
     }
-    # A cold start only for a version the autoscaler gives replicas to: a pin to any other has none.
-    scales_to_zero = snapshot.scales_to_zero and snapshot.serves(version)
-    handle = Dispatch(runtime, ticket, model_name, version, submission, scales_to_zero=scales_to_zero)
+    # A request may wait for a replica to start (a cold start) when its version is of a model that scales
+    # to zero, or is pinned and serves no traffic: the autoscaler starts one on demand for either.
+    serves = snapshot.serves(version)
+    cold_start = (snapshot.scales_to_zero and serves) or (pin is not None and not serves)
+    handle = Dispatch(runtime, ticket, model_name, version, submission, cold_start=cold_start)
     try:
         await handle.submit(charge=(context, tokens) if ticket is None else None)
     except BaseException:

@@ -36,7 +36,7 @@ async def remote_runtime(redis_url: str) -> AsyncIterator[Any]:
         await client.aclose()
 
 
-def _dispatch(runtime: Any, *, scales_to_zero: bool) -> Any:
+def _dispatch(runtime: Any, *, cold_start: bool) -> Any:
     from serving.dispatch import Dispatch
 
     submission = {
@@ -48,7 +48,7 @@ def _dispatch(runtime: Any, *, scales_to_zero: bool) -> Any:
         "tenant": "t",
         "cache_group": "t",
     }
-    return Dispatch(runtime, None, "demo-chat", "v1", submission, scales_to_zero=scales_to_zero)
+    return Dispatch(runtime, None, "demo-chat", "v1", submission, cold_start=cold_start)
 
 
 async def _demand(redis_url: str) -> bytes | None:
@@ -73,7 +73,7 @@ async def test_a_request_waits_for_a_replica_to_start_and_is_served_by_it(
     from serving.replica import Replica
     from serving.replica_directory import HeartbeatPublisher
 
-    handle = _dispatch(remote_runtime, scales_to_zero=True)
+    handle = _dispatch(remote_runtime, cold_start=True)
     waiting = asyncio.create_task(handle.submit())
     async with asyncio.timeout(10):  # the gateway tells the autoscaler it wants a replica
         while await _demand(redis_url) is None:
@@ -100,14 +100,14 @@ async def test_a_cold_start_past_its_timeout_is_a_503_and_without_scaling_to_zer
 ) -> None:
     from serving.gateway import GatewayError
 
-    handle = _dispatch(remote_runtime, scales_to_zero=False)
+    handle = _dispatch(remote_runtime, cold_start=False)
     with pytest.raises(GatewayError, match="no ready replica for demo-chat:v1") as at_once:
         await handle.submit()
     assert at_once.value.status == 503 and await _demand(redis_url) is None
     await handle.close()
 
     settings.COLD_START_TIMEOUT_S = 0.5
-    handle = _dispatch(remote_runtime, scales_to_zero=True)
+    handle = _dispatch(remote_runtime, cold_start=True)
     with pytest.raises(GatewayError, match=r"became ready within 0\.5 s") as timed_out:
         await handle.submit()
     assert timed_out.value.status == 503 and timed_out.value.retry_after_s == 5
@@ -118,7 +118,7 @@ async def test_a_cold_start_past_its_timeout_is_a_503_and_without_scaling_to_zer
 async def test_requests_waiting_for_one_version_share_one_poll_and_it_stops_when_they_leave(
     registered_model: Any, remote_runtime: Any, redis_url: str
 ) -> None:
-    handles = [_dispatch(remote_runtime, scales_to_zero=True) for _ in range(3)]
+    handles = [_dispatch(remote_runtime, cold_start=True) for _ in range(3)]
     waiting = [asyncio.create_task(handle.submit()) for handle in handles]
     async with asyncio.timeout(10):
         while await _demand(redis_url) is None:
@@ -182,3 +182,45 @@ async def test_a_request_held_for_a_cold_start_holds_its_quota_slot_and_gives_it
     assert not again.done()  # waiting, not refused
     again.cancel()
     await asyncio.gather(again, return_exceptions=True)
+
+
+async def test_a_request_pinned_to_a_version_without_traffic_waits_for_one_to_start_on_demand(
+    registered_model: Any,
+    remote_runtime: Any,
+    redis_url: str,
+    make_tenant: Any,
+    monkeypatch: Any,
+    demo_model_dir: Any,
+) -> None:
+    """Version pinning outlives a promotion: v2 takes no traffic, so it has no replica; a request
+    pinned to it asks the autoscaler for one (tests/rollouts/test_autoscaler.py covers the target) and
+    waits for it."""
+    import redis.asyncio as aioredis
+    from asgiref.sync import sync_to_async
+
+    from registry.services import model_version_register
+    from serving import dispatch as dispatch_module
+    from serving.replica_directory import DEMAND_KEY
+
+    await sync_to_async(model_version_register)(name="demo-chat", version="v2", source_dir=demo_model_dir)
+    pinner = await sync_to_async(make_tenant)("pinner", may_pin=True)
+
+    async def runtime() -> Any:
+        return remote_runtime
+
+    monkeypatch.setattr(dispatch_module, "get_runtime", runtime)
+    waiting = asyncio.create_task(
+        dispatch_module.dispatch(
+            context=pinner.context, path_model="demo-chat", pin="v2", params=PARAMS, text="hi"
+        )
+    )
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        async with asyncio.timeout(10):
+            while not await client.hexists(DEMAND_KEY, "demo-chat:v2"):
+                await asyncio.sleep(0.05)
+        assert not waiting.done() and await client.hexists(DEMAND_KEY, "demo-chat:v1") is False
+    finally:
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await client.aclose()
