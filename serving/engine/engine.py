@@ -10,6 +10,7 @@ Not thread-safe: one thread (the replica's model thread) owns an engine."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,9 @@ class _RequestState:
 
 
 def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
+    """The KV cache's size when the config gives none: on a GPU a share of the memory still free, which
+    the runner asks once the weights are loaded (the rest is for activations and scratch); 128 MiB on a
+    CPU. Replicas that share a GPU should each be given a size: the first would take the share of all."""
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
     if device.type == "cuda":
@@ -111,9 +115,7 @@ class Engine:
         self.runner = ModelRunner(
             model_dir,
             device=device,
-            kv_cache_bytes=_kv_cache_bytes(
-                config, device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            ),
+            kv_cache_bytes=functools.partial(_kv_cache_bytes, config),  # asked after the weights load
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -7,6 +7,7 @@ that are sampled go through the LM head.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -60,15 +61,16 @@ class ModelRunner:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        kv_cache_bytes: int,
+        kv_cache_bytes: int | Callable[[torch.device], int],
         block_size: int = 16,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         compile_attention: bool = False,
         pack_linear: bool | None = None,
     ) -> None:
+        sized_later = callable(kv_cache_bytes)  # a number is checked before anything loads
         for name, value in (
-            ("kv_cache_bytes", kv_cache_bytes),
+            *(() if sized_later else (("kv_cache_bytes", kv_cache_bytes),)),
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -103,6 +105,10 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
 
+        if callable(kv_cache_bytes):  # sized from the device, now that the weights hold their memory
+            kv_cache_bytes = kv_cache_bytes(self.device)
+            if kv_cache_bytes < 1:
+                raise ValueError(f"the device leaves no memory for the KV cache ({kv_cache_bytes} bytes)")
         elem_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.bytes_per_block: int = (
             2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem_bytes

@@ -115,3 +115,27 @@ def test_unset_the_kv_cache_takes_a_share_of_free_gpu_memory_or_128_mib_on_a_cpu
     flags = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "compile": False, "device": "cuda:0"}
     assert engine_config_from_options({**flags, "kv_cache_mb": None}).kv_cache_bytes is None
     assert engine_config_from_options({**flags, "kv_cache_mb": 64}).kv_cache_bytes == 64 << 20
+
+
+def test_the_kv_cache_is_sized_once_the_weights_hold_their_memory(demo_model_dir: Path, monkeypatch) -> None:
+    """Free GPU memory read before the weights load would give the cache what the weights then need."""
+    from serving.engine import runner as runner_module
+
+    order: list[str] = []
+    load = runner_module.load_causal_lm
+
+    def loading(*args, **kwargs):  # type: ignore[no-untyped-def]
+        model = load(*args, **kwargs)
+        order.append("weights loaded")
+        return model
+
+    def size(device) -> int:  # type: ignore[no-untyped-def]
+        order.append(f"cache sized on {device.type}")
+        return 4 << 20
+
+    monkeypatch.setattr(runner_module, "load_causal_lm", loading)
+    runner = runner_module.ModelRunner(
+        demo_model_dir, device="cpu", kv_cache_bytes=size, max_num_seqs=4, max_num_batched_tokens=64
+    )
+    assert order == ["weights loaded", "cache sized on cpu"]
+    assert runner.num_blocks == (4 << 20) // runner.bytes_per_block
