@@ -85,6 +85,8 @@ def authenticate(authorization: str | None) -> TenantContext:
         logger.warning("API key lookup failed (%s); answering 503", type(exc).__name__)
         raise GatewayError(503, "the API key could not be checked right now", retry_after_s=1) from exc
     if context is None:
+        with _auth_cache_lock:  # revoked (or its tenant deactivated): no outage may bring it back
+            _auth_cache.pop(cache_key, None)
         raise GatewayError(401, "invalid API key")
     with _auth_cache_lock:
         if len(_auth_cache) > 10_000:

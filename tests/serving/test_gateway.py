@@ -399,3 +399,27 @@ def test_while_the_database_is_down_keys_seen_in_the_last_hour_still_pass(make_t
     with pytest.raises(GatewayError) as too_old:
         gateway.authenticate(seen.auth["Authorization"])
     assert too_old.value.status == 503
+
+
+@pytest.mark.django_db
+def test_a_key_refused_once_is_not_brought_back_by_an_outage(make_tenant, monkeypatch) -> None:
+    from django.db import OperationalError
+
+    from registry.services import api_key_revoke
+    from serving import gateway
+
+    revoked = make_tenant("revoked")
+    assert gateway.authenticate(revoked.auth["Authorization"]).tenant_name == "revoked"
+    monkeypatch.setattr(gateway, "_AUTH_CACHE_TTL_S", 0.0)
+    api_key_revoke(key=revoked.key)
+    with pytest.raises(GatewayError) as refused:
+        gateway.authenticate(revoked.auth["Authorization"])
+    assert refused.value.status == 401
+
+    def database_down(raw_key: str) -> None:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(gateway, "tenant_context_for_api_key", database_down)
+    with pytest.raises(GatewayError) as during:
+        gateway.authenticate(revoked.auth["Authorization"])
+    assert during.value.status == 503
