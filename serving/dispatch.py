@@ -185,9 +185,8 @@ class Dispatch:
             await store.arelease(await store.aadmit(charge[0], tokens=charge[1]), used_tokens=0)
 
     async def _cold_start(self) -> list[ReplicaHandle]:
-        """The version has no replica (scaled to zero, or pinned and served on demand): wait, up to
-        COLD_START_TIMEOUT_S, until a replica started for it reports ready, as Knative's activator holds
-        a request. The client waits unanswered; if it
+        """The version has scaled to zero: wait, up to COLD_START_TIMEOUT_S, until a replica started for
+        it reports ready, as Knative's activator holds a request. The client waits unanswered; if it
         leaves, the view is cancelled and so is this wait."""
         timeout_s = settings.COLD_START_TIMEOUT_S
         logger.info("%s:%s has no replica: waiting for one to start", self.model_name, self.version)
@@ -388,10 +387,12 @@ async def dispatch(
         input_chars = sum(len(m["content"]) for m in messages)
     else:
         input_chars = sum(len(t) for t in inputs or ())
-    max_tokens = params.get("max_tokens", 1)  # None: up to the context, at most the limit
-    tokens = gateway.estimate_tokens(
-        input_chars=input_chars, max_tokens=max_tokens or settings.MAX_TOKENS_LIMIT
-    )
+    max_tokens = params.get("max_tokens", 1)
+    if max_tokens is None:  # to the end of the context: charged at the ceiling, settled when it ends,
+        # but never more than the tenant's whole minute, which would refuse every such request
+        input_tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=0)
+        max_tokens = max(1, min(settings.MAX_TOKENS_LIMIT, context.tokens_per_minute - input_tokens))
+    tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=max_tokens)
     store = gateway.quota_store()
     ticket = None if store.sends_with_admission(context) else await store.aadmit(context, tokens=tokens)
     runtime = await get_runtime()
@@ -404,10 +405,9 @@ async def dispatch(
         "tenant": context.tenant_name,
         "cache_group": context.cache_group,
     }
-    # A request may wait for a replica to start (a cold start) when its version is of a model that scales
-    # to zero, or is pinned and serves no traffic: the autoscaler starts one on demand for either.
-    serves = snapshot.serves(version)
-    cold_start = (snapshot.scales_to_zero and serves) or (pin is not None and not serves)
+    # A request may wait for a replica to start (a cold start) only for a version the autoscaler gives
+    # replicas to: a pin to a version without traffic would wait for nothing.
+    cold_start = snapshot.scales_to_zero and snapshot.serves(version)
     handle = Dispatch(runtime, ticket, model_name, version, submission, cold_start=cold_start)
     try:
         await handle.submit(charge=(context, tokens) if ticket is None else None)

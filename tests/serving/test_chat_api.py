@@ -24,12 +24,16 @@ async def test_without_max_tokens_a_chat_runs_to_the_end_of_the_answer_not_to_16
     settings.ALLOWED_HOSTS = ["localhost"]
     settings.MAX_TOKENS_LIMIT = 40  # the ceiling of "to the end of the context", kept short for the test
     acme = await sync_to_async(make_tenant)("acme")
+    # a budget under the ceiling: admission charges what the budget allows, not a refusal every time
+    frugal = await sync_to_async(make_tenant)("frugal", tokens_per_minute=30)
     async with asgi_client() as client:
         response = await _chat(client, acme.auth, [{"role": "user", "content": "hello"}])
+        within_budget = await _chat(client, frugal.auth, [{"role": "user", "content": "hello"}])
     assert response.status_code == 200, response.text
     body = response.json()
     # The random demo model never ends its answer: it stops at the ceiling, where 16 was the old default.
     assert body["usage"]["completion_tokens"] == 40 and body["choices"][0]["finish_reason"] == "length"
+    assert within_budget.status_code == 200, within_budget.text
 
 
 async def test_text_parts_and_the_developer_role_read_as_a_string_and_the_system_role(
