@@ -53,7 +53,7 @@ def drf_exception_handler(exc: Exception, context: dict[str, Any]) -> Response |
 
 
 def _is_api(request: HttpRequest) -> bool:
-    return request.path.startswith("/v1/")
+    return request.path_info.startswith("/v1/")  # path_info: the same under a script prefix
 
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
