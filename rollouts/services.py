@@ -786,17 +786,25 @@ def scaling_bounds_clear(*, model: Model) -> None:
 
 
 def _on_demand(
-    idle_s: dict[tuple[str, str], float], serving: dict[tuple[str, str], int], policy: ScalingPolicy
+    idle_s: dict[tuple[str, str], float],
+    reported: set[tuple[str, str]],
+    serving: dict[tuple[str, str], int],
+    policy: ScalingPolicy,
 ) -> dict[tuple[str, str], int]:
-    """Versions without traffic, an alias or shadow copies that were asked for lately: pinned requests
-    (X-Version-Pin) waited for one at a gateway, or its replicas served within the idle time (a version
-    that just lost its traffic, to a promotion, keeps them that long: going back is a routing edit).
-    (model, version) -> version id."""
-    asked = [key for key, idle in idle_s.items() if key not in serving and idle < policy.idle_before_zero_s]
-    if not asked:
+    """Versions without traffic, an alias or shadow copies whose replicas still served a request within
+    the idle time: the version a promotion (or a traffic edit) just took traffic from, while requests
+    pinned to it (X-Version-Pin) keep coming. They keep one replica until idle, so going back to them
+    meanwhile is a routing edit. Only a version that still has a replica qualifies: a pin cannot bring
+    back one that has none. (model, version) -> version id."""
+    kept = [
+        key
+        for key in reported
+        if key not in serving and idle_s.get(key, math.inf) < policy.idle_before_zero_s
+    ]
+    if not kept:
         return {}
     match = Q()
-    for model_name, version in asked:
+    for model_name, version in kept:
         match |= Q(model__name=model_name, version=version)
     rows = ModelVersion.objects.filter(match).select_related("model")
     return {(row.model.name, row.version): row.pk for row in rows}
@@ -834,7 +842,7 @@ def _write_targets(
 ) -> dict[tuple[str, str], int]:
     """autoscale's writes, in one transaction."""
     serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_with_traffic()}
-    on_demand = _on_demand(idle_s, serving, policy)
+    on_demand = _on_demand(idle_s, reported, serving, policy)
     serving |= on_demand
     bounds = scaling_bounds()
     kept_warm = _kept_warm()
@@ -846,8 +854,8 @@ def _write_targets(
     changed: dict[tuple[str, str], int] = {}
     for key, version_id in serving.items():
         model_policy = _bounded_policy(policy, bounds.get(key[0]))
-        if key in on_demand:  # served while pinned requests ask for it, as a model that scales to zero
-            model_policy = dataclasses.replace(model_policy, min_replicas=0)
+        if key in on_demand:  # one replica while pinned requests keep coming, none once idle
+            model_policy = dataclasses.replace(model_policy, min_replicas=0, max_replicas=1, warm_buffer=0)
         target = existing.get(key) or ScaleTarget(version_id=version_id, replicas=0)
         why = kept_warm.get(key)
         if why is None and key not in reported and target.replicas:

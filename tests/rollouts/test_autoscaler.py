@@ -325,9 +325,12 @@ def test_a_model_that_scales_to_zero_goes_to_none_when_idle_and_back_to_one_on_d
 
 
 @pytest.mark.django_db
-def test_a_version_without_traffic_is_served_while_pinned_requests_ask_for_it(make_model) -> None:
-    """Version pinning outlives a promotion: v2 and v3 carry no traffic, yet a request pinned to v2 gets
-    it a replica, which goes when nobody has asked for it for the idle time."""
+def test_a_version_that_lost_its_traffic_keeps_one_replica_while_pinned_requests_keep_coming(
+    make_model,
+) -> None:
+    """Version pinning outlives a promotion: v2 carries no traffic, yet while its replicas still serve
+    requests pinned to it, it keeps one; once idle, none. A pin cannot bring back a version that has no
+    replica (nothing asks for it but the pin), and a gateway's demand does not either."""
     from rollouts.services import autoscale
 
     make_model("chat")
@@ -335,15 +338,14 @@ def test_a_version_without_traffic_is_served_while_pinned_requests_ask_for_it(ma
     def tick(now: float, beats: list, demand: dict | None = None) -> dict:  # type: ignore[type-arg]
         return autoscale(heartbeats=beats, demand=demand or {}, policy=POLICY, now=now)
 
-    assert tick(1000.0, []) == {("chat", "v1"): 1}  # the stable version; nothing for the others
-    assert tick(1001.0, [], {("chat", "v2"): 0.5}) == {("chat", "v2"): 1}
-    assert _reason_of("v2").startswith("kept warm: the last request 0 s ago")
-    serving = [beat("chat", "v1", sent_at=1100.0), beat("chat", "v2", sent_at=1100.0, idle_s=60.0)]
-    assert tick(1100.0, serving, {("chat", "v2"): 99.5}) == {}
-    idle = [beat("chat", "v1", sent_at=1400.0), beat("chat", "v2", sent_at=1400.0, idle_s=300.0)]
-    assert tick(1400.0, idle, {("chat", "v2"): 399.5}) == {("chat", "v2"): 0}
-    # an unknown version (deleted meanwhile) asked for gets nothing
-    assert tick(1500.0, [], {("chat", "v9"): 0.5}) == {}
+    v1 = beat("chat", "v1", sent_at=1000.0)
+    assert tick(1000.0, [v1], {("chat", "v2"): 0.5}) == {("chat", "v1"): 1}  # nothing for v2
+    # v2's two replicas (it was at 100% until a moment ago) served a pinned request 20 s ago: one stays
+    pinned = [beat("chat", "v2", sent_at=1100.0, idle_s=20.0) for _ in range(2)]
+    assert tick(1100.0, [v1, *pinned]) == {("chat", "v2"): 1}
+    assert _reason_of("v2").startswith("kept warm: the last request 20 s ago")
+    assert tick(1200.0, [v1, beat("chat", "v2", sent_at=1200.0, idle_s=299.0)]) == {}
+    assert tick(1300.0, [v1, beat("chat", "v2", sent_at=1300.0, idle_s=300.0)]) == {("chat", "v2"): 0}
 
 
 def _reason_of(version: str) -> str:
