@@ -1,0 +1,280 @@
+"""A fleet on a virtual clock: what a scaling policy does to latency and cost when the load changes.
+
+Every replica runs the real Scheduler and KVCacheManager, with serving.engine.simulated's latency model
+standing in for the forward pass; requests go to the least loaded of two ready replicas (the router's
+choice_replica), wait at the gateway while none is ready (a cold start), and the autoscaler's own policy
+(rollouts.autoscaler: recommend, next_target) runs on its tick from the replicas' signals. A replica it
+adds serves only after `load_time_s`; one it removes drains first. Deterministic under a seed, and
+minutes of traffic take seconds.
+
+    python manage.py simulate fleet --rate 0:2,120:16,300:2 --duration 420 --compare-static 4
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from rollouts.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
+from serving.engine.kv_cache import KVCacheManager
+from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serving.engine.sequence import SamplingParams, Sequence
+from serving.engine.simulated import LatencyModel, SimulatedExecutor, SimulatedRequest
+from serving.router import choose_replica
+
+RateProfile = SequenceOf[tuple[float, float]]  # (from second, requests per second), in time order
+STALL_S = 3600.0  # virtual seconds after the last arrival with requests still unfinished: a bug, not a load
+
+
+def parse_rate_profile(text: str) -> list[tuple[float, float]]:
+    """'0:2,120:16,300:2' -> [(0, 2), (120, 16), (300, 2)]. Raises ValueError."""
+    profile = []
+    for part in text.split(","):
+        start, _, rate = part.partition(":")
+        profile.append((float(start), float(rate)))
+    if not profile or profile[0][0] != 0:
+        raise ValueError("the rate profile must start at 0, e.g. 0:2,120:16")
+    if any(b[0] <= a[0] for a, b in itertools.pairwise(profile)) or any(r < 0 for _, r in profile):
+        raise ValueError("the rate profile's times must increase and its rates must not be negative")
+    return profile
+
+
+def poisson_arrivals(
+    profile: RateProfile,
+    duration_s: float,
+    *,
+    prompt_tokens: tuple[int, int] = (64, 512),
+    output_tokens: tuple[int, int] = (64, 256),
+    vocab_size: int = 32_000,
+    seed: int = 0,
+) -> list[SimulatedRequest]:
+    """Poisson arrivals at a rate that changes at the profile's times (memoryless: each stretch starts
+    afresh), with uniform prompt and output lengths."""
+    rng = random.Random(seed)
+    requests: list[SimulatedRequest] = []
+    ends = [start for start, _ in profile[1:]] + [duration_s]
+    for (start, rate), end in zip(profile, ends, strict=True):
+        at = start
+        while rate > 0:
+            at += rng.expovariate(rate)
+            if at >= min(end, duration_s):
+                break
+            prompt = tuple(rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_tokens)))
+            requests.append(SimulatedRequest(f"req-{len(requests)}", at, prompt, rng.randint(*output_tokens)))
+    return requests
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    policy: ScalingPolicy
+    scheduler: SchedulerConfig
+    num_blocks: int  # KV blocks per replica
+    latency: LatencyModel = field(default_factory=LatencyModel)
+    load_time_s: float = 30.0  # from the autoscaler's decision to a ready replica (start, load, warm up)
+    tick_s: float = 5.0
+    initial_replicas: int = 1
+    ttft_sla_s: float = 1.0
+
+
+@dataclass(slots=True)
+class TickRow:
+    at_s: float
+    arrival_rate: float  # requests per second over the tick before
+    target: int
+    ready: int
+    starting: int
+    draining: int
+    queued: int  # waiting at the gateway for any replica, or in a replica for a batch slot
+    kv_cache_usage: float  # mean over ready replicas
+
+
+@dataclass(slots=True)
+class FleetReport:
+    rows: list[TickRow]
+    ttft_s: list[float]  # per request, arrival (at the gateway) to first token
+    tpot_s: list[float]
+    num_requests: int
+    replica_seconds: float  # replicas held, starting or serving: the fleet's cost
+    ttft_sla_s: float
+
+    def percentile(self, values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else 0.0
+
+    @property
+    def sla_attainment(self) -> float:
+        return sum(t <= self.ttft_sla_s for t in self.ttft_s) / len(self.ttft_s) if self.ttft_s else 1.0
+
+
+class _Replica:
+    def __init__(self, index: int, config: FleetConfig, clock: list[float], seed: int) -> None:
+        self.index = index
+        self.started_at = clock[0]
+        self.ready_at = clock[0] + config.load_time_s
+        self.is_draining = False
+        self.kv = KVCacheManager(config.num_blocks, config.scheduler.block_size, salt_secret=b"fleet")
+        self.scheduler = Scheduler(config.scheduler, self.kv, clock=lambda: clock[0])
+        self.executor = SimulatedExecutor(config.latency, seed=seed)
+        self.step: tuple[SchedulerOutput, dict[str, int], float] | None = None  # output, tokens, ends at
+        self._clock = clock
+
+    @property
+    def is_ready(self) -> bool:  # what the router asks
+        return not self.is_draining and self._clock[0] >= self.ready_at
+
+    @property
+    def load(self) -> int:
+        return self.scheduler.num_waiting + self.scheduler.num_running
+
+    @property
+    def is_idle(self) -> bool:
+        return self.step is None and not self.scheduler.has_unfinished()
+
+
+def simulate_fleet(
+    requests: SequenceOf[SimulatedRequest], config: FleetConfig, *, seed: int = 0
+) -> FleetReport:
+    clock = [0.0]  # shared by every replica's scheduler
+    rng = random.Random(seed)
+    serial = itertools.count()
+    replicas = [_Replica(next(serial), config, clock, seed) for _ in range(config.initial_replicas)]
+    for replica in replicas:  # the fleet starts warm
+        replica.ready_at = 0.0
+    arrivals = deque(sorted(requests, key=lambda r: r.arrival_s))
+    held: deque[SimulatedRequest] = deque()  # at the gateway: no ready replica
+    arrived_at: dict[str, float] = {}
+    ttft_s: list[float] = []
+    tpot_s: list[float] = []
+    rows: list[TickRow] = []
+    history: list[tuple[float, int]] = []
+    target, next_tick, last_request_at = config.initial_replicas, config.tick_s, -math.inf
+    arrived_since_tick = 0
+    replica_seconds = 0.0
+
+    def route(request: SimulatedRequest) -> bool:
+        replica = choose_replica(replicas, rng=rng)
+        if replica is None:
+            return False
+        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
+        prompt = list(request.prompt_token_ids)
+        replica.scheduler.add(Sequence(request.request_id, prompt, params, arrival_time=request.arrival_s))
+        # TTFT counts from the arrival at the gateway, a cold start's wait included
+        arrived_at[request.request_id] = request.arrival_s
+        return True
+
+    while arrivals or held or any(not r.is_idle for r in replicas):
+        times = [r.step[2] for r in replicas if r.step is not None]
+        times += [r.ready_at for r in replicas if r.ready_at > clock[0]]
+        times += [arrivals[0].arrival_s] if arrivals else []
+        times.append(next_tick)
+        now = max(clock[0], min(times))
+        if now - last_request_at > STALL_S and not arrivals:
+            raise RuntimeError(f"the fleet made no progress for {STALL_S:g} s of virtual time")
+        replica_seconds += (now - clock[0]) * len(replicas)
+        clock[0] = now
+        for replica in replicas:
+            if replica.step is not None and replica.step[2] <= now:
+                output, sampled, _ = replica.step
+                replica.step = None
+                for seq in replica.scheduler.update(output, sampled):
+                    assert seq.first_token_time is not None
+                    assert seq.finished_time is not None
+                    ttft_s.append(seq.first_token_time - arrived_at.pop(seq.request_id))
+                    if seq.num_output_tokens > 1:
+                        tpot_s.append(
+                            (seq.finished_time - seq.first_token_time) / (seq.num_output_tokens - 1)
+                        )
+        while held and route(held[0]):
+            held.popleft()
+        while arrivals and arrivals[0].arrival_s <= now:
+            request = arrivals.popleft()
+            arrived_since_tick += 1
+            last_request_at = now
+            if held or not route(request):
+                held.append(request)
+        if now >= next_tick:
+            target = _tick(replicas, held, history, target, config, now, last_request_at)
+            _scale(replicas, target, config, clock, serial, seed)
+            rows.append(_row(replicas, held, target, arrived_since_tick / config.tick_s, now))
+            arrived_since_tick = 0
+            next_tick += config.tick_s
+        replicas[:] = [r for r in replicas if not (r.is_draining and r.is_idle)]
+        for replica in replicas:
+            if replica.step is None and now >= replica.ready_at and replica.scheduler.has_unfinished():
+                output = replica.scheduler.schedule()
+                if output.scheduled:
+                    sampled, step_ms = replica.executor.execute(output)
+                    replica.step = (output, sampled, now + step_ms / 1000)
+    return FleetReport(rows, ttft_s, tpot_s, len(requests), replica_seconds, config.ttft_sla_s)
+
+
+def _tick(
+    replicas: list[_Replica],
+    held: deque[SimulatedRequest],
+    history: list[tuple[float, int]],
+    target: int,
+    config: FleetConfig,
+    now: float,
+    last_request_at: float,
+) -> int:
+    """One autoscaler tick, as rollouts.services.autoscale does it for one version."""
+    ready = [r for r in replicas if r.is_ready]
+    signals = [
+        ReplicaSignals(
+            r.scheduler.num_waiting,
+            r.scheduler.num_running,
+            config.scheduler.max_num_seqs,
+            r.kv.usage,
+        )
+        for r in ready
+    ]
+    if signals and held:  # requests waiting at the gateway are queue depth too
+        first = signals[0]
+        signals[0] = ReplicaSignals(
+            first.num_waiting + len(held), first.num_running, first.capacity, first.kv_cache_usage
+        )
+    idle_s = 0.0 if held else now - last_request_at
+    advice = recommend(signals, config.policy, idle_s=idle_s)
+    history[:] = [(t, n) for t, n in history if now - t <= config.policy.scale_down_window_s]
+    history.append((now, advice.replicas))
+    return next_target(history, now=now, current=target, policy=config.policy)
+
+
+def _scale(
+    replicas: list[_Replica],
+    target: int,
+    config: FleetConfig,
+    clock: list[float],
+    serial: itertools.count[int],
+    seed: int,
+) -> None:
+    """The provisioner's pass: start what is missing; drain what is over, the newest first (one still
+    starting is simply not started)."""
+    live = [r for r in replicas if not r.is_draining]
+    for _ in range(target - len(live)):
+        replicas.append(_Replica(next(serial), config, clock, seed + len(replicas)))
+    for replica in sorted(live, key=lambda r: r.started_at, reverse=True)[: max(0, len(live) - target)]:
+        if clock[0] < replica.ready_at:
+            replicas.remove(replica)
+        else:
+            replica.is_draining = True
+
+
+def _row(
+    replicas: list[_Replica], held: deque[SimulatedRequest], target: int, rate: float, now: float
+) -> TickRow:
+    ready = [r for r in replicas if r.is_ready]
+    return TickRow(
+        at_s=now,
+        arrival_rate=rate,
+        target=target,
+        ready=len(ready),
+        starting=sum(1 for r in replicas if now < r.ready_at),
+        draining=sum(1 for r in replicas if r.is_draining),
+        queued=len(held) + sum(r.scheduler.num_waiting for r in replicas),
+        kv_cache_usage=sum(r.kv.usage for r in ready) / len(ready) if ready else 0.0,
+    )
