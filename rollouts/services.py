@@ -724,12 +724,12 @@ def autoscale(
     policy: ScalingPolicy | None = None,
     now: float | None = None,
 ) -> dict[tuple[str, str], int]:
-    """One autoscaler tick: each version that must serve (traffic, an alias, shadow copies) gets a
-    target from its ready replicas' heartbeats (rollouts.autoscaler); every other version that had one
-    gets 0. Returns the targets that changed. `heartbeats` (Heartbeat objects) default to the fleet's,
-    `demand` (version -> seconds since a request last waited at a gateway for a replica of it) to the
-    gateways';
-    raises HeartbeatsUnavailable when they cannot be read, changing nothing."""
+    """One autoscaler tick: each version that must serve (traffic, an alias, shadow copies), or that
+    lost its traffic and still serves pinned requests, gets a target from its ready replicas' heartbeats
+    (rollouts.autoscaler); every other version that had one gets 0. Returns the targets that changed.
+    `heartbeats` (Heartbeat objects) default to the fleet's, `demand` (version -> seconds since a request
+    last waited at a gateway for a replica of it) to the gateways'; raises HeartbeatsUnavailable when
+    they cannot be read, changing nothing."""
     policy = policy or ScalingPolicy(**settings.AUTOSCALER)
     now = time.time() if now is None else now
     beats = fleet_heartbeats() if heartbeats is None else heartbeats
