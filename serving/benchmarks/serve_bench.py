@@ -592,7 +592,9 @@ class Platform:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                ready = httpx.get(f"{self.url}/readyz", timeout=2)
+                # A gateway in front of replica processes is ready before any replica is: wait for one.
+                if ready.status_code == 200 and ready.json()["num_ready_replicas"] >= 1:
                     return
             except httpx.HTTPError:
                 pass
