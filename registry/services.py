@@ -89,7 +89,7 @@ def model_version_register(
         table, _ = RoutingTable.objects.get_or_create(model=model)
         is_first = not table.entries.exists()
         RoutingEntry.objects.create(table=table, version=model_version, weight=100 if is_first else 0)
-        RoutingTable.objects.filter(pk=table.pk).update(revision=F("revision") + 1)
+        routing_changed(model=model)
         if is_first:
             alias_set(
                 model=model,
@@ -107,7 +107,7 @@ def model_version_register(
 
 
 def routing_changed(*, model: Model) -> None:
-    """Something a gateway routes by changed outside the routing table (the model's scaling bounds): move
+    """Something a gateway routes the model by changed (its table, an alias, its scaling bounds): move
     its revision, so every gateway's cache reads the model afresh within a second."""
     RoutingTable.objects.filter(model=model).update(revision=F("revision") + 1)
 
@@ -128,7 +128,7 @@ def alias_set(*, model: Model, name: str, version: ModelVersion, actor: str, rea
     AliasEvent.objects.create(
         alias=alias, from_version=previous, to_version=version, actor=actor, reason=reason
     )
-    RoutingTable.objects.filter(model=model).update(revision=F("revision") + 1)
+    routing_changed(model=model)
     return alias
 
 
@@ -149,7 +149,7 @@ def routing_table_set(*, model: Model, weights: Mapping[str, int]) -> RoutingTab
         RoutingEntry.objects.update_or_create(
             table=table, version=versions[name], defaults={"weight": weight}
         )
-    RoutingTable.objects.filter(pk=table.pk).update(revision=F("revision") + 1)
+    routing_changed(model=model)
     table.refresh_from_db()
     return table
 
