@@ -182,6 +182,14 @@ def as_version_window(window: Any) -> VersionWindow:
         raise MetricsUnavailable(f"the metrics window lacks a field the judge needs: {exc}") from exc
 
 
+def fleet_redis() -> Any:
+    """A client for the hashes the fleet writes in Redis (heartbeats, gateway demand), for the judge's and
+    the autoscaler's ticks: a second to connect or answer, so that a tick holds rather than hangs."""
+    import redis
+
+    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+
 def fleet_heartbeats() -> list[Any]:
     """The latest heartbeat (serving.replica_directory.Heartbeat) of every replica that sends one: those
     this process hosts (embedded mode; read from the judge's or autoscaler's thread, never touching the
@@ -199,7 +207,7 @@ def fleet_heartbeats() -> list[Any]:
         return list(beats.values())
     import redis
 
-    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
+    client = fleet_redis()
     try:
         for key in client.scan_iter(f"{KEY_PREFIX}*"):
             for value in client.hgetall(key).values():
@@ -227,7 +235,7 @@ def fleet_demand() -> dict[tuple[str, str], float]:
 
     from serving.replica_directory import DEMAND_KEY
 
-    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
+    client = fleet_redis()
     try:
         raw = client.hgetall(DEMAND_KEY)
         seconds, micros = client.time()

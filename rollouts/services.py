@@ -38,6 +38,7 @@ from rollouts.selectors import (
     WindowReader,
     fleet_demand,
     fleet_heartbeats,
+    fleet_redis,
     scaling_bounds,
     window_reader,
 )
@@ -183,7 +184,7 @@ def _fleet_replica_ready(deployment: Deployment) -> bool | None:
         raw = client.hgetall(version_key(model_name, version))
         return [Heartbeat.from_json(value) for value in raw.values()]
 
-    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
+    client = fleet_redis()
     try:
         candidate = [beat for beat in beats(deployment.candidate.version) if beat.is_fresh]
         if candidate:
