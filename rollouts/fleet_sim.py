@@ -101,10 +101,6 @@ class FleetReport:
     replica_seconds: float  # replicas held, starting or serving: the fleet's cost
     ttft_sla_s: float
 
-    def percentile(self, values: list[float], q: float) -> float:
-        ordered = sorted(values)
-        return ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else 0.0
-
     @property
     def sla_attainment(self) -> float:
         return sum(t <= self.ttft_sla_s for t in self.ttft_s) / len(self.ttft_s) if self.ttft_s else 1.0

@@ -5,6 +5,8 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from serving.benchmarks.workload import percentile  # numpy's default, as every bench here
+
 
 def _range(text: str) -> tuple[int, int]:
     low, _, high = text.partition("-")
@@ -136,7 +138,7 @@ class Command(BaseCommand):
             )
             self._summary(f"static {n}", static)
             cost = report.replica_seconds / static.replica_seconds
-            p99 = report.percentile(report.ttft_s, 99) / static.percentile(static.ttft_s, 99)
+            p99 = percentile(report.ttft_s, 99) / percentile(static.ttft_s, 99)
             self.stdout.write(
                 f"autoscaled / static {n}: replica-seconds {cost:.2f}, p99 TTFT {p99:.2f}, "
                 f"SLA attainment {report.sla_attainment:.1%} vs {static.sla_attainment:.1%}"
@@ -144,7 +146,7 @@ class Command(BaseCommand):
 
     def _summary(self, name: str, report: Any) -> None:
         def ms(values: list[float], q: float) -> float:
-            return float(report.percentile(values, q)) * 1000
+            return percentile(values, q) * 1000
 
         self.stdout.write(
             f"{name}: {len(report.ttft_s)} of {report.num_requests} finished; TTFT p50 "
