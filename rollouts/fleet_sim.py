@@ -107,8 +107,7 @@ class FleetReport:
 
 
 class _Replica:
-    def __init__(self, index: int, config: FleetConfig, clock: list[float], seed: int) -> None:
-        self.index = index
+    def __init__(self, config: FleetConfig, clock: list[float], seed: int) -> None:
         self.started_at = clock[0]
         self.ready_at = clock[0] + config.load_time_s
         self.is_draining = False
@@ -136,13 +135,11 @@ def simulate_fleet(
 ) -> FleetReport:
     clock = [0.0]  # shared by every replica's scheduler
     rng = random.Random(seed)
-    serial = itertools.count()
-    replicas = [_Replica(next(serial), config, clock, seed) for _ in range(config.initial_replicas)]
+    replicas = [_Replica(config, clock, seed) for _ in range(config.initial_replicas)]
     for replica in replicas:  # the fleet starts warm
         replica.ready_at = 0.0
     arrivals = deque(sorted(requests, key=lambda r: r.arrival_s))
     held: deque[SimulatedRequest] = deque()  # at the gateway: no ready replica
-    arrived_at: dict[str, float] = {}
     ttft_s: list[float] = []
     tpot_s: list[float] = []
     rows: list[TickRow] = []
@@ -157,9 +154,8 @@ def simulate_fleet(
             return False
         params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
         prompt = list(request.prompt_token_ids)
+        # arrival_time is the arrival at the gateway: TTFT counts a cold start's wait
         replica.scheduler.add(Sequence(request.request_id, prompt, params, arrival_time=request.arrival_s))
-        # TTFT counts from the arrival at the gateway, a cold start's wait included
-        arrived_at[request.request_id] = request.arrival_s
         return True
 
     while arrivals or held or any(not r.is_idle for r in replicas):
@@ -179,7 +175,7 @@ def simulate_fleet(
                 for seq in replica.scheduler.update(output, sampled):
                     assert seq.first_token_time is not None
                     assert seq.finished_time is not None
-                    ttft_s.append(seq.first_token_time - arrived_at.pop(seq.request_id))
+                    ttft_s.append(seq.first_token_time - seq.arrival_time)
                     if seq.num_output_tokens > 1:
                         tpot_s.append(
                             (seq.finished_time - seq.first_token_time) / (seq.num_output_tokens - 1)
@@ -194,7 +190,7 @@ def simulate_fleet(
                 held.append(request)
         if now >= next_tick:
             target = _tick(replicas, held, history, target, config, now, last_request_at)
-            _scale(replicas, target, config, clock, serial, seed)
+            _scale(replicas, target, config, clock, seed)
             rows.append(_row(replicas, held, target, arrived_since_tick / config.tick_s, now))
             arrived_since_tick = 0
             next_tick += config.tick_s
@@ -245,14 +241,13 @@ def _scale(
     target: int,
     config: FleetConfig,
     clock: list[float],
-    serial: itertools.count[int],
     seed: int,
 ) -> None:
     """The provisioner's pass: start what is missing; drain what is over, the newest first (one still
     starting is simply not started)."""
     live = [r for r in replicas if not r.is_draining]
     for _ in range(target - len(live)):
-        replicas.append(_Replica(next(serial), config, clock, seed + len(replicas)))
+        replicas.append(_Replica(config, clock, seed + len(replicas)))
     for replica in sorted(live, key=lambda r: r.started_at, reverse=True)[: max(0, len(live) - target)]:
         if clock[0] < replica.ready_at:
             replicas.remove(replica)
