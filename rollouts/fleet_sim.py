@@ -12,6 +12,7 @@ minutes of traffic take seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -225,10 +226,7 @@ def _tick(
         for r in ready
     ]
     if signals and held:  # requests waiting at the gateway are queue depth too
-        first = signals[0]
-        signals[0] = ReplicaSignals(
-            first.num_waiting + len(held), first.num_running, first.capacity, first.kv_cache_usage
-        )
+        signals[0] = dataclasses.replace(signals[0], num_waiting=signals[0].num_waiting + len(held))
     idle_s = 0.0 if held else now - last_request_at
     advice = recommend(signals, config.policy, idle_s=idle_s)
     history[:] = [(t, n) for t, n in history if now - t <= config.policy.scale_down_window_s]

@@ -16,6 +16,15 @@ def _range(text: str) -> tuple[int, int]:
     return values
 
 
+# ScalingPolicy's fields a flag may set over the settings' (SWITCHYARD_AUTOSCALER_*), with their types.
+_POLICY_FLAGS: dict[str, type] = {
+    **dict.fromkeys(("min_replicas", "max_replicas", "warm_buffer"), int),
+    **dict.fromkeys(
+        ("target_queue_per_replica", "target_saturation", "target_kv_usage", "scale_down_window_s"), float
+    ),
+}
+
+
 class Command(BaseCommand):
     help = (
         "Simulate a fleet on a virtual clock (rollouts/fleet_sim.py): the real scheduler and KV cache in "
@@ -32,15 +41,8 @@ class Command(BaseCommand):
         parser.add_argument("--output-tokens", default="64-256")
         parser.add_argument("--seed", type=int, default=0)
         policy = parser.add_argument_group("the autoscaler (defaults: the settings)")
-        for name in ("min_replicas", "max_replicas", "warm_buffer"):
-            policy.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-        for name in (
-            "target_queue_per_replica",
-            "target_saturation",
-            "target_kv_usage",
-            "scale_down_window_s",
-        ):
-            policy.add_argument(f"--{name.replace('_', '-')}", type=float, default=None)
+        for name, kind in _POLICY_FLAGS.items():
+            policy.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
         fleet = parser.add_argument_group("the replicas")
         fleet.add_argument("--load-time", type=float, default=30.0, help="seconds from decision to ready")
         fleet.add_argument("--tick", type=float, default=None, help="autoscaler interval (settings: 5 s)")
@@ -66,19 +68,7 @@ class Command(BaseCommand):
 
         try:
             profile = parse_rate_profile(options["rate"])
-            overrides = {
-                name: options[name]
-                for name in (
-                    "min_replicas",
-                    "max_replicas",
-                    "warm_buffer",
-                    "target_queue_per_replica",
-                    "target_saturation",
-                    "target_kv_usage",
-                    "scale_down_window_s",
-                )
-                if options[name] is not None
-            }
+            overrides = {name: options[name] for name in _POLICY_FLAGS if options[name] is not None}
             policy = ScalingPolicy(**{**settings.AUTOSCALER, **overrides})
             scheduler = SchedulerConfig(
                 max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"]
