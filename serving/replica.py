@@ -501,7 +501,8 @@ class Replica:
         try:
             raw = message["params"]
             fields = {**raw, "stop": tuple(raw.get("stop") or ())}
-            if "max_tokens" in fields and fields["max_tokens"] is None:
+            to_context = "max_tokens" in raw and raw["max_tokens"] is None  # chat's default: to the end
+            if to_context:
                 fields["max_tokens"] = 1  # set below, once the prompt's length is known
             arrival.params = SamplingParams(**fields)
             inputs = message.get("inputs")  # a non-generative request's texts
@@ -514,7 +515,7 @@ class Replica:
                 if text is None:
                     text = render_chat_prompt(self._engine.tokenizer, message["messages"])
                 arrival.prompt_ids = self._engine.encode(text)
-                if raw.get("max_tokens") is None:  # up to the end of the context (chat's default)
+                if to_context:
                     room = self._engine.max_model_len - len(arrival.prompt_ids)
                     arrival.params = dataclasses.replace(
                         arrival.params, max_tokens=max(1, min(settings.MAX_TOKENS_LIMIT, room))
