@@ -275,6 +275,9 @@ AUTOSCALER = {
     # For a model that scales to zero (`manage.py set_scaling MODEL --min 0`): no request for this long,
     # and its version keeps no replica.
     "idle_before_zero_s": float(os.environ.get("SWITCHYARD_AUTOSCALER_IDLE_BEFORE_ZERO_S", "300")),
+    # The mean step time (each running sequence's TPOT) replicas are held at, under the rollout judge's
+    # p99 TPOT SLA with room for the tail; 0 turns the step-time signal off (rollouts/autoscaler.py).
+    "target_tpot_ms": float(os.environ.get("SWITCHYARD_AUTOSCALER_TARGET_TPOT_MS", "50")) or None,
 }
 if not 1 <= AUTOSCALER["min_replicas"] <= AUTOSCALER["max_replicas"]:
     from django.core.exceptions import ImproperlyConfigured

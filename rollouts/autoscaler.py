@@ -7,7 +7,16 @@ bring it to its target, as Kubernetes' HPA computes a desired count (current x o
 - queue depth: requests waiting for a slot, at most `target_queue_per_replica` each (an encoder's
   queue, inputs waiting for a batch, counts in full batches: it holds inputs back on purpose);
 - batch saturation: running sequences over the replicas' capacity, at most `target_saturation`;
-- KV-cache use: at most `target_kv_usage` on average.
+- KV-cache use: at most `target_kv_usage` on average;
+- step time, with `target_tpot_ms` set: how long a replica's steps take, which is every running
+  sequence's time per output token. Each replica also says how long a step with one sequence takes (its
+  base, measured at warm-up), the fixed cost of reading the weights that batching shares out. A step
+  takes base / (1 - W/n) when n replicas share W replicas' worth of per-token work (prefill tokens and
+  decoding sequences: a step holds what arrived during the one before), so a replica's steps of t
+  seconds say it holds (1 - base/t) / (1 - base/target) replicas' worth at the target. This is the
+  signal that sees a fleet too small when the batches are far from full: long prompts, or a model whose
+  steps slow with each sequence (a CPU, or a GPU past its memory-bound range), push TPOT past its target
+  with no queue in sight, and a queue-only policy scales such a fleet down under load.
 
 The recommendation is the largest of them, plus a warm buffer, within [min_replicas, max_replicas]. These
 signals lead latency: a queue forms and the cache fills before p99 TTFT and TPOT move, so acting on them
@@ -41,6 +50,7 @@ class ScalingPolicy:
     warm_buffer: int = 0
     scale_down_window_s: float = 120.0
     idle_before_zero_s: float = 300.0  # with min_replicas 0: no request for this long, and none are kept
+    target_tpot_ms: float | None = None  # the mean step time to hold replicas at; None: no step-time signal
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -51,6 +61,8 @@ class ScalingPolicy:
             raise ValueError("warm_buffer and scale_down_window_s must not be negative")
         if self.idle_before_zero_s <= 0:  # 0 would take a version with a request waiting for idle
             raise ValueError("idle_before_zero_s must be positive")
+        if self.target_tpot_ms is not None and not self.target_tpot_ms > 0:
+            raise ValueError("target_tpot_ms must be positive (or None: no step-time signal)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +74,8 @@ class ReplicaSignals:
     capacity: int  # the most sequences (or batch items) it runs at once; 0 when it does not say
     kv_cache_usage: float
     is_generative: bool = True  # False: an encoder, whose num_waiting is inputs and num_running 0
+    step_s: float = 0.0  # its steps' mean time over the last few seconds; 0: no step ran
+    base_step_s: float = 0.0  # a step with one sequence decoding; 0: not known (an older replica)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +131,27 @@ def recommend(
             n * kv_usage, policy.target_kv_usage
         ),
     }
+    if policy.target_tpot_ms is not None:
+        needs.update(_step_time_need(replicas, policy.target_tpot_ms / 1000, figures))
     reason, needed = max(needs.items(), key=lambda item: item[1])
     return _bounded(needed, f"{reason} on {n} replica{'s' if n > 1 else ''}", policy, floor, figures)
+
+
+def _step_time_need(
+    replicas: Sequence[ReplicaSignals], target_s: float, figures: dict[str, float]
+) -> dict[str, int]:
+    """The step-time signal: the replicas' work at the target, added up (the module's docstring says
+    how). Only generative replicas whose steps ran and whose base is under the target tell: no count of
+    replicas brings a step under its own base."""
+    timed = [r for r in replicas if r.is_generative and r.step_s > 0 and 0 < r.base_step_s < target_s]
+    if not timed:
+        return {}
+    work = sum(max(0.0, 1 - r.base_step_s / r.step_s) / (1 - r.base_step_s / target_s) for r in timed)
+    step_ms = 1000 * sum(r.step_s for r in timed) / len(timed)
+    base_ms = 1000 * sum(r.base_step_s for r in timed) / len(timed)
+    figures.update(step_ms=round(step_ms, 2), base_step_ms=round(base_ms, 2))
+    reason = f"step time {step_ms:.1f} ms over a {base_ms:.1f} ms base (target {1000 * target_s:g} ms)"
+    return {reason: _ceil_ratio(work, 1.0)}
 
 
 def _ceil_ratio(load: float, target: float) -> int:

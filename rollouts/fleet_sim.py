@@ -25,9 +25,12 @@ from serving.engine.kv_cache import KVCacheManager
 from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.engine.sequence import SamplingParams, Sequence
 from serving.engine.simulated import LatencyModel, SimulatedExecutor, SimulatedRequest
+from serving.replica_directory import RecentSteps
 from serving.router import choose_replica
 
 RateProfile = SequenceOf[tuple[float, float]]  # (from second, requests per second), in time order
+# The one sequence a replica's warm-up times a step with (ModelRunner.warmup: two blocks and a token).
+WARMUP_CONTEXT_TOKENS = 33
 STALL_S = 3600.0  # virtual seconds after the last arrival with requests still unfinished: a bug, not a load
 
 
@@ -91,6 +94,7 @@ class TickRow:
     draining: int
     queued: int  # waiting at the gateway for any replica, or in a replica for a batch slot
     kv_cache_usage: float  # mean over ready replicas
+    step_ms: float  # mean over ready replicas that stepped lately (what their heartbeats say)
 
 
 @dataclass(slots=True)
@@ -115,7 +119,9 @@ class _Replica:
         self.kv = KVCacheManager(config.num_blocks, config.scheduler.block_size, salt_secret=b"fleet")
         self.scheduler = Scheduler(config.scheduler, self.kv, clock=lambda: clock[0])
         self.executor = SimulatedExecutor(config.latency, seed=seed)
-        self.step: tuple[SchedulerOutput, dict[str, int], float] | None = None  # output, tokens, ends at
+        # output, its tokens, when it started and when it ends
+        self.step: tuple[SchedulerOutput, dict[str, int], float, float] | None = None
+        self.recent_steps = RecentSteps()
         self._clock = clock
 
     @property
@@ -160,7 +166,7 @@ def simulate_fleet(
         return True
 
     while arrivals or held or any(not r.is_idle for r in replicas):
-        times = [r.step[2] for r in replicas if r.step is not None]
+        times = [r.step[3] for r in replicas if r.step is not None]
         times += [r.ready_at for r in replicas if r.ready_at > clock[0]]
         times += [arrivals[0].arrival_s] if arrivals else []
         times.append(next_tick)
@@ -170,9 +176,10 @@ def simulate_fleet(
         replica_seconds += (now - clock[0]) * len(replicas)
         clock[0] = now
         for replica in replicas:
-            if replica.step is not None and replica.step[2] <= now:
-                output, sampled, _ = replica.step
+            if replica.step is not None and replica.step[3] <= now:
+                output, sampled, started, _ = replica.step
                 replica.step = None
+                replica.recent_steps.add(now, now - started)
                 for seq in replica.scheduler.update(output, sampled):
                     assert seq.first_token_time is not None
                     assert seq.finished_time is not None
@@ -201,7 +208,7 @@ def simulate_fleet(
                 output = replica.scheduler.schedule()
                 if output.scheduled:
                     sampled, step_ms = replica.executor.execute(output)
-                    replica.step = (output, sampled, now + step_ms / 1000)
+                    replica.step = (output, sampled, now, now + step_ms / 1000)
     return FleetReport(rows, ttft_s, tpot_s, len(requests), replica_seconds, config.ttft_sla_s)
 
 
@@ -216,12 +223,15 @@ def _tick(
 ) -> int:
     """One autoscaler tick, as rollouts.services.autoscale does it for one version."""
     ready = [r for r in replicas if r.is_ready]
+    base_step_s = config.latency.base_step_ms(WARMUP_CONTEXT_TOKENS) / 1000
     signals = [
         ReplicaSignals(
             r.scheduler.num_waiting,
             r.scheduler.num_running,
             config.scheduler.max_num_seqs,
             r.kv.usage,
+            step_s=r.recent_steps.mean(now),
+            base_step_s=base_step_s,
         )
         for r in ready
     ]
@@ -257,6 +267,7 @@ def _row(
     replicas: list[_Replica], held: deque[SimulatedRequest], target: int, rate: float, now: float
 ) -> TickRow:
     ready = [r for r in replicas if r.is_ready]
+    steps = [s for s in (r.recent_steps.mean(now) for r in ready) if s]
     return TickRow(
         at_s=now,
         arrival_rate=rate,
@@ -266,4 +277,5 @@ def _row(
         draining=sum(1 for r in replicas if r.is_draining),
         queued=len(held) + sum(r.scheduler.num_waiting for r in replicas),
         kv_cache_usage=sum(r.kv.usage for r in ready) / len(ready) if ready else 0.0,
+        step_ms=1000 * sum(steps) / len(steps) if steps else 0.0,
     )

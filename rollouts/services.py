@@ -750,7 +750,13 @@ def autoscale(
         if beat.state == "ready":
             signals.setdefault(key, []).append(
                 ReplicaSignals(
-                    beat.num_waiting, beat.num_running, beat.capacity, beat.kv_cache_usage, beat.is_generative
+                    beat.num_waiting,
+                    beat.num_running,
+                    beat.capacity,
+                    beat.kv_cache_usage,
+                    beat.is_generative,
+                    step_s=beat.step_s,
+                    base_step_s=beat.base_step_s,
                 )
             )
     with transaction.atomic():

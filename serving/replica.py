@@ -61,7 +61,7 @@ from registry.selectors import VersionRef
 from serving import metrics as m
 from serving.faults import INJECTED_FAULT, Faults, check_fault_injection_allowed, configured_faults
 from serving.metrics import MetricsRecorder, RequestSample, StepSample, register_recorder, unregister_recorder
-from serving.replica_directory import HEARTBEAT_INTERVAL_S, Heartbeat, HeartbeatPublisher
+from serving.replica_directory import HEARTBEAT_INTERVAL_S, Heartbeat, HeartbeatPublisher, RecentSteps
 from serving.shadow import SHADOW_RESULT
 from serving.streams import STEP_MESSAGE, ReplyHub
 from serving.vectors import encode_vectors
@@ -230,6 +230,8 @@ class Replica:
         self.num_running = 0
         self.kv_cache_usage = 0.0
         self.capacity = 0  # set once the engine is built
+        self.base_step_s = 0.0  # a step with one sequence decoding, set once the engine is warm
+        self.recent_steps = RecentSteps()
         self.metrics = MetricsRecorder(
             model_name=ref.model_name,
             version=ref.version,
@@ -356,6 +358,8 @@ class Replica:
             engine.config.max_num_seqs if isinstance(engine, Engine) else engine.config.max_batch_size
         )
         engine.warmup()  # allocate scratch and (if enabled) compile before reporting ready
+        # An injected delay (faults) is part of every step, so of its fixed cost too.
+        self.base_step_s = getattr(engine, "base_step_s", 0.0) + self._step_delay_s
         if self._step_publisher is not None:
             self._step_publisher.connect()  # a Redis that is down fails the load, not the first step
         return engine
@@ -412,6 +416,8 @@ class Replica:
             capacity=self.capacity,
             is_generative=self.ref.kind == Model.Kind.CAUSAL_LM,
             idle_s=time.monotonic() - self._last_request_at if self._last_request_at else 0.0,
+            step_s=self.recent_steps.mean(time.monotonic()),
+            base_step_s=self.base_step_s,
         )
 
     async def _beat(self) -> None:
@@ -697,6 +703,7 @@ class Replica:
             stats.kv_cache_usage,
         )
         if result.model_time_s is not None:
+            self.recent_steps.add(time.monotonic(), result.model_time_s)
             step = StepSample(
                 model_time_s=result.model_time_s,
                 batch_size=stats.num_scheduled_seqs,

@@ -13,7 +13,9 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,6 +32,9 @@ _SERVE_STALE_S = 1.0
 # A beat older than the stale limit plus the cache's age was missed, not merely read from a cache: the
 # runtime opens the replica's circuit breaker on it (serving/breaker.py).
 MISSED_AFTER_S = STALE_AFTER_S + _SERVE_STALE_S
+# A heartbeat's step_s is the mean over this many seconds of steps: the autoscaler's tick (5 s) sees
+# each step once, and one long prefill does not swing it.
+STEP_WINDOW_S = 5.0
 KEY_PREFIX = "switchyard:replicas:"
 # One hash: "model:version" -> when a request last waited for a replica of a version that had none
 # (scaled to zero), in seconds on Redis' own clock (TIME), which the autoscaler compares with the same
@@ -59,6 +64,10 @@ class Heartbeat:
     # clock need agree with another's: how long the version has been idle, for scaling to zero. An older
     # replica does not say, and 0 is never taken for idle.
     idle_s: float = 0.0
+    # Its steps' mean time over the last few seconds (0: none ran), and a step's time with one sequence
+    # decoding (0: not known): the autoscaler's step-time signal. An older replica says neither.
+    step_s: float = 0.0
+    base_step_s: float = 0.0
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Heartbeat:
@@ -99,9 +108,32 @@ _HEARTBEAT_FIELDS = frozenset(f.name for f in dataclasses.fields(Heartbeat))
 _HEARTBEAT_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("replica_id", "model_name", "version", "channel_name", "state"), (str,)),
     **dict.fromkeys(("num_waiting", "num_running", "capacity"), (int,)),
-    **dict.fromkeys(("kv_cache_usage", "sent_at", "idle_s"), (int, float)),
+    **dict.fromkeys(("kv_cache_usage", "sent_at", "idle_s", "step_s", "base_step_s"), (int, float)),
     "is_generative": (bool,),
 }
+
+
+class RecentSteps:
+    """The mean time of a replica's latest steps (the heartbeat's step_s): those that ended within
+    `window_s` of the newest, and none once the newest is that old. The model thread adds; another
+    thread reads, and each add publishes one tuple, so a read never sees a sum without its count."""
+
+    def __init__(self, window_s: float = STEP_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._steps: deque[tuple[float, float]] = deque()  # (ended at, seconds), the adding thread's
+        self._total = 0.0
+        self._summary = (0.0, 0, -math.inf)  # total, count, newest's end
+
+    def add(self, ended_at: float, seconds: float) -> None:
+        self._steps.append((ended_at, seconds))
+        self._total += seconds
+        while self._steps[0][0] < ended_at - self.window_s:
+            self._total -= self._steps.popleft()[1]
+        self._summary = (self._total, len(self._steps), ended_at)
+
+    def mean(self, now: float) -> float:
+        total, count, newest = self._summary
+        return total / count if count and now - newest <= self.window_s else 0.0
 
 
 class HeartbeatPublisher:

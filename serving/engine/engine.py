@@ -157,6 +157,12 @@ class Engine:
     def warmup(self) -> None:
         self.runner.warmup()
 
+    @property
+    def base_step_s(self) -> float:
+        """A step's time with one sequence decoding (measured by warmup(); 0 before it): the fixed
+        cost that batching shares out, which the autoscaler weighs the steps' times against."""
+        return self.runner.base_step_s
+
     # --- requests ----------------------------------------------------------------------------------
 
     def add_request(

@@ -7,6 +7,8 @@ that are sampled go through the LM head.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
@@ -136,6 +138,7 @@ class ModelRunner:
             device=self.device,
         )
         self.decode_kernel: DecodeKernel | None = compile_decode_kernel() if compile_attention else None
+        self.base_step_s = 0.0  # a step's fixed cost, measured by warmup()
 
         # Host-side metadata lives in persistent arrays filled in place each step; building tensors
         # from Python lists every step was measured at milliseconds per step at a few hundred sequences.
@@ -295,7 +298,18 @@ class ModelRunner:
         self.execute(self.build_batch([fake(context, context - chunk)], [chunk]))
         if chunk > 1 and context > chunk:
             self.execute(self.build_batch([fake(chunk, 0)], [chunk]))
+        self.base_step_s = self._time_one_decode(fake(context, context - 1))
         with torch.inference_mode():
             self._kv_pool.zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _time_one_decode(self, seq: Sequence, repeats: int = 5) -> float:
+        """The median time of a forward pass for one decoding sequence, batch built and logits read:
+        the fixed cost of a step, which the autoscaler weighs step times against (rollouts.autoscaler)."""
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            self.execute(self.build_batch([seq], [1])).cpu()  # .cpu(): waits for a GPU, as sampling does
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)

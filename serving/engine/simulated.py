@@ -29,6 +29,10 @@ class LatencyModel:
     per_decode_seq_ms: float = 0.1
     per_context_token_ms: float = 0.0002
 
+    def base_step_ms(self, context_tokens: int = 0) -> float:
+        """A step with one sequence decoding, as a replica measures at warm-up."""
+        return self.fixed_ms + self.per_decode_seq_ms + self.per_context_token_ms * context_tokens
+
     def step_ms(self, output: SchedulerOutput) -> float:
         """Call between schedule() and update(), while num_computed_tokens is still the step's start."""
         num_prefill_tokens = 0

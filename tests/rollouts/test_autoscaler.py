@@ -3,6 +3,7 @@ version's target from the replicas' heartbeats."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -97,6 +98,67 @@ def test_a_version_that_scales_to_zero_keeps_one_replica_until_idle_and_then_non
         ScalingPolicy(min_replicas=0, idle_before_zero_s=0)
 
 
+STEP_TIMED = dataclasses.replace(POLICY, target_tpot_ms=50)
+
+
+def timed(step_ms: float, base_ms: float = 10.0, running: int = 8) -> ReplicaSignals:
+    return ReplicaSignals(0, running, 64, 0.1, step_s=step_ms / 1000, base_step_s=base_ms / 1000)
+
+
+def test_step_time_asks_for_the_replicas_that_bring_it_to_its_target() -> None:
+    # A 10 ms base and a 50 ms target: a replica is at its target with 80% of each step per-token work.
+    # 40 ms steps are 75% (0.94 of a replica's worth at the target), 100 ms steps 90% (1.13).
+    assert recommend([timed(40)], STEP_TIMED).replicas == 1
+    slow = recommend([timed(100)], STEP_TIMED)
+    assert slow.replicas == 2 and slow.reason.startswith("step time 100.0 ms over a 10.0 ms base (target 50")
+    assert slow.figures["step_ms"] == 100.0 and slow.figures["base_step_ms"] == 10.0
+    # Batches far from full (8 of 64, 10% of the cache, no queue): only step time sees the load.
+    assert recommend([timed(100)], POLICY).replicas == 1
+    # Steps at the base are no load at all, however many replicas take them.
+    assert recommend([timed(10)] * 4, STEP_TIMED).replicas == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    work=st.floats(0.05, 5.5),
+    base_ms=st.floats(1, 40),
+    target_ms=st.floats(45, 200),
+    extra=st.integers(1, 4),
+)
+def test_step_time_settles_on_one_fleet_size_whatever_the_size_it_reads(
+    work: float, base_ms: float, target_ms: float, extra: int
+) -> None:
+    """Replicas whose steps behave as the model says (base / (1 - W/n) for W replicas' worth of
+    per-token work on n of them) get one recommendation from any fleet that is not overloaded, and that
+    many replicas hold the steps at or under the target."""
+    policy = ScalingPolicy(min_replicas=1, max_replicas=64, target_tpot_ms=target_ms)
+
+    def fleet(n: int) -> list[ReplicaSignals]:
+        step_ms = base_ms / (1 - work / n)
+        return [timed(step_ms, base_ms)] * n
+
+    sizes = [math.floor(work) + 1 + k for k in range(extra)]
+    advice = {recommend(fleet(n), policy).replicas for n in sizes}
+    assert len(advice) == 1
+    (needed,) = advice
+    assert base_ms / (1 - work / needed) <= target_ms * (1 + 1e-9)
+    if needed - 1 > work:  # and one fewer would not (fewer than the work itself is overloaded)
+        assert base_ms / (1 - work / (needed - 1)) > target_ms * (1 - 1e-9)
+
+
+def test_step_time_leaves_out_what_cannot_tell() -> None:
+    # A base over the target (no fleet size helps), a replica that does not say its base (an older
+    # one), an encoder, and a replica whose steps did not run lately.
+    unreachable = recommend([timed(400, base_ms=60)], STEP_TIMED)
+    assert unreachable.replicas == 1 and "step" not in unreachable.reason
+    older = ReplicaSignals(0, 8, 64, 0.1, step_s=0.4)
+    encoder = ReplicaSignals(0, 0, 32, 0.0, is_generative=False, step_s=0.4, base_step_s=0.01)
+    quiet = ReplicaSignals(0, 0, 64, 0.0, step_s=0.0, base_step_s=0.01)
+    assert recommend([older, encoder, quiet], STEP_TIMED).replicas == 1
+    with pytest.raises(ValueError, match="target_tpot_ms"):
+        ScalingPolicy(target_tpot_ms=0)
+
+
 def test_zero_holds_at_once_where_any_other_scale_down_waits_out_the_window() -> None:
     history = [(1000.0, 3), (1010.0, 1)]
     assert next_target(history, now=1010.0, current=3, policy=TO_ZERO) == 3
@@ -107,7 +169,10 @@ def test_zero_holds_at_once_where_any_other_scale_down_waits_out_the_window() ->
 def signals(draw: st.DrawFn) -> ReplicaSignals:
     capacity = draw(st.sampled_from([0, 8, 64]))
     is_generative = draw(st.booleans())
+    base_step_s = draw(st.sampled_from([0.0, 0.005, 0.02, 0.3]))
     return ReplicaSignals(
+        step_s=draw(st.one_of(st.just(0.0), st.floats(base_step_s or 0.001, 2))),
+        base_step_s=base_step_s,
         num_waiting=draw(st.integers(0, 200)),
         # never more than it runs at once, when it says; an encoder runs none between its batches
         num_running=draw(st.integers(0, capacity or 64)) if is_generative else 0,
@@ -125,6 +190,7 @@ policies = st.builds(
     target_saturation=st.floats(0.1, 1),
     target_kv_usage=st.floats(0.1, 1),
     warm_buffer=st.integers(0, 2),
+    target_tpot_ms=st.one_of(st.none(), st.floats(10, 200)),
 )
 
 
@@ -149,13 +215,11 @@ def test_a_recommendation_stays_in_bounds_and_more_load_never_asks_for_fewer(
         return
     i = index % len(replicas)
     r = replicas[i]
-    g = r.is_generative
     heavier = [
-        ReplicaSignals(r.num_waiting + more, r.num_running, r.capacity, r.kv_cache_usage, g),
-        ReplicaSignals(
-            r.num_waiting, min(r.num_running + more, r.capacity or 64), r.capacity, r.kv_cache_usage, g
-        ),
-        ReplicaSignals(r.num_waiting, r.num_running, r.capacity, min(1.0, r.kv_cache_usage + more / 50), g),
+        dataclasses.replace(r, num_waiting=r.num_waiting + more),
+        dataclasses.replace(r, num_running=min(r.num_running + more, r.capacity or 64)),
+        dataclasses.replace(r, kv_cache_usage=min(1.0, r.kv_cache_usage + more / 50)),
+        dataclasses.replace(r, step_s=(r.step_s or r.base_step_s or 0.001) * (1 + more / 10)),
     ]
     for replacement in heavier:
         loaded = [*replicas[:i], replacement, *replicas[i + 1 :]]
@@ -209,6 +273,8 @@ def beat(  # type: ignore[no-untyped-def]
     state: str = "ready",
     sent_at: float | None = None,
     idle_s: float = 0.0,
+    step_s: float = 0.0,
+    base_step_s: float = 0.0,
 ):
     from serving.replica_directory import Heartbeat
 
@@ -224,6 +290,8 @@ def beat(  # type: ignore[no-untyped-def]
         sent_at=time.time() if sent_at is None else sent_at,
         capacity=64,
         idle_s=idle_s,
+        step_s=step_s,
+        base_step_s=base_step_s,
     )
 
 
@@ -256,6 +324,20 @@ def test_a_tick_scales_a_loaded_version_up_at_once_and_down_a_window_later(make_
     assert _targets() == {("chat", "v1"): 4}
     assert ScaleTarget.objects.get(version__version="v1").reason.startswith("held by the scale-down window")
     assert autoscale(heartbeats=calm(1070.0), policy=POLICY, now=1070.0) == {("chat", "v1"): 1}  # a window on
+
+
+@pytest.mark.django_db
+def test_a_tick_reads_the_replicas_step_times_from_their_heartbeats(make_model) -> None:
+    from rollouts.models import ScaleTarget
+    from rollouts.services import autoscale
+
+    make_model("chat")
+    # Two replicas, batches an eighth full, no queue, little cache: each step 90 ms over a 10-ms base.
+    slow = [beat("chat", "v1", running=8, kv=0.1, step_s=0.09, base_step_s=0.01) for _ in range(2)]
+    assert autoscale(heartbeats=slow, policy=STEP_TIMED, now=1000.0) == {("chat", "v1"): 3}
+    row = ScaleTarget.objects.get(version__version="v1")
+    assert row.reason.startswith("step time 90.0 ms over a 10.0 ms base (target 50 ms) on 2 replicas")
+    assert (row.signals["step_ms"], row.signals["base_step_ms"]) == (90.0, 10.0)
 
 
 @pytest.mark.django_db

@@ -8,7 +8,14 @@ import pytest
 from django.core.management import call_command
 
 from rollouts.autoscaler import ScalingPolicy
-from rollouts.fleet_sim import FleetConfig, parse_rate_profile, poisson_arrivals, simulate_fleet
+from rollouts.fleet_sim import (
+    FleetConfig,
+    FleetReport,
+    TickRow,
+    parse_rate_profile,
+    poisson_arrivals,
+    simulate_fleet,
+)
 from serving.benchmarks.workload import percentile
 from serving.engine.scheduler import SchedulerConfig
 from serving.engine.simulated import LatencyModel
@@ -54,6 +61,33 @@ def test_scaling_costs_less_than_the_largest_fleet_and_waits_less_than_the_small
     assert scaled.replica_seconds < 0.9 * largest.replica_seconds
     assert percentile(scaled.ttft_s, 99) < 0.5 * percentile(smallest.ttft_s, 99)
     assert smallest.sla_attainment < scaled.sla_attainment <= largest.sla_attainment == 1.0
+
+
+def test_step_time_holds_the_fleet_a_steady_load_needs_where_queue_depth_lets_it_fall() -> None:
+    # Three minutes at 12 req/s with long prompts: two replicas carry it with steps well under 50 ms,
+    # one cannot, and neither ever holds a full batch. With a 30-s scale-down window, queue depth and
+    # batch saturation see nothing once the first burst's queue drains, and let the fleet fall to one
+    # replica under the load; its steps then grow, a queue forms, and it scales up again.
+    requests = poisson_arrivals(
+        parse_rate_profile("0:1,20:12,200:1"), 230, prompt_tokens=(64, 512), output_tokens=(64, 256), seed=5
+    )
+    policy = ScalingPolicy(min_replicas=1, max_replicas=4, scale_down_window_s=30)
+    config = dataclasses.replace(
+        CONFIG, policy=policy, scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)
+    )
+    timed = dataclasses.replace(config, policy=dataclasses.replace(policy, target_tpot_ms=50))
+    queue_only, step_timed = simulate_fleet(requests, config, seed=5), simulate_fleet(requests, timed, seed=5)
+
+    def settled(report: FleetReport) -> list[TickRow]:  # once the first burst's queue has drained
+        return [row for row in report.rows if 60 <= row.at_s < 200]
+
+    assert min(row.target for row in settled(queue_only)) == 1
+    assert max(row.queued for row in settled(queue_only)) > 20
+    assert min(row.target for row in settled(step_timed)) == 2
+    assert max(row.queued for row in settled(step_timed)) <= 5
+    assert max(row.step_ms for row in settled(step_timed)) < 50
+    assert step_timed.sla_attainment > queue_only.sla_attainment + 0.05
+    assert step_timed.replica_seconds < queue_only.replica_seconds  # and the oscillation cost more
 
 
 def test_a_rate_profile_is_checked() -> None:

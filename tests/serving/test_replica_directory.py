@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from serving import replica_directory
-from serving.replica_directory import Heartbeat, HeartbeatPublisher, ReplicaDirectory
+from serving.replica_directory import Heartbeat, HeartbeatPublisher, RecentSteps, ReplicaDirectory
 
 
 @pytest.mark.redis
@@ -83,3 +83,13 @@ async def test_one_entry_that_does_not_parse_hides_none_of_the_others(redis_url:
         await client.aclose()
         await publisher.close()
         await directory.close()
+
+
+def test_recent_steps_average_the_window_before_the_newest_and_say_nothing_once_it_is_old() -> None:
+    steps = RecentSteps(window_s=5.0)
+    assert steps.mean(now=0.0) == 0.0
+    for at, seconds in ((0.0, 0.100), (2.0, 0.020), (6.5, 0.030)):
+        steps.add(at, seconds)
+    assert steps.mean(now=7.0) == pytest.approx(0.025)  # the step at 0.0 is more than 5 s before 6.5
+    assert steps.mean(now=11.5) == pytest.approx(0.025)
+    assert steps.mean(now=11.6) == 0.0  # no step for a whole window: the replica is idle

@@ -128,6 +128,23 @@ async def test_the_engine_runs_a_request_to_its_end_while_the_sends_are_held(reg
         await replica.stop()
 
 
+async def test_the_heartbeat_says_how_long_steps_take_and_what_one_sequence_costs(registered_model) -> None:
+    replica, layer, _ = await _replica_sending_at_once()
+    try:
+        quiet = replica.heartbeat()
+        # Measured at warm-up, before any request: the fixed cost of a step.
+        assert quiet.base_step_s > 0 and quiet.step_s == 0.0
+        finished, _ = _watch_steps(replica)
+        await _submit(layer, replica, "r1", max_tokens=12)
+        assert await asyncio.to_thread(finished.wait, 30)
+        beat = replica.heartbeat()
+        assert beat.step_s > 0 and beat.base_step_s == quiet.base_step_s
+        # The mean of the steps the replica just ran, from the times they were recorded with.
+        assert beat.step_s == pytest.approx(replica.recent_steps.mean(time.monotonic()))
+    finally:
+        await replica.stop()
+
+
 async def _replica_with_a_local_hub(
     replies: HeldReplies,
 ) -> tuple[Replica, InMemoryChannelLayer, ReplyHub, asyncio.Queue[dict[str, Any]]]:

@@ -20,7 +20,14 @@ def _range(text: str) -> tuple[int, int]:
 _POLICY_FLAGS: dict[str, type] = {
     **dict.fromkeys(("min_replicas", "max_replicas", "warm_buffer"), int),
     **dict.fromkeys(
-        ("target_queue_per_replica", "target_saturation", "target_kv_usage", "scale_down_window_s"), float
+        (
+            "target_queue_per_replica",
+            "target_saturation",
+            "target_kv_usage",
+            "scale_down_window_s",
+            "target_tpot_ms",  # 0: no step-time signal
+        ),
+        float,
     ),
 }
 
@@ -69,6 +76,8 @@ class Command(BaseCommand):
         try:
             profile = parse_rate_profile(options["rate"])
             overrides = {name: options[name] for name in _POLICY_FLAGS if options[name] is not None}
+            if overrides.get("target_tpot_ms") == 0:
+                overrides["target_tpot_ms"] = None
             policy = ScalingPolicy(**{**settings.AUTOSCALER, **overrides})
             scheduler = SchedulerConfig(
                 max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"]
@@ -106,14 +115,15 @@ class Command(BaseCommand):
         started = time.perf_counter()
         report = simulate_fleet(requests, config, seed=options["seed"])
         self.stdout.write(f"autoscaled (simulated in {time.perf_counter() - started:.1f} s):")
-        self.stdout.write("      t  req/s  target  ready  starting  draining  queued  KV use")
+        self.stdout.write("      t  req/s  target  ready  starting  draining  queued  KV use  step ms")
         shown = -float("inf")
         for row in report.rows:
             if row.at_s - shown >= options["every"]:
                 shown = row.at_s
                 self.stdout.write(
                     f"{row.at_s:7.0f}  {row.arrival_rate:5.1f}  {row.target:6d}  {row.ready:5d}  "
-                    f"{row.starting:8d}  {row.draining:8d}  {row.queued:6d}  {row.kv_cache_usage:6.1%}"
+                    f"{row.starting:8d}  {row.draining:8d}  {row.queued:6d}  "
+                    f"{row.kv_cache_usage:6.1%}  {row.step_ms:7.1f}"
                 )
         self._summary("autoscaled", report)
         if options["compare_static"] is not None:
