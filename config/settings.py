@@ -287,6 +287,10 @@ if not 1 <= AUTOSCALER["min_replicas"] <= AUTOSCALER["max_replicas"]:
         "SWITCHYARD_AUTOSCALER_MIN_REPLICAS must be from 1 to ..._MAX_REPLICAS "
         "(scaling to zero is per model: manage.py set_scaling MODEL --min 0)"
     )
+if AUTOSCALER["target_tpot_ms"] is not None and AUTOSCALER["target_tpot_ms"] < 0:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("SWITCHYARD_AUTOSCALER_TARGET_TPOT_MS: above 0, or 0 for no step-time signal")
 if AUTOSCALER["idle_before_zero_s"] <= 0:
     from django.core.exceptions import ImproperlyConfigured
 

@@ -8,15 +8,17 @@ bring it to its target, as Kubernetes' HPA computes a desired count (current x o
   queue, inputs waiting for a batch, counts in full batches: it holds inputs back on purpose);
 - batch saturation: running sequences over the replicas' capacity, at most `target_saturation`;
 - KV-cache use: at most `target_kv_usage` on average;
-- step time, with `target_tpot_ms` set: how long a replica's steps take, which is every running
-  sequence's time per output token. Each replica also says how long a step with one sequence takes (its
-  base, measured at warm-up), the fixed cost of reading the weights that batching shares out. A step
-  takes base / (1 - W/n) when n replicas share W replicas' worth of per-token work (prefill tokens and
-  decoding sequences: a step holds what arrived during the one before), so a replica's steps of t
-  seconds say it holds (1 - base/t) / (1 - base/target) replicas' worth at the target. This is the
-  signal that sees a fleet too small when the batches are far from full: long prompts, or a model whose
-  steps slow with each sequence (a CPU, or a GPU past its memory-bound range), push TPOT past its target
-  with no queue in sight, and a queue-only policy scales such a fleet down under load.
+- step time, with `target_tpot_ms` set: how long a replica's steps take, the time between tokens of
+  every sequence it runs. Each replica says its steps' mean time t over the last few seconds, how many
+  it ran a second, and how long a step with one sequence decoding takes (its base a: the fixed cost of
+  reading the weights, which batching shares out). Of each second, steps x (t - a) went to per-token
+  work (prompt tokens and decoding sequences), W in all. With n replicas sharing W back to back, a step
+  takes a / (1 - W/n): it holds what arrived during the one before. So W / (1 - a/target) replicas bring
+  the steps to the target, however many there are now. This sees a fleet too small when its batches are
+  far from full: long prompts, or a model whose steps slow with each sequence (a CPU, or a GPU past its
+  memory-bound range), push TPOT past its target with no queue in sight, where a queue-only policy
+  scales such a fleet down under load. A replica whose base is over half the target says nothing: near
+  the target the count turns on noise, and past it no count of replicas helps.
 
 The recommendation is the largest of them, plus a warm buffer, within [min_replicas, max_replicas]. These
 signals lead latency: a queue forms and the cache fills before p99 TTFT and TPOT move, so acting on them
@@ -75,6 +77,7 @@ class ReplicaSignals:
     kv_cache_usage: float
     is_generative: bool = True  # False: an encoder, whose num_waiting is inputs and num_running 0
     step_s: float = 0.0  # its steps' mean time over the last few seconds; 0: no step ran
+    step_rate: float = 0.0  # how many steps it ran a second of wall time, over the same seconds
     base_step_s: float = 0.0  # a step with one sequence decoding; 0: not known (an older replica)
 
 
@@ -140,18 +143,23 @@ def recommend(
 def _step_time_need(
     replicas: Sequence[ReplicaSignals], target_s: float, figures: dict[str, float]
 ) -> dict[str, int]:
-    """The step-time signal: the replicas' work at the target, added up (the module's docstring says
-    how). Only generative replicas whose steps ran and whose base is under the target tell: no count of
-    replicas brings a step under its own base."""
-    timed = [r for r in replicas if r.is_generative and r.step_s > 0 and 0 < r.base_step_s < target_s]
+    """The step-time signal: the replicas' per-token work, in replicas' worth at the target (the
+    module's docstring says how)."""
+    timed = [r for r in replicas if r.is_generative and r.step_s > 0 and 0 < r.base_step_s <= target_s / 2]
     if not timed:
         return {}
-    work = sum(max(0.0, 1 - r.base_step_s / r.step_s) / (1 - r.base_step_s / target_s) for r in timed)
+    # Each replica's share of wall time on per-token work, and that share over the one at the target.
+    shares = [min(1.0, r.step_rate * max(0.0, r.step_s - r.base_step_s)) for r in timed]
+    work = sum(shares)
+    needed = sum(share / (1 - r.base_step_s / target_s) for share, r in zip(shares, timed, strict=True))
     step_ms = 1000 * sum(r.step_s for r in timed) / len(timed)
     base_ms = 1000 * sum(r.base_step_s for r in timed) / len(timed)
-    figures.update(step_ms=round(step_ms, 2), base_step_ms=round(base_ms, 2))
-    reason = f"step time {step_ms:.1f} ms over a {base_ms:.1f} ms base (target {1000 * target_s:g} ms)"
-    return {reason: _ceil_ratio(work, 1.0)}
+    figures.update(step_ms=round(step_ms, 2), base_step_ms=round(base_ms, 2), step_work=round(work, 3))
+    reason = (
+        f"step time {step_ms:.1f} ms over a {base_ms:.1f} ms base, {work:.2f} replicas of per-token work "
+        f"(target {1000 * target_s:g} ms)"
+    )
+    return {reason: _ceil_ratio(needed, 1.0)}
 
 
 def _ceil_ratio(load: float, target: float) -> int:

@@ -29,8 +29,6 @@ from serving.replica_directory import RecentSteps
 from serving.router import choose_replica
 
 RateProfile = SequenceOf[tuple[float, float]]  # (from second, requests per second), in time order
-# The one sequence a replica's warm-up times a step with (ModelRunner.warmup: two blocks and a token).
-WARMUP_CONTEXT_TOKENS = 33
 STALL_S = 3600.0  # virtual seconds after the last arrival with requests still unfinished: a bug, not a load
 
 
@@ -121,7 +119,7 @@ class _Replica:
         self.executor = SimulatedExecutor(config.latency, seed=seed)
         # output, its tokens, when it started and when it ends
         self.step: tuple[SchedulerOutput, dict[str, int], float, float] | None = None
-        self.recent_steps = RecentSteps()
+        self.recent_steps = RecentSteps(since=self.ready_at)
         self._clock = clock
 
     @property
@@ -144,7 +142,7 @@ def simulate_fleet(
     rng = random.Random(seed)
     replicas = [_Replica(config, clock, seed) for _ in range(config.initial_replicas)]
     for replica in replicas:  # the fleet starts warm
-        replica.ready_at = 0.0
+        replica.ready_at = replica.recent_steps.since = 0.0
     arrivals = deque(sorted(requests, key=lambda r: r.arrival_s))
     held: deque[SimulatedRequest] = deque()  # at the gateway: no ready replica
     ttft_s: list[float] = []
@@ -179,7 +177,7 @@ def simulate_fleet(
             if replica.step is not None and replica.step[3] <= now:
                 output, sampled, started, _ = replica.step
                 replica.step = None
-                replica.recent_steps.add(now, now - started)
+                replica.recent_steps.add(now, now - started)  # steps are instants here: no begin()
                 for seq in replica.scheduler.update(output, sampled):
                     assert seq.first_token_time is not None
                     assert seq.finished_time is not None
@@ -223,17 +221,19 @@ def _tick(
 ) -> int:
     """One autoscaler tick, as rollouts.services.autoscale does it for one version."""
     ready = [r for r in replicas if r.is_ready]
-    base_step_s = config.latency.base_step_ms(WARMUP_CONTEXT_TOKENS) / 1000
+    # What a replica's warm-up times: one sequence decoding over two blocks and a token (ModelRunner).
+    base_step_s = config.latency.base_step_ms(2 * config.scheduler.block_size + 1) / 1000
     signals = [
         ReplicaSignals(
             r.scheduler.num_waiting,
             r.scheduler.num_running,
             config.scheduler.max_num_seqs,
             r.kv.usage,
-            step_s=r.recent_steps.mean(now),
+            step_s=steps.mean_s,
+            step_rate=steps.per_s,
             base_step_s=base_step_s,
         )
-        for r in ready
+        for r, steps in ((r, r.recent_steps.read(now)) for r in ready)
     ]
     if signals and held:  # requests waiting at the gateway are queue depth too
         signals[0] = dataclasses.replace(signals[0], num_waiting=signals[0].num_waiting + len(held))
@@ -267,7 +267,7 @@ def _row(
     replicas: list[_Replica], held: deque[SimulatedRequest], target: int, rate: float, now: float
 ) -> TickRow:
     ready = [r for r in replicas if r.is_ready]
-    steps = [s for s in (r.recent_steps.mean(now) for r in ready) if s]
+    steps = [s for s in (r.recent_steps.read(now).mean_s for r in ready) if s]
     return TickRow(
         at_s=now,
         arrival_rate=rate,

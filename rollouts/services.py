@@ -756,6 +756,7 @@ def autoscale(
                     beat.kv_cache_usage,
                     beat.is_generative,
                     step_s=beat.step_s,
+                    step_rate=beat.step_rate,
                     base_step_s=beat.base_step_s,
                 )
             )

@@ -270,7 +270,7 @@ class Replica:
             self._settled.set()
             return
         self.state = ReplicaState.READY
-        self._last_request_at = time.monotonic()
+        self._last_request_at = self.recent_steps.since = time.monotonic()
         self._settled.set()
         register_recorder(self.metrics)
         self._engine_run = loop.run_in_executor(self._executor, self._run_engine)
@@ -403,6 +403,7 @@ class Replica:
             self._step_publisher.close()
 
     def heartbeat(self) -> Heartbeat:
+        steps = self.recent_steps.read(time.monotonic())
         return Heartbeat(
             replica_id=self.replica_id,
             model_name=self.ref.model_name,
@@ -416,7 +417,8 @@ class Replica:
             capacity=self.capacity,
             is_generative=self.ref.kind == Model.Kind.CAUSAL_LM,
             idle_s=time.monotonic() - self._last_request_at if self._last_request_at else 0.0,
-            step_s=self.recent_steps.mean(time.monotonic()),
+            step_s=steps.mean_s,
+            step_rate=steps.per_s,
             base_step_s=self.base_step_s,
         )
 
@@ -668,6 +670,7 @@ class Replica:
         model_time_s: float | None = None
         itl_s: list[float] = []
         if engine.seconds_until_ready() == 0:
+            self.recent_steps.begin(time.monotonic())
             started = time.perf_counter()
             if self._step_delay_s:
                 time.sleep(self._step_delay_s)  # injected: a slow model, so it counts as model time
@@ -704,6 +707,10 @@ class Replica:
         )
         if result.model_time_s is not None:
             self.recent_steps.add(time.monotonic(), result.model_time_s)
+            if stats.num_scheduled_seqs == 1 and stats.num_batched_tokens == 1:
+                # One sequence decoding: what the warm-up timed, here without the warm-up's company (the
+                # replicas of an embedded server warm up together) and with all of the step's own work.
+                self.base_step_s = min(self.base_step_s, result.model_time_s)
             step = StepSample(
                 model_time_s=result.model_time_s,
                 batch_size=stats.num_scheduled_seqs,

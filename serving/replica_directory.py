@@ -17,7 +17,7 @@ import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,11 @@ class Heartbeat:
     # clock need agree with another's: how long the version has been idle, for scaling to zero. An older
     # replica does not say, and 0 is never taken for idle.
     idle_s: float = 0.0
-    # Its steps' mean time over the last few seconds (0: none ran), and a step's time with one sequence
-    # decoding (0: not known): the autoscaler's step-time signal. An older replica says neither.
+    # Its steps' mean time over the last few seconds (0: none ran) and how many it ran a second of wall
+    # time (RecentSteps), and a step's time with one sequence decoding (0: not known): the autoscaler's
+    # step-time signal. An older replica says none of them.
     step_s: float = 0.0
+    step_rate: float = 0.0
     base_step_s: float = 0.0
 
     @classmethod
@@ -83,7 +85,11 @@ class Heartbeat:
             raise ValueError(f"not a heartbeat: {exc}") from None
         for name, kinds in _HEARTBEAT_TYPES.items():
             value = getattr(beat, name)
-            if (isinstance(value, bool) and kinds != (bool,)) or not isinstance(value, kinds):
+            if (
+                (isinstance(value, bool) and kinds != (bool,))
+                or not isinstance(value, kinds)
+                or (isinstance(value, float) and not math.isfinite(value))  # JSON's NaN and Infinity
+            ):
                 raise ValueError(f"heartbeat field {name} is {value!r}")
         return beat
 
@@ -108,21 +114,36 @@ _HEARTBEAT_FIELDS = frozenset(f.name for f in dataclasses.fields(Heartbeat))
 _HEARTBEAT_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("replica_id", "model_name", "version", "channel_name", "state"), (str,)),
     **dict.fromkeys(("num_waiting", "num_running", "capacity"), (int,)),
-    **dict.fromkeys(("kv_cache_usage", "sent_at", "idle_s", "step_s", "base_step_s"), (int, float)),
+    **dict.fromkeys(
+        ("kv_cache_usage", "sent_at", "idle_s", "step_s", "step_rate", "base_step_s"), (int, float)
+    ),
     "is_generative": (bool,),
 }
 
 
-class RecentSteps:
-    """The mean time of a replica's latest steps (the heartbeat's step_s): those that ended within
-    `window_s` of the newest, and none once the newest is that old. The model thread adds; another
-    thread reads, and each add publishes one tuple, so a read never sees a sum without its count."""
+class StepTimes(NamedTuple):
+    mean_s: float  # the steps' mean time; 0: none lately
+    per_s: float  # steps per second of wall time: with mean_s, the share of it the replica was stepping
 
-    def __init__(self, window_s: float = STEP_WINDOW_S) -> None:
+
+class RecentSteps:
+    """A replica's latest steps, for its heartbeat: those that ended within `window_s` of the newest,
+    over the wall time from then (or from `since`, when it became ready, if later) until now, or until
+    the step running now began. So a replica that ran one long prefill and then idled reads as idle, not
+    as busy with long steps. A step still running after a whole window counts as the replica busy. The
+    model thread calls begin() and add(); another thread reads, and each call publishes one value, so a
+    read never sees a sum without its count."""
+
+    def __init__(self, window_s: float = STEP_WINDOW_S, *, since: float = -math.inf) -> None:
         self.window_s = window_s
+        self.since = since
         self._steps: deque[tuple[float, float]] = deque()  # (ended at, seconds), the adding thread's
         self._total = 0.0
         self._summary = (0.0, 0, -math.inf)  # total, count, newest's end
+        self._running_since: float | None = None
+
+    def begin(self, at: float) -> None:
+        self._running_since = at
 
     def add(self, ended_at: float, seconds: float) -> None:
         self._steps.append((ended_at, seconds))
@@ -130,10 +151,20 @@ class RecentSteps:
         while self._steps[0][0] < ended_at - self.window_s:
             self._total -= self._steps.popleft()[1]
         self._summary = (self._total, len(self._steps), ended_at)
+        self._running_since = None
 
-    def mean(self, now: float) -> float:
+    def read(self, now: float) -> StepTimes:
+        running_since = self._running_since
+        if running_since is not None and now - running_since >= self.window_s:
+            return StepTimes(now - running_since, 1 / (now - running_since))
         total, count, newest = self._summary
-        return total / count if count and now - newest <= self.window_s else 0.0
+        if not count or now - newest > self.window_s:
+            return StepTimes(0.0, 0.0)
+        # Up to the start of a step still running (its time so far is neither idle nor counted yet), and
+        # at least the steps' own time: the oldest began a little before the window did.
+        end = now if running_since is None else running_since
+        span = max(end - max(newest - self.window_s, self.since), total)
+        return StepTimes(total / count, count / span)
 
 
 class HeartbeatPublisher:

@@ -277,10 +277,12 @@ class ModelRunner:
         logits: torch.Tensor = output.logits[0]
         return logits
 
-    def warmup(self) -> None:
+    def warmup(self, sample: Callable[[torch.Tensor], object] | None = None) -> None:
         """Run a full-width decode step and a prefill chunk before serving so that scratch buffers,
-        allocator pools and (when enabled) the compiled kernel exist before the first request. It writes
-        into block 0 only and clears the pool afterwards: call it before any sequence holds blocks."""
+        allocator pools and (when enabled) the compiled kernel exist before the first request, then time
+        a step of one decoding sequence (`sample`: what the engine does with its logits, timed with it).
+        It writes into block 0 only and clears the pool afterwards: call it before any sequence holds
+        blocks."""
         # Spans >= 2 blocks when the pool allows (compiled kernels specialise on sizes 0 and 1).
         context = min(self.max_model_len, 2 * self.block_size + 1, self.num_blocks * self.block_size)
         num_blocks = -(-context // self.block_size)
@@ -298,18 +300,22 @@ class ModelRunner:
         self.execute(self.build_batch([fake(context, context - chunk)], [chunk]))
         if chunk > 1 and context > chunk:
             self.execute(self.build_batch([fake(chunk, 0)], [chunk]))
-        self.base_step_s = self._time_one_decode(fake(context, context - 1))
+        self.base_step_s = self._time_one_decode(fake(context, context - 1), sample)
         with torch.inference_mode():
             self._kv_pool.zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _time_one_decode(self, seq: Sequence, repeats: int = 5) -> float:
-        """The median time of a forward pass for one decoding sequence, batch built and logits read:
-        the fixed cost of a step, which the autoscaler weighs step times against (rollouts.autoscaler)."""
+    def _time_one_decode(
+        self, seq: Sequence, sample: Callable[[torch.Tensor], object] | None, repeats: int = 5
+    ) -> float:
+        """The median time of one decoding sequence's step, batch built, logits sampled and read back:
+        the fixed cost of a step, which the autoscaler weighs step times against (rollouts.autoscaler).
+        The median leaves out a first call that compiles for its size."""
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            self.execute(self.build_batch([seq], [1])).cpu()  # .cpu(): waits for a GPU, as sampling does
+            logits = self.execute(self.build_batch([seq], [1]))
+            (logits if sample is None else sample(logits)).cpu()  # type: ignore[attr-defined]
             times.append(time.perf_counter() - started)
         return statistics.median(times)

@@ -101,8 +101,10 @@ def test_a_version_that_scales_to_zero_keeps_one_replica_until_idle_and_then_non
 STEP_TIMED = dataclasses.replace(POLICY, target_tpot_ms=50)
 
 
-def timed(step_ms: float, base_ms: float = 10.0, running: int = 8) -> ReplicaSignals:
-    return ReplicaSignals(0, running, 64, 0.1, step_s=step_ms / 1000, base_step_s=base_ms / 1000)
+def timed(step_ms: float, base_ms: float = 10.0, *, busy: float = 1.0) -> ReplicaSignals:
+    """A replica with 8 of 64 sequences running, stepping `busy` of the time."""
+    step_s = step_ms / 1000
+    return ReplicaSignals(0, 8, 64, 0.1, step_s=step_s, step_rate=busy / step_s, base_step_s=base_ms / 1000)
 
 
 def test_step_time_asks_for_the_replicas_that_bring_it_to_its_target() -> None:
@@ -110,8 +112,16 @@ def test_step_time_asks_for_the_replicas_that_bring_it_to_its_target() -> None:
     # 40 ms steps are 75% (0.94 of a replica's worth at the target), 100 ms steps 90% (1.13).
     assert recommend([timed(40)], STEP_TIMED).replicas == 1
     slow = recommend([timed(100)], STEP_TIMED)
-    assert slow.replicas == 2 and slow.reason.startswith("step time 100.0 ms over a 10.0 ms base (target 50")
-    assert slow.figures["step_ms"] == 100.0 and slow.figures["base_step_ms"] == 10.0
+    assert slow.replicas == 2
+    assert slow.reason.startswith("step time 100.0 ms over a 10.0 ms base, 0.90 replicas of per-token work")
+    assert (slow.figures["step_ms"], slow.figures["base_step_ms"], slow.figures["step_work"]) == (
+        100,
+        10,
+        0.9,
+    )
+    # The same steps a tenth of the time (one long prompt now and then) are a tenth of the work.
+    assert recommend([timed(100, busy=0.1)], STEP_TIMED).replicas == 1
+    assert recommend([timed(100, busy=0.1)] * 4, STEP_TIMED).replicas == 1
     # Batches far from full (8 of 64, 10% of the cache, no queue): only step time sees the load.
     assert recommend([timed(100)], POLICY).replicas == 1
     # Steps at the base are no load at all, however many replicas take them.
@@ -121,7 +131,7 @@ def test_step_time_asks_for_the_replicas_that_bring_it_to_its_target() -> None:
 @settings(max_examples=300, deadline=None)
 @given(
     work=st.floats(0.05, 5.5),
-    base_ms=st.floats(1, 40),
+    base_ms=st.floats(1, 22),
     target_ms=st.floats(45, 200),
     extra=st.integers(1, 4),
 )
@@ -149,11 +159,14 @@ def test_step_time_settles_on_one_fleet_size_whatever_the_size_it_reads(
 def test_step_time_leaves_out_what_cannot_tell() -> None:
     # A base over the target (no fleet size helps), a replica that does not say its base (an older
     # one), an encoder, and a replica whose steps did not run lately.
-    unreachable = recommend([timed(400, base_ms=60)], STEP_TIMED)
-    assert unreachable.replicas == 1 and "step" not in unreachable.reason
-    older = ReplicaSignals(0, 8, 64, 0.1, step_s=0.4)
-    encoder = ReplicaSignals(0, 0, 32, 0.0, is_generative=False, step_s=0.4, base_step_s=0.01)
-    quiet = ReplicaSignals(0, 0, 64, 0.0, step_s=0.0, base_step_s=0.01)
+    # A base over half the target: the count would turn on noise near it, and nothing helps past it.
+    for base_ms in (26, 60):
+        unreachable = recommend([timed(400, base_ms=base_ms)], STEP_TIMED)
+        assert unreachable.replicas == 1 and "step" not in unreachable.reason
+    assert recommend([timed(400, base_ms=25)], STEP_TIMED).replicas == 2
+    older = ReplicaSignals(0, 8, 64, 0.1, step_s=0.4, step_rate=2.5)
+    encoder = ReplicaSignals(0, 0, 32, 0.0, is_generative=False, step_s=0.4, step_rate=2.5, base_step_s=0.01)
+    quiet = ReplicaSignals(0, 0, 64, 0.0, base_step_s=0.01)
     assert recommend([older, encoder, quiet], STEP_TIMED).replicas == 1
     with pytest.raises(ValueError, match="target_tpot_ms"):
         ScalingPolicy(target_tpot_ms=0)
@@ -170,8 +183,10 @@ def signals(draw: st.DrawFn) -> ReplicaSignals:
     capacity = draw(st.sampled_from([0, 8, 64]))
     is_generative = draw(st.booleans())
     base_step_s = draw(st.sampled_from([0.0, 0.005, 0.02, 0.3]))
+    step_s = draw(st.one_of(st.just(0.0), st.floats(base_step_s or 0.001, 2)))
     return ReplicaSignals(
-        step_s=draw(st.one_of(st.just(0.0), st.floats(base_step_s or 0.001, 2))),
+        step_s=step_s,
+        step_rate=draw(st.floats(0, 1 / step_s)) if step_s else 0.0,
         base_step_s=base_step_s,
         num_waiting=draw(st.integers(0, 200)),
         # never more than it runs at once, when it says; an encoder runs none between its batches
@@ -219,7 +234,9 @@ def test_a_recommendation_stays_in_bounds_and_more_load_never_asks_for_fewer(
         dataclasses.replace(r, num_waiting=r.num_waiting + more),
         dataclasses.replace(r, num_running=min(r.num_running + more, r.capacity or 64)),
         dataclasses.replace(r, kv_cache_usage=min(1.0, r.kv_cache_usage + more / 50)),
+        # longer steps as often, or the same steps more often
         dataclasses.replace(r, step_s=(r.step_s or r.base_step_s or 0.001) * (1 + more / 10)),
+        dataclasses.replace(r, step_rate=r.step_rate * (1 + more / 10)),
     ]
     for replacement in heavier:
         loaded = [*replicas[:i], replacement, *replicas[i + 1 :]]
@@ -274,6 +291,7 @@ def beat(  # type: ignore[no-untyped-def]
     sent_at: float | None = None,
     idle_s: float = 0.0,
     step_s: float = 0.0,
+    step_rate: float = 0.0,
     base_step_s: float = 0.0,
 ):
     from serving.replica_directory import Heartbeat
@@ -291,6 +309,7 @@ def beat(  # type: ignore[no-untyped-def]
         capacity=64,
         idle_s=idle_s,
         step_s=step_s,
+        step_rate=step_rate,
         base_step_s=base_step_s,
     )
 
@@ -333,11 +352,12 @@ def test_a_tick_reads_the_replicas_step_times_from_their_heartbeats(make_model) 
 
     make_model("chat")
     # Two replicas, batches an eighth full, no queue, little cache: each step 90 ms over a 10-ms base.
-    slow = [beat("chat", "v1", running=8, kv=0.1, step_s=0.09, base_step_s=0.01) for _ in range(2)]
+    slow = [beat("chat", "v1", running=8, kv=0.1, step_s=0.09, step_rate=11, base_step_s=0.01) for _ in "ab"]
     assert autoscale(heartbeats=slow, policy=STEP_TIMED, now=1000.0) == {("chat", "v1"): 3}
     row = ScaleTarget.objects.get(version__version="v1")
-    assert row.reason.startswith("step time 90.0 ms over a 10.0 ms base (target 50 ms) on 2 replicas")
-    assert (row.signals["step_ms"], row.signals["base_step_ms"]) == (90.0, 10.0)
+    assert row.reason.startswith("step time 90.0 ms over a 10.0 ms base, 1.76 replicas of per-token work")
+    assert row.reason.endswith("(target 50 ms) on 2 replicas")
+    assert (row.signals["step_ms"], row.signals["base_step_ms"], row.signals["step_work"]) == (90, 10, 1.76)
 
 
 @pytest.mark.django_db

@@ -90,6 +90,21 @@ def test_step_time_holds_the_fleet_a_steady_load_needs_where_queue_depth_lets_it
     assert step_timed.replica_seconds < queue_only.replica_seconds  # and the oscillation cost more
 
 
+def test_long_steps_now_and_then_are_not_load() -> None:
+    # A long prompt for a one-token answer every few seconds (a classifier, a reranker): each step is a
+    # ~250-ms prefill, five times the target, and the replica is idle ~95% of the time.
+    requests = poisson_arrivals(
+        parse_rate_profile("0:0.2"), 300, prompt_tokens=(1024, 1900), output_tokens=(1, 2), seed=7
+    )
+    policy = ScalingPolicy(min_replicas=1, max_replicas=4, scale_down_window_s=30, target_tpot_ms=50)
+    config = dataclasses.replace(
+        CONFIG, policy=policy, scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048)
+    )
+    report = simulate_fleet(requests, config, seed=7)
+    assert max(row.step_ms for row in report.rows) > 200
+    assert {row.target for row in report.rows} == {1}
+
+
 def test_a_rate_profile_is_checked() -> None:
     assert parse_rate_profile("0:2,120:16") == [(0.0, 2.0), (120.0, 16.0)]
     for bad in ("10:2", "0:2,0:3", "0:-1", "0:x"):

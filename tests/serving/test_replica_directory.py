@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from serving import replica_directory
-from serving.replica_directory import Heartbeat, HeartbeatPublisher, RecentSteps, ReplicaDirectory
+from serving.replica_directory import Heartbeat, HeartbeatPublisher, RecentSteps, ReplicaDirectory, StepTimes
 
 
 @pytest.mark.redis
@@ -85,11 +85,22 @@ async def test_one_entry_that_does_not_parse_hides_none_of_the_others(redis_url:
         await directory.close()
 
 
-def test_recent_steps_average_the_window_before_the_newest_and_say_nothing_once_it_is_old() -> None:
-    steps = RecentSteps(window_s=5.0)
-    assert steps.mean(now=0.0) == 0.0
-    for at, seconds in ((0.0, 0.100), (2.0, 0.020), (6.5, 0.030)):
+def test_recent_steps_read_as_a_share_of_wall_time_and_a_long_step_as_busy() -> None:
+    steps = RecentSteps(window_s=5.0, since=0.0)
+    assert steps.read(now=0.0) == StepTimes(0.0, 0.0)
+    for at, seconds in ((0.1, 0.100), (2.0, 0.020), (6.5, 0.030)):
         steps.add(at, seconds)
-    assert steps.mean(now=7.0) == pytest.approx(0.025)  # the step at 0.0 is more than 5 s before 6.5
-    assert steps.mean(now=11.5) == pytest.approx(0.025)
-    assert steps.mean(now=11.6) == 0.0  # no step for a whole window: the replica is idle
+    # The step at 0.1 ended more than 5 s before the newest: two steps over the 5.5 s since 1.5.
+    assert steps.read(now=7.0) == pytest.approx(StepTimes(0.025, 2 / 5.5))
+    assert steps.read(now=11.6) == StepTimes(0.0, 0.0)  # no step for a whole window: idle
+    # Back to back from the start: the wall time is the steps' own, however recently the replica began.
+    fresh = RecentSteps(window_s=5.0, since=10.0)
+    fresh.add(10.05, 0.05)
+    fresh.add(10.10, 0.05)
+    assert fresh.read(now=10.10) == pytest.approx(StepTimes(0.05, 20.0))
+    # One step running for longer than the window (an overloaded replica): busy with it, not idle.
+    fresh.begin(10.10)
+    assert fresh.read(now=14.0) == pytest.approx(StepTimes(0.05, 20.0))  # neither idle nor counted yet
+    assert fresh.read(now=16.0) == pytest.approx(StepTimes(5.9, 1 / 5.9))
+    fresh.add(16.5, 6.4)
+    assert fresh.read(now=16.5) == pytest.approx(StepTimes(6.4, 1 / 6.4))

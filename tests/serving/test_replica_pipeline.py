@@ -138,9 +138,10 @@ async def test_the_heartbeat_says_how_long_steps_take_and_what_one_sequence_cost
         await _submit(layer, replica, "r1", max_tokens=12)
         assert await asyncio.to_thread(finished.wait, 30)
         beat = replica.heartbeat()
-        assert beat.step_s > 0 and beat.base_step_s == quiet.base_step_s
-        # The mean of the steps the replica just ran, from the times they were recorded with.
-        assert beat.step_s == pytest.approx(replica.recent_steps.mean(time.monotonic()))
+        # 13 steps (a prefill, then a token a step), and a share of the time since ready spent on them
+        assert beat.step_s > 0 and 0 < beat.step_rate * beat.step_s <= 1
+        # A step of one decoding sequence is the fixed cost; it can only have been refined downwards.
+        assert 0 < beat.base_step_s <= quiet.base_step_s
     finally:
         await replica.stop()
 
