@@ -47,6 +47,7 @@ class ReplicaHandle:
     is_local: bool
     queue_depth: int = 0  # waiting for a slot in the running batch (Heartbeat.num_waiting)
     num_running: int = 0
+    step_s: float = 0.0  # its steps' mean time lately (Heartbeat.step_s); 0: none ran
 
 
 COLD_START_POLL_S = 0.25  # how often a cold start looks for its replica's ready heartbeat
@@ -73,6 +74,7 @@ def _local_handle(replica: Replica) -> ReplicaHandle:
         # Counted as the heartbeat counts it: arrivals not yet handed to the engine wait too.
         queue_depth=replica.load - replica.num_running,
         num_running=replica.num_running,
+        step_s=replica.recent_steps.read(time.monotonic()).mean_s,
     )
 
 
@@ -89,6 +91,7 @@ def _remote_handle(beat: Heartbeat) -> ReplicaHandle:
         is_local=False,
         queue_depth=beat.num_waiting,
         num_running=beat.num_running,
+        step_s=beat.step_s,
     )
 
 

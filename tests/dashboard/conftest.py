@@ -14,7 +14,13 @@ PASSWORD = "correct-horse-battery"
 
 
 def replica(
-    version: str, *, kv: float = 0.25, waiting: int = 1, running: int = 2, state: str = "ready"
+    version: str,
+    *,
+    kv: float = 0.25,
+    waiting: int = 1,
+    running: int = 2,
+    state: str = "ready",
+    step_s: float = 0.0,
 ) -> ReplicaHandle:
     return ReplicaHandle(
         replica_id=f"replica-{version}-0001",
@@ -28,12 +34,13 @@ def replica(
         is_local=True,
         queue_depth=waiting,
         num_running=running,
+        step_s=step_s,
     )
 
 
 # Queue depths differ from loads (waiting + running), so a page showing the load would be caught.
 FLEET = [
-    replica("v1", kv=0.25, waiting=1, running=2),
+    replica("v1", kv=0.25, waiting=1, running=2, step_s=0.0125),
     replica("v2", kv=0.5, waiting=4, running=0, state="loading"),
 ]
 

@@ -163,6 +163,9 @@ def test_replicas_show_their_queue_depth_not_their_load(staff_client: Client, ch
     assert "Queue depth per replica" in response.text and "waiting for a batch slot" in response.text
     cells = re.findall(r'data-field="queue_depth">(\d+)<', response.text)
     assert cells == ["1", "4"]
+    # How long a replica's steps take; a replica still loading has run none.
+    assert [r["step_ms"] for r in config["replicas"]] == [12.5, None]
+    assert re.findall(r'data-field="step_ms">([^<]*)<', response.text) == ["12.5 ms", "—"]
 
 
 def test_model_page_ranges(staff_client: Client, chat: Any) -> None:

@@ -9,6 +9,7 @@ Chromium)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -264,6 +265,9 @@ def test_live_charts_per_version_and_a_rollback_from_the_browser(dashboard_serve
                     assert any(t["numValues"] for t in mine), chart
             replica_points = page.evaluate("document.getElementById('chart-kv').data.map((t) => t.x.length)")
             assert len(replica_points) == 2 and min(replica_points) >= 3  # one sample per push
+            # Both replicas step under the load, and the live table says how long their steps take.
+            steps = page.locator("table.replicas [data-field='step_ms']")
+            expect(steps).to_have_text([re.compile(r"^\d+\.\d ms$")] * 2)
             _screenshot(page, "dashboard-model-1280x800.png")
             page.set_viewport_size(PHONE)
             _next_update(page)

@@ -63,7 +63,7 @@
   function renderReplicas(container, rows, showModel) {
     var body = container ? container.querySelector("tbody") : null;
     if (!body) { return; }
-    var numColumns = showModel ? 8 : 7;
+    var numColumns = showModel ? 9 : 8;
     body.textContent = "";
     if (!rows.length) {
       var empty = body.insertRow();
@@ -95,6 +95,7 @@
       cell(null).appendChild(badge);
       cell(String(r.queue_depth), "num", "queue_depth");
       cell(String(r.running), "num", "running");
+      cell(r.step_ms === null ? "—" : r.step_ms.toFixed(1) + " ms", "num", "step_ms");
       var kv = cell(null);
       var meter = document.createElement("div");
       meter.className = "meter";
