@@ -15,7 +15,7 @@ from registry.models import (
 
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
-    list_display = ("name", "kind", "created_at")
+    list_display = ("name", "kind", "owner", "created_at")
 
 
 @admin.register(ModelVersion)

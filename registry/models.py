@@ -22,6 +22,11 @@ class Model(models.Model):
     name = models.CharField(max_length=63, unique=True, validators=[NAME_VALIDATOR])
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.CAUSAL_LM)
     description = models.TextField(blank=True)
+    # The tenant whose model this is (its own fine-tune, say), which alone of the tenants may deploy its
+    # versions with its key; none: the platform's, served to tenants and deployed by staff only.
+    owner = models.ForeignKey(
+        "registry.Tenant", null=True, blank=True, on_delete=models.PROTECT, related_name="owned_models"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -51,14 +51,18 @@ def model_version_register(
     kind: str = Model.Kind.CAUSAL_LM,
     created_by: str = "",
     parent: ModelVersion | None = None,
+    owner: Tenant | None = None,
 ) -> ModelVersion:
     """Copy a model directory into the artifact store and record it. The first version of a model
-    becomes its `stable` alias with all of its traffic; later ones start at 0%."""
+    becomes its `stable` alias with all of its traffic; later ones start at 0%. `owner`: the tenant
+    whose model a new one is (it may deploy it); for a model that exists, it must be its owner."""
     model = Model.objects.filter(name=name).first()
     if model is not None and model.versions.filter(version=version).exists():
         raise AlreadyExists(f"{name}:{version} is already registered")
     if model is not None and model.kind != kind:
         raise RegistryError(f"{name} is a {model.kind} model; cannot add a {kind} version")
+    if model is not None and owner is not None and model.owner_id != owner.pk:
+        raise RegistryError(f"{name} is not owned by tenant {owner.name!r}")
     for field, value in (("name", name), ("version", version)):
         try:
             Model._meta.get_field("name").run_validators(value)
@@ -74,7 +78,7 @@ def model_version_register(
     staging, manifest = artifacts.stage_copy(Path(source_dir), root)
     try:
         if model is None:
-            model = Model.objects.create(name=name, kind=kind)
+            model = Model.objects.create(name=name, kind=kind, owner=owner)
         model_version = ModelVersion.objects.create(
             model=model,
             version=version,

@@ -1,7 +1,9 @@
 """Deployment endpoints under /v1/. Thin: authorize, call one service or selector, format.
 
-Allowed to staff (session) and to tenants whose quota has may_deploy and allows the model; anyone else
-gets 403, an unknown model or deployment 404. Refusals use the one error shape (registry.errors)."""
+Allowed to staff (session) and to tenants whose quota has may_deploy, on models they own and may use
+(a tenant may not move the traffic of a model other tenants are served, the platform's or another
+tenant's, nor see its deployments); anyone else gets 403, an unknown model or deployment 404.
+Refusals use the one error shape (registry.errors)."""
 
 from __future__ import annotations
 
@@ -47,8 +49,11 @@ def _authorize(request: Request, model: Model | None = None) -> None:
         return
     if not context.may_deploy:
         raise PermissionDenied(f"tenant {context.tenant_name!r} may not deploy")
-    if model is not None and not context.may_use(model.name):
-        raise PermissionDenied(f"tenant {context.tenant_name!r} may not deploy {model.name!r}")
+    if model is not None and (model.owner_id != context.tenant_id or not context.may_use(model.name)):
+        raise PermissionDenied(
+            f"tenant {context.tenant_name!r} may not deploy {model.name!r}: a tenant deploys only its own "
+            "models (registered with --owner)"
+        )
 
 
 def _deployment(request: Request, deployment_id: int) -> Deployment:

@@ -58,6 +58,28 @@ def test_register_model_refuses_an_existing_name_and_version(demo_model_dir: Pat
     assert ModelVersion.objects.count() == 1
 
 
+def test_register_model_names_a_new_models_owner_and_a_versions_parent(
+    demo_model_dir: Path, settings
+) -> None:
+    _run("create_tenant", "acme", "--may-deploy")
+    _run("create_tenant", "globex", "--may-deploy")
+    source = str(demo_model_dir)
+    _run("register_model", "acme-chat", "v1", "--from", source, "--owner", "acme")
+    _run("register_model", "acme-chat", "v2", "--from", source, "--parent", "v1")
+    v1, v2 = ModelVersion.objects.filter(model__name="acme-chat").order_by("version")
+    assert v1.model.owner.name == "acme" and v2.parent == v1
+    # Another tenant's name on an existing model, an unknown tenant or parent: refused, nothing stored.
+    for args, message in (
+        (("--owner", "globex"), "not owned by tenant 'globex'"),
+        (("--owner", "nobody"), "no tenant 'nobody'"),
+        (("--parent", "v9"), "no version acme-chat:v9"),
+    ):
+        with pytest.raises(CommandError, match=message):
+            _run("register_model", "acme-chat", "v3", "--from", source, *args)
+    assert ModelVersion.objects.filter(model__name="acme-chat").count() == 2
+    assert not (Path(settings.ARTIFACT_ROOT) / "acme-chat" / "v3").exists()
+
+
 def test_create_tenant_and_api_key_print_a_working_key_on_the_last_line() -> None:
     _run("create_tenant", "acme", "--requests-per-second", "5", "--may-pin")
     out = _run("create_api_key", "--tenant", "acme")
@@ -84,6 +106,9 @@ def test_seed_demo_is_idempotent_and_keeps_one_live_demo_key(settings, tmp_path:
     assert context is not None and context.may_pin and context.may_deploy and not context.allowed_model_names
     assert ModelVersion.objects.filter(model__name="demo-chat", version="v1").count() == 1
     assert Tenant.objects.filter(name="demo").count() == 1
+    # The demo tenant owns the demo models, so its key can run their rollouts.
+    demo_chat = ModelVersion.objects.get(model__name="demo-chat").model
+    assert demo_chat.owner is not None and demo_chat.owner.name == "demo"
 
 
 def test_create_demo_model_writes_safetensors_and_a_tokenizer(tmp_path: Path) -> None:

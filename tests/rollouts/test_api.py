@@ -89,6 +89,8 @@ def test_staff_create_get_rollback(staff_client, chat) -> None:
 
 def test_tenant_allowed_to_deploy_promotes(client, chat, make_tenant) -> None:
     acme = make_tenant("acme", may_deploy=True, allowed_models=[chat])
+    chat.owner = acme.tenant
+    chat.save()
     response = post(client, "/v1/deployments", BODY, **acme.auth)
     assert response.status_code == 202, response.content
     deployment_id = response.json()["deployment_id"]
@@ -105,10 +107,13 @@ def test_callers_without_the_right_get_403_and_change_nothing(client, chat, make
     other = make_model("other", versions=("v1",))
     viewer = make_tenant("viewer", may_deploy=False)
     elsewhere = make_tenant("elsewhere", may_deploy=True, allowed_models=[other])
+    # Allowed every model and to deploy, but chat is the platform's (no owner), then another tenant's:
+    # its traffic is every tenant's, and its deployments are none of this one's business.
+    user = make_tenant("user", may_deploy=True)
     deployment = services.deployment_create(model=chat, version="v2", created_by="staff:alice")
     before = everything(chat)
 
-    for tenant in (viewer, elsewhere):
+    for tenant in (viewer, elsewhere, user):
         for method, path in (
             ("post", "/v1/deployments"),
             ("get", f"/v1/deployments/{deployment.pk}"),
@@ -129,6 +134,10 @@ def test_callers_without_the_right_get_403_and_change_nothing(client, chat, make
     anonymous = post(client, "/v1/deployments", BODY)
     assert anonymous.status_code == 401
     assert anonymous.json()["error"]["type"] == "authentication_error"
+    chat.owner = elsewhere.tenant  # another tenant's own model now
+    chat.save()
+    refused = post(client, "/v1/deployments", {**BODY, "version": "v3"}, **user.auth)
+    assert refused.status_code == 403 and "only its own models" in refused.json()["error"]["message"]
     assert everything(chat) == before
 
 

@@ -3,7 +3,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from registry.artifacts import ArtifactError
-from registry.models import Model
+from registry.models import Model, ModelVersion, Tenant
 from registry.services import RegistryError, model_version_register
 
 
@@ -16,8 +16,28 @@ class Command(BaseCommand):
         parser.add_argument("--from", dest="source", required=True, help="the model directory")
         parser.add_argument("--kind", choices=[k.value for k in Model.Kind], default=Model.Kind.CAUSAL_LM)
         parser.add_argument("--created-by", default="cli")
+        parser.add_argument(
+            "--owner",
+            metavar="TENANT",
+            help="a new model's owning tenant, which may deploy its versions with its own key "
+            "(default: none, the platform's: staff deploy it)",
+        )
+        parser.add_argument(
+            "--parent", metavar="VERSION", help="the version of the same model this one was made from"
+        )
 
     def handle(self, *args: object, **options: str) -> None:
+        owner = parent = None
+        if options["owner"]:
+            owner = Tenant.objects.filter(name=options["owner"]).first()
+            if owner is None:
+                raise CommandError(f"no tenant {options['owner']!r}")
+        if options["parent"]:
+            parent = ModelVersion.objects.filter(
+                model__name=options["name"], version=options["parent"]
+            ).first()
+            if parent is None:
+                raise CommandError(f"no version {options['name']}:{options['parent']} to be the parent")
         try:
             mv = model_version_register(
                 name=options["name"],
@@ -25,6 +45,8 @@ class Command(BaseCommand):
                 source_dir=Path(options["source"]),
                 kind=options["kind"],
                 created_by=options["created_by"],
+                parent=parent,
+                owner=owner,
             )
         except (ArtifactError, RegistryError) as exc:
             raise CommandError(str(exc)) from None
