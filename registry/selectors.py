@@ -21,12 +21,17 @@ class TenantContext:
     requests_per_second: float
     tokens_per_minute: int
     max_concurrent_requests: int
-    allowed_model_names: frozenset[str]  # empty: every model
+    allowed_model_names: frozenset[str]  # empty: every model but other tenants' own
     may_pin: bool
     may_deploy: bool
+    others_model_names: frozenset[str] = frozenset()  # models other tenants own (Model.owner)
 
     def may_use(self, model_name: str) -> bool:
-        return not self.allowed_model_names or model_name in self.allowed_model_names
+        """A model the quota names, or with none named, any model but another tenant's own: an admin
+        shares a tenant's model with another by naming it in that one's quota."""
+        if self.allowed_model_names:
+            return model_name in self.allowed_model_names
+        return model_name not in self.others_model_names
 
     @classmethod
     def unlimited(cls, name: str) -> TenantContext:
@@ -101,6 +106,9 @@ def tenant_context(*, tenant: Tenant) -> TenantContext:
         allowed: frozenset[str] = frozenset()
     else:
         allowed = frozenset(m.name for m in quota.allowed_models.all())
+    others = frozenset(
+        Model.objects.filter(owner__isnull=False).exclude(owner=tenant).values_list("name", flat=True)
+    )
     return TenantContext(
         tenant_id=tenant.pk,
         tenant_name=tenant.name,
@@ -111,6 +119,7 @@ def tenant_context(*, tenant: Tenant) -> TenantContext:
         allowed_model_names=allowed,
         may_pin=quota.may_pin,
         may_deploy=quota.may_deploy,
+        others_model_names=others,
     )
 
 
@@ -186,6 +195,8 @@ def models_visible_to(*, context: TenantContext | None) -> list[Model]:
     models = Model.objects.all()
     if context is not None and context.allowed_model_names:
         models = models.filter(name__in=context.allowed_model_names)
+    elif context is not None:
+        models = models.exclude(name__in=context.others_model_names)
     return list(models)
 
 
