@@ -1,6 +1,7 @@
 """Settings read from the environment. The embedded default needs none of them:
 SQLite under var/, the in-memory channel layer, replicas inside the server process."""
 
+import math
 import os
 from pathlib import Path
 
@@ -287,7 +288,7 @@ if not 1 <= AUTOSCALER["min_replicas"] <= AUTOSCALER["max_replicas"]:
         "SWITCHYARD_AUTOSCALER_MIN_REPLICAS must be from 1 to ..._MAX_REPLICAS "
         "(scaling to zero is per model: manage.py set_scaling MODEL --min 0)"
     )
-if AUTOSCALER["target_tpot_ms"] is not None and AUTOSCALER["target_tpot_ms"] < 0:
+if AUTOSCALER["target_tpot_ms"] is not None and not 0 < AUTOSCALER["target_tpot_ms"] < math.inf:
     from django.core.exceptions import ImproperlyConfigured
 
     raise ImproperlyConfigured("SWITCHYARD_AUTOSCALER_TARGET_TPOT_MS: above 0, or 0 for no step-time signal")

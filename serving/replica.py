@@ -41,11 +41,12 @@ import dataclasses
 import enum
 import logging
 import random
+import statistics
 import sys
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ MAX_UNSENT = 64
 # Embedded, how long the model thread waits for the loop to deliver a step that starts a stream (see
 # Replica._emit) before it goes on regardless.
 START_DELIVERY_WAIT_S = 0.005
+# Steps of one decoding sequence it takes before their median, not the warm-up's, is a step's base.
+MIN_BASE_SAMPLES = 8
 
 SUBMIT = "replica.submit"
 ABORT = "replica.abort"
@@ -231,6 +234,7 @@ class Replica:
         self.kv_cache_usage = 0.0
         self.capacity = 0  # set once the engine is built
         self.base_step_s = 0.0  # a step with one sequence decoding, set once the engine is warm
+        self._one_sequence_steps: deque[float] = deque(maxlen=64)  # the model thread's
         self.recent_steps = RecentSteps()
         self.metrics = MetricsRecorder(
             model_name=ref.model_name,
@@ -672,9 +676,13 @@ class Replica:
         if engine.seconds_until_ready() == 0:
             self.recent_steps.begin(time.monotonic())
             started = time.perf_counter()
-            if self._step_delay_s:
-                time.sleep(self._step_delay_s)  # injected: a slow model, so it counts as model time
-            outputs = engine.step()
+            try:
+                if self._step_delay_s:
+                    time.sleep(self._step_delay_s)  # injected: a slow model, so it counts as model time
+                outputs = engine.step()
+            except BaseException:
+                self.recent_steps.cancel()  # or an idle replica would read as busy with it for ever
+                raise
             model_time_s = time.perf_counter() - started
             now = time.monotonic()
             for output in outputs:
@@ -710,7 +718,10 @@ class Replica:
             if stats.num_scheduled_seqs == 1 and stats.num_batched_tokens == 1:
                 # One sequence decoding: what the warm-up timed, here without the warm-up's company (the
                 # replicas of an embedded server warm up together) and with all of the step's own work.
-                self.base_step_s = min(self.base_step_s, result.model_time_s)
+                # The median of the latest, so that neither one lucky step nor one slow one sets it.
+                self._one_sequence_steps.append(result.model_time_s)
+                if len(self._one_sequence_steps) >= MIN_BASE_SAMPLES:
+                    self.base_step_s = statistics.median(self._one_sequence_steps)
             step = StepSample(
                 model_time_s=result.model_time_s,
                 batch_size=stats.num_scheduled_seqs,

@@ -35,6 +35,7 @@ MISSED_AFTER_S = STALE_AFTER_S + _SERVE_STALE_S
 # A heartbeat's step_s is the mean over this many seconds of steps: the autoscaler's tick (5 s) sees
 # each step once, and one long prefill does not swing it.
 STEP_WINDOW_S = 5.0
+MIN_STEP_SPAN_S = 1.0
 KEY_PREFIX = "switchyard:replicas:"
 # One hash: "model:version" -> when a request last waited for a replica of a version that had none
 # (scaled to zero), in seconds on Redis' own clock (TIME), which the autoscaler compares with the same
@@ -145,6 +146,10 @@ class RecentSteps:
     def begin(self, at: float) -> None:
         self._running_since = at
 
+    def cancel(self) -> None:
+        """The step begun did not end (it failed): nothing is running."""
+        self._running_since = None
+
     def add(self, ended_at: float, seconds: float) -> None:
         self._steps.append((ended_at, seconds))
         self._total += seconds
@@ -161,9 +166,10 @@ class RecentSteps:
         if not count or now - newest > self.window_s:
             return StepTimes(0.0, 0.0)
         # Up to the start of a step still running (its time so far is neither idle nor counted yet), and
-        # at least the steps' own time: the oldest began a little before the window did.
+        # at least the steps' own time (the oldest began a little before the window did) and a second: a
+        # replica just ready that ran one long prefill is not read as busy from a tenth of a second.
         end = now if running_since is None else running_since
-        span = max(end - max(newest - self.window_s, self.since), total)
+        span = max(end - max(newest - self.window_s, self.since), total, MIN_STEP_SPAN_S)
         return StepTimes(total / count, count / span)
 
 

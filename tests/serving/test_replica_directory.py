@@ -93,14 +93,22 @@ def test_recent_steps_read_as_a_share_of_wall_time_and_a_long_step_as_busy() -> 
     # The step at 0.1 ended more than 5 s before the newest: two steps over the 5.5 s since 1.5.
     assert steps.read(now=7.0) == pytest.approx(StepTimes(0.025, 2 / 5.5))
     assert steps.read(now=11.6) == StepTimes(0.0, 0.0)  # no step for a whole window: idle
-    # Back to back from the start: the wall time is the steps' own, however recently the replica began.
+    # Just ready: one long prefill in its first 0.3 s is not most of its time; a second is the least.
     fresh = RecentSteps(window_s=5.0, since=10.0)
-    fresh.add(10.05, 0.05)
-    fresh.add(10.10, 0.05)
-    assert fresh.read(now=10.10) == pytest.approx(StepTimes(0.05, 20.0))
+    fresh.add(10.25, 0.25)
+    assert fresh.read(now=10.30) == pytest.approx(StepTimes(0.25, 1.0))
+    # Back to back from then: the wall time is the steps' own (here 1.5 s since ready, 1.25 s stepping).
+    for end in (10.5, 10.75, 11.0, 11.25):
+        fresh.add(end, 0.25)
+    fresh.begin(11.5)
+    assert fresh.read(now=11.6) == pytest.approx(StepTimes(0.25, 5 / 1.5))  # the one running: not yet
+    fresh.add(11.5, 0.25)
     # One step running for longer than the window (an overloaded replica): busy with it, not idle.
-    fresh.begin(10.10)
-    assert fresh.read(now=14.0) == pytest.approx(StepTimes(0.05, 20.0))  # neither idle nor counted yet
-    assert fresh.read(now=16.0) == pytest.approx(StepTimes(5.9, 1 / 5.9))
-    fresh.add(16.5, 6.4)
-    assert fresh.read(now=16.5) == pytest.approx(StepTimes(6.4, 1 / 6.4))
+    fresh.begin(11.5)
+    assert fresh.read(now=17.4) == pytest.approx(StepTimes(5.9, 1 / 5.9))
+    fresh.add(17.9, 6.4)
+    assert fresh.read(now=17.9) == pytest.approx(StepTimes(6.4, 1 / 6.4))
+    # A step that failed ended nothing: once cancelled, nothing is running.
+    fresh.begin(18.0)
+    fresh.cancel()
+    assert fresh.read(now=40.0) == StepTimes(0.0, 0.0)
