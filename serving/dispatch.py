@@ -271,15 +271,18 @@ class Dispatch:
                     breaker.record_success(self.replica.replica_id)
             yield event
 
-    async def collect(self) -> tuple[str, dict[str, Any]]:
+    async def collect(self, *, logprobs: list[dict[str, Any]] | None = None) -> tuple[str, dict[str, Any]]:
         """Run to the end and return the whole text and the final event; closes the request. A request
-        that failed before producing any text raises GatewayError(503)."""
+        that failed before producing any text raises GatewayError(503). `logprobs`: a list that gets
+        each token's entry, for a request that asked for them."""
         pieces: list[str] = []
         final: dict[str, Any] = {}
         try:
             async for event in self.events():
                 if "token" in event:
                     pieces.append(event["token"])
+                    if logprobs is not None and "logprob" in event:
+                        logprobs.append(event["logprob"])
                 elif "finish_reason" in event:
                     final = event
         finally:

@@ -1,7 +1,9 @@
 """OpenAI-compatible endpoints, so the `openai` client works with base_url=http://host/v1.
 
-Only n=1 is served; features we do not implement (logprobs, echo, tools, penalties other than 0) are
-refused with a 400 rather than silently ignored."""
+Only n=1 is served; features we do not implement (echo, tools, penalties other than 0) are refused
+with a 400 rather than silently ignored. Log probabilities are the model's own (before temperature and
+top-p), of each token decoded alone, as OpenAI's and vLLM's: completions' `logprobs` (0-5 alternatives),
+chat's `logprobs` and `top_logprobs` (0-20)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from registry.errors import error_response
 from registry.models import Model
 from serving.api import sse_response
 from serving.dispatch import Dispatch, authenticate, dispatch, prompt_usage
+from serving.engine.sequence import MAX_LOGPROBS
 from serving.gateway import GatewayError
-from serving.requests import parse_json_body, parse_sampling, parse_text_inputs
+from serving.requests import is_int, parse_json_body, parse_sampling, parse_text_inputs
 from serving.vectors import decode_vector
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
@@ -30,7 +33,8 @@ _COMMON = frozenset(
     {"model", "max_tokens", "stream", "temperature", "top_p", "seed", "stop", "n", *_ZERO_ONLY}
 )
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "logprobs"}
-CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "logprobs"}
+CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions; chat's top_logprobs go to the engine's 20
 
 
 def _model(body: dict[str, Any], allowed: frozenset[str]) -> str:
@@ -53,8 +57,6 @@ def _common(
     for name in _ZERO_ONLY:
         if body.get(name, 0) not in (0, 0.0, None):
             raise GatewayError(400, f"{name} is not supported")
-    if body.get("logprobs") not in (None, False, 0):
-        raise GatewayError(400, "logprobs are not supported")
     if body.get("echo"):
         raise GatewayError(400, "echo is not supported")
     options = body.get("stream_options") or {}
@@ -64,6 +66,11 @@ def _common(
 
 def _parse_completion(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, str]:
     model, sampling, include_usage = _common(body, COMPLETION_FIELDS)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if not is_int(logprobs) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise GatewayError(400, f"logprobs must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}")
+        sampling["logprobs"] = logprobs
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -81,6 +88,15 @@ def _parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, list[d
         body = {**body, "max_tokens": body.pop("max_completion_tokens")}
     # OpenAI's chat default: no max_tokens runs to the end of the answer or of the context.
     model, sampling, include_usage = _common(body, CHAT_FIELDS, default_max_tokens=None)
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise GatewayError(400, "logprobs must be true or false")
+    if top is not None and (not is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise GatewayError(400, f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}")
+    if top is not None and not logprobs:
+        raise GatewayError(400, "top_logprobs needs logprobs set to true")
+    if logprobs:
+        sampling["logprobs"] = top or 0
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise GatewayError(400, "messages must be a non-empty list")
@@ -126,22 +142,27 @@ def _finish_reason(event: dict[str, Any]) -> str:
     return "stop" if reason == "abort" else reason
 
 
-async def _stream(
-    handle: Dispatch, chunk: Callable[[str | None, str | None], dict[str, Any]], include_usage: bool
-) -> AsyncIterator[bytes]:
+# chunk(text, finish_reason, logprobs): one chunk of either endpoint; logprobs, the replica's entries for
+# the tokens it carries ({"token", "logprob", "top": [[token, logprob], …]}), or None.
+Chunk = Callable[[str | None, str | None, list[dict[str, Any]] | None], dict[str, Any]]
+
+
+async def _stream(handle: Dispatch, chunk: Chunk, include_usage: bool) -> AsyncIterator[bytes]:
     try:
-        yield _sse(chunk(None, None))  # announces the stream (chat: the assistant role)
+        yield _sse(chunk(None, None, None))  # announces the stream (chat: the assistant role)
         async for event in handle.events():
             if "token" in event:
-                if event["token"]:
-                    yield _sse(chunk(event["token"], None))
+                # A token whose text is held back (it may start a stop string) still sends its logprob.
+                if event["token"] or "logprob" in event:
+                    logprob = event.get("logprob")
+                    yield _sse(chunk(event["token"], None, [logprob] if logprob else None))
             elif event.get("finish_reason") == "error":
                 # The choice ends with finish_reason "error"; the error object is what the openai client
                 # raises on (APIError) instead of taking the stream as finished.
                 error = event.get("error", {"type": "internal_error", "message": "failed"})
-                yield _sse({**chunk(None, "error"), "error": error})
+                yield _sse({**chunk(None, "error", None), "error": error})
             else:
-                final = chunk(None, _finish_reason(event))
+                final = chunk(None, _finish_reason(event), None)
                 yield _sse(final)
                 if include_usage:
                     yield _sse({**final, "choices": [], "usage": event.get("usage")})
@@ -154,7 +175,7 @@ async def _serve(
     request: HttpRequest,
     parse: Callable[[dict[str, Any]], tuple[str, dict[str, Any], bool, Any]],
     payload_name: str,
-    make_chunk: Callable[[dict[str, Any]], Callable[[str | None, str | None], dict[str, Any]]],
+    make_chunk: Callable[[dict[str, Any]], Chunk],
     make_whole: Callable[[dict[str, Any], str, dict[str, Any]], dict[str, Any]],
 ) -> HttpResponse:
     """The shared body of both endpoints: parse, dispatch, then stream chunks or answer once."""
@@ -183,37 +204,73 @@ async def _serve(
     chunk = make_chunk(base)
     if sampling["stream"]:
         return sse_response(_stream(handle, chunk, include_usage), handle)
+    logprobs: list[dict[str, Any]] | None = [] if "logprobs" in sampling else None
     try:
-        text, final = await handle.collect()
+        text, final = await handle.collect(logprobs=logprobs)
     except GatewayError as exc:
         return error_response(exc.status, exc.message, headers=handle.response_headers())
     return JsonResponse(
-        make_whole(chunk(text, _finish_reason(final)), text, final), headers=handle.response_headers()
+        make_whole(chunk(text, _finish_reason(final), logprobs), text, final),
+        headers=handle.response_headers(),
     )
 
 
-def _completion_chunk(base: dict[str, Any]) -> Callable[[str | None, str | None], dict[str, Any]]:
+def _completion_chunk(base: dict[str, Any]) -> Chunk:
     head = {"id": f"cmpl-{base.pop('request_id')}", "object": "text_completion", **base}
+    offset = 0  # text_offset runs on across a stream's chunks
 
-    def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
-        choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def chunk(
+        text: str | None, finish_reason: str | None, logprobs: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
+        nonlocal offset
+        shaped = None
+        if logprobs:
+            tokens = [entry["token"] for entry in logprobs]
+            offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+            offset += sum(len(t) for t in tokens)
+            shaped = {
+                "tokens": tokens,
+                "token_logprobs": [entry["logprob"] for entry in logprobs],
+                "top_logprobs": [{t: lp for t, lp in entry["top"]} for entry in logprobs],
+                "text_offset": offsets,
+            }
+        choice = {"text": text or "", "index": 0, "logprobs": shaped, "finish_reason": finish_reason}
         return {**head, "choices": [choice]}
 
     return chunk
 
 
-def _chat_chunk(base: dict[str, Any]) -> Callable[[str | None, str | None], dict[str, Any]]:
+def _chat_logprobs(logprobs: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    if not logprobs:
+        return None
+
+    def token(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = [
+        {**token(entry["token"], entry["logprob"]), "top_logprobs": [token(t, lp) for t, lp in entry["top"]]}
+        for entry in logprobs
+    ]
+    return {"content": content, "refusal": None}
+
+
+def _chat_chunk(base: dict[str, Any]) -> Chunk:
     head = {"id": f"chatcmpl-{base.pop('request_id')}", "object": "chat.completion.chunk", **base}
 
-    def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(
+        text: str | None, finish_reason: str | None, logprobs: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
         if text is None and finish_reason is None:
             delta: dict[str, str] = {"role": "assistant", "content": ""}  # the stream's first chunk
         else:
             delta = {"content": text} if text else {}
-        return {
-            **head,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": _chat_logprobs(logprobs),
+            "finish_reason": finish_reason,
         }
+        return {**head, "choices": [choice]}
 
     return chunk
 
@@ -226,7 +283,7 @@ def _chat_whole(last_chunk: dict[str, Any], text: str, final: dict[str, Any]) ->
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": last_chunk["choices"][0]["logprobs"],
         "finish_reason": last_chunk["choices"][0]["finish_reason"],
     }
     return {**last_chunk, "object": "chat.completion", "choices": [choice], "usage": final.get("usage", {})}

@@ -695,9 +695,11 @@ class Replica:
                     route.last_token_at = now
                 for i, _ in enumerate(output.new_token_ids):
                     index = output.num_output_tokens - len(output.new_token_ids) + i
-                    result.add(
-                        route, output.request_id, {"token": output.new_text if i == 0 else "", "index": index}
-                    )
+                    event = {"token": output.new_text if i == 0 else "", "index": index}
+                    if output.logprobs is not None and i < len(output.logprobs):
+                        entry = output.logprobs[i]
+                        event["logprob"] = {"token": entry.token, "logprob": entry.logprob, "top": entry.top}
+                    result.add(route, output.request_id, event)
                 if output.is_finished:
                     del self._routes[output.request_id]
                     result.add(route, output.request_id, _final_event(output, route))

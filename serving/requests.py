@@ -54,7 +54,7 @@ def parse_json_body(request: HttpRequest) -> dict[str, Any]:
     return body
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -81,7 +81,7 @@ def parse_sampling(body: dict[str, Any], *, default_max_tokens: int | None = 16)
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = default_max_tokens
-    elif not _is_int(max_tokens) or not 1 <= max_tokens <= settings.MAX_TOKENS_LIMIT:
+    elif not is_int(max_tokens) or not 1 <= max_tokens <= settings.MAX_TOKENS_LIMIT:
         raise GatewayError(400, f"max_tokens must be an integer from 1 to {settings.MAX_TOKENS_LIMIT}")
     out["max_tokens"] = max_tokens
     stream = body.get("stream", False)
@@ -97,7 +97,7 @@ def parse_sampling(body: dict[str, Any], *, default_max_tokens: int | None = 16)
         raise GatewayError(400, "top_p must be a number in (0, 1]")
     out["top_p"] = float(top_p)
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
         raise GatewayError(400, "seed must be a non-negative integer")
     out["seed"] = seed
     out["stop"] = parse_stop(body.get("stop"))
@@ -151,6 +151,6 @@ def parse_classify(body: dict[str, Any]) -> tuple[list[str], int | None]:
     if unknown:
         raise GatewayError(400, f"unknown field(s) for a classifier: {', '.join(unknown)}")
     top_k = body.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise GatewayError(400, "top_k must be a positive integer")
     return parse_text_inputs(body.get("input")), top_k

@@ -55,7 +55,12 @@ _OPENAI_PATHS = [
         {
             "type": "object",
             "required": ["model", "prompt"],
-            "properties": {**_OPENAI_SAMPLING, "prompt": {"type": "string"}},
+            "properties": {
+                **_OPENAI_SAMPLING,
+                "prompt": {"type": "string"},
+                # the model's own log probabilities (before temperature and top-p) and this many alternatives
+                "logprobs": {"type": "integer", "minimum": 0, "maximum": 5, "nullable": True},
+            },
         },
     ),
     (
@@ -70,6 +75,8 @@ _OPENAI_PATHS = [
                 # As OpenAI's: without it, the answer runs to its end or the context's (MAX_TOKENS_LIMIT).
                 "max_tokens": {"type": "integer", "minimum": 1},
                 "max_completion_tokens": {"type": "integer", "minimum": 1},
+                "logprobs": {"type": "boolean", "default": False},
+                "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True},
                 "messages": {
                     "type": "array",
                     "items": {

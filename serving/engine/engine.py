@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,16 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finished_time: float | None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """An output token's log probability and, likeliest first, the alternatives' at its place."""
+
+    token: str  # the token alone, decoded
+    logprob: float
+    top: list[tuple[str, float]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,6 +104,12 @@ class _RequestState:
     text: str = ""  # emitted so far
     held_text: str = ""  # decoded but held back: it might be the start of a stop string
     num_reported_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # sampled, not yet reported
+
+
+def _finite(logprob: float) -> float:
+    # A token the model rules out has -inf, which JSON cannot carry; -9999 reads as impossible.
+    return max(logprob, -9999.0)
 
 
 def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
@@ -144,6 +160,7 @@ class Engine:
         )
         self.sampler = Sampler(seed=config.seed)
         self._requests: dict[str, _RequestState] = {}
+        self._token_texts: dict[int, str] = {}  # each token decoded alone, for logprobs
 
     @property
     def max_model_len(self) -> int:
@@ -235,14 +252,43 @@ class Engine:
         logits = self.runner.execute(batch)
         sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices.tolist()]
         states = [self._requests[seq.request_id] for seq in sampled_seqs]
+        wanting = [i for i, s in enumerate(states) if s.seq.params.logprobs is not None]
+        # Before sampling, which may scale the logits in place: the model's own distribution.
+        logprobs = torch.log_softmax(logits[wanting].float(), dim=-1) if wanting else None
         token_ids = self.sampler(
             logits, [s.seq.params for s in states], [s.generator for s in states]
         ).tolist()
+        if logprobs is not None:
+            self._keep_logprobs(logprobs, [states[i] for i in wanting], [token_ids[i] for i in wanting])
         finished = self.scheduler.update(
             scheduled, {seq.request_id: t for seq, t in zip(sampled_seqs, token_ids, strict=True)}
         )
         finished_ids = {seq.request_id for seq in finished}
         return [self._postprocess(state, state.seq.request_id in finished_ids) for state in states]
+
+    def _keep_logprobs(self, rows: torch.Tensor, states: list[_RequestState], token_ids: list[int]) -> None:
+        """Each state's sampled token's log probability and its top alternatives, from its row."""
+        k = max(s.seq.params.logprobs or 0 for s in states)
+        chosen = rows[torch.arange(len(states)), torch.tensor(token_ids, device=rows.device)].tolist()
+        top = rows.topk(k, dim=-1) if k else None
+        top_values = top.values.tolist() if top is not None else [[] for _ in states]
+        top_ids = top.indices.tolist() if top is not None else [[] for _ in states]
+        for i, (state, token_id) in enumerate(zip(states, token_ids, strict=True)):
+            n = state.seq.params.logprobs or 0
+            alternatives = zip(top_ids[i][:n], top_values[i][:n], strict=True)
+            state.logprobs.append(
+                TokenLogprob(
+                    self._token_text(token_id),
+                    _finite(chosen[i]),
+                    [(self._token_text(t), _finite(v)) for t, v in alternatives],
+                )
+            )
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _postprocess(self, state: _RequestState, is_finished: bool) -> RequestOutput:
         seq = state.seq
@@ -268,7 +314,13 @@ class Engine:
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
             finished_time=seq.finished_time,
+            logprobs=self._reported_logprobs(state) if seq.params.logprobs is not None else None,
         )
+
+    @staticmethod
+    def _reported_logprobs(state: _RequestState) -> list[TokenLogprob]:
+        reported, state.logprobs = state.logprobs, []
+        return reported
 
     def _apply_stop_strings(
         self, state: _RequestState, new_text: str, *, is_finished: bool

@@ -21,6 +21,9 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -31,6 +34,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Each output token's log probability, and this many of the likeliest tokens' at its place (0: the
+    # token's own only); None: none. From the model's distribution, before temperature and top-p.
+    logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -48,6 +54,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop sequences must be non-empty strings")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be None or an integer, 0 to {MAX_LOGPROBS}: {self.logprobs!r}")
 
 
 @dataclass(slots=True)

@@ -54,11 +54,56 @@ def test_chat_completion_json_and_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_logprobs_of_completions_and_chats_whole_and_streamed(client: openai.OpenAI) -> None:
+    whole = client.completions.create(
+        model="demo-chat", prompt="hello", max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = whole.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == whole.choices[0].text  # each token alone, in order
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # greedy: the token is the likeliest of its two alternatives, and a probability's log is <= 0
+        assert len(top) <= 2 and logprob <= 0 and max(top.values()) == pytest.approx(logprob, abs=1e-5)
+        assert top[token] == pytest.approx(logprob, abs=1e-5)
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model="demo-chat", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(entry.top_logprobs) == 3 for entry in content)
+    assert all(bytes(entry.bytes) == entry.token.encode() for entry in content)
+    streamed = client.chat.completions.create(
+        model="demo-chat",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    entries = [
+        e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+    # Asked for none, none come.
+    plain = client.chat.completions.create(model="demo-chat", messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
 def test_openai_errors_are_raised_as_typed_exceptions(client: openai.OpenAI, platform_server) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="only n=1"):
         client.completions.create(model="demo-chat", prompt="hi", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs must be an integer from 0 to 5"):
+        client.completions.create(model="demo-chat", prompt="hi", max_tokens=2, logprobs=6)
+    chat = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="demo-chat", messages=chat, max_tokens=2, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs must be an integer from 0 to 20"):
+        client.chat.completions.create(model="demo-chat", messages=chat, logprobs=True, top_logprobs=21)
     bad = openai.OpenAI(base_url=f"{platform_server.url}/v1", api_key="sy-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="demo-chat", messages=[{"role": "user", "content": "x"}])

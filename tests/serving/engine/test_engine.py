@@ -447,6 +447,36 @@ def test_seeded_sampling_reproduces_across_engines_runs_and_batches(model_dir: P
     assert len(set(first)) > 3, "sampling, not a constant"
 
 
+def test_logprobs_are_the_models_own_for_each_token_sampled_or_not(model_dir: Path, ref: Reference) -> None:
+    """Each output token's log probability and its top alternatives, as log_softmax of the plain model's
+    logits at that position gives them (before temperature), in a batch with requests that ask none."""
+    prompt = ref.prompt(19, start=3)
+    sampled = SamplingParams(max_tokens=12, temperature=1.3, seed=5, ignore_eos=True, logprobs=3)
+    arrivals = [
+        Arrival(0, "greedy", prompt, greedy(12, logprobs=0)),
+        Arrival(0, "sampled", prompt, sampled),
+        Arrival(1, "none", ref.prompt(25, start=40), greedy(8)),
+    ]
+    results = run(make_engine(model_dir, max_num_batched_tokens=16), arrivals)
+    assert all(out.logprobs is None for out in results["none"].outputs)
+    for request_id, k in (("greedy", 0), ("sampled", 3)):
+        result = results[request_id]
+        entries = [e for out in result.outputs for e in (out.logprobs or [])]
+        assert len(entries) == len(result.token_ids) == 12
+        with torch.inference_mode():
+            logits = ref.model(torch.tensor([prompt + result.token_ids])).logits[0]
+        expected = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
+        for position, (entry, token_id) in enumerate(zip(entries, result.token_ids, strict=True)):
+            row = expected[position]
+            assert entry.token == ref.tokenizer.decode([token_id])
+            assert entry.logprob == pytest.approx(row[token_id].item(), abs=1e-3)
+            top = row.topk(k)
+            assert [t for t, _ in entry.top] == [ref.tokenizer.decode([t]) for t in top.indices.tolist()]
+            assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-3)
+            if request_id == "greedy":  # the likeliest token, whose log probability is the row's largest
+                assert entry.logprob == pytest.approx(row.max().item(), abs=1e-3)
+
+
 # --- 5: abort -------------------------------------------------------------------------------------
 
 
