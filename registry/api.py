@@ -24,7 +24,7 @@ def _visible_model(request: Request, name: str) -> Model:
     context = _caller_context(request)
     model = Model.objects.filter(name=name).select_related("routing_table").first()
     # A model the caller may not use is reported exactly like one that does not exist.
-    if model is None or (context is not None and not context.may_use(name)):
+    if model is None or (context is not None and not context.may_use(name, owner_id=model.owner_id)):
         raise NotFound(f"model {name!r} not found")
     return model
 

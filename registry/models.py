@@ -180,7 +180,10 @@ class Quota(models.Model):
     tokens_per_minute = models.PositiveIntegerField(default=100_000)
     max_concurrent_requests = models.PositiveIntegerField(default=16)
     allowed_models = models.ManyToManyField(
-        Model, blank=True, related_name="+", help_text="Empty means every model."
+        Model,
+        blank=True,
+        related_name="+",
+        help_text="Empty means every model but other tenants' own (Model.owner).",
     )
     may_pin = models.BooleanField(default=False, help_text="May choose a version with X-Version-Pin.")
     may_deploy = models.BooleanField(default=False)

@@ -24,14 +24,30 @@ class TenantContext:
     allowed_model_names: frozenset[str]  # empty: every model but other tenants' own
     may_pin: bool
     may_deploy: bool
-    others_model_names: frozenset[str] = frozenset()  # models other tenants own (Model.owner)
 
-    def may_use(self, model_name: str) -> bool:
-        """A model the quota names, or with none named, any model but another tenant's own: an admin
-        shares a tenant's model with another by naming it in that one's quota."""
+    def may_use(self, model_name: str, *, owner_id: int | None) -> bool:
+        """Its own model (Model.owner), and a model the quota names; with none named, any model but
+        another tenant's own. An admin shares a tenant's model with another by naming it in that one's
+        quota. `owner_id`: the model's owner as of now (the routing cache's, within a second), never a
+        copy kept with this context."""
+        if owner_id is not None and owner_id == self.tenant_id:
+            return True
         if self.allowed_model_names:
             return model_name in self.allowed_model_names
-        return model_name not in self.others_model_names
+        return owner_id is None
+
+    def may_deploy_to(self, model_name: str, *, owner_id: int | None) -> bool:
+        """Its own model, or one of the platform's that its quota names: deploying moves the traffic of
+        everyone the model serves, so a model merely open to every tenant is staff's to deploy."""
+        if not self.may_deploy:
+            return False
+        if owner_id is not None:
+            return owner_id == self.tenant_id
+        return model_name in self.allowed_model_names
+
+    def is_hidden(self, model_name: str, *, owner_id: int | None) -> bool:
+        """Another tenant's model this one may not use: answered as if it did not exist."""
+        return owner_id not in (None, self.tenant_id) and not self.may_use(model_name, owner_id=owner_id)
 
     @classmethod
     def unlimited(cls, name: str) -> TenantContext:
@@ -73,6 +89,7 @@ class RoutingSnapshot:
     # Its idle versions may have no replica (rollouts.ScalingBounds with min_replicas 0): a request that
     # finds none waits while one starts, where it would otherwise get a 503 at once.
     scales_to_zero: bool = False
+    owner_id: int | None = None  # the tenant whose model it is (Model.owner); None: the platform's
 
     def serves(self, version: str) -> bool:
         """Whether the version must have replicas: traffic, an alias or shadow copies (as
@@ -106,9 +123,6 @@ def tenant_context(*, tenant: Tenant) -> TenantContext:
         allowed: frozenset[str] = frozenset()
     else:
         allowed = frozenset(m.name for m in quota.allowed_models.all())
-    others = frozenset(
-        Model.objects.filter(owner__isnull=False).exclude(owner=tenant).values_list("name", flat=True)
-    )
     return TenantContext(
         tenant_id=tenant.pk,
         tenant_name=tenant.name,
@@ -119,7 +133,6 @@ def tenant_context(*, tenant: Tenant) -> TenantContext:
         allowed_model_names=allowed,
         may_pin=quota.may_pin,
         may_deploy=quota.may_deploy,
-        others_model_names=others,
     )
 
 
@@ -156,6 +169,7 @@ def routing_snapshot(*, model_name: str) -> RoutingSnapshot | None:
         else None,
         scales_to_zero=getattr(model, "scaling_bounds", None) is not None
         and model.scaling_bounds.min_replicas == 0,
+        owner_id=model.owner_id,
     )
 
 
@@ -193,11 +207,9 @@ def versions_with_traffic() -> list[VersionRef]:
 
 def models_visible_to(*, context: TenantContext | None) -> list[Model]:
     models = Model.objects.all()
-    if context is not None and context.allowed_model_names:
-        models = models.filter(name__in=context.allowed_model_names)
-    elif context is not None:
-        models = models.exclude(name__in=context.others_model_names)
-    return list(models)
+    if context is None:
+        return list(models)
+    return [m for m in models if context.may_use(m.name, owner_id=m.owner_id)]
 
 
 def model_versions_overview(*, model: Model) -> list[dict[str, object]]:

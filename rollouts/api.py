@@ -1,8 +1,8 @@
 """Deployment endpoints under /v1/. Thin: authorize, call one service or selector, format.
 
-Allowed to staff (session) and to tenants whose quota has may_deploy, on models they own and may use
-(a tenant may not move the traffic of a model other tenants are served, the platform's or another
-tenant's, nor see its deployments); anyone else gets 403, an unknown model or deployment 404.
+Allowed to staff (session) and to tenants whose quota has may_deploy, on models they own and on the
+platform's models their quota names (TenantContext.may_deploy_to: a model merely open to every tenant is
+staff's to deploy); anyone else gets 403, an unknown model or deployment, or another tenant's model, 404.
 Refusals use the one error shape (registry.errors)."""
 
 from __future__ import annotations
@@ -49,11 +49,14 @@ def _authorize(request: Request, model: Model | None = None) -> None:
         return
     if not context.may_deploy:
         raise PermissionDenied(f"tenant {context.tenant_name!r} may not deploy")
-    if model is not None and (model.owner_id != context.tenant_id or not context.may_use(model.name)):
-        raise PermissionDenied(
-            f"tenant {context.tenant_name!r} may not deploy {model.name!r}: a tenant deploys only its own "
-            "models (registered with --owner)"
-        )
+    if model is None or context.may_deploy_to(model.name, owner_id=model.owner_id):
+        return
+    if context.is_hidden(model.name, owner_id=model.owner_id):
+        raise NotFound(f"model {model.name!r} not found")
+    raise PermissionDenied(
+        f"tenant {context.tenant_name!r} may not deploy {model.name!r}: a tenant deploys its own models "
+        "(registered with --owner) and those of the platform's its quota names"
+    )
 
 
 def _deployment(request: Request, deployment_id: int) -> Deployment:

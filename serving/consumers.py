@@ -35,6 +35,7 @@ CLOSE_INVALID_PAYLOAD = 1007
 
 class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     context: TenantContext | None = None
+    authorization: str = ""  # as authenticated: each infer checks it again (a cache hit, mostly)
     task: asyncio.Task[None] | None = None
 
     def _header(self, name: bytes) -> str | None:
@@ -52,6 +53,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     async def _authenticate(self, authorization: str) -> None:
         try:
             self.context = await authenticate(authorization)
+            self.authorization = authorization
         except GatewayError as exc:
             await self._error(exc)
             await self.close(code=CLOSE_UNAUTHENTICATED)
@@ -102,6 +104,8 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             request = parse_infer(body)
             if request.stream:
                 raise GatewayError(400, "stream is implied on a WebSocket")
+            # A key revoked, or a quota changed, since the socket opened counts from its next request.
+            self.context = await authenticate(self.authorization)
             handle = await dispatch(
                 context=self.context,
                 path_model=self.scope["url_route"]["kwargs"]["model"],

@@ -349,7 +349,7 @@ async def model_snapshot(context: TenantContext, path_model: str) -> RoutingSnap
     model_name = split_model_name(path_model)[0]
     snapshot = await _snapshot(model_name)
     if snapshot is not None:
-        gateway.authorize_model(context, model_name, pinned_version=None)
+        gateway.authorize_model(context, snapshot, pinned_version=None)
     return snapshot
 
 
@@ -378,7 +378,7 @@ async def dispatch(
         snapshot = await _snapshot(model_name)
     if snapshot is None:
         raise GatewayError(404, f"model {model_name!r} not found")
-    gateway.authorize_model(context, model_name, pinned_version=pin)
+    gateway.authorize_model(context, snapshot, pinned_version=pin)
     if snapshot.kind != kind:
         raise GatewayError(
             400, f"model {model_name!r} is of kind {snapshot.kind}; this endpoint serves {kind} models"

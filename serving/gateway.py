@@ -19,7 +19,7 @@ from django.conf import settings
 from django.db import DatabaseError
 
 from registry.authentication import bearer_token
-from registry.selectors import TenantContext, tenant_context_for_api_key
+from registry.selectors import RoutingSnapshot, TenantContext, tenant_context_for_api_key
 from registry.services import hash_api_key
 
 logger = logging.getLogger(__name__)
@@ -112,8 +112,12 @@ def clear_auth_cache() -> None:
         _auth_cache.clear()
 
 
-def authorize_model(context: TenantContext, model_name: str, *, pinned_version: str | None) -> None:
-    if not context.may_use(model_name):
+def authorize_model(context: TenantContext, snapshot: RoutingSnapshot, *, pinned_version: str | None) -> None:
+    """Against the model's owner as the routing cache has it (within a second of a change)."""
+    model_name, owner_id = snapshot.model_name, snapshot.owner_id
+    if context.is_hidden(model_name, owner_id=owner_id):  # as an unknown model: its name tells nothing
+        raise GatewayError(404, f"model {model_name!r} not found")
+    if not context.may_use(model_name, owner_id=owner_id):
         raise GatewayError(403, f"tenant {context.tenant_name!r} may not use model {model_name!r}")
     if pinned_version is not None and not context.may_pin:
         raise GatewayError(403, f"tenant {context.tenant_name!r} may not pin versions (X-Version-Pin)")

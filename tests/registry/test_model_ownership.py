@@ -1,32 +1,35 @@
 """A tenant's own model (Model.owner) is its alone: other tenants neither see nor use it unless their quota
-names it, and only its owner among the tenants deploys it (tests/rollouts/test_api.py)."""
+names it, as if it did not exist, and its owner always may, whatever its quota names. Gateways decide by
+the owner their routing cache holds, so a change of owner counts within a second, on open WebSockets too.
+(Deploying: tests/rollouts/test_api.py.)"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.test import AsyncClient, Client
 
 from registry.models import Model
+from serving.router import routing_cache
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
 def tenants(make_tenant, registered_model, demo_model_dir: Path):  # type: ignore[no-untyped-def]
-    """demo-chat, the platform's; acme-ft, acme's own; acme, globex (every model) and partner (named)."""
+    """demo-chat, the platform's; acme-ft, acme's own. acme names demo-chat only (yet keeps its own),
+    globex names nothing, partner names acme-ft (shared with it)."""
     from registry.services import model_version_register
 
-    acme = make_tenant("acme")
-    own = model_version_register(
-        name="acme-ft", version="v1", source_dir=demo_model_dir, owner=acme.tenant
-    ).model
+    acme = make_tenant("acme", allowed_models=[registered_model.model])
+    own = model_version_register(name="acme-ft", version="v1", source_dir=demo_model_dir, owner=acme.tenant)
     return {
         "acme": acme,
         "globex": make_tenant("globex"),
-        "partner": make_tenant("partner", allowed_models=[own]),
+        "partner": make_tenant("partner", allowed_models=[own.model]),
     }
 
 
@@ -44,13 +47,44 @@ def test_another_tenants_model_is_not_listed_nor_found(tenants) -> None:
     assert client.get("/v1/models/acme-ft", headers=acme.auth).status_code == 200
     hidden = client.get("/v1/models/acme-ft", headers=globex.auth)
     assert hidden.status_code == 404 and hidden.json()["error"]["message"] == "model 'acme-ft' not found"
-    assert Model.objects.get(name="acme-ft").owner.name == "acme"
 
 
-async def test_another_tenants_model_is_refused_before_any_replica(tenants) -> None:
-    body = json.dumps({"input": "hi"})
-    response = await AsyncClient().post(
-        "/v1/models/acme-ft/infer", data=body, content_type="application/json", headers=tenants["globex"].auth
+async def _post(path: str, body: dict[str, object], tenant: Any) -> Any:
+    client = AsyncClient()
+    return await client.post(
+        path, data=json.dumps(body), content_type="application/json", headers=tenant.auth
     )
-    assert response.status_code == 403
-    assert "may not use model 'acme-ft'" in response.json()["error"]["message"]
+
+
+async def test_another_tenants_model_is_not_found_on_any_endpoint_before_any_replica(tenants) -> None:
+    globex = tenants["globex"]
+    for path, body in (
+        ("/v1/models/acme-ft/infer", {"input": "hi"}),
+        ("/v1/completions", {"model": "acme-ft", "prompt": "hi"}),
+        ("/v1/chat/completions", {"model": "acme-ft", "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/embeddings", {"model": "acme-ft", "input": "hi"}),
+    ):
+        response = await _post(path, body, globex)
+        assert response.status_code == 404, (path, response.content)
+        assert response.json()["error"]["message"] == "model 'acme-ft' not found"
+
+
+def test_a_change_of_owner_in_the_admin_counts_at_the_routing_caches_next_check(tenants) -> None:
+    from types import SimpleNamespace
+
+    from django.contrib import admin
+
+    from registry.admin import ModelAdmin
+    from registry.selectors import tenant_context
+    from serving.gateway import GatewayError, authorize_model
+
+    globex = tenant_context(tenant=tenants["globex"].tenant)  # as a gateway has it cached
+    authorize_model(globex, routing_cache.get("demo-chat", max_age_s=0), pinned_version=None)
+    model = Model.objects.get(name="demo-chat")
+    model.owner = tenants["acme"].tenant
+    form = SimpleNamespace(changed_data=["owner"])
+    ModelAdmin(Model, admin.site).save_model(None, model, form, change=True)  # type: ignore[arg-type]
+    # The next revalidation (within a second) reads the new owner; the tenant's context is the same.
+    with pytest.raises(GatewayError) as refused:
+        authorize_model(globex, routing_cache.get("demo-chat", max_age_s=0), pinned_version=None)
+    assert refused.value.status == 404

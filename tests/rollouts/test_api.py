@@ -88,9 +88,8 @@ def test_staff_create_get_rollback(staff_client, chat) -> None:
 
 
 def test_tenant_allowed_to_deploy_promotes(client, chat, make_tenant) -> None:
+    # chat is the platform's, and acme's quota names it: an admin's grant to deploy it.
     acme = make_tenant("acme", may_deploy=True, allowed_models=[chat])
-    chat.owner = acme.tenant
-    chat.save()
     response = post(client, "/v1/deployments", BODY, **acme.auth)
     assert response.status_code == 202, response.content
     deployment_id = response.json()["deployment_id"]
@@ -134,11 +133,27 @@ def test_callers_without_the_right_get_403_and_change_nothing(client, chat, make
     anonymous = post(client, "/v1/deployments", BODY)
     assert anonymous.status_code == 401
     assert anonymous.json()["error"]["type"] == "authentication_error"
-    chat.owner = elsewhere.tenant  # another tenant's own model now
+    # Another tenant's own model: as if it did not exist.
+    chat.owner = elsewhere.tenant
     chat.save()
-    refused = post(client, "/v1/deployments", {**BODY, "version": "v3"}, **user.auth)
-    assert refused.status_code == 403 and "only its own models" in refused.json()["error"]["message"]
+    hidden = post(client, "/v1/deployments", {**BODY, "version": "v3"}, **user.auth)
+    assert hidden.status_code == 404 and hidden.json()["error"]["message"] == "model 'chat' not found"
+    assert client.get(f"/v1/deployments/{deployment.pk}", headers=user.auth).status_code == 404
     assert everything(chat) == before
+
+
+def test_a_tenant_deploys_its_own_model_without_naming_it(client, chat, make_model, make_tenant) -> None:
+    owner = make_tenant("owner", may_deploy=True)  # a quota that names no model
+    chat.owner = owner.tenant
+    chat.save()
+    response = post(client, "/v1/deployments", BODY, **owner.auth)
+    assert response.status_code == 202, response.content
+    # An owner whose quota names other models keeps its own.
+    named = make_tenant("named", may_deploy=True, allowed_models=[make_model("other", versions=("v1",))])
+    chat.owner = named.tenant
+    chat.save()
+    rolled = post(client, f"/v1/deployments/{response.json()['deployment_id']}/rollback", **named.auth)
+    assert rolled.status_code == 202, rolled.content
 
 
 def test_unknown_deployment_or_model_is_404(staff_client, chat) -> None:

@@ -2,6 +2,7 @@
 
 import pytest
 from channels.testing import WebsocketCommunicator
+from django.utils import timezone
 
 from config.asgi import application
 
@@ -43,6 +44,22 @@ async def test_first_message_auth(acme) -> None:
     await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
     messages = [await ws.receive_json_from(timeout=10) for _ in range(3)]
     assert messages[-1]["type"] == "done"
+    await ws.disconnect()
+
+
+async def test_a_key_revoked_while_its_socket_is_open_stops_at_the_next_request(acme) -> None:
+    from asgiref.sync import sync_to_async
+
+    from registry.models import ApiKey
+    from serving.gateway import clear_auth_cache
+
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
+    assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(3)][-1] == "done"
+    await sync_to_async(lambda: ApiKey.objects.update(revoked_at=timezone.now()))()
+    clear_auth_cache()  # what the gateway's 5-s cache does by itself
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
+    assert (await ws.receive_json_from(timeout=10))["error"]["type"] == "authentication_error"
     await ws.disconnect()
 
 

@@ -12,9 +12,18 @@ class Command(BaseCommand):
         parser.add_argument("--requests-per-second", type=float, default=10.0)
         parser.add_argument("--tokens-per-minute", type=int, default=100_000)
         parser.add_argument("--max-concurrent", type=int, default=16)
-        parser.add_argument("--allow-model", action="append", default=[], help="repeat; none means all")
+        parser.add_argument(
+            "--allow-model",
+            action="append",
+            default=[],
+            help="repeat; none: every model but other tenants' own (a named one may be another's: shared)",
+        )
         parser.add_argument("--may-pin", action="store_true")
-        parser.add_argument("--may-deploy", action="store_true")
+        parser.add_argument(
+            "--may-deploy",
+            action="store_true",
+            help="roll out its own models, and the platform's that --allow-model names",
+        )
 
     def handle(self, *args: object, **options: object) -> None:
         names = list(options["allow_model"])  # type: ignore[call-overload]

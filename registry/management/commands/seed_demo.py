@@ -46,11 +46,9 @@ class Command(BaseCommand):
                 may_pin=True,
                 may_deploy=True,
             )
-            self.stdout.write(f"created tenant {DEMO_TENANT} (every model, may pin and deploy)")
-        # The demo tenant owns the demo models, so its key can run a rollout of them.
-        Model.objects.filter(
-            name__in=(DEMO_MODEL, DEMO_EMBEDDING_MODEL, DEMO_CLASSIFIER_MODEL), owner__isnull=True
-        ).update(owner=tenant)
+            self.stdout.write(
+                f"created tenant {DEMO_TENANT} (every model but other tenants' own; may pin; deploys its own)"
+            )
         if options["no_key"]:
             return
         with transaction.atomic():
