@@ -11,18 +11,11 @@ from registry.models import (
     RoutingTable,
     Tenant,
 )
-from registry.services import routing_changed
 
 
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
     list_display = ("name", "kind", "owner", "created_at")
-
-    def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]
-        super().save_model(request, obj, form, change)
-        if change and "owner" in form.changed_data:
-            # Gateways decide who may use a model by its owner as their routing cache has it.
-            routing_changed(model=obj)
 
 
 @admin.register(ModelVersion)

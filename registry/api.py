@@ -1,4 +1,5 @@
-"""Registry endpoints under /v1/. Tenants see only the models their quota allows; staff see all."""
+"""Registry endpoints under /v1/. Tenants (by key) see only the models they may use; staff (by session)
+see all; any other signed-in user gets 403."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
-from rest_framework.exceptions import NotFound
+from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -17,7 +18,12 @@ from registry.selectors import TenantContext
 
 
 def _caller_context(request: Request) -> TenantContext | None:
-    return request.auth if isinstance(request.auth, TenantContext) else None
+    """The tenant calling with its key, or None for staff."""
+    if isinstance(request.auth, TenantContext):
+        return request.auth
+    if not getattr(request.user, "is_staff", False):  # a session of someone who is neither
+        raise PermissionDenied("the model registry is for tenants' API keys and for staff")
+    return None
 
 
 def _visible_model(request: Request, name: str) -> Model:

@@ -22,8 +22,9 @@ class Model(models.Model):
     name = models.CharField(max_length=63, unique=True, validators=[NAME_VALIDATOR])
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.CAUSAL_LM)
     description = models.TextField(blank=True)
-    # The tenant whose model this is (its own fine-tune, say), which alone of the tenants may deploy its
-    # versions with its key; none: the platform's, served to tenants and deployed by staff only.
+    # The tenant whose model this is (its own fine-tune, say): the one tenant that sees, uses and deploys
+    # it, unless a quota names it; none: the platform's, deployed by staff and by the tenants granted it
+    # (Quota.deployable_models).
     owner = models.ForeignKey(
         "registry.Tenant", null=True, blank=True, on_delete=models.PROTECT, related_name="owned_models"
     )
@@ -186,7 +187,14 @@ class Quota(models.Model):
         help_text="Empty means every model but other tenants' own (Model.owner).",
     )
     may_pin = models.BooleanField(default=False, help_text="May choose a version with X-Version-Pin.")
-    may_deploy = models.BooleanField(default=False)
+    may_deploy = models.BooleanField(default=False, help_text="May roll out its own models (Model.owner).")
+    deployable_models = models.ManyToManyField(
+        Model,
+        blank=True,
+        related_name="+",
+        help_text="Platform models (no owner) it may roll out too, with may_deploy: a rollout moves the "
+        "traffic of every tenant they serve, so each is an explicit grant.",
+    )
 
     def __str__(self) -> str:
         return f"quota for {self.tenant.name}"

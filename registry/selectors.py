@@ -24,6 +24,7 @@ class TenantContext:
     allowed_model_names: frozenset[str]  # empty: every model but other tenants' own
     may_pin: bool
     may_deploy: bool
+    deployable_model_names: frozenset[str] = frozenset()  # platform models it may deploy besides its own
 
     def may_use(self, model_name: str, *, owner_id: int | None) -> bool:
         """Its own model (Model.owner), and a model the quota names; with none named, any model but
@@ -37,13 +38,13 @@ class TenantContext:
         return owner_id is None
 
     def may_deploy_to(self, model_name: str, *, owner_id: int | None) -> bool:
-        """Its own model, or one of the platform's that its quota names: deploying moves the traffic of
-        everyone the model serves, so a model merely open to every tenant is staff's to deploy."""
+        """Its own model, or one of the platform's granted it (Quota.deployable_models): deploying moves
+        the traffic of everyone the model serves, so a model that is merely open to it is not enough."""
         if not self.may_deploy:
             return False
         if owner_id is not None:
             return owner_id == self.tenant_id
-        return model_name in self.allowed_model_names
+        return model_name in self.deployable_model_names
 
     def is_hidden(self, model_name: str, *, owner_id: int | None) -> bool:
         """Another tenant's model this one may not use: answered as if it did not exist."""
@@ -117,12 +118,16 @@ def tenant_context_for_api_key(raw_key: str) -> TenantContext | None:
 
 
 def tenant_context(*, tenant: Tenant) -> TenantContext:
-    quota = Quota.objects.filter(tenant=tenant).prefetch_related("allowed_models").first()
+    quota = (
+        Quota.objects.filter(tenant=tenant).prefetch_related("allowed_models", "deployable_models").first()
+    )
+    allowed: frozenset[str] = frozenset()
+    deployable: frozenset[str] = frozenset()
     if quota is None:  # a tenant made by hand in the admin without a quota gets the defaults
         quota = Quota(tenant=tenant)
-        allowed: frozenset[str] = frozenset()
     else:
         allowed = frozenset(m.name for m in quota.allowed_models.all())
+        deployable = frozenset(m.name for m in quota.deployable_models.all())
     return TenantContext(
         tenant_id=tenant.pk,
         tenant_name=tenant.name,
@@ -133,11 +138,17 @@ def tenant_context(*, tenant: Tenant) -> TenantContext:
         allowed_model_names=allowed,
         may_pin=quota.may_pin,
         may_deploy=quota.may_deploy,
+        deployable_model_names=deployable,
     )
 
 
-def routing_revision(*, model_name: str) -> int | None:
-    return RoutingTable.objects.filter(model__name=model_name).values_list("revision", flat=True).first()
+def routing_revision(*, model_name: str) -> tuple[int, int | None] | None:
+    """What a cached RoutingSnapshot is checked against: its table's revision, and the model's owner
+    (who may use it), so that an owner changed by any means, not only the admin's form, counts."""
+    row = (
+        RoutingTable.objects.filter(model__name=model_name).values_list("revision", "model__owner_id").first()
+    )
+    return (row[0], row[1]) if row is not None else None
 
 
 def routing_snapshot(*, model_name: str) -> RoutingSnapshot | None:

@@ -186,6 +186,7 @@ def tenant_create(
     allowed_models: Iterable[Model] = (),
     may_pin: bool = False,
     may_deploy: bool = False,
+    deployable_models: Iterable[Model] = (),
 ) -> Tenant:
     try:
         Tenant._meta.get_field("name").run_validators(name)
@@ -207,6 +208,7 @@ def tenant_create(
         may_deploy=may_deploy,
     )
     quota.allowed_models.set(list(allowed_models))
+    quota.deployable_models.set(list(deployable_models))
     return tenant
 
 

@@ -64,7 +64,10 @@ def _deployment(request: Request, deployment_id: int) -> Deployment:
     deployment = selectors.deployment_get(deployment_id=deployment_id)
     if deployment is None:
         raise NotFound(f"deployment {deployment_id} not found")
-    _authorize(request, deployment.model)
+    try:
+        _authorize(request, deployment.model)
+    except NotFound:  # another tenant's model: its deployments' ids name nothing either
+        raise NotFound(f"deployment {deployment_id} not found") from None
     return deployment
 
 

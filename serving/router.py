@@ -65,7 +65,8 @@ class RoutingCache:
             if (
                 entry is not None
                 and entry.snapshot is not None
-                and routing_revision(model_name=model_name) == entry.snapshot.revision
+                and routing_revision(model_name=model_name)
+                == (entry.snapshot.revision, entry.snapshot.owner_id)
             ):
                 entry.checked_at = now
                 return entry.snapshot

@@ -126,7 +126,7 @@ class Platform:
         self.manage("register_model", MODEL, version, "--from", str(self.state_dir / "demo-model"))
 
     def tenant_key(self, name: str) -> str:
-        """A tenant with room for any bench load, allowed demo-chat, to pin and to deploy, and a key."""
+        """A tenant with room for any bench load, allowed to pin and to deploy demo-chat, and a key."""
         self.manage(
             "create_tenant",
             name,
@@ -135,8 +135,8 @@ class Platform:
             "--max-concurrent=1000",
             "--may-pin",
             "--may-deploy",
-            # demo-chat is the platform's: a tenant deploys it only where its quota names it
-            f"--allow-model={MODEL}",
+            # demo-chat is the platform's: a tenant deploys it only when granted it
+            f"--deploy-model={MODEL}",
         )
         return self.manage("create_api_key", "--tenant", name).strip().splitlines()[-1]
 

@@ -212,9 +212,8 @@ def test_live_charts_per_version_and_a_rollback_from_the_browser(dashboard_serve
     OUTPUT_DIR.mkdir(exist_ok=True)
     server = dashboard_server
     errors: list[str] = []
-    # demo-chat is the platform's: a tenant deploys it only where its quota names it (the demo tenant's
-    # names no model, so that it may use every one).
-    created = server.manage("create_tenant", "deployer", "--allow-model", "demo-chat", "--may-deploy")
+    # demo-chat is the platform's: a tenant deploys it only when granted it, and the demo tenant is not.
+    created = server.manage("create_tenant", "deployer", "--deploy-model", "demo-chat", "--may-deploy")
     assert created.returncode == 0, created.stderr
     deployer_key = server.manage("create_api_key", "--tenant", "deployer").stdout.strip().splitlines()[-1]
     auth = {"Authorization": f"Bearer {deployer_key}"}

@@ -61,7 +61,7 @@ def rollouts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seen]:
         platform.register("v2")
         stack.callback(platform.stop)
         platform.start()
-        key = platform.tenant_key("deployer")  # may deploy demo-chat (its quota names it) and pin
+        key = platform.tenant_key("deployer")  # may deploy demo-chat (granted it) and pin
         clients = [(g, pin) for g in range(NUM_GATEWAYS) for pin in (None, None, "v1")]
         with Traffic(platform, key, clients=clients, max_tokens=1, min_interval_s=MIN_INTERVAL_S) as traffic:
             runs = [

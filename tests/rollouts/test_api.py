@@ -88,8 +88,8 @@ def test_staff_create_get_rollback(staff_client, chat) -> None:
 
 
 def test_tenant_allowed_to_deploy_promotes(client, chat, make_tenant) -> None:
-    # chat is the platform's, and acme's quota names it: an admin's grant to deploy it.
-    acme = make_tenant("acme", may_deploy=True, allowed_models=[chat])
+    # chat is the platform's, and an admin granted acme its rollouts.
+    acme = make_tenant("acme", may_deploy=True, allowed_models=[chat], deployable_models=[chat])
     response = post(client, "/v1/deployments", BODY, **acme.auth)
     assert response.status_code == 202, response.content
     deployment_id = response.json()["deployment_id"]
@@ -107,12 +107,15 @@ def test_callers_without_the_right_get_403_and_change_nothing(client, chat, make
     viewer = make_tenant("viewer", may_deploy=False)
     elsewhere = make_tenant("elsewhere", may_deploy=True, allowed_models=[other])
     # Allowed every model and to deploy, but chat is the platform's (no owner), then another tenant's:
-    # its traffic is every tenant's, and its deployments are none of this one's business.
+    # its traffic is every tenant's, and its deployments are none of this one's business. Naming it in
+    # the quota is leave to use it, not to deploy it.
     user = make_tenant("user", may_deploy=True)
+    named = make_tenant("named", may_deploy=True, allowed_models=[chat])
+    granted_elsewhere = make_tenant("granted", may_deploy=False, deployable_models=[chat])
     deployment = services.deployment_create(model=chat, version="v2", created_by="staff:alice")
     before = everything(chat)
 
-    for tenant in (viewer, elsewhere, user):
+    for tenant in (viewer, elsewhere, user, named, granted_elsewhere):
         for method, path in (
             ("post", "/v1/deployments"),
             ("get", f"/v1/deployments/{deployment.pk}"),
@@ -138,7 +141,8 @@ def test_callers_without_the_right_get_403_and_change_nothing(client, chat, make
     chat.save()
     hidden = post(client, "/v1/deployments", {**BODY, "version": "v3"}, **user.auth)
     assert hidden.status_code == 404 and hidden.json()["error"]["message"] == "model 'chat' not found"
-    assert client.get(f"/v1/deployments/{deployment.pk}", headers=user.auth).status_code == 404
+    by_id = client.get(f"/v1/deployments/{deployment.pk}", headers=user.auth)
+    assert by_id.status_code == 404 and "chat" not in by_id.json()["error"]["message"]
     assert everything(chat) == before
 
 

@@ -19,16 +19,23 @@ class Command(BaseCommand):
             help="repeat; none: every model but other tenants' own (a named one may be another's: shared)",
         )
         parser.add_argument("--may-pin", action="store_true")
+        parser.add_argument("--may-deploy", action="store_true", help="roll out its own models (Model.owner)")
         parser.add_argument(
-            "--may-deploy",
-            action="store_true",
-            help="roll out its own models, and the platform's that --allow-model names",
+            "--deploy-model",
+            action="append",
+            default=[],
+            help="repeat; a platform model it may roll out too (with --may-deploy): its traffic is every "
+            "tenant's it serves",
         )
 
     def handle(self, *args: object, **options: object) -> None:
         names = list(options["allow_model"])  # type: ignore[call-overload]
+        deploy_names = list(options["deploy_model"])  # type: ignore[call-overload]
         models = list(Model.objects.filter(name__in=names))
-        missing = sorted(set(names) - {m.name for m in models})
+        deployable = list(Model.objects.filter(name__in=deploy_names))
+        missing = sorted(
+            set(names) - {m.name for m in models} | set(deploy_names) - {m.name for m in deployable}
+        )
         if missing:
             raise CommandError(f"unknown model(s): {', '.join(missing)}")
         try:
@@ -40,6 +47,7 @@ class Command(BaseCommand):
                 allowed_models=models,
                 may_pin=bool(options["may_pin"]),
                 may_deploy=bool(options["may_deploy"]),
+                deployable_models=deployable,
             )
         except RegistryError as exc:
             raise CommandError(str(exc)) from None
