@@ -67,7 +67,7 @@ def _common(
 def _parse_completion(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, str]:
     model, sampling, include_usage = _common(body, COMPLETION_FIELDS)
     logprobs = body.get("logprobs")
-    if logprobs is not None:
+    if logprobs is not None and logprobs is not False:  # false: none, as some clients send it
         if not is_int(logprobs) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
             raise GatewayError(400, f"logprobs must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}")
         sampling["logprobs"] = logprobs
@@ -231,13 +231,23 @@ def _completion_chunk(base: dict[str, Any]) -> Chunk:
             shaped = {
                 "tokens": tokens,
                 "token_logprobs": [entry["logprob"] for entry in logprobs],
-                "top_logprobs": [{t: lp for t, lp in entry["top"]} for entry in logprobs],
+                "top_logprobs": [_top_dict(entry) for entry in logprobs],
                 "text_offset": offsets,
             }
         choice = {"text": text or "", "index": 0, "logprobs": shaped, "finish_reason": finish_reason}
         return {**head, "choices": [choice]}
 
     return chunk
+
+
+def _top_dict(entry: dict[str, Any]) -> dict[str, float]:
+    """A completion token's alternatives, likeliest first, and the token itself (as OpenAI's and vLLM's:
+    a sampled token outside the top ones is there too). Two ids that decode alike keep the likelier."""
+    top: dict[str, float] = {}
+    for token, logprob in entry["top"]:
+        top.setdefault(token, logprob)
+    top.setdefault(entry["token"], entry["logprob"])
+    return top
 
 
 def _chat_logprobs(logprobs: list[dict[str, Any]] | None) -> dict[str, Any] | None:

@@ -64,8 +64,11 @@ def start_mirror(primary: Dispatch, *, runtime: Runtime, version: str, submissio
         _count(primary.model_name, version, "skipped")
         return False
     _count(primary.model_name, version, "started")
-    comparable = is_comparable(submission.get("params", {}))
+    params = submission.get("params", {})
+    comparable = is_comparable(params)
     primary_text = primary.capture_text() if comparable else None
+    if "logprobs" in params:  # nobody reads the copy's
+        submission = {**submission, "params": {k: v for k, v in params.items() if k != "logprobs"}}
     task = asyncio.get_running_loop().create_task(
         _run(runtime, primary.model_name, version, submission, primary_text),
         name=f"mirror-{primary.request_id}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,8 +109,9 @@ class _RequestState:
 
 
 def _finite(logprob: float) -> float:
-    # A token the model rules out has -inf, which JSON cannot carry; -9999 reads as impossible.
-    return max(logprob, -9999.0)
+    # A token the model rules out has -inf (and a broken row NaN), which JSON cannot carry; -9999 reads
+    # as impossible.
+    return logprob if math.isfinite(logprob) else -9999.0
 
 
 def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
@@ -253,7 +255,7 @@ class Engine:
         sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices.tolist()]
         states = [self._requests[seq.request_id] for seq in sampled_seqs]
         wanting = [i for i, s in enumerate(states) if s.seq.params.logprobs is not None]
-        # Before sampling, which may scale the logits in place: the model's own distribution.
+        # The model's own distribution: the raw logits, as the sampler's temperature and top-p leave them.
         logprobs = torch.log_softmax(logits[wanting].float(), dim=-1) if wanting else None
         token_ids = self.sampler(
             logits, [s.seq.params for s in states], [s.generator for s in states]
@@ -287,7 +289,8 @@ class Engine:
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+            # As the text is decoded: an end-of-sequence token adds nothing to it, and reads "" here too.
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=True)
         return text
 
     def _postprocess(self, state: _RequestState, is_finished: bool) -> RequestOutput:

@@ -67,6 +67,26 @@ def test_logprobs_of_completions_and_chats_whole_and_streamed(client: openai.Ope
         assert len(top) <= 2 and logprob <= 0 and max(top.values()) == pytest.approx(logprob, abs=1e-5)
         assert top[token] == pytest.approx(logprob, abs=1e-5)
 
+    # Sampled, with no alternatives asked: each token's own entry is there all the same.
+    sampled = (
+        client.completions.create(
+            model="demo-chat", prompt="hello", max_tokens=6, temperature=1.5, seed=3, logprobs=0
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert sampled is not None
+    assert sampled.top_logprobs == [
+        {t: lp} for t, lp in zip(sampled.tokens, sampled.token_logprobs, strict=True)
+    ]
+    # Streamed: the offsets run on from chunk to chunk.
+    chunks = client.completions.create(
+        model="demo-chat", prompt="hello", max_tokens=6, temperature=0, logprobs=1, stream=True
+    )
+    pieces = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.tokens] == lp.tokens
+    assert [o for p in pieces for o in p.text_offset] == lp.text_offset
+
     messages = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(
         model="demo-chat", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3

@@ -468,10 +468,13 @@ def test_logprobs_are_the_models_own_for_each_token_sampled_or_not(model_dir: Pa
         expected = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
         for position, (entry, token_id) in enumerate(zip(entries, result.token_ids, strict=True)):
             row = expected[position]
-            assert entry.token == ref.tokenizer.decode([token_id])
+            assert entry.token == ref.tokenizer.decode([token_id], skip_special_tokens=True)
             assert entry.logprob == pytest.approx(row[token_id].item(), abs=1e-3)
             top = row.topk(k)
-            assert [t for t, _ in entry.top] == [ref.tokenizer.decode([t]) for t in top.indices.tolist()]
+            decode = ref.tokenizer.decode
+            assert [t for t, _ in entry.top] == [
+                decode([t], skip_special_tokens=True) for t in top.indices.tolist()
+            ]
             assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-3)
             if request_id == "greedy":  # the likeliest token, whose log probability is the row's largest
                 assert entry.logprob == pytest.approx(row.max().item(), abs=1e-3)
