@@ -7,6 +7,7 @@ chat's `logprobs` and `top_logprobs` (0-20)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -226,8 +227,8 @@ def _completion_chunk(base: dict[str, Any]) -> Chunk:
         shaped = None
         if logprobs:
             tokens = [entry["token"] for entry in logprobs]
-            offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-            offset += sum(len(t) for t in tokens)
+            ends = list(itertools.accumulate((len(t) for t in tokens), initial=offset))
+            offsets, offset = ends[:-1], ends[-1]
             shaped = {
                 "tokens": tokens,
                 "token_logprobs": [entry["logprob"] for entry in logprobs],
