@@ -1,8 +1,9 @@
 """Deployment endpoints under /v1/. Thin: authorize, call one service or selector, format.
 
 Allowed to staff (session) and to tenants whose quota has may_deploy, on models they own and on the
-platform's models their quota names (TenantContext.may_deploy_to: a model merely open to every tenant is
-staff's to deploy); anyone else gets 403, an unknown model or deployment, or another tenant's model, 404.
+platform's models granted them (Quota.deployable_models; TenantContext.may_deploy_to: being allowed to
+use a model is not enough); anyone else gets 403, an unknown model or deployment, or another tenant's
+model, 404.
 Refusals use the one error shape (registry.errors)."""
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _authorize(request: Request, model: Model | None = None) -> None:
         raise NotFound(f"model {model.name!r} not found")
     raise PermissionDenied(
         f"tenant {context.tenant_name!r} may not deploy {model.name!r}: a tenant deploys its own models "
-        "(registered with --owner) and those of the platform's its quota names"
+        "(registered with --owner) and the platform's granted it (create_tenant --deploy-model)"
     )
 
 
