@@ -257,21 +257,22 @@ class Engine:
         wanting = [i for i, s in enumerate(states) if s.seq.params.logprobs is not None]
         # The model's own distribution: the raw logits, as the sampler's temperature and top-p leave them.
         logprobs = torch.log_softmax(logits[wanting].float(), dim=-1) if wanting else None
-        token_ids = self.sampler(
-            logits, [s.seq.params for s in states], [s.generator for s in states]
-        ).tolist()
+        sampled = self.sampler(logits, [s.seq.params for s in states], [s.generator for s in states])
+        token_ids = sampled.tolist()
         if logprobs is not None:
-            self._keep_logprobs(logprobs, [states[i] for i in wanting], [token_ids[i] for i in wanting])
+            self._keep_logprobs(logprobs, [states[i] for i in wanting], sampled[wanting])
         finished = self.scheduler.update(
             scheduled, {seq.request_id: t for seq, t in zip(sampled_seqs, token_ids, strict=True)}
         )
         finished_ids = {seq.request_id for seq in finished}
         return [self._postprocess(state, state.seq.request_id in finished_ids) for state in states]
 
-    def _keep_logprobs(self, rows: torch.Tensor, states: list[_RequestState], token_ids: list[int]) -> None:
-        """Each state's sampled token's log probability and its top alternatives, from its row."""
+    def _keep_logprobs(self, rows: torch.Tensor, states: list[_RequestState], sampled: torch.Tensor) -> None:
+        """Each state's sampled token's log probability and its top alternatives, from its row.
+        `sampled`: the sampler's tokens for these rows, on the logits' device."""
         k = max(s.seq.params.logprobs or 0 for s in states)
-        chosen = rows[torch.arange(len(states)), torch.tensor(token_ids, device=rows.device)].tolist()
+        token_ids = sampled.tolist()
+        chosen = rows.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
         top = rows.topk(k, dim=-1) if k else None
         top_values = top.values.tolist() if top is not None else [[] for _ in states]
         top_ids = top.indices.tolist() if top is not None else [[] for _ in states]
