@@ -47,7 +47,7 @@ class ReplicaHandle:
     is_local: bool
     queue_depth: int = 0  # waiting for a slot in the running batch (Heartbeat.num_waiting)
     num_running: int = 0
-    step_s: float = 0.0  # its steps' mean time lately (Heartbeat.step_s); 0: none ran
+    step_s: float = 0.0  # its steps' mean time lately (Heartbeat.step_s); 0: none ran, or not asked
 
 
 COLD_START_POLL_S = 0.25  # how often a cold start looks for its replica's ready heartbeat
@@ -60,7 +60,8 @@ class _ColdStart:
     num_waiting: int = 0
 
 
-def _local_handle(replica: Replica) -> ReplicaHandle:
+def _local_handle(replica: Replica, *, with_step_time: bool = False) -> ReplicaHandle:
+    """`with_step_time`: for the dashboard; routing, on every request's way, has no use for it."""
     return ReplicaHandle(
         replica_id=replica.replica_id,
         model_name=replica.ref.model_name,
@@ -74,7 +75,7 @@ def _local_handle(replica: Replica) -> ReplicaHandle:
         # Counted as the heartbeat counts it: arrivals not yet handed to the engine wait too.
         queue_depth=replica.load - replica.num_running,
         num_running=replica.num_running,
-        step_s=replica.recent_steps.read(time.monotonic()).mean_s,
+        step_s=replica.recent_steps.read(time.monotonic()).mean_s if with_step_time else 0.0,
     )
 
 
@@ -211,7 +212,9 @@ class Runtime:
     async def all_replicas(self) -> list[ReplicaHandle]:
         """Every replica: this process's, draining ones included (for /readyz and the dashboard), and
         with Redis the fresh heartbeats of the others."""
-        handles = [_local_handle(r) for r in (*self.replicas.values(), *self._draining.values())]
+        handles = [
+            _local_handle(r, with_step_time=True) for r in (*self.replicas.values(), *self._draining.values())
+        ]
         if self.directory is not None:
             local_ids = {h.replica_id for h in handles}
             for beat in await self.directory.all_replicas():
