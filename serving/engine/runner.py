@@ -277,7 +277,7 @@ class ModelRunner:
         logits: torch.Tensor = output.logits[0]
         return logits
 
-    def warmup(self, sample: Callable[[torch.Tensor], object] | None = None) -> None:
+    def warmup(self, sample: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Run a full-width decode step and a prefill chunk before serving so that scratch buffers,
         allocator pools and (when enabled) the compiled kernel exist before the first request, then time
         a step of one decoding sequence (`sample`: what the engine does with its logits, timed with it).
@@ -307,7 +307,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _time_one_decode(
-        self, seq: Sequence, sample: Callable[[torch.Tensor], object] | None, repeats: int = 5
+        self, seq: Sequence, sample: Callable[[torch.Tensor], torch.Tensor] | None, repeats: int = 5
     ) -> float:
         """The median time of one decoding sequence's step, batch built, logits sampled and read back:
         the fixed cost of a step, which the autoscaler weighs step times against (rollouts.autoscaler).
@@ -316,6 +316,6 @@ class ModelRunner:
         for _ in range(repeats):
             started = time.perf_counter()
             logits = self.execute(self.build_batch([seq], [1]))
-            (logits if sample is None else sample(logits)).cpu()  # type: ignore[attr-defined]
+            (logits if sample is None else sample(logits)).cpu()
             times.append(time.perf_counter() - started)
         return statistics.median(times)

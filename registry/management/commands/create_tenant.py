@@ -33,9 +33,7 @@ class Command(BaseCommand):
         deploy_names = list(options["deploy_model"])  # type: ignore[call-overload]
         models = list(Model.objects.filter(name__in=names))
         deployable = list(Model.objects.filter(name__in=deploy_names))
-        missing = sorted(
-            set(names) - {m.name for m in models} | set(deploy_names) - {m.name for m in deployable}
-        )
+        missing = sorted({*names, *deploy_names} - {m.name for m in (*models, *deployable)})
         if missing:
             raise CommandError(f"unknown model(s): {', '.join(missing)}")
         try:

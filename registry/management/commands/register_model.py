@@ -19,8 +19,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--owner",
             metavar="TENANT",
-            help="a new model's owning tenant, which may deploy its versions with its own key "
-            "(default: none, the platform's: staff deploy it)",
+            help="a new model's owning tenant: the one that sees, uses and deploys it unless a quota names "
+            "it (default: none, the platform's: staff deploy it, and tenants granted it)",
         )
         parser.add_argument(
             "--parent", metavar="VERSION", help="the version of the same model this one was made from"
