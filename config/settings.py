@@ -301,6 +301,10 @@ if AUTOSCALER["idle_before_zero_s"] <= 0:
 COLD_START_TIMEOUT_S = float(os.environ.get("SWITCHYARD_COLD_START_TIMEOUT_S", "120"))
 # Metrics: each replica flushes its 5 s windows to the store this often (seconds, at most 5).
 METRICS_FLUSH_INTERVAL_S = float(os.environ.get("SWITCHYARD_METRICS_FLUSH_INTERVAL_S", "5"))
+# /metrics lists every model and version this process serves, so it is not public: a staff session may
+# read it, and a scraper with `Authorization: Bearer <this token>` (Prometheus' `authorization` block).
+# Unset: staff sessions only. `run_replica --metrics-port` serves the same text under the same rule.
+METRICS_TOKEN = os.environ.get("SWITCHYARD_METRICS_TOKEN", "").strip()
 # Fault injection (serving/faults.py), for demos and tests: refused unless DEBUG or explicitly allowed.
 ALLOW_FAULT_INJECTION = _env_bool("SWITCHYARD_ALLOW_FAULT_INJECTION", False)
 FAULTS = os.environ.get("SWITCHYARD_FAULTS", "").strip()  # "model:version=delay_ms:40,error_rate:0.2;…"

@@ -2,18 +2,29 @@
 and replica. Counters and histograms are totals since each replica started; histograms are our
 log-bucket histograms reported at a reduced set of `le` bounds (aggregate them in PromQL with
 histogram_quantile over sum by (le, model, version)). In production each `run_replica` process
-serves the same text on its own port (`--metrics-port`)."""
+serves the same text on its own port (`--metrics-port`).
+
+Not public: the text names every model and version the process serves, other tenants' included. A
+staff session may read it, and a scraper that sends `Authorization: Bearer` with
+settings.METRICS_TOKEN."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import hmac
+import json
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest, make_wsgi_app
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+from registry.errors import error_body, error_response
 from serving import metrics as m
 from serving.histogram import Histogram
 
@@ -164,7 +175,46 @@ registry.register(SwitchyardCollector())
 registry.register(ShadowCollector())
 
 
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="metrics"'}
+_UNAUTHORIZED = "/metrics needs a staff session or the metrics bearer token (SWITCHYARD_METRICS_TOKEN)"
+
+
+def has_metrics_token(authorization: str | None) -> bool:
+    """Whether an Authorization header carries the configured token; never, when none is configured."""
+    token = settings.METRICS_TOKEN
+    scheme, _, credentials = (authorization or "").partition(" ")
+    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip(), token)
+
+
 async def metrics_view(request: HttpRequest) -> HttpResponse:
     if request.method not in ("GET", "HEAD"):
         return HttpResponse(status=405, headers={"Allow": "GET, HEAD"})
+    if not has_metrics_token(request.headers.get("Authorization")):
+        user = await request.auser()
+        if not user.is_authenticated:
+            return error_response(401, _UNAUTHORIZED, headers=_CHALLENGE)
+        if not (user.is_active and user.is_staff):
+            return error_response(403, "/metrics is for staff")
     return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # a scrape every few seconds is not news
+        pass
+
+
+def start_metrics_server(port: int, addr: str) -> WSGIServer:
+    """A replica process's /metrics on a port of its own, for the bearer token only (it has no
+    sessions). Served from a daemon thread until the process exits."""
+    exposition = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if has_metrics_token(environ.get("HTTP_AUTHORIZATION")):
+            return exposition(environ, start_response)  # type: ignore[no-any-return]
+        body = json.dumps(error_body(401, _UNAUTHORIZED)).encode()
+        start_response("401 Unauthorized", [("Content-Type", "application/json"), *_CHALLENGE.items()])
+        return [body]
+
+    server = make_server(addr, port, app, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True).start()
+    return server

@@ -239,7 +239,8 @@ def _families(text: str) -> dict:
     return {family.name: family for family in text_string_to_metric_families(text)}
 
 
-def test_prometheus_exposition_parses_and_is_labelled(version, client) -> None:
+def test_prometheus_exposition_parses_and_is_labelled(version, admin_client) -> None:
+    client = admin_client
     recorder = recorder_for(version, "rx")
     recorder.record(requests=[done(0.004), done(0.02), done(0.3, reason="length")], step=step(0.012, 3))
     recorder.record(requests=[RequestSample("error", error_type="injected_fault")])
@@ -277,11 +278,73 @@ def test_prometheus_exposition_parses_and_is_labelled(version, client) -> None:
     assert unregistered["switchyard_ttft_seconds"].samples == []
 
 
+def test_metrics_are_for_staff_and_the_scrape_token_only(
+    version, client, django_user_model, settings
+) -> None:
+    register_recorder(recorder := recorder_for(version, "rx"))
+    try:
+        anonymous = client.get("/metrics")
+        assert anonymous.status_code == 401
+        assert anonymous["WWW-Authenticate"].startswith("Bearer")
+        assert anonymous.json()["error"]["type"] == "authentication_error"
+        assert b"chat" not in anonymous.content  # the model's name is what it must not tell
+
+        settings.METRICS_TOKEN = ""  # none configured: no bearer token opens it, not even an empty one
+        assert client.get("/metrics", headers={"Authorization": "Bearer "}).status_code == 401
+
+        settings.METRICS_TOKEN = "s3cret-scrape"
+        for wrong in ("Bearer s3cret", "Bearer s3cret-scrape-x", "Basic s3cret-scrape", "s3cret-scrape"):
+            assert client.get("/metrics", headers={"Authorization": wrong}).status_code == 401, wrong
+        scraped = client.get("/metrics", headers={"Authorization": "Bearer s3cret-scrape"})
+        assert scraped.status_code == 200 and 'model="chat"' in scraped.content.decode()
+
+        tenant_user = django_user_model.objects.create_user("someone", password="pw-someone-1")
+        client.force_login(tenant_user)
+        assert client.get("/metrics").status_code == 403
+    finally:
+        unregister_recorder(recorder)
+
+
+def test_a_replica_process_metrics_port_answers_the_token_only(version, settings) -> None:
+    import urllib.error
+    import urllib.request
+
+    from serving.prometheus import start_metrics_server
+
+    settings.METRICS_TOKEN = "s3cret-scrape"
+    register_recorder(recorder := recorder_for(version, "rx"))
+    server = start_metrics_server(0, "127.0.0.1")
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=5)
+        assert refused.value.code == 401
+        assert json.loads(refused.value.read())["error"]["type"] == "authentication_error"
+        request = urllib.request.Request(url, headers={"Authorization": "Bearer s3cret-scrape"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert 'replica="rx"' in response.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+        unregister_recorder(recorder)
+
+
+def test_run_replica_refuses_a_metrics_port_without_a_token(settings) -> None:
+    from django.core.management import CommandError, call_command
+
+    settings.REDIS_URL = "redis://127.0.0.1:6379/0"
+    settings.METRICS_TOKEN = ""
+    with pytest.raises(CommandError, match="SWITCHYARD_METRICS_TOKEN"):
+        call_command("run_replica", "--model", "chat", "--version", "v1", "--metrics-port", "9100")
+
+
 # --- a real replica ------------------------------------------------------------------------------
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_a_request_through_the_infer_endpoint_shows_up_after_a_flush(make_tenant, runtime) -> None:
+async def test_a_request_through_the_infer_endpoint_shows_up_after_a_flush(
+    make_tenant, runtime, settings
+) -> None:
     from asgiref.sync import sync_to_async
 
     from serving.selectors import version_window
@@ -316,7 +379,9 @@ async def test_a_request_through_the_infer_endpoint_shows_up_after_a_flush(make_
     assert 0 < window.p99_ttft_s < 10
     assert window.queue_wait.max <= window.ttft.max
 
-    families = _families((await client.get("/metrics")).content.decode())
+    settings.METRICS_TOKEN = "scrape"
+    scrape = await client.get("/metrics", headers={"Authorization": "Bearer scrape"})
+    families = _families(scrape.content.decode())
     counts = [s for s in families["switchyard_requests"].samples if s.labels["version"] == "v1"]
     assert [(s.labels["model"], s.labels["finish_reason"], s.value) for s in counts] == [
         ("demo-chat", "length", 2)

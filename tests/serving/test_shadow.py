@@ -116,7 +116,7 @@ async def test_no_mirror_no_copies(make_tenant, registered_model, demo_model_dir
 
 
 async def test_copies_over_the_in_flight_cap_are_skipped_and_counted_in_metrics(
-    make_tenant, registered_model, demo_model_dir, monkeypatch
+    make_tenant, registered_model, demo_model_dir, monkeypatch, settings
 ) -> None:
     from serving import shadow
 
@@ -128,5 +128,6 @@ async def test_copies_over_the_in_flight_cap_are_skipped_and_counted_in_metrics(
     after = shadow.copy_counts()
     skipped = after.get(("demo-chat", "v2", "skipped"), 0) - before.get(("demo-chat", "v2", "skipped"), 0)
     assert skipped == 2
-    text = (await AsyncClient().get("/metrics")).content.decode()
+    settings.METRICS_TOKEN = "scrape"
+    text = (await AsyncClient().get("/metrics", headers={"Authorization": "Bearer scrape"})).content.decode()
     assert 'switchyard_shadow_copies_total{model="demo-chat",outcome="skipped",version="v2"}' in text

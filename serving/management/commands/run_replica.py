@@ -54,7 +54,13 @@ class Command(BaseCommand):
         )
         parser.add_argument("--compile", action="store_true", default=settings.REPLICA_COMPILE)
         parser.add_argument(
-            "--metrics-port", type=int, default=None, help="serve this replica's /metrics text on this port"
+            "--metrics-port",
+            type=int,
+            default=None,
+            help="serve this replica's /metrics text on this port, to SWITCHYARD_METRICS_TOKEN's bearer only",
+        )
+        parser.add_argument(
+            "--metrics-addr", default="127.0.0.1", help="the address --metrics-port listens on (0.0.0.0: all)"
         )
         faults = parser.add_argument_group(
             "fault injection",
@@ -82,6 +88,8 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         if not settings.REDIS_URL:
             raise CommandError("run_replica needs REDIS_URL; without it the server hosts its replicas itself")
+        if options["metrics_port"] is not None and not settings.METRICS_TOKEN:
+            raise CommandError("--metrics-port needs SWITCHYARD_METRICS_TOKEN: scrapers authenticate with it")
         ref = version_ref(model_name=str(options["model"]), version=str(options["version"]))
         if ref is None:
             raise CommandError(f"unknown model version {options['model']}:{options['version']}")
@@ -91,12 +99,15 @@ class Command(BaseCommand):
                 engine_config_from_options(options),
                 faults if faults.is_active else None,
                 options["metrics_port"],
+                str(options["metrics_addr"]),
             )
         )
         if code:
             raise CommandError(f"replica of {ref.model_name}:{ref.version} failed to start")
 
-    async def _serve(self, ref: object, config: object, faults: object, metrics_port: object) -> int:
+    async def _serve(
+        self, ref: object, config: object, faults: object, metrics_port: object, metrics_addr: str
+    ) -> int:
         from channels.layers import get_channel_layer
 
         from serving.replica import Replica
@@ -104,11 +115,9 @@ class Command(BaseCommand):
         from serving.streams import reply_layer
 
         if metrics_port is not None:
-            from prometheus_client import start_http_server
+            from serving.prometheus import start_metrics_server
 
-            from serving.prometheus import registry
-
-            start_http_server(int(metrics_port), registry=registry)  # type: ignore[call-overload]
+            start_metrics_server(int(metrics_port), metrics_addr)  # type: ignore[call-overload]
         publisher = HeartbeatPublisher(settings.REDIS_URL)
         replica = Replica(
             ref,  # type: ignore[arg-type]
