@@ -105,7 +105,9 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             if request.stream:
                 raise GatewayError(400, "stream is implied on a WebSocket")
             # A key revoked, or a quota changed, since the socket opened counts from its next request.
-            self.context = await authenticate(self.authorization)
+            self.context = await self._reauthenticate()
+            if self.context is None:
+                return
             handle = await dispatch(
                 context=self.context,
                 path_model=self.scope["url_route"]["kwargs"]["model"],
@@ -117,6 +119,19 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             await self._error(exc)
             return
         self.task = asyncio.get_running_loop().create_task(self._forward(handle))
+
+    async def _reauthenticate(self) -> TenantContext | None:
+        """The socket's key checked again. A key no longer valid closes the socket (4401), as at the
+        handshake: every later message would be refused anyway. A check that could not be made (the
+        database down, for a key not seen lately) is a 503 for this request, and the socket stays."""
+        try:
+            return await authenticate(self.authorization)
+        except GatewayError as exc:
+            if exc.status != 401:
+                raise
+            await self._error(exc)
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return None
 
     async def _forward(self, handle: Dispatch) -> None:
         try:
