@@ -7,7 +7,7 @@ chat's `logprobs` and `top_logprobs` (0-20)."""
 
 from __future__ import annotations
 
-import itertools
+import codecs
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -144,7 +144,7 @@ def _finish_reason(event: dict[str, Any]) -> str:
 
 
 # chunk(text, finish_reason, logprobs): one chunk of either endpoint; logprobs, the replica's entries for
-# the tokens it carries ({"token", "logprob", "top": [[token, logprob], …]}), or None.
+# the tokens it carries ({"token", "logprob", "bytes", "top": [[token, logprob, bytes], …]}), or None.
 Chunk = Callable[[str | None, str | None, list[dict[str, Any]] | None], dict[str, Any]]
 
 
@@ -218,7 +218,10 @@ async def _serve(
 
 def _completion_chunk(base: dict[str, Any]) -> Chunk:
     head = {"id": f"cmpl-{base.pop('request_id')}", "object": "text_completion", **base}
-    offset = 0  # text_offset runs on across a stream's chunks
+    # text_offset runs on across a stream's chunks, in characters of the text, counted from the tokens'
+    # bytes: the tokens that share one character's bytes all start where it does.
+    offset = 0
+    characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def chunk(
         text: str | None, finish_reason: str | None, logprobs: list[dict[str, Any]] | None
@@ -227,8 +230,10 @@ def _completion_chunk(base: dict[str, Any]) -> Chunk:
         shaped = None
         if logprobs:
             tokens = [entry["token"] for entry in logprobs]
-            ends = list(itertools.accumulate((len(t) for t in tokens), initial=offset))
-            offsets, offset = ends[:-1], ends[-1]
+            offsets = []
+            for entry in logprobs:
+                offsets.append(offset)
+                offset += len(characters.decode(bytes(entry["bytes"])))
             shaped = {
                 "tokens": tokens,
                 "token_logprobs": [entry["logprob"] for entry in logprobs],
@@ -245,7 +250,7 @@ def _top_dict(entry: dict[str, Any]) -> dict[str, float]:
     """A completion token's alternatives, likeliest first, and the token itself (as OpenAI's and vLLM's:
     a sampled token outside the top ones is there too). Two ids that decode alike keep the likelier."""
     top: dict[str, float] = {}
-    for token, logprob in entry["top"]:
+    for token, logprob, _ in entry["top"]:
         top.setdefault(token, logprob)
     top.setdefault(entry["token"], entry["logprob"])
     return top
@@ -255,11 +260,14 @@ def _chat_logprobs(logprobs: list[dict[str, Any]] | None) -> dict[str, Any] | No
     if not logprobs:
         return None
 
-    def token(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    def token(text: str, logprob: float, raw: list[int]) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": raw}
 
     content = [
-        {**token(entry["token"], entry["logprob"]), "top_logprobs": [token(t, lp) for t, lp in entry["top"]]}
+        {
+            **token(entry["token"], entry["logprob"], entry["bytes"]),
+            "top_logprobs": [token(*alternative) for alternative in entry["top"]],
+        }
         for entry in logprobs
     ]
     return {"content": content, "refusal": None}

@@ -698,7 +698,12 @@ class Replica:
                     event = {"token": output.new_text if i == 0 else "", "index": index}
                     if output.logprobs is not None and i < len(output.logprobs):
                         entry = output.logprobs[i]
-                        event["logprob"] = {"token": entry.token, "logprob": entry.logprob, "top": entry.top}
+                        event["logprob"] = {
+                            "token": entry.token,
+                            "logprob": entry.logprob,
+                            "top": entry.top,
+                            "bytes": entry.bytes,
+                        }
                     result.add(route, output.request_id, event)
                 if output.is_finished:
                     del self._routes[output.request_id]

@@ -26,6 +26,7 @@ from serving.engine.runner import ModelRunner
 from serving.engine.sampling import Sampler, make_generator
 from serving.engine.scheduler import Scheduler, SchedulerConfig
 from serving.engine.sequence import FinishReason, SamplingParams, Sequence
+from serving.engine.token_bytes import token_bytes_reader
 
 DEFAULT_CPU_KV_CACHE_BYTES = 128 * 1024 * 1024
 
@@ -78,9 +79,10 @@ class RequestOutput:
 class TokenLogprob:
     """An output token's log probability and, likeliest first, the alternatives' at its place."""
 
-    token: str  # the token alone, decoded
+    token: str  # its bytes as UTF-8 text, U+FFFD for part of a character (serving/engine/token_bytes.py)
     logprob: float
-    top: list[tuple[str, float]]
+    top: list[tuple[str, float, list[int]]]  # each alternative's text, log probability and bytes
+    bytes: list[int]  # what the token adds to the text, byte by byte
 
 
 @dataclass(slots=True, frozen=True)
@@ -162,7 +164,8 @@ class Engine:
         )
         self.sampler = Sampler(seed=config.seed)
         self._requests: dict[str, _RequestState] = {}
-        self._token_texts: dict[int, str] = {}  # each token decoded alone, for logprobs
+        self._token_bytes = token_bytes_reader(self.tokenizer)
+        self._token_pieces: dict[int, tuple[str, list[int]]] = {}  # each token's text and bytes, for logprobs
 
     @property
     def max_model_len(self) -> int:
@@ -279,20 +282,20 @@ class Engine:
         for i, (state, token_id) in enumerate(zip(states, token_ids, strict=True)):
             n = state.seq.params.logprobs or 0
             alternatives = zip(top_ids[i][:n], top_values[i][:n], strict=True)
-            state.logprobs.append(
-                TokenLogprob(
-                    self._token_text(token_id),
-                    _finite(chosen[i]),
-                    [(self._token_text(t), _finite(v)) for t, v in alternatives],
-                )
-            )
+            text, raw = self._token_piece(token_id)
+            ranked = [self._alternative(t, v) for t, v in alternatives]
+            state.logprobs.append(TokenLogprob(text, _finite(chosen[i]), ranked, raw))
 
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            # As the text is decoded: an end-of-sequence token adds nothing to it, and reads "" here too.
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=True)
-        return text
+    def _alternative(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
+        text, raw = self._token_piece(token_id)
+        return text, _finite(logprob), raw
+
+    def _token_piece(self, token_id: int) -> tuple[str, list[int]]:
+        piece = self._token_pieces.get(token_id)
+        if piece is None:
+            raw = self._token_bytes(token_id)
+            piece = self._token_pieces[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return piece
 
     def _postprocess(self, state: _RequestState, is_finished: bool) -> RequestOutput:
         seq = state.seq

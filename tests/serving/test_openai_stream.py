@@ -46,3 +46,30 @@ async def test_a_failed_chat_stream_ends_the_same_way() -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "error"
     assert chunks[-1]["error"]["type"] == "replica_lost"
     assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]) == 1  # one terminal
+
+
+def _entry(raw: bytes) -> dict[str, Any]:
+    text = raw.decode("utf-8", errors="replace")
+    return {"token": text, "logprob": -0.5, "bytes": list(raw), "top": [[text, -0.5, list(raw)]]}
+
+
+def test_text_offsets_count_characters_and_a_split_character_starts_where_it_does() -> None:
+    """ " Snow ☃!": the snowman's three bytes come in three tokens, over two chunks of a stream. Each of
+    them starts where the character does, and the offsets after it count it once."""
+    base = {"created": 0, "model": "m", "system_fingerprint": "m:v1", "request_id": "r1"}
+    chunk = _completion_chunk(base)
+    snowman = "☃".encode()
+    first = chunk(" Snow", None, [_entry(b" Snow"), _entry(b" "), _entry(snowman[:1])])
+    second = chunk("☃!", "length", [_entry(snowman[1:2]), _entry(snowman[2:]), _entry(b"!")])
+    offsets = first["choices"][0]["logprobs"]["text_offset"] + second["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == [0, 5, 6, 6, 6, 7]
+    assert " Snow ☃!"[7] == "!"
+
+
+def test_chat_logprobs_carry_each_tokens_own_bytes() -> None:
+    base = {"created": 0, "model": "m", "system_fingerprint": "m:v1", "request_id": "r1"}
+    snowman = "☃".encode()
+    entries = [_entry(b" Snow"), _entry(snowman[:1]), _entry(snowman[1:])]
+    content = _chat_chunk(base)("x", None, entries)["choices"][0]["logprobs"]["content"]
+    assert [bytes(e["bytes"]) for e in content] == [b" Snow", snowman[:1], snowman[1:]]
+    assert content[1]["top_logprobs"] == [{"token": "\ufffd", "logprob": -0.5, "bytes": [snowman[0]]}]

@@ -22,6 +22,7 @@ from serving.engine.demo_model import DemoModelSpec, build_demo_model
 from serving.engine.engine import Engine, EngineConfig, EngineStats, RequestOutput
 from serving.engine.loading import load_tokenizer
 from serving.engine.sequence import SamplingParams
+from serving.engine.token_bytes import token_bytes_reader
 
 BLOCK_SIZE = 16
 DEMO_SPEC = DemoModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -466,18 +467,21 @@ def test_logprobs_are_the_models_own_for_each_token_sampled_or_not(model_dir: Pa
         with torch.inference_mode():
             logits = ref.model(torch.tensor([prompt + result.token_ids])).logits[0]
         expected = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
+        read = token_bytes_reader(ref.tokenizer)
         for position, (entry, token_id) in enumerate(zip(entries, result.token_ids, strict=True)):
             row = expected[position]
-            assert entry.token == ref.tokenizer.decode([token_id], skip_special_tokens=True)
+            assert bytes(entry.bytes) == read(token_id)
+            assert entry.token == read(token_id).decode("utf-8", errors="replace")
             assert entry.logprob == pytest.approx(row[token_id].item(), abs=1e-3)
             top = row.topk(k)
-            decode = ref.tokenizer.decode
-            assert [t for t, _ in entry.top] == [
-                decode([t], skip_special_tokens=True) for t in top.indices.tolist()
-            ]
-            assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-3)
+            assert [bytes(b) for _, _, b in entry.top] == [read(t) for t in top.indices.tolist()]
+            assert [v for _, v, _ in entry.top] == pytest.approx(top.values.tolist(), abs=1e-3)
             if request_id == "greedy":  # the likeliest token, whose log probability is the row's largest
                 assert entry.logprob == pytest.approx(row.max().item(), abs=1e-3)
+        # What a client rebuilds the text from: the tokens' bytes, spaces and split characters included
+        # (the text holds back a character the last token left unfinished).
+        joined = bytes(b for entry in entries for b in entry.bytes).decode("utf-8", errors="replace")
+        assert joined.rstrip("\ufffd") == result.text.rstrip("\ufffd")
 
 
 # --- 5: abort -------------------------------------------------------------------------------------
