@@ -28,10 +28,21 @@ from serving.vectors import decode_vector
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 # Accepted and ignored: they do not change what we generate.
-_IGNORED = frozenset({"user", "stream_options", "logit_bias", "service_tier", "store", "metadata"})
-_ZERO_ONLY = ("presence_penalty", "frequency_penalty")
+_IGNORED = frozenset({"user", "stream_options", "service_tier", "store", "metadata"})
 _COMMON = frozenset(
-    {"model", "max_tokens", "stream", "temperature", "top_p", "seed", "stop", "n", *_ZERO_ONLY}
+    {
+        "model",
+        "max_tokens",
+        "stream",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+    }
 )
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
@@ -55,9 +66,6 @@ def _common(
     model = _model(body, allowed)
     if body.get("n", 1) != 1:
         raise GatewayError(400, "only n=1 is supported")
-    for name in _ZERO_ONLY:
-        if body.get(name, 0) not in (0, 0.0, None):
-            raise GatewayError(400, f"{name} is not supported")
     if body.get("echo"):
         raise GatewayError(400, "echo is not supported")
     options = body.get("stream_options") or {}

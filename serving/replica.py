@@ -513,6 +513,8 @@ class Replica:
         try:
             raw = message["params"]
             fields = {**raw, "stop": tuple(raw.get("stop") or ())}
+            if "logit_bias" in raw:
+                fields["logit_bias"] = tuple(tuple(pair) for pair in raw["logit_bias"])
             to_context = "max_tokens" in raw and raw["max_tokens"] is None  # chat's default: to the end
             if to_context:
                 fields["max_tokens"] = 1  # set below, once the prompt's length is known

@@ -11,6 +11,7 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest
 
+from serving.engine.sequence import MAX_LOGIT_BIAS
 from serving.gateway import GatewayError
 
 MAX_STOP_SEQUENCES = 4
@@ -26,16 +27,26 @@ class InferRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: list[list[int | float]] = field(default_factory=list)
 
     def sampling_params(self) -> dict[str, Any]:
-        """The fields a replica turns into engine SamplingParams (a plain dict: it crosses the layer)."""
-        return {
+        """The fields a replica turns into engine SamplingParams (a plain dict: it crosses the layer);
+        the penalties and logit_bias only where set."""
+        params: dict[str, Any] = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": self.seed,
             "stop": list(self.stop),
         }
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                params[name] = getattr(self, name)
+        if self.logit_bias:
+            params["logit_bias"] = self.logit_bias
+        return params
 
 
 def parse_json_body(request: HttpRequest) -> dict[str, Any]:
@@ -101,10 +112,53 @@ def parse_sampling(body: dict[str, Any], *, default_max_tokens: int | None = 16)
         raise GatewayError(400, "seed must be a non-negative integer")
     out["seed"] = seed
     out["stop"] = parse_stop(body.get("stop"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        penalty = body.get(name)
+        if penalty is None:
+            continue
+        if not _is_number(penalty) or not -2 <= penalty <= 2:
+            raise GatewayError(400, f"{name} must be a number from -2 to 2")
+        if penalty:  # the default crosses no layer
+            out[name] = float(penalty)
+    logit_bias = parse_logit_bias(body.get("logit_bias"))
+    if logit_bias:
+        out["logit_bias"] = logit_bias
     return out
 
 
-INFER_FIELDS = frozenset({"input", "max_tokens", "stream", "temperature", "top_p", "seed", "stop"})
+def parse_logit_bias(value: Any) -> list[list[int | float]]:
+    """OpenAI's `{"token id": bias}` as [[id, bias], …] (JSON has no tuples). Whether each id is in
+    the model's vocabulary only the replica knows: it refuses one that is not, with a 400."""
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise GatewayError(400, 'logit_bias must be an object of token ids to biases, {"50256": -100}')
+    if len(value) > MAX_LOGIT_BIAS:
+        raise GatewayError(400, f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens")
+    pairs: list[list[int | float]] = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
+            raise GatewayError(400, f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise GatewayError(400, f"logit_bias[{key!r}] must be a number from -100 to 100")
+        pairs.append([int(key), float(bias)])
+    return pairs
+
+
+INFER_FIELDS = frozenset(
+    {
+        "input",
+        "max_tokens",
+        "stream",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+    }
+)
 
 
 def parse_infer(body: dict[str, Any]) -> InferRequest:

@@ -116,6 +116,29 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0
 
 
+def _adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> torch.Tensor:
+    """The logits with each listed row's logit_bias added and its presence and frequency penalties
+    subtracted (over the tokens it has generated so far), as OpenAI defines them; a copy in float32, so
+    that the raw logits stay as they were and a bias is not rounded to the model's dtype."""
+    out = logits.float()  # a copy, unless the model already computes in float32
+    if out is logits:
+        out = logits.clone()
+    vocab_size = out.shape[1]
+    for row, seq in zip(rows, seqs, strict=True):
+        params = seq.params
+        if params.logit_bias:
+            token_ids = torch.tensor([t for t, _ in params.logit_bias], device=out.device)
+            biases = torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=out.device)
+            out[row].index_add_(0, token_ids, biases)
+        if (params.presence_penalty or params.frequency_penalty) and seq.output_token_ids:
+            generated = torch.tensor(seq.output_token_ids, device=out.device)
+            counts = torch.bincount(generated, minlength=vocab_size).to(out.dtype)
+            out[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
+                out.dtype
+            )
+    return out
+
+
 def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
     """The KV cache's size when the config gives none: on a GPU a share of the memory still free, which
     the runner asks once the weights are loaded (the rest is for activations and scratch); 128 MiB on a
@@ -210,6 +233,10 @@ class Engine:
             isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids
         ):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        if any(token_id >= vocab_size for token_id, _ in params.logit_bias):
+            raise ValueError(
+                f"logit_bias names a token id the model does not have (its vocabulary is {vocab_size})"
+            )
         if params.seed is not None and not 0 <= params.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {params.seed}")
         if self._extra_eos_ids and not params.ignore_eos:
@@ -260,6 +287,9 @@ class Engine:
         wanting = [i for i, s in enumerate(states) if s.seq.params.logprobs is not None]
         # The model's own distribution: the raw logits, as the sampler's temperature and top-p leave them.
         logprobs = torch.log_softmax(logits[wanting].float(), dim=-1) if wanting else None
+        adjusted = [i for i, s in enumerate(states) if s.seq.params.adjusts_logits]
+        if adjusted:
+            logits = _adjust_logits(logits, adjusted, [states[i].seq for i in adjusted])
         sampled = self.sampler(logits, [s.seq.params for s in states], [s.generator for s in states])
         token_ids = sampled.tolist()
         if logprobs is not None:

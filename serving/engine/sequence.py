@@ -22,6 +22,7 @@ class FinishReason(enum.StrEnum):
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI's logit_bias
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,10 +38,19 @@ class SamplingParams:
     # Each output token's log probability, and this many of the likeliest tokens' at its place (0: the
     # token's own only); None: none. From the model's distribution, before temperature and top-p.
     logprobs: int | None = None
+    # OpenAI's: each is subtracted from a token's logit, presence once it has been generated and frequency
+    # for every time it has (the prompt's tokens do not count); -2 to 2.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100 to 100) added to its logit
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field; callers validate before allocating anything."""
@@ -60,6 +70,18 @@ class SamplingParams:
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(f"logprobs must be None or an integer, 0 to {MAX_LOGPROBS}: {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number from -2 to 2, got {value!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens")
+        for pair in self.logit_bias:
+            token_id, bias = pair if isinstance(pair, tuple | list) and len(pair) == 2 else (None, None)
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {pair!r}")
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be numbers from -100 to 100, got {pair!r}")
 
 
 @dataclass(slots=True)

@@ -115,6 +115,40 @@ def test_logprobs_of_completions_and_chats_whole_and_streamed(client: openai.Ope
     assert plain.choices[0].logprobs is None
 
 
+def test_logit_bias_and_penalties_steer_the_text(client: openai.OpenAI, platform_server) -> None:
+    """As the `openai` client sends them: a bias of 100 makes greedy decoding pick that token every
+    time; a frequency penalty makes it leave a token it keeps choosing."""
+    from pathlib import Path
+
+    from serving.engine.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(platform_server.env["SWITCHYARD_STATE_DIR"]) / "demo-model")
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    forced = client.completions.create(
+        model="demo-chat", prompt="hello", max_tokens=5, temperature=0, logit_bias={str(a): 100}
+    )
+    assert forced.choices[0].text == "aaaaa"
+    repeating = client.chat.completions.create(
+        model="demo-chat",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(a): 5},
+    )
+    assert repeating.choices[0].message.content == "aaaaaa"
+    penalized = client.chat.completions.create(
+        model="demo-chat",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(a): 5},
+        frequency_penalty=2.0,
+        presence_penalty=2.0,
+    )
+    assert penalized.choices[0].message.content != "aaaaaa"
+    assert penalized.choices[0].message.content.startswith("a")  # the first "a" comes before any penalty
+
+
 def test_openai_errors_are_raised_as_typed_exceptions(client: openai.OpenAI, platform_server) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)

@@ -71,6 +71,14 @@ async def test_pinning_without_permission_is_403(acme) -> None:
         ({"input": "hi", "stop": [""]}, None, 400, "stop"),
         ({"input": "hi", "seed": -3}, None, 400, "seed"),
         ({"input": "hi", "bogus": 1}, None, 400, "unknown field(s): bogus"),
+        ({"input": "hi", "frequency_penalty": 2.5}, None, 400, "frequency_penalty"),
+        ({"input": "hi", "presence_penalty": "1"}, None, 400, "presence_penalty"),
+        ({"input": "hi", "logit_bias": [[1, 2]]}, None, 400, "logit_bias must be an object"),
+        ({"input": "hi", "logit_bias": {"x": 1}}, None, 400, "token ids"),
+        ({"input": "hi", "logit_bias": {"-1": 1}}, None, 400, "token ids"),
+        ({"input": "hi", "logit_bias": {"5": 101}}, None, 400, "from -100 to 100"),
+        ({"input": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, None, 400, "at most 300"),
+        ({"input": "hi", "logit_bias": {"99999999": 1}}, None, 400, "vocabulary"),  # the replica's check
         ({"input": "x" * 40_000}, None, 413, "limit is 32768"),
     ],
 )

@@ -484,6 +484,74 @@ def test_logprobs_are_the_models_own_for_each_token_sampled_or_not(model_dir: Pa
         assert joined.rstrip("\ufffd") == result.text.rstrip("\ufffd")
 
 
+def _penalized_greedy(ref: Reference, prompt: list[int], params: SamplingParams) -> list[int]:
+    """What greedy decoding with OpenAI's logit_bias and penalties gives, one position at a time from
+    the plain model's logits: the reference for the engine's batched version."""
+    output: list[int] = []
+    for _ in range(params.max_tokens):
+        with torch.inference_mode():
+            logits = ref.model(torch.tensor([prompt + output])).logits[0, -1].float().clone()
+        logits = logits.clone()  # out of inference mode, to edit
+        for token_id, bias in params.logit_bias:
+            logits[token_id] += bias
+        for token_id in set(output):
+            count = output.count(token_id)
+            logits[token_id] -= params.frequency_penalty * count + params.presence_penalty
+        output.append(int(logits.argmax()))
+    return output
+
+
+def test_logit_bias_and_penalties_change_the_choice_as_openai_defines_them(
+    model_dir: Path, ref: Reference
+) -> None:
+    """In one batch with a plain request (which they must not touch): a penalty on what was generated
+    so far, a bias on named tokens. The log probabilities stay the model's own."""
+    prompt = ref.prompt(21, start=5)
+    n = 24
+    plain = ref.greedy(prompt, n)
+    banned, favoured = plain[0], plain[3]
+    cases = {
+        "frequency": greedy(n, frequency_penalty=2.0, ignore_eos=True),
+        "presence": greedy(n, presence_penalty=-1.5, ignore_eos=True),  # negative: repeat more
+        "bias": greedy(n, logit_bias=((banned, -100.0), (favoured, 7.5)), ignore_eos=True, logprobs=0),
+        "both": greedy(n, logit_bias=((favoured, 3.0),), frequency_penalty=1.0, ignore_eos=True),
+    }
+    arrivals = [Arrival(0, "plain", prompt, greedy(n, ignore_eos=True))]
+    arrivals += [Arrival(0, name, prompt, params) for name, params in cases.items()]
+    results = run(make_engine(model_dir), arrivals)
+    assert results["plain"].token_ids == plain
+    for name, params in cases.items():
+        assert results[name].token_ids == _penalized_greedy(ref, prompt, params), name
+    assert banned not in results["bias"].token_ids
+    assert any(results[name].token_ids != plain for name in ("frequency", "presence"))  # not vacuous
+    entries = [e for out in results["bias"].outputs for e in (out.logprobs or [])]
+    with torch.inference_mode():
+        logits = ref.model(torch.tensor([prompt + results["bias"].token_ids])).logits[0]
+    raw = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
+    chosen = raw.gather(1, torch.tensor(results["bias"].token_ids)[:, None]).squeeze(1)
+    assert [e.logprob for e in entries] == pytest.approx(chosen.tolist(), abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"logit_bias": ((5, 101.0),)}, "from -100 to 100"),
+        ({"logit_bias": ((-1, 1.0),)}, "token ids"),
+        ({"logit_bias": ((10**6, 1.0),)}, "vocabulary"),
+        ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "at most 300"),
+    ],
+)
+def test_bad_penalties_and_biases_are_refused_with_nothing_allocated(
+    demo_dir: Path, fields: dict[str, Any], message: str
+) -> None:
+    engine = make_engine(demo_dir)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", [1, 2, 3], greedy(4, **fields))
+    assert not engine.has_unfinished() and kv_snapshot(engine)[1] == engine.kv_cache.num_blocks
+
+
 # --- 5: abort -------------------------------------------------------------------------------------
 
 
