@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -20,7 +21,12 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest, make_wsgi_app
+from prometheus_client.exposition import (
+    CONTENT_TYPE_LATEST,
+    ThreadingWSGIServer,
+    generate_latest,
+    make_wsgi_app,
+)
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
@@ -183,7 +189,10 @@ def has_metrics_token(authorization: str | None) -> bool:
     """Whether an Authorization header carries the configured token; never, when none is configured."""
     token = settings.METRICS_TOKEN
     scheme, _, credentials = (authorization or "").partition(" ")
-    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip(), token)
+    if not token or scheme.lower() != "bearer":
+        return False
+    # As bytes: compare_digest refuses str with non-ASCII characters, which a client could send.
+    return hmac.compare_digest(credentials.strip().encode(), token.encode())
 
 
 async def metrics_view(request: HttpRequest) -> HttpResponse:
@@ -199,6 +208,8 @@ async def metrics_view(request: HttpRequest) -> HttpResponse:
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = 10  # a connection that sends nothing is dropped, not kept for ever
+
     def log_message(self, format: str, *args: Any) -> None:  # a scrape every few seconds is not news
         pass
 
@@ -215,6 +226,9 @@ def start_metrics_server(port: int, addr: str) -> WSGIServer:
         start_response("401 Unauthorized", [("Content-Type", "application/json"), *_CHALLENGE.items()])
         return [body]
 
-    server = make_server(addr, port, app, handler_class=_QuietHandler)
+    family, _, _, _, _ = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    # A thread per connection, so that one slow scraper does not hold up the others.
+    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+    server = make_server(addr, port, app, server_class=server_class, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True).start()
     return server

@@ -293,7 +293,14 @@ def test_metrics_are_for_staff_and_the_scrape_token_only(
         assert client.get("/metrics", headers={"Authorization": "Bearer "}).status_code == 401
 
         settings.METRICS_TOKEN = "s3cret-scrape"
-        for wrong in ("Bearer s3cret", "Bearer s3cret-scrape-x", "Basic s3cret-scrape", "s3cret-scrape"):
+        wrongs = (
+            "Bearer s3cret",
+            "Bearer s3cret-scrape-x",
+            "Basic s3cret-scrape",
+            "s3cret-scrape",
+            "Bearer é",
+        )
+        for wrong in wrongs:
             assert client.get("/metrics", headers={"Authorization": wrong}).status_code == 401, wrong
         scraped = client.get("/metrics", headers={"Authorization": "Bearer s3cret-scrape"})
         assert scraped.status_code == 200 and 'model="chat"' in scraped.content.decode()
