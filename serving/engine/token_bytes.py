@@ -47,6 +47,8 @@ def _decoder_steps(tokenizer: Any) -> list[dict[str, Any]] | None:
     )
     if not steps or any(step.get("type") not in _PIECEWISE for step in steps):
         return None
+    if any(step["type"] == "Replace" and "String" not in (step.get("pattern") or {}) for step in steps):
+        return None  # a regular expression: it may match across pieces
     return steps
 
 
@@ -69,7 +71,7 @@ def piece_reader(tokenizer: Any) -> Callable[[str], bytes | None] | None:
         return read_byte_level
     replacements: list[tuple[str, str]] = []
     for step in steps:
-        if step["type"] == "Replace" and "String" in (step.get("pattern") or {}):
+        if step["type"] == "Replace":
             replacements.append((step["pattern"]["String"], step.get("content", "")))
         elif step["type"] == "Metaspace":
             replacements.append((step.get("replacement", "▁"), " "))
@@ -89,7 +91,12 @@ def token_bytes_reader(tokenizer: Any) -> Callable[[int], bytes]:
     """A function from a token id to its bytes. A special token (end of sequence, …) adds nothing to
     the text, so it has none, as skip_special_tokens decodes it."""
     read_piece = piece_reader(tokenizer)
-    special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+    # The special-tokens map, and added tokens marked special outside it (Llama 3's <|eot_id|>): both
+    # are what skip_special_tokens leaves out.
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = frozenset(getattr(tokenizer, "all_special_ids", ())) | {
+        token_id for token_id, token in added.items() if getattr(token, "special", False)
+    }
 
     def read(token_id: int) -> bytes:
         if token_id in special:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serving.engine.loading import load_tokenizer
-from serving.engine.token_bytes import byte_level_alphabet, token_bytes_reader
+from serving.engine.token_bytes import byte_level_alphabet, piece_reader, token_bytes_reader
 
 _CONTEXT = "Once upon a time, there was"
 
@@ -75,3 +75,23 @@ def test_the_byte_level_alphabet_is_one_character_per_byte() -> None:
     alphabet = byte_level_alphabet()
     assert sorted(alphabet.values()) == list(range(256))
     assert alphabet["A"] == ord("A") and alphabet["\u0120"] == ord(" ")  # "Ġ", GPT-2's space
+
+
+def test_an_added_token_marked_special_adds_nothing(demo_model_dir: Path) -> None:
+    """Outside the special-tokens map (as Llama 3's <|eot_id|> is), skip_special_tokens still drops it."""
+    tokenizer = load_tokenizer(demo_model_dir)
+    tokenizer.add_tokens(["<|eot|>"], special_tokens=True)
+    (eot,) = tokenizer.convert_tokens_to_ids(["<|eot|>"])
+    assert eot not in tokenizer.all_special_ids and _decode(tokenizer, [eot]) == ""
+    assert token_bytes_reader(tokenizer)(eot) == b""
+
+
+def test_a_decoder_it_cannot_apply_piece_by_piece_falls_back_to_decoding_alone() -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"a_b": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    backend.decoder = decoders.Replace(Regex("_+"), " ")  # a pattern, not a string: it may span pieces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    assert piece_reader(tokenizer) is None
+    assert token_bytes_reader(tokenizer)(0) == _decode(tokenizer, [0]).encode() == b"a b"
