@@ -532,6 +532,29 @@ def test_logit_bias_and_penalties_change_the_choice_as_openai_defines_them(
     assert [e.logprob for e in entries] == pytest.approx(chosen.tolist(), abs=1e-3)
 
 
+def test_adjusting_bf16_logits_made_in_inference_mode_leaves_them_as_they_were() -> None:
+    """As on a GPU: the model's logits in bf16, inference tensors. The adjusted copy is float32, its
+    values the float32 computation's; the rows nobody adjusts are the logits, upcast."""
+    from serving.engine.engine import _adjust_logits
+    from serving.engine.sequence import Sequence
+
+    with torch.inference_mode():
+        logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    before = logits.clone()
+    biased = Sequence("b", [1, 2], greedy(4, logit_bias=((7, 2.5), (9, -100.0))))
+    penalized = Sequence("p", [1, 2], greedy(4, frequency_penalty=0.5, presence_penalty=1.0))
+    for token_id in (7, 7, 3):
+        penalized.append_token(token_id)
+    out = _adjust_logits(logits, [0, 2], [biased, penalized])
+    assert out.dtype == torch.float32 and torch.equal(logits, before)
+    expected = logits.float()
+    expected[0, 7] += 2.5
+    expected[0, 9] -= 100.0
+    expected[2, 7] -= 0.5 * 2 + 1.0
+    expected[2, 3] -= 0.5 * 1 + 1.0
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
