@@ -241,7 +241,7 @@ def _completion_chunk(base: dict[str, Any]) -> Chunk:
             offsets = []
             for entry in logprobs:
                 offsets.append(offset)
-                offset += len(characters.decode(bytes(entry["bytes"])))
+                offset += len(characters.decode(_token_bytes(entry)))
             shaped = {
                 "tokens": tokens,
                 "token_logprobs": [entry["logprob"] for entry in logprobs],
@@ -254,11 +254,17 @@ def _completion_chunk(base: dict[str, Any]) -> Chunk:
     return chunk
 
 
+def _token_bytes(entry: dict[str, Any]) -> bytes:
+    """A logprobs entry's bytes; a replica of the release before sent none: its text's, then."""
+    raw = entry.get("bytes")
+    return entry["token"].encode() if raw is None else bytes(raw)
+
+
 def _top_dict(entry: dict[str, Any]) -> dict[str, float]:
     """A completion token's alternatives, likeliest first, and the token itself (as OpenAI's and vLLM's:
     a sampled token outside the top ones is there too). Two ids that decode alike keep the likelier."""
     top: dict[str, float] = {}
-    for token, logprob, _ in entry["top"]:
+    for token, logprob, *_ in entry["top"]:
         top.setdefault(token, logprob)
     top.setdefault(entry["token"], entry["logprob"])
     return top
@@ -268,12 +274,12 @@ def _chat_logprobs(logprobs: list[dict[str, Any]] | None) -> dict[str, Any] | No
     if not logprobs:
         return None
 
-    def token(text: str, logprob: float, raw: list[int]) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": raw}
+    def token(text: str, logprob: float, raw: list[int] | None = None) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode()) if raw is None else raw}
 
     content = [
         {
-            **token(entry["token"], entry["logprob"], entry["bytes"]),
+            **token(entry["token"], entry["logprob"], entry.get("bytes")),
             "top_logprobs": [token(*alternative) for alternative in entry["top"]],
         }
         for entry in logprobs

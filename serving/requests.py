@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +71,12 @@ def is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, int | float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past float's range: JSON has no limit on digits
+        return False
 
 
 def parse_stop(value: Any) -> tuple[str, ...]:
@@ -137,7 +143,8 @@ def parse_logit_bias(value: Any) -> list[list[int | float]]:
         raise GatewayError(400, f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens")
     pairs: list[list[int | float]] = []
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
+        # One spelling per id ("7", never "07"), so that no two keys bias one token past the limit.
+        if not (isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]{0,8}", key)):
             raise GatewayError(400, f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
         if not _is_number(bias) or not -100 <= bias <= 100:
             raise GatewayError(400, f"logit_bias[{key!r}] must be a number from -100 to 100")

@@ -21,6 +21,14 @@ _SAMPLING = {  # /infer's and the OpenAI endpoints' shared fields (serving/reque
     "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "default": 1},
     "seed": {"type": "integer", "nullable": True},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0},
+    "logit_bias": {
+        "type": "object",
+        "description": 'token id (a string) to a bias from -100 to 100, at most 300: {"50256": -100}',
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "maxProperties": 300,
+    },
 }
 _GENERATE = {
     "type": "object",

@@ -76,6 +76,8 @@ async def test_pinning_without_permission_is_403(acme) -> None:
         ({"input": "hi", "logit_bias": [[1, 2]]}, None, 400, "logit_bias must be an object"),
         ({"input": "hi", "logit_bias": {"x": 1}}, None, 400, "token ids"),
         ({"input": "hi", "logit_bias": {"-1": 1}}, None, 400, "token ids"),
+        ({"input": "hi", "logit_bias": {"5": 100, "05": 100}}, None, 400, "token ids"),  # one id, twice
+        ({"input": "hi", "temperature": 10**400}, None, 400, "temperature"),
         ({"input": "hi", "logit_bias": {"5": 101}}, None, 400, "from -100 to 100"),
         ({"input": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, None, 400, "at most 300"),
         ({"input": "hi", "logit_bias": {"99999999": 1}}, None, 400, "vocabulary"),  # the replica's check

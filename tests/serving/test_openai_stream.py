@@ -73,3 +73,13 @@ def test_chat_logprobs_carry_each_tokens_own_bytes() -> None:
     content = _chat_chunk(base)("x", None, entries)["choices"][0]["logprobs"]["content"]
     assert [bytes(e["bytes"]) for e in content] == [b" Snow", snowman[:1], snowman[1:]]
     assert content[1]["top_logprobs"] == [{"token": "\ufffd", "logprob": -0.5, "bytes": [snowman[0]]}]
+
+
+def test_entries_from_a_replica_of_the_release_before_still_shape() -> None:
+    """A rolling upgrade: no bytes, and [token, logprob] pairs for the alternatives."""
+    base = {"created": 0, "model": "m", "system_fingerprint": "m:v1", "request_id": "r1"}
+    old = [{"token": " a", "logprob": -0.1, "top": [[" a", -0.1], [" b", -2.0]]}]
+    completion = _completion_chunk(dict(base))(" a", None, old)["choices"][0]["logprobs"]
+    assert completion["text_offset"] == [0] and completion["top_logprobs"] == [{" a": -0.1, " b": -2.0}]
+    chat = _chat_chunk(dict(base))(" a", None, old)["choices"][0]["logprobs"]["content"][0]
+    assert chat["bytes"] == list(b" a") and chat["top_logprobs"][1]["bytes"] == list(b" b")
