@@ -12,7 +12,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -240,7 +240,7 @@ class Dispatch:
         else:
             self._cut_off_close = asyncio.get_running_loop().create_task(self.close())
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
         self._reader = asyncio.current_task()
         while not self.is_finished:
             if self.is_cut_off:
@@ -364,12 +364,15 @@ async def dispatch(
     inputs: list[str] | None = None,
     kind: str = Model.Kind.CAUSAL_LM,
     snapshot: RoutingSnapshot | None = None,
+    version: str | None = None,
 ) -> Dispatch:
     """Route, admit and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a
     replica when it can; a prompt the replica refuses (too long for the model) comes back as a 400.
     Where admission and submission can go to Redis in one round trip, the replica is chosen before
     the quota is checked; a store that would save nothing by it (in memory, or a tenant it is
-    refusing right now) admits first, so a 429 costs no more than the admission."""
+    refusing right now) admits first, so a 429 costs no more than the admission. `version`: the version
+    another part of the same request already went to (the choices of an OpenAI `n`), whatever the
+    traffic split would draw now; it is the platform's choice, not a pin, so it needs no pin right."""
     if sum(payload is not None for payload in (text, messages, inputs)) != 1:
         raise ValueError("dispatch needs exactly one of text, messages or inputs")
     model_name, alias = split_model_name(path_model)
@@ -383,7 +386,8 @@ async def dispatch(
         raise GatewayError(
             400, f"model {model_name!r} is of kind {snapshot.kind}; this endpoint serves {kind} models"
         )
-    version = choose_version(snapshot, pin=pin, alias=alias, rng=_rng)
+    if version is None:
+        version = choose_version(snapshot, pin=pin, alias=alias, rng=_rng)
     if text is not None:
         input_chars = len(text)
     elif messages is not None:

@@ -7,11 +7,12 @@ chat's `logprobs` and `top_logprobs` (0-20)."""
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -47,6 +48,7 @@ _COMMON = frozenset(
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions; chat's top_logprobs go to the engine's 20
+MAX_CHOICES = 16  # n: choices of one request, each a sequence of its own on the replica
 
 
 def _model(body: dict[str, Any], allowed: frozenset[str]) -> str:
@@ -64,13 +66,16 @@ def _common(
     body: dict[str, Any], allowed: frozenset[str], *, default_max_tokens: int | None = 16
 ) -> tuple[str, dict[str, Any], bool]:
     model = _model(body, allowed)
-    if body.get("n", 1) != 1:
-        raise GatewayError(400, "only n=1 is supported")
+    n = body.get("n")
+    if n is not None and (not is_int(n) or not 1 <= n <= MAX_CHOICES):
+        raise GatewayError(400, f"n must be an integer from 1 to {MAX_CHOICES}")
     if body.get("echo"):
         raise GatewayError(400, "echo is not supported")
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-    return model, parse_sampling(body, default_max_tokens=default_max_tokens), include_usage
+    sampling = parse_sampling(body, default_max_tokens=default_max_tokens)
+    sampling["n"] = n or 1
+    return model, sampling, include_usage
 
 
 def _parse_completion(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, str]:
@@ -151,33 +156,140 @@ def _finish_reason(event: dict[str, Any]) -> str:
     return "stop" if reason == "abort" else reason
 
 
-# chunk(text, finish_reason, logprobs): one chunk of either endpoint; logprobs, the replica's entries for
-# the tokens it carries ({"token", "logprob", "bytes", "top": [[token, logprob, bytes], …]}), or None.
-Chunk = Callable[[str | None, str | None, list[dict[str, Any]] | None], dict[str, Any]]
+class Chunk(Protocol):
+    """One chunk of either endpoint, for choice `index`; `logprobs`, the replica's entries for the tokens
+    it carries ({"token", "logprob", "bytes", "top": [[token, logprob, bytes], …]}), or None."""
+
+    def __call__(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        logprobs: list[dict[str, Any]] | None,
+        index: int = 0,
+    ) -> dict[str, Any]: ...
 
 
-async def _stream(handle: Dispatch, chunk: Chunk, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(handles: list[Dispatch], chunk: Chunk, include_usage: bool) -> AsyncIterator[bytes]:
     try:
-        yield _sse(chunk(None, None, None))  # announces the stream (chat: the assistant role)
-        async for event in handle.events():
+        for index in range(len(handles)):
+            yield _sse(chunk(None, None, None, index))  # announces each choice (chat: the assistant role)
+        usages: list[dict[str, Any]] = []
+        async for index, event in _events(handles):
             if "token" in event:
                 # A token whose text is held back (it may start a stop string) still sends its logprob.
                 if event["token"] or "logprob" in event:
                     logprob = event.get("logprob")
-                    yield _sse(chunk(event["token"], None, [logprob] if logprob else None))
+                    yield _sse(chunk(event["token"], None, [logprob] if logprob else None, index))
             elif event.get("finish_reason") == "error":
                 # The choice ends with finish_reason "error"; the error object is what the openai client
-                # raises on (APIError) instead of taking the stream as finished.
+                # raises on (APIError) instead of taking the stream as finished. The other choices end
+                # with it: their sequences are aborted.
                 error = event.get("error", {"type": "internal_error", "message": "failed"})
-                yield _sse({**chunk(None, "error", None), "error": error})
+                yield _sse({**chunk(None, "error", None, index), "error": error})
+                break
             else:
-                final = chunk(None, _finish_reason(event), None)
-                yield _sse(final)
-                if include_usage:
-                    yield _sse({**final, "choices": [], "usage": event.get("usage")})
+                yield _sse(chunk(None, _finish_reason(event), None, index))
+                usages.append(event.get("usage") or {})
+        else:
+            if include_usage:
+                yield _sse({**chunk(None, None, None), "choices": [], "usage": _usage(usages)})
         yield b"data: [DONE]\n\n"
     finally:
-        await handle.close()
+        for handle in handles:
+            await handle.close()
+
+
+async def _events(handles: list[Dispatch]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """The choices' events as they come, each with its choice's index. One choice is read directly; for
+    several, each choice's next event is awaited only once its last was passed on, so a client that
+    stops reading backs every choice up on the gateway's queues, and the slow-reader cut-off applies."""
+    if len(handles) == 1:
+        async for event in handles[0].events():
+            yield 0, event
+        return
+    streams = [handle.events() for handle in handles]
+    pending = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                index = pending.pop(future)
+                try:
+                    event = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, event
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+def _usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """One request's usage over its choices: the prompt once (as OpenAI counts it), every choice's
+    completion."""
+    if len(usages) == 1:
+        return usages[0]
+    prompt = int(usages[0].get("prompt_tokens", 0))
+    completion = sum(int(u.get("completion_tokens", 0)) for u in usages)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "cached_prompt_tokens": usages[0].get("cached_prompt_tokens", 0),
+    }
+
+
+async def _dispatch_choices(n: int, **request: Any) -> list[Dispatch]:
+    """The n choices of one request. The first is routed as any request; the others go to its version
+    (not a pin: the platform chose it), each admitted against the quota as a request of its own. A
+    seeded request's choice i draws from seed + i, so that its choices differ and each reproduces."""
+    first = await dispatch(**request)
+    if n == 1:
+        return [first]
+    params = request.pop("params")
+    seed = params.get("seed")
+
+    def params_for(index: int) -> dict[str, Any]:
+        return params if seed is None else {**params, "seed": (seed + index) % 2**63}
+
+    try:
+        others = await asyncio.gather(
+            *(dispatch(**request, params=params_for(i), version=first.version) for i in range(1, n)),
+            return_exceptions=True,
+        )
+    except BaseException:
+        await first.close()
+        raise
+    handles = [first, *(h for h in others if isinstance(h, Dispatch))]
+    failure = next((h for h in others if isinstance(h, BaseException)), None)
+    if failure is not None:
+        for handle in handles:
+            await handle.close()
+        raise failure
+    return handles
+
+
+async def _collect(
+    handles: list[Dispatch], logprobs: list[list[dict[str, Any]] | None]
+) -> list[tuple[str, dict[str, Any]]]:
+    """Every choice's text and final event; the first failure (GatewayError) ends the others."""
+    if len(handles) == 1:
+        return [await handles[0].collect(logprobs=logprobs[0])]
+    failure: GatewayError | None = None
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [
+                group.create_task(h.collect(logprobs=lp)) for h, lp in zip(handles, logprobs, strict=True)
+            ]
+    except* GatewayError as errors:
+        failure = errors.exceptions[0]  # type: ignore[assignment]
+    if failure is not None:
+        raise failure
+    return [task.result() for task in tasks]
 
 
 async def _serve(
@@ -193,9 +305,10 @@ async def _serve(
     try:
         context = await authenticate(request.headers.get("Authorization"))
         model, sampling, include_usage, payload = parse(parse_json_body(request))
-        params = {k: v for k, v in sampling.items() if k != "stream"}
+        params = {k: v for k, v in sampling.items() if k not in ("stream", "n")}
         params["stop"] = list(params["stop"])
-        handle = await dispatch(
+        handles = await _dispatch_choices(
+            sampling["n"],
             context=context,
             path_model=model,
             pin=request.headers.get("X-Version-Pin"),
@@ -204,6 +317,7 @@ async def _serve(
         )
     except GatewayError as exc:
         return error_response(exc.status, exc.message, headers=exc.headers)
+    handle = handles[0]
     base = {
         "created": int(time.time()),
         "model": model,
@@ -212,43 +326,50 @@ async def _serve(
     }
     chunk = make_chunk(base)
     if sampling["stream"]:
-        return sse_response(_stream(handle, chunk, include_usage), handle)
-    logprobs: list[dict[str, Any]] | None = [] if "logprobs" in sampling else None
+        return sse_response(_stream(handles, chunk, include_usage), handle)
+    logprobs: list[list[dict[str, Any]] | None] = [[] if "logprobs" in sampling else None for _ in handles]
     try:
-        text, final = await handle.collect(logprobs=logprobs)
+        results = await _collect(handles, logprobs)
     except GatewayError as exc:
         return error_response(exc.status, exc.message, headers=handle.response_headers())
-    return JsonResponse(
-        make_whole(chunk(text, _finish_reason(final), logprobs), text, final),
-        headers=handle.response_headers(),
-    )
+    wholes = [
+        make_whole(chunk(text, _finish_reason(final), logprobs[i], i), text, final)
+        for i, (text, final) in enumerate(results)
+    ]
+    body = {**wholes[0], "choices": [whole["choices"][0] for whole in wholes]}
+    if len(results) > 1:
+        body["usage"] = _usage([final.get("usage") or {} for _, final in results])
+    return JsonResponse(body, headers=handle.response_headers())
 
 
 def _completion_chunk(base: dict[str, Any]) -> Chunk:
     head = {"id": f"cmpl-{base.pop('request_id')}", "object": "text_completion", **base}
-    # text_offset runs on across a stream's chunks, in characters of the text, counted from the tokens'
-    # bytes: the tokens that share one character's bytes all start where it does.
-    offset = 0
-    characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    # text_offset runs on across a stream's chunks, in characters of the choice's text, counted from the
+    # tokens' bytes: the tokens that share one character's bytes all start where it does.
+    ends: dict[int, int] = {}  # each choice's text so far, in characters
+    decoders: dict[int, codecs.IncrementalDecoder] = {}
 
     def chunk(
-        text: str | None, finish_reason: str | None, logprobs: list[dict[str, Any]] | None
+        text: str | None,
+        finish_reason: str | None,
+        logprobs: list[dict[str, Any]] | None,
+        index: int = 0,
     ) -> dict[str, Any]:
-        nonlocal offset
         shaped = None
         if logprobs:
             tokens = [entry["token"] for entry in logprobs]
+            characters = decoders.setdefault(index, codecs.getincrementaldecoder("utf-8")(errors="replace"))
             offsets = []
             for entry in logprobs:
-                offsets.append(offset)
-                offset += len(characters.decode(_token_bytes(entry)))
+                offsets.append(ends.get(index, 0))
+                ends[index] = offsets[-1] + len(characters.decode(_token_bytes(entry)))
             shaped = {
                 "tokens": tokens,
                 "token_logprobs": [entry["logprob"] for entry in logprobs],
                 "top_logprobs": [_top_dict(entry) for entry in logprobs],
                 "text_offset": offsets,
             }
-        choice = {"text": text or "", "index": 0, "logprobs": shaped, "finish_reason": finish_reason}
+        choice = {"text": text or "", "index": index, "logprobs": shaped, "finish_reason": finish_reason}
         return {**head, "choices": [choice]}
 
     return chunk
@@ -291,14 +412,17 @@ def _chat_chunk(base: dict[str, Any]) -> Chunk:
     head = {"id": f"chatcmpl-{base.pop('request_id')}", "object": "chat.completion.chunk", **base}
 
     def chunk(
-        text: str | None, finish_reason: str | None, logprobs: list[dict[str, Any]] | None
+        text: str | None,
+        finish_reason: str | None,
+        logprobs: list[dict[str, Any]] | None,
+        index: int = 0,
     ) -> dict[str, Any]:
         if text is None and finish_reason is None:
-            delta: dict[str, str] = {"role": "assistant", "content": ""}  # the stream's first chunk
+            delta: dict[str, str] = {"role": "assistant", "content": ""}  # a choice's first chunk
         else:
             delta = {"content": text} if text else {}
         choice = {
-            "index": 0,
+            "index": index,
             "delta": delta,
             "logprobs": _chat_logprobs(logprobs),
             "finish_reason": finish_reason,
@@ -314,7 +438,7 @@ def _completion_whole(last_chunk: dict[str, Any], text: str, final: dict[str, An
 
 def _chat_whole(last_chunk: dict[str, Any], text: str, final: dict[str, Any]) -> dict[str, Any]:
     choice = {
-        "index": 0,
+        "index": last_chunk["choices"][0]["index"],
         "message": {"role": "assistant", "content": text},
         "logprobs": last_chunk["choices"][0]["logprobs"],
         "finish_reason": last_chunk["choices"][0]["finish_reason"],

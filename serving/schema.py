@@ -53,7 +53,7 @@ _OPENAI_SAMPLING = {
     **_SAMPLING,
     "model": {"type": "string"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "n": {"type": "integer", "enum": [1]},
+    "n": {"type": "integer", "minimum": 1, "maximum": 16, "default": 1},
 }
 _OPENAI_PATHS = [
     (

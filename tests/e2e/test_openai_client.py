@@ -149,11 +149,48 @@ def test_logit_bias_and_penalties_steer_the_text(client: openai.OpenAI, platform
     assert penalized.choices[0].message.content.startswith("a")  # the first "a" comes before any penalty
 
 
+def test_n_choices_whole_and_streamed(client: openai.OpenAI) -> None:
+    """Each choice its own sequence: seeded, they differ from each other and each reproduces, streamed or
+    not; the prompt counts once in the usage, every choice's completion."""
+    one = client.completions.create(model="demo-chat", prompt="hello", max_tokens=6, temperature=0)
+    assert one.usage is not None
+    kwargs = {"model": "demo-chat", "prompt": "hello", "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    whole = client.completions.create(n=3, logprobs=1, **kwargs)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.text for c in whole.choices]
+    assert len(set(texts)) > 1
+    assert all(c.logprobs is not None and len(c.logprobs.tokens) == 6 for c in whole.choices)
+    assert whole.usage is not None and whole.usage.prompt_tokens == one.usage.prompt_tokens
+    assert whole.usage.completion_tokens == 18 and whole.usage.total_tokens == one.usage.prompt_tokens + 18
+    assert [c.text for c in client.completions.create(n=3, **kwargs).choices] == texts
+
+    chunks = list(
+        client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    streamed = ["", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+    finishes = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finishes) == [0, 1, 2] and {f.finish_reason for f in finishes} == {
+        "length"
+    }
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 18
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model="demo-chat", messages=messages, max_tokens=4, temperature=0, n=2
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same answer
+
+
 def test_openai_errors_are_raised_as_typed_exceptions(client: openai.OpenAI, platform_server) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        client.completions.create(model="demo-chat", prompt="hi", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be an integer from 1 to 16"):
+        client.completions.create(model="demo-chat", prompt="hi", max_tokens=2, n=17)
     with pytest.raises(openai.BadRequestError, match="logprobs must be an integer from 0 to 5"):
         client.completions.create(model="demo-chat", prompt="hi", max_tokens=2, logprobs=6)
     chat = [{"role": "user", "content": "x"}]

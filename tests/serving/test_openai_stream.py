@@ -25,7 +25,7 @@ class FailingHandle:
 async def _data_lines(make_chunk: Any) -> list[Any]:
     handle = FailingHandle()
     base = {"created": 0, "model": "chat-model", "system_fingerprint": "chat-model:v2", "request_id": "r1"}
-    body = b"".join([part async for part in _stream(handle, make_chunk(base), include_usage=True)])  # type: ignore[arg-type]
+    body = b"".join([part async for part in _stream([handle], make_chunk(base), include_usage=True)])  # type: ignore[arg-type]
     assert handle.closed
     events = [line.removeprefix("data: ") for line in body.decode().split("\n\n") if line]
     assert events[-1] == "[DONE]"

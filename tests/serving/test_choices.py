@@ -1,0 +1,72 @@
+"""OpenAI's `n`: several choices of one request, each a sequence of its own on the replica."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import AsyncClient
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def _complete(tenant, **body: object):  # type: ignore[no-untyped-def]
+    return await AsyncClient().post(
+        "/v1/completions",
+        data=json.dumps({"model": "demo-chat", "prompt": "hello", "max_tokens": 4, **body}),
+        content_type="application/json",
+        headers=tenant.auth,
+    )
+
+
+def _requests_served(runtime) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    return {
+        version: int(replica.metrics.snapshot().totals.counters.get("requests", 0))
+        for (_, version), replica in runtime.replicas.items()
+    }
+
+
+async def test_every_choice_goes_to_the_version_the_first_was_routed_to(
+    make_tenant, registered_model, demo_model_dir
+) -> None:
+    """Under a 50/50 split, one request's four choices are served by one version, never mixed."""
+    from registry.services import alias_set, model_version_register, routing_table_set
+    from serving.runtime import get_runtime
+
+    def split() -> None:
+        v2 = model_version_register(name="demo-chat", version="v2", source_dir=demo_model_dir, created_by="t")
+        alias_set(model=v2.model, name="canary", version=v2, actor="test")  # the alias gives it a replica
+        routing_table_set(model=v2.model, weights={"v1": 50, "v2": 50})
+
+    await sync_to_async(split)()
+    runtime = await get_runtime()
+    assert await runtime.wait_ready()
+    assert ("demo-chat", "v2") in runtime.replicas
+    acme = await sync_to_async(make_tenant)("acme", requests_per_second=1000)  # each choice counts one
+    seen = set()
+    for _ in range(8):
+        before = _requests_served(runtime)
+        response = await _complete(acme, n=4, temperature=1.0)
+        assert response.status_code == 200, response.content
+        version = response.headers["X-Served-Version"]
+        after = _requests_served(runtime)
+        assert {v: after[v] - before[v] for v in after} == {"v1": 0, "v2": 0, version: 4}
+        seen.add(version)
+    assert seen == {"v1", "v2"}  # the split itself still draws, per request
+
+
+async def test_more_choices_than_the_tenant_may_run_at_once_is_a_429_that_leaves_nothing_running(
+    make_tenant, runtime
+) -> None:
+    pair = await sync_to_async(make_tenant)("pair", max_concurrent_requests=2)
+    refused = await _complete(pair, n=3, temperature=0)
+    assert refused.status_code == 429, refused.content
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    (replica,) = runtime.replicas.values()
+    await replica.wait_idle()
+    stats = replica.engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    served = await _complete(pair, n=2, temperature=0)  # the refused request's slots were given back
+    assert served.status_code == 200, served.content
+    assert [c["index"] for c in served.json()["choices"]] == [0, 1]
