@@ -240,8 +240,15 @@ class Dispatch:
         else:
             self._cut_off_close = asyncio.get_running_loop().create_task(self.close())
 
+    def set_reader(self, reader: asyncio.Task[Any] | None) -> None:
+        """The task that passes this request's events on to its client, cancelled when the client falls
+        too far behind: by default the first to iterate events(). Set it where another task does, or
+        where the response sends something before it starts reading them."""
+        self._reader = reader
+
     async def events(self) -> AsyncGenerator[dict[str, Any], None]:
-        self._reader = asyncio.current_task()
+        if self._reader is None:
+            self._reader = asyncio.current_task()
         while not self.is_finished:
             if self.is_cut_off:
                 yield _error_event(SLOW_READER, SLOW_READER_MESSAGE)

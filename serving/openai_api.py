@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -26,6 +27,8 @@ from serving.engine.sequence import MAX_LOGPROBS
 from serving.gateway import GatewayError
 from serving.requests import is_int, parse_json_body, parse_sampling, parse_text_inputs
 from serving.vectors import decode_vector
+
+logger = logging.getLogger(__name__)
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 # Accepted and ignored: they do not change what we generate.
@@ -171,9 +174,11 @@ class Chunk(Protocol):
 
 async def _stream(handles: list[Dispatch], chunk: Chunk, include_usage: bool) -> AsyncIterator[bytes]:
     try:
+        for handle in handles:  # so that a client that stops reading at the first chunks is cut off too
+            handle.set_reader(asyncio.current_task())
         for index in range(len(handles)):
             yield _sse(chunk(None, None, None, index))  # announces each choice (chat: the assistant role)
-        usages: list[dict[str, Any]] = []
+        usages: list[dict[str, Any] | None] = []
         async for index, event in _events(handles):
             if "token" in event:
                 # A token whose text is held back (it may start a stop string) still sends its logprob.
@@ -189,25 +194,34 @@ async def _stream(handles: list[Dispatch], chunk: Chunk, include_usage: bool) ->
                 break
             else:
                 yield _sse(chunk(None, _finish_reason(event), None, index))
-                usages.append(event.get("usage") or {})
+                usages.append(event.get("usage"))
         else:
             if include_usage:
                 yield _sse({**chunk(None, None, None), "choices": [], "usage": _usage(usages)})
         yield b"data: [DONE]\n\n"
     finally:
-        for handle in handles:
+        await _close_all(handles)
+
+
+async def _close_all(handles: list[Dispatch]) -> None:
+    """Every one, even after one fails to (a quota store's release may raise)."""
+    for handle in handles:
+        try:
             await handle.close()
+        except Exception:
+            logger.exception("request %s: could not close it", handle.request_id)
 
 
 async def _events(handles: list[Dispatch]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
     """The choices' events as they come, each with its choice's index. One choice is read directly; for
     several, each choice's next event is awaited only once its last was passed on, so a client that
-    stops reading backs every choice up on the gateway's queues, and the slow-reader cut-off applies."""
+    stops reading backs every choice up on the gateway's queues, and the slow-reader cut-off cancels
+    the task that reads them all (set as each one's reader), as it would a single choice's."""
     if len(handles) == 1:
         async for event in handles[0].events():
             yield 0, event
         return
-    streams = [handle.events() for handle in handles]
+    streams = [handle.events() for handle in handles]  # their reader: _stream's task, not these
     pending = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
     try:
         while pending:
@@ -228,18 +242,19 @@ async def _events(handles: list[Dispatch]) -> AsyncIterator[tuple[int, dict[str,
             await stream.aclose()
 
 
-def _usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+def _usage(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """One request's usage over its choices: the prompt once (as OpenAI counts it), every choice's
     completion."""
     if len(usages) == 1:
         return usages[0]
-    prompt = int(usages[0].get("prompt_tokens", 0))
-    completion = sum(int(u.get("completion_tokens", 0)) for u in usages)
+    known = [u or {} for u in usages]
+    prompt = max(int(u.get("prompt_tokens", 0)) for u in known)
+    completion = sum(int(u.get("completion_tokens", 0)) for u in known)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "cached_prompt_tokens": usages[0].get("cached_prompt_tokens", 0),
+        "cached_prompt_tokens": max(int(u.get("cached_prompt_tokens", 0)) for u in known),
     }
 
 
@@ -256,21 +271,27 @@ async def _dispatch_choices(n: int, **request: Any) -> list[Dispatch]:
     def params_for(index: int) -> dict[str, Any]:
         return params if seed is None else {**params, "seed": (seed + index) % 2**63}
 
+    tasks = [
+        asyncio.create_task(dispatch(**request, params=params_for(i), version=first.version))
+        for i in range(1, n)
+    ]
     try:
-        others = await asyncio.gather(
-            *(dispatch(**request, params=params_for(i), version=first.version) for i in range(1, n)),
-            return_exceptions=True,
-        )
-    except BaseException:
-        await first.close()
+        await asyncio.wait(tasks)  # never raises for a task's own failure
+    except BaseException:  # cancelled: the client left while the other choices were dispatched
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+        await _close_all([first, *_dispatched(tasks)])
         raise
-    handles = [first, *(h for h in others if isinstance(h, Dispatch))]
-    failure = next((h for h in others if isinstance(h, BaseException)), None)
+    failure = next((t.exception() for t in tasks if not t.cancelled() and t.exception() is not None), None)
     if failure is not None:
-        for handle in handles:
-            await handle.close()
+        await _close_all([first, *_dispatched(tasks)])
         raise failure
-    return handles
+    return [first, *_dispatched(tasks)]
+
+
+def _dispatched(tasks: list[asyncio.Task[Dispatch]]) -> list[Dispatch]:
+    return [task.result() for task in tasks if not task.cancelled() and task.exception() is None]
 
 
 async def _collect(
@@ -358,7 +379,9 @@ def _completion_chunk(base: dict[str, Any]) -> Chunk:
         shaped = None
         if logprobs:
             tokens = [entry["token"] for entry in logprobs]
-            characters = decoders.setdefault(index, codecs.getincrementaldecoder("utf-8")(errors="replace"))
+            characters = decoders.get(index)
+            if characters is None:
+                characters = decoders[index] = codecs.getincrementaldecoder("utf-8")(errors="replace")
             offsets = []
             for entry in logprobs:
                 offsets.append(ends.get(index, 0))

@@ -177,6 +177,7 @@ def test_n_choices_whole_and_streamed(client: openai.OpenAI) -> None:
         "length"
     }
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 18
+    assert chunks[-1].usage.prompt_tokens == one.usage.prompt_tokens
 
     messages = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(
@@ -184,6 +185,18 @@ def test_n_choices_whole_and_streamed(client: openai.OpenAI) -> None:
     )
     assert [c.index for c in chat.choices] == [0, 1]
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same answer
+    streamed_chat = list(
+        client.chat.completions.create(
+            model="demo-chat", messages=messages, max_tokens=4, temperature=0, n=2, stream=True
+        )
+    )
+    roles = sorted(c.choices[0].index for c in streamed_chat if c.choices and c.choices[0].delta.role)
+    assert roles == [0, 1]  # each choice opens with the assistant's role
+    answers = ["", ""]
+    for chunk in streamed_chat:
+        for choice in chunk.choices:
+            answers[choice.index] += choice.delta.content or ""
+    assert answers == [chat.choices[0].message.content] * 2
 
 
 def test_openai_errors_are_raised_as_typed_exceptions(client: openai.OpenAI, platform_server) -> None:

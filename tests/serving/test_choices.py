@@ -70,3 +70,40 @@ async def test_more_choices_than_the_tenant_may_run_at_once_is_a_429_that_leaves
     served = await _complete(pair, n=2, temperature=0)  # the refused request's slots were given back
     assert served.status_code == 200, served.content
     assert [c["index"] for c in served.json()["choices"]] == [0, 1]
+
+
+async def test_a_client_that_leaves_while_its_choices_are_dispatched_leaves_nothing_behind(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """The third choice waits (as for a replica to start) when the client goes away: the two already on
+    the replica are aborted and their quota slots given back."""
+    import asyncio
+
+    from serving import openai_api
+
+    pair = await sync_to_async(make_tenant)("pair", max_concurrent_requests=2)
+    dispatch, calls, third_waits = openai_api.dispatch, [], asyncio.Event()
+
+    async def third_waits_for_ever(**request):  # type: ignore[no-untyped-def]
+        calls.append(request)
+        if len(calls) == 3:
+            third_waits.set()
+            await asyncio.Event().wait()
+        return await dispatch(**request)
+
+    monkeypatch.setattr(openai_api, "dispatch", third_waits_for_ever)
+    (replica,) = runtime.replicas.values()
+    aborted_before = replica.metrics.snapshot().totals.counters.get("aborted", 0)
+    leaving = asyncio.create_task(_complete(pair, n=3, max_tokens=1000, temperature=0))
+    async with asyncio.timeout(30):
+        await third_waits.wait()
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    monkeypatch.setattr(openai_api, "dispatch", dispatch)
+    await replica.wait_idle()
+    stats = replica.engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert replica.metrics.snapshot().totals.counters.get("aborted", 0) - aborted_before == 2
+    served = await _complete(pair, n=2, temperature=0)  # both slots free again
+    assert served.status_code == 200, served.content

@@ -14,6 +14,9 @@ class FailingHandle:
 
     closed = False
 
+    def set_reader(self, reader: object) -> None:
+        pass
+
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         yield {"token": "Once", "index": 0}
         yield {"finish_reason": "error", "error": {"type": "replica_lost", "message": "it stopped"}}
