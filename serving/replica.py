@@ -214,9 +214,12 @@ class Replica:
         # The inbox. The preparing thread appends, the model thread takes everything at the start of a
         # step; both under the condition's lock, which neither holds for longer than a list swap.
         self._inbox = threading.Condition()
-        self._submissions: list[_Arrival] = []  # prepared, not yet handed to the engine
+        # Prepared, not yet handed to the engine; or a submission as it came (a dict), for the model
+        # thread to prepare itself: see _arrive.
+        self._submissions: list[_Arrival | dict[str, Any]] = []
         self._aborts: list[str] = []
         self._num_preparing = 0  # arrived, still being prepared (under the inbox's lock)
+        self._is_model_waiting = False  # the model thread waits for work, its engine empty (same lock)
         self._num_queued = 0  # arrivals ever counted in (the model thread counts those it takes)
         self._last_request_at = 0.0  # monotonic: ready, or its last submission (the heartbeat's idle_s)
         self._stopping = False  # tells the model thread to return
@@ -476,10 +479,17 @@ class Replica:
 
     def _arrive(self, *, submission: dict[str, Any] | None = None, abort: str | None = None) -> None:
         """Counted here, on the loop, so that idle (declared on the loop) waits for it; put in the inbox
-        by the preparing thread."""
+        by the preparing thread. A submission that finds the model thread waiting with an empty engine
+        and nothing being prepared goes to the inbox as it came: the model thread prepares it itself,
+        with no step for it to hold up, and the request skips one thread's wake-up on its way to its
+        first forward pass. Nothing earlier is still being prepared, so the inbox keeps arrival order."""
         self._idle.clear()
         with self._inbox:
             self._num_queued += 1
+            if submission is not None and self._is_model_waiting and self._num_preparing == 0:
+                self._submissions.append(submission)
+                self._inbox.notify()
+                return
             self._num_preparing += 1
         try:
             self._preparer.submit(self._prepare_and_put, submission, abort)
@@ -631,7 +641,9 @@ class Replica:
                     # this thread too, or the interpreter waits for it at exit.
                     if self._loop is None or self._loop.is_closed():
                         return
+                    self._is_model_waiting = due_s is None
                     self._inbox.wait(timeout=0.5 if due_s is None else min(due_s, 0.5))
+                    self._is_model_waiting = False
                 if self._stopping:
                     return
                 submissions, self._submissions = self._submissions, []
@@ -655,12 +667,12 @@ class Replica:
             if is_engine_empty:  # after the account, so whoever waits for idle reads the final stats
                 self._emit(_StepResult(), is_engine_empty=True, num_taken=num_taken)
 
-    def _step(self, submissions: list[_Arrival], aborts: list[str]) -> _StepResult:
+    def _step(self, submissions: list[_Arrival | dict[str, Any]], aborts: list[str]) -> _StepResult:
         engine = self._engine
         result = _StepResult()
         ended: list[RequestSample] = []  # this step's, handed to the result that goes out last
         for arrival in submissions:
-            self._admit(arrival, result, ended)
+            self._admit(arrival if isinstance(arrival, _Arrival) else self._prepare(arrival), result, ended)
         # After the admissions: a request and its abort can come in one inbox (a client that left while
         # its prompt was being prepared), and the abort must find it.
         for request_id in aborts:

@@ -571,3 +571,57 @@ async def test_on_redis_what_is_left_to_the_publishers_thread_is_out_before_the_
     finally:
         await replica.stop()
         await replies.flush()
+
+
+async def test_an_idle_model_thread_prepares_a_submission_itself_and_a_busy_one_leaves_it_to_the_preparer(
+    registered_model,
+) -> None:
+    """Idle, a request skips the preparing thread's wake-up on its way to its first forward pass; while
+    a step runs, the preparing thread tokenizes the next one so that the batch is not held up. Either
+    way a bad request gets its error, and a request aborted as it arrives is aborted."""
+    replica, layer, replies = await _replica_sending_at_once()
+    prepared_on: dict[str, str] = {}
+    prepare = replica._prepare
+
+    def watched(message: dict[str, Any]) -> Any:
+        prepared_on[message["request_id"]] = threading.current_thread().name
+        return prepare(message)
+
+    replica._prepare = watched  # type: ignore[method-assign]
+    accepted = asyncio.Event()
+    send = replies.send
+
+    async def watched_send(channel: str, message: dict[str, Any]) -> None:
+        await send(channel, message)
+        if replies.events("idle"):
+            accepted.set()
+
+    replies.send = watched_send  # type: ignore[method-assign]
+    try:
+        await _submit(layer, replica, "idle", max_tokens=40)
+        await asyncio.wait_for(accepted.wait(), timeout=10)
+        await _submit(layer, replica, "busy", max_tokens=2)  # while "idle" is still running
+        await asyncio.wait_for(replica.wait_idle(), timeout=30)
+        assert prepared_on["idle"] == _model_thread_name(replica)
+        assert prepared_on["busy"].endswith("-prep_0")
+        _assert_one_whole_stream(replies.events("idle"), num_tokens=40)
+        _assert_one_whole_stream(replies.events("busy"), num_tokens=2)
+
+        await layer.send(
+            replica.channel_name,
+            {"type": SUBMIT, "request_id": "bad", "reply_to": INBOX, "input": "x", "params": {"top_p": 7}},
+        )
+        await _submit(layer, replica, "gone", max_tokens=500)
+        await layer.send(replica.channel_name, {"type": ABORT, "request_id": "gone"})
+        await asyncio.wait_for(replica.wait_idle(), timeout=30)
+        assert prepared_on["bad"] == _model_thread_name(replica)
+        assert replies.events("bad")[-1]["error"]["type"] == "invalid_request_error"
+        assert len([e for e in replies.events("gone") if "token" in e]) < 500
+        stats = replica.engine.stats()
+        assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    finally:
+        await replica.stop()
+
+
+def _model_thread_name(replica: Replica) -> str:
+    return f"replica-{replica.ref.version}_0"
