@@ -25,7 +25,7 @@ from serving.api import sse_response
 from serving.dispatch import Dispatch, authenticate, dispatch, prompt_usage
 from serving.engine.sequence import MAX_LOGPROBS
 from serving.gateway import GatewayError
-from serving.requests import is_int, parse_json_body, parse_sampling, parse_text_inputs
+from serving.requests import SAMPLING_FIELDS, is_int, parse_json_body, parse_sampling, parse_text_inputs
 from serving.vectors import decode_vector
 
 logger = logging.getLogger(__name__)
@@ -33,21 +33,7 @@ logger = logging.getLogger(__name__)
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 # Accepted and ignored: they do not change what we generate.
 _IGNORED = frozenset({"user", "stream_options", "service_tier", "store", "metadata"})
-_COMMON = frozenset(
-    {
-        "model",
-        "max_tokens",
-        "stream",
-        "temperature",
-        "top_p",
-        "seed",
-        "stop",
-        "n",
-        "presence_penalty",
-        "frequency_penalty",
-        "logit_bias",
-    }
-)
+_COMMON = SAMPLING_FIELDS | {"model", "n"}
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions; chat's top_logprobs go to the engine's 20

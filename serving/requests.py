@@ -152,9 +152,9 @@ def parse_logit_bias(value: Any) -> list[list[int | float]]:
     return pairs
 
 
-INFER_FIELDS = frozenset(
+# What parse_sampling reads: /infer's fields besides its input, and the OpenAI endpoints' besides theirs.
+SAMPLING_FIELDS = frozenset(
     {
-        "input",
         "max_tokens",
         "stream",
         "temperature",
@@ -166,6 +166,7 @@ INFER_FIELDS = frozenset(
         "logit_bias",
     }
 )
+INFER_FIELDS = SAMPLING_FIELDS | {"input"}
 
 
 def parse_infer(body: dict[str, Any]) -> InferRequest:

@@ -128,22 +128,11 @@ def test_logit_bias_and_penalties_steer_the_text(client: openai.OpenAI, platform
         model="demo-chat", prompt="hello", max_tokens=5, temperature=0, logit_bias={str(a): 100}
     )
     assert forced.choices[0].text == "aaaaa"
-    repeating = client.chat.completions.create(
-        model="demo-chat",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=6,
-        temperature=0,
-        logit_bias={str(a): 5},
-    )
+    chat = {"model": "demo-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+    repeating = client.chat.completions.create(temperature=0, logit_bias={str(a): 5}, **chat)
     assert repeating.choices[0].message.content == "aaaaaa"
     penalized = client.chat.completions.create(
-        model="demo-chat",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=6,
-        temperature=0,
-        logit_bias={str(a): 5},
-        frequency_penalty=2.0,
-        presence_penalty=2.0,
+        temperature=0, logit_bias={str(a): 5}, frequency_penalty=2.0, presence_penalty=2.0, **chat
     )
     assert penalized.choices[0].message.content != "aaaaaa"
     assert penalized.choices[0].message.content.startswith("a")  # the first "a" comes before any penalty

@@ -78,6 +78,20 @@ async def _replica_is_empty(runtime: Any) -> None:
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
 
 
+async def _stalled_http_stream(path: str, body: dict[str, Any], key: str) -> list[bytes]:
+    """The body chunks a client that stops reading got, once the response ended by itself: without the
+    cut-off it would wait on the client for ever. The server then drops the connection unfinished."""
+    from config.asgi import application
+
+    client = StalledClient([{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}])
+    async with asyncio.timeout(60):
+        await application(_scope("http", path, key), client.receive, client.send)
+    assert client.stalled.is_set()
+    chunks = [m for m in client.sent if m["type"] == "http.response.body"]
+    assert all(m.get("more_body") for m in chunks)
+    return [m["body"] for m in chunks]
+
+
 @pytest.fixture
 def acme(make_tenant, registered_model, runtime, settings):  # type: ignore[no-untyped-def]
     settings.ALLOWED_HOSTS = ["localhost"]
@@ -88,16 +102,9 @@ def acme(make_tenant, registered_model, runtime, settings):  # type: ignore[no-u
 async def test_an_sse_stream_whose_client_stops_reading_is_cut_off_and_its_sequence_aborted(
     acme, runtime
 ) -> None:
-    from config.asgi import application
-
     body = {"input": "hello", "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0}
-    client = StalledClient([{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}])
-    async with asyncio.timeout(60):  # without the cap the response would wait on the client forever
-        await application(_scope("http", "/v1/models/demo-chat/infer", acme.key), client.receive, client.send)
-    assert client.stalled.is_set()
-    chunks = [m for m in client.sent if m["type"] == "http.response.body"]
-    assert all(m.get("more_body") for m in chunks)  # never finished: the server drops the connection
-    assert not any(b"finish_reason" in m["body"] for m in chunks)
+    chunks = await _stalled_http_stream("/v1/models/demo-chat/infer", body, acme.key)
+    assert not any(b"finish_reason" in chunk for chunk in chunks)
     await _replica_is_empty(runtime)
 
 
@@ -139,17 +146,10 @@ async def test_an_openai_stream_of_several_choices_whose_client_stops_reading_is
     """n = 3: the gateway reads each choice's next event only once its last went out, so all three back
     up behind the stalled client; the cut-off then ends the response, as for one choice, and aborts all
     three sequences on the replica."""
-    from config.asgi import application
-
     (replica,) = runtime.replicas.values()
     aborted_before = replica.metrics.snapshot().totals.counters.get("aborted", 0)
     body = {"model": "demo-chat", "prompt": "hello", "max_tokens": MAX_TOKENS, "stream": True, "n": 3}
-    client = StalledClient([{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}])
-    async with asyncio.timeout(60):  # without the cap the response would wait on the client forever
-        await application(_scope("http", "/v1/completions", acme.key), client.receive, client.send)
-    assert client.stalled.is_set()
-    chunks = [m for m in client.sent if m["type"] == "http.response.body"]
-    assert all(m.get("more_body") for m in chunks)  # never finished: the server drops the connection
-    assert not any(b'finish_reason":"length' in m["body"] or b"[DONE]" in m["body"] for m in chunks)
+    chunks = await _stalled_http_stream("/v1/completions", body, acme.key)
+    assert not any(b'finish_reason":"length' in chunk or b"[DONE]" in chunk for chunk in chunks)
     await _replica_is_empty(runtime)
     assert replica.metrics.snapshot().totals.counters.get("aborted", 0) - aborted_before == 3
