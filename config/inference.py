@@ -53,8 +53,14 @@ class InferenceHandler(ASGIHandler):
     async def _respond_unless_disconnected(self, request: HttpRequest, receive: Any, send: Any) -> None:
         async def respond() -> None:
             response = await self.run_get_response(request)
-            with contextlib.suppress(asyncio.CancelledError):  # the client left while it was sent
-                await self.send_response(response, send)
+            try:
+                with contextlib.suppress(asyncio.CancelledError):  # the client left while it was sent
+                    await self.send_response(response, send)
+            finally:
+                # A streamed response's requests end with it, even where its body never started.
+                close_dispatches = getattr(response, "close_dispatches", None)
+                if close_dispatches is not None:
+                    await close_dispatches()
 
         # A client that disconnects before its response is complete cancels the view; a streaming view
         # then aborts its sequence on the replica.

@@ -15,7 +15,7 @@ from django.views.decorators.csrf import csrf_exempt
 from registry.errors import error_response
 from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
-from serving.dispatch import Dispatch, authenticate, dispatch, model_snapshot, prompt_usage
+from serving.dispatch import Dispatch, authenticate, close_all, dispatch, model_snapshot, prompt_usage
 from serving.gateway import GatewayError
 from serving.requests import parse_classify, parse_infer, parse_json_body
 from serving.router import split_model_name
@@ -37,7 +37,7 @@ async def _sse_events(handle: Dispatch) -> AsyncIterator[bytes]:
             yield _sse(event)
     finally:
         # Runs on normal end and when Django cancels the generator because the client went away.
-        await handle.close()
+        await close_all([handle])
 
 
 @csrf_exempt
@@ -66,7 +66,7 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
     except GatewayError as exc:
         return _gateway_error(exc)
     if body.stream:
-        return sse_response(_sse_events(handle), handle)
+        return sse_response(_sse_events(handle), [handle])
     try:
         text, final = await handle.collect()
     except GatewayError as exc:
@@ -125,13 +125,24 @@ def _ranked(labels: object, scores: list[float], top_k: int | None) -> list[dict
     return [{"label": label, "score": score} for label, score in ranked[:top_k]]
 
 
-def sse_response(events: AsyncIterator[bytes], handle: Dispatch) -> StreamingHttpResponse:
-    response = StreamingHttpResponse(
-        events, content_type="text/event-stream", headers=handle.response_headers()
-    )
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"  # a proxy in front must not buffer the stream
-    return response
+class DispatchStream(StreamingHttpResponse):
+    """An SSE response for dispatched requests, which the inference handler closes once the response is
+    over (close_dispatches), whether or not its body was ever read: a client that leaves before the
+    first chunk would otherwise leave its sequences running and its quota held (the body's own
+    clean-up runs only once it has started)."""
+
+    def __init__(self, events: AsyncIterator[bytes], handles: list[Dispatch]) -> None:
+        super().__init__(events, content_type="text/event-stream", headers=handles[0].response_headers())
+        self.dispatches = handles
+        self["Cache-Control"] = "no-cache"
+        self["X-Accel-Buffering"] = "no"  # a proxy in front must not buffer the stream
+
+    async def close_dispatches(self) -> None:
+        await close_all(self.dispatches)  # idempotent: a body that ran to its end closed them already
+
+
+def sse_response(events: AsyncIterator[bytes], handles: list[Dispatch]) -> DispatchStream:
+    return DispatchStream(events, handles)
 
 
 async def healthz(request: HttpRequest) -> JsonResponse:

@@ -326,6 +326,16 @@ class Dispatch:
         await gateway.quota_store().arelease(self._ticket, used_tokens=used)
 
 
+async def close_all(handles: list[Dispatch]) -> None:
+    """Close every one (aborting what has not finished, releasing its quota), all the way through: a
+    close that raises does not stop the others, and a second cancellation of the caller (a slow-reader
+    cut-off landing while a disconnect is handled) does not cut the closing short."""
+    closing = asyncio.gather(*(handle.close() for handle in handles), return_exceptions=True)
+    for handle, outcome in zip(handles, await asyncio.shield(closing), strict=True):
+        if isinstance(outcome, BaseException):
+            logger.error("request %s: could not close it", handle.request_id, exc_info=outcome)
+
+
 def prompt_usage(final: dict[str, Any]) -> dict[str, int]:
     """A non-generative request's usage, from its final event: prompt tokens only, as OpenAI's embeddings."""
     prompt_tokens = int((final.get("usage") or {}).get("prompt_tokens", 0))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -22,13 +21,11 @@ from django.views.decorators.csrf import csrf_exempt
 from registry.errors import error_response
 from registry.models import Model
 from serving.api import sse_response
-from serving.dispatch import Dispatch, authenticate, dispatch, prompt_usage
+from serving.dispatch import Dispatch, authenticate, close_all, dispatch, prompt_usage
 from serving.engine.sequence import MAX_LOGPROBS
 from serving.gateway import GatewayError
 from serving.requests import SAMPLING_FIELDS, is_int, parse_json_body, parse_sampling, parse_text_inputs
 from serving.vectors import decode_vector
-
-logger = logging.getLogger(__name__)
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 # Accepted and ignored: they do not change what we generate.
@@ -186,16 +183,9 @@ async def _stream(handles: list[Dispatch], chunk: Chunk, include_usage: bool) ->
                 yield _sse({**chunk(None, None, None), "choices": [], "usage": _usage(usages)})
         yield b"data: [DONE]\n\n"
     finally:
-        await _close_all(handles)
-
-
-async def _close_all(handles: list[Dispatch]) -> None:
-    """Every one, even after one fails to (a quota store's release may raise)."""
-    for handle in handles:
-        try:
-            await handle.close()
-        except Exception:
-            logger.exception("request %s: could not close it", handle.request_id)
+        for handle in handles:  # a cut-off from here on closes its handle, not this closing
+            handle.set_reader(None)
+        await close_all(handles)
 
 
 async def _events(handles: list[Dispatch]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
@@ -267,11 +257,11 @@ async def _dispatch_choices(n: int, **request: Any) -> list[Dispatch]:
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks)
-        await _close_all([first, *_dispatched(tasks)])
+        await close_all([first, *_dispatched(tasks)])
         raise
     failure = next((t.exception() for t in tasks if not t.cancelled() and t.exception() is not None), None)
     if failure is not None:
-        await _close_all([first, *_dispatched(tasks)])
+        await close_all([first, *_dispatched(tasks)])
         raise failure
     return [first, *_dispatched(tasks)]
 
@@ -333,7 +323,7 @@ async def _serve(
     }
     chunk = make_chunk(base)
     if sampling["stream"]:
-        return sse_response(_stream(handles, chunk, include_usage), handle)
+        return sse_response(_stream(handles, chunk, include_usage), handles)
     logprobs: list[list[dict[str, Any]] | None] = [[] if "logprobs" in sampling else None for _ in handles]
     try:
         results = await _collect(handles, logprobs)

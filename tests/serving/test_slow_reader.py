@@ -153,3 +153,53 @@ async def test_an_openai_stream_of_several_choices_whose_client_stops_reading_is
     assert not any(b'finish_reason":"length' in chunk or b"[DONE]" in chunk for chunk in chunks)
     await _replica_is_empty(runtime)
     assert replica.metrics.snapshot().totals.counters.get("aborted", 0) - aborted_before == 3
+
+
+class LeavingAtResponseStart:
+    """An ASGI client that sends its request, then goes away while the response's start is being sent
+    to it: the view has returned its stream, whose body never starts."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.incoming = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+        self.response_starting = asyncio.Event()
+        self.status = 0
+
+    async def receive(self) -> dict[str, Any]:
+        if self.incoming:
+            return self.incoming.pop(0)
+        await self.response_starting.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        assert message["type"] == "http.response.start", message
+        self.status = message["status"]
+        self.response_starting.set()
+        await asyncio.Event().wait()  # the socket is gone: this send never completes
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/models/demo-chat/infer", {"input": "hello"}),
+        ("/v1/completions", {"model": "demo-chat", "prompt": "hello", "n": 2}),
+    ],
+)
+async def test_a_client_gone_before_the_first_chunk_gives_its_quota_back(
+    make_tenant, runtime, settings, path, body
+) -> None:
+    """Its stream's body never starts, so nothing in it closes the requests: the handler does. A short
+    one (fewer events than the slow-reader cap) would otherwise hold its concurrency slots for ever."""
+    from asgiref.sync import sync_to_async
+
+    from config.asgi import application
+
+    settings.ALLOWED_HOSTS = ["localhost"]
+    one_at_a_time = await sync_to_async(make_tenant)("single", max_concurrent_requests=body.get("n", 1))
+    client = LeavingAtResponseStart({**body, "max_tokens": 2, "stream": True})
+    async with asyncio.timeout(60):
+        await application(_scope("http", path, one_at_a_time.key), client.receive, client.send)
+    await _replica_is_empty(runtime)
+    again = LeavingAtResponseStart({**body, "max_tokens": 2, "stream": True})
+    async with asyncio.timeout(60):  # admitted, so its response starts (and it leaves as well)
+        await application(_scope("http", path, one_at_a_time.key), again.receive, again.send)
+    assert again.status == 200
