@@ -598,6 +598,7 @@ async def test_an_idle_model_thread_prepares_a_submission_itself_and_a_busy_one_
 
     replies.send = watched_send  # type: ignore[method-assign]
     try:
+        await _model_thread_waiting(replica)
         await _submit(layer, replica, "idle", max_tokens=40)
         await asyncio.wait_for(accepted.wait(), timeout=10)
         await _submit(layer, replica, "busy", max_tokens=2)  # while "idle" is still running
@@ -607,6 +608,7 @@ async def test_an_idle_model_thread_prepares_a_submission_itself_and_a_busy_one_
         _assert_one_whole_stream(replies.events("idle"), num_tokens=40)
         _assert_one_whole_stream(replies.events("busy"), num_tokens=2)
 
+        await _model_thread_waiting(replica)  # idle is declared on the loop, a moment before it waits
         await layer.send(
             replica.channel_name,
             {"type": SUBMIT, "request_id": "bad", "reply_to": INBOX, "input": "x", "params": {"top_p": 7}},
@@ -625,3 +627,14 @@ async def test_an_idle_model_thread_prepares_a_submission_itself_and_a_busy_one_
 
 def _model_thread_name(replica: Replica) -> str:
     return f"replica-{replica.ref.version}_0"
+
+
+async def _model_thread_waiting(replica: Replica) -> None:
+    """Until the model thread waits for work with its engine empty. It says so to nobody (a flag under
+    the inbox's lock), so this looks every millisecond, for at most 10 s."""
+    async with asyncio.timeout(10):
+        while True:
+            with replica._inbox:
+                if replica._is_model_waiting:
+                    return
+            await asyncio.sleep(0.001)
