@@ -30,6 +30,7 @@ from prometheus_client.exposition import (
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+from registry.authentication import bearer_token
 from registry.errors import error_body, error_response
 from serving import metrics as m
 from serving.histogram import Histogram
@@ -187,12 +188,11 @@ _UNAUTHORIZED = "/metrics needs a staff session or the metrics bearer token (SWI
 
 def has_metrics_token(authorization: str | None) -> bool:
     """Whether an Authorization header carries the configured token; never, when none is configured."""
-    token = settings.METRICS_TOKEN
-    scheme, _, credentials = (authorization or "").partition(" ")
-    if not token or scheme.lower() != "bearer":
+    token, credentials = settings.METRICS_TOKEN, bearer_token(authorization)
+    if not token or credentials is None:
         return False
     # As bytes: compare_digest refuses str with non-ASCII characters, which a client could send.
-    return hmac.compare_digest(credentials.strip().encode(), token.encode())
+    return hmac.compare_digest(credentials.encode(), token.encode())
 
 
 async def metrics_view(request: HttpRequest) -> HttpResponse:
