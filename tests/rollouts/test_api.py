@@ -210,6 +210,8 @@ def test_malformed_json_and_non_object_bodies_are_400(staff_client, chat) -> Non
     broken = staff_client.post("/v1/deployments", data="{not json", content_type="application/json")
     assert broken.status_code == 400
     assert broken.json()["error"]["type"] == "invalid_request_error"
+    deep = staff_client.post("/v1/deployments", data="[" * 5000 + "]" * 5000, content_type="application/json")
+    assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"]
     assert post(staff_client, "/v1/deployments", [1, 2]).status_code == 400
     assert Deployment.objects.count() == 0
 

@@ -58,6 +58,8 @@ async def test_pinning_without_permission_is_403(acme) -> None:
     ("body", "raw", "status", "fragment"),
     [
         (None, b"{not json", 400, "not valid JSON"),
+        (None, b'{"input": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, "not valid JSON"),  # 4,300 digits
+        (None, b"[" * 5000 + b"]" * 5000, 400, "nested too deeply"),
         ([1, 2], None, 400, "JSON object"),
         ({}, None, 400, "input must be a non-empty string"),
         ({"input": 5}, None, 400, "input must be a non-empty string"),
