@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
@@ -25,7 +24,7 @@ from registry.errors import error_body
 from registry.selectors import TenantContext
 from serving.dispatch import SLOW_READER, SLOW_READER_MESSAGE, Dispatch, authenticate, dispatch
 from serving.gateway import GatewayError
-from serving.requests import parse_infer
+from serving.requests import InferRequest, loads_json, parse_infer
 
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_SLOW_READER = 4408
@@ -69,7 +68,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             await self.close(code=CLOSE_UNSUPPORTED_DATA)
             return
         try:
-            content = json.loads(text_data)
+            content = loads_json(text_data)
         except ValueError:
             await self._error(GatewayError(400, "the message is not JSON"))
             await self.close(code=CLOSE_INVALID_PAYLOAD)
@@ -104,6 +103,16 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             request = parse_infer(body)
             if request.stream:
                 raise GatewayError(400, "stream is implied on a WebSocket")
+        except GatewayError as exc:
+            await self._error(exc)
+            return
+        # The dispatch runs in the task too: Channels reads a socket's next message only once this one is
+        # handled, and a dispatch can wait (for a replica to start, to accept), which a cancel or a
+        # disconnect must be able to cut short.
+        self.task = asyncio.get_running_loop().create_task(self._run(request, pin))
+
+    async def _run(self, request: InferRequest, pin: str | None) -> None:
+        try:
             # A key revoked, or a quota changed, since the socket opened counts from its next request.
             self.context = await self._reauthenticate()
             if self.context is None:
@@ -118,7 +127,18 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         except GatewayError as exc:
             await self._error(exc)
             return
-        self.task = asyncio.get_running_loop().create_task(self._forward(handle))
+        except asyncio.CancelledError:  # cancelled before any replica had it: dispatch() gave back its slot
+            with contextlib.suppress(Exception):
+                await self.send_json(
+                    {
+                        "type": "done",
+                        "version": None,
+                        "finish_reason": "abort",
+                        "usage": {"completion_tokens": 0},
+                    }
+                )
+            raise
+        await self._forward(handle)
 
     async def _reauthenticate(self) -> TenantContext | None:
         """The socket's key checked again. A key no longer valid closes the socket (4401), as at the

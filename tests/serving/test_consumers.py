@@ -95,8 +95,12 @@ async def test_a_wrongly_typed_version_pin_is_a_json_error_not_a_crash(acme) -> 
 
 @pytest.mark.parametrize(
     ("frame", "code"),
-    [({"text_data": "{not json"}, 1007), ({"bytes_data": b'{"type": "infer"}'}, 1003)],
-    ids=["text that is not JSON", "a binary frame"],
+    [
+        ({"text_data": "{not json"}, 1007),
+        ({"text_data": "[" * 5000 + "]" * 5000}, 1007),
+        ({"bytes_data": b'{"type": "infer"}'}, 1003),
+    ],
+    ids=["text that is not JSON", "JSON nested too deeply", "a binary frame"],
 )
 async def test_a_frame_that_is_not_a_json_text_message_gets_an_error_and_a_close_code(
     acme, frame: dict[str, object], code: int
@@ -139,4 +143,37 @@ async def test_cancel_stops_the_generation_and_frees_the_replica(acme, runtime) 
     (replica,) = runtime.replicas.values()
     await replica.wait_idle()
     assert replica.load == 0
+    await ws.disconnect()
+
+
+async def test_cancel_reaches_a_request_still_waiting_to_be_dispatched(acme, monkeypatch) -> None:
+    """A dispatch can wait (for a replica to start, to accept); the socket's cancel cuts it short rather
+    than being read only once a replica has the request."""
+    import asyncio
+
+    from serving import consumers
+
+    real_dispatch, waiting, cancelled = consumers.dispatch, asyncio.Event(), asyncio.Event()
+
+    async def waits_for_a_replica(**request):  # type: ignore[no-untyped-def]
+        waiting.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    monkeypatch.setattr(consumers, "dispatch", waits_for_a_replica)
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
+    async with asyncio.timeout(10):
+        await waiting.wait()
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
+    assert (await ws.receive_json_from(timeout=10))["error"]["type"] == "conflict_error"  # one at a time
+    await ws.send_json_to({"type": "cancel"})
+    done = await ws.receive_json_from(timeout=10)
+    assert (done["type"], done["finish_reason"]) == ("done", "abort") and cancelled.is_set()
+    monkeypatch.setattr(consumers, "dispatch", real_dispatch)
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
+    assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(3)] == ["token", "token", "done"]
     await ws.disconnect()
