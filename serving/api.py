@@ -70,7 +70,7 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
     try:
         text, final = await handle.collect()
     except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers=handle.response_headers())
+        return error_response(exc.status, exc.message, headers={**handle.response_headers(), **exc.headers})
     return JsonResponse(
         {
             "id": handle.request_id,
@@ -104,7 +104,7 @@ async def _classify(
         rows, final = await handle.collect_vectors("scores", len(inputs))
         predictions = [_ranked(final.get("labels"), decode_vector(row), top_k) for row in rows]
     except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers=handle.response_headers())
+        return error_response(exc.status, exc.message, headers={**handle.response_headers(), **exc.headers})
     return JsonResponse(
         {
             "id": handle.request_id,

@@ -78,6 +78,9 @@ class Dispatch:
         self.num_completion_tokens = 0
         self.num_retries = 0
         self.is_finished = False
+        # The gateway ended it itself (the replica went silent or stopped beating): the replica may still
+        # be running it, so closing aborts it there as for an unfinished request.
+        self._gave_up = False
         self._is_closed = False
         self._first_event: dict[str, Any] | None = None  # an error that arrived in place of acceptance
         self._text: list[str] | None = None  # kept only when a shadow copy will compare against it
@@ -204,6 +207,9 @@ class Dispatch:
     async def _retry(self) -> None:
         assert self.replica is not None
         failed = self.replica.replica_id
+        # A replica that went silent may be alive and slow: the try it holds would run on beside the retry.
+        await self._abort_on(self.replica)
+        self._gave_up = False
         self.num_retries += 1
         self._runtime.hub.close(self._wire_id)
         self._wire_id = f"{self.request_id}-{self.num_retries}"
@@ -222,8 +228,10 @@ class Dispatch:
                     return await self._queue.get()
             except TimeoutError:
                 if not await self._runtime.is_alive(self.replica):
+                    self._gave_up = True
                     return _error_event(_REPLICA_LOST, "the replica serving this request stopped")
                 if time.monotonic() > deadline:
+                    self._gave_up = True
                     return _error_event("replica_timeout", "the replica stopped answering")
 
     def _on_backlog(self) -> None:
@@ -280,8 +288,9 @@ class Dispatch:
 
     async def collect(self, *, logprobs: list[dict[str, Any]] | None = None) -> tuple[str, dict[str, Any]]:
         """Run to the end and return the whole text and the final event; closes the request. A request
-        that failed before producing any text raises GatewayError(503). `logprobs`: a list that gets
-        each token's entry, for a request that asked for them."""
+        that failed, whatever text it had produced, raises GatewayError(503): an answer cut off part-way,
+        without usage, is not one a client can take for a result. `logprobs`: a list that gets each
+        token's entry, for a request that asked for them."""
         pieces: list[str] = []
         final: dict[str, Any] = {}
         try:
@@ -294,8 +303,9 @@ class Dispatch:
                     final = event
         finally:
             await self.close()
-        if final.get("finish_reason") == "error" and not pieces:
-            raise GatewayError(503, final.get("error", {}).get("message", "the replica failed"))
+        if final.get("finish_reason") == "error":
+            message = final.get("error", {}).get("message", "the replica failed")
+            raise GatewayError(503, message, retry_after_s=1)
         return "".join(pieces), final
 
     async def collect_vectors(self, result_field: str, count: int) -> tuple[list[str], dict[str, Any]]:
@@ -315,15 +325,17 @@ class Dispatch:
         self._is_closed = True
         self._settle_text(None)  # no-op when it finished normally
         self._runtime.hub.close(self._wire_id)
-        if not self.is_finished and self.replica is not None:
-            with contextlib.suppress(Exception):
-                await self._runtime.layer.send(
-                    self.replica.channel_name, {"type": ABORT, "request_id": self._wire_id}
-                )
+        if (not self.is_finished or self._gave_up) and self.replica is not None:
+            await self._abort_on(self.replica)
         if self._ticket is None:
             return
         used = self.num_prompt_tokens + self.num_completion_tokens
         await gateway.quota_store().arelease(self._ticket, used_tokens=used)
+
+    async def _abort_on(self, replica: ReplicaHandle) -> None:
+        """Abort the current try on `replica`: frees its blocks if it is still there, a no-op if not."""
+        with contextlib.suppress(Exception):
+            await self._runtime.layer.send(replica.channel_name, {"type": ABORT, "request_id": self._wire_id})
 
 
 async def close_all(handles: list[Dispatch]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from registry.errors import error_response
 from registry.models import Model
+from registry.selectors import TenantContext
 from serving.api import sse_response
 from serving.dispatch import Dispatch, authenticate, close_all, dispatch, prompt_usage
 from serving.engine.sequence import MAX_LOGPROBS
@@ -57,8 +59,13 @@ def _common(
         raise GatewayError(400, f"n must be an integer from 1 to {MAX_CHOICES}")
     if body.get("echo"):
         raise GatewayError(400, "echo is not supported")
-    options = body.get("stream_options") or {}
-    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    options = body.get("stream_options")
+    if options is not None:  # as OpenAI: a client that asks for stream usage without a stream gets no usage
+        if not isinstance(options, dict):
+            raise GatewayError(400, "stream_options must be an object")
+        if body.get("stream") is not True:
+            raise GatewayError(400, "stream_options is only allowed when stream is true")
+    include_usage = bool((options or {}).get("include_usage"))
     sampling = parse_sampling(body, default_max_tokens=default_max_tokens)
     sampling["n"] = n or 1
     return model, sampling, include_usage
@@ -103,7 +110,7 @@ def _parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, list[d
     clean = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or an object is unhashable
             raise GatewayError(400, f"messages[{i}] needs a role of {', '.join(sorted(CHAT_ROLES))}")
         # "developer" is what OpenAI's newer models call the system prompt; chat templates know "system".
         clean.append({"role": "system" if role == "developer" else role, "content": _text(message, i)})
@@ -237,7 +244,18 @@ def _usage(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
 async def _dispatch_choices(n: int, **request: Any) -> list[Dispatch]:
     """The n choices of one request. The first is routed as any request; the others go to its version
     (not a pin: the platform chose it), each admitted against the quota as a request of its own. A
-    seeded request's choice i draws from seed + i, so that its choices differ and each reproduces."""
+    seeded request's choice i draws from seed + i, so that its choices differ and each reproduces. More
+    choices than the tenant's quota admits at once is a 400: refused with a 429, the client would retry
+    a request that can never be admitted."""
+    context: TenantContext = request["context"]
+    at_once = min(math.floor(max(1.0, context.requests_per_second)), context.max_concurrent_requests)
+    if n > at_once:
+        raise GatewayError(
+            400,
+            f"n={n} asks for more choices than this tenant's quota admits at once ({at_once}: each choice "
+            f"counts as a request against {context.requests_per_second:g} requests/s and "
+            f"{context.max_concurrent_requests} concurrent)",
+        )
     first = await dispatch(**request)
     if n == 1:
         return [first]
@@ -328,7 +346,7 @@ async def _serve(
     try:
         results = await _collect(handles, logprobs)
     except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers=handle.response_headers())
+        return error_response(exc.status, exc.message, headers={**handle.response_headers(), **exc.headers})
     wholes = [
         make_whole(chunk(text, _finish_reason(final), logprobs[i], i), text, final)
         for i, (text, final) in enumerate(results)
@@ -493,7 +511,7 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
     try:
         vectors, final = await handle.collect_vectors("embeddings", len(inputs))
     except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers=handle.response_headers())
+        return error_response(exc.status, exc.message, headers={**handle.response_headers(), **exc.headers})
     return JsonResponse(
         {
             "object": "list",

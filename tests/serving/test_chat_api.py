@@ -66,3 +66,24 @@ async def test_text_parts_and_the_developer_role_read_as_a_string_and_the_system
     assert refused.json()["error"]["message"] == (
         "messages[0].content[0] is not a text part: only text content is supported"
     )
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"messages": [{"role": ["user"], "content": "hi"}]}, "needs a role of"),
+        ({"messages": [{"role": {"name": "user"}, "content": "hi"}]}, "needs a role of"),
+        ({"stream_options": {"include_usage": True}}, "only allowed when stream is true"),
+        ({"stream": True, "stream_options": "usage"}, "stream_options must be an object"),
+    ],
+)
+async def test_bad_chat_bodies_get_the_json_error(
+    runtime: Any, make_tenant: Any, settings: Any, fields: dict[str, Any], fragment: str
+) -> None:
+    settings.ALLOWED_HOSTS = ["localhost"]
+    acme = await sync_to_async(make_tenant)("acme")
+    async with asgi_client() as client:
+        messages = fields.pop("messages", [{"role": "user", "content": "hi"}])
+        response = await _chat(client, acme.auth, messages, **fields)
+    assert response.status_code == 400, response.text
+    assert fragment in response.json()["error"]["message"]

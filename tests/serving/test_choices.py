@@ -20,6 +20,12 @@ async def _complete(tenant, **body: object):  # type: ignore[no-untyped-def]
     )
 
 
+def _in_flight(tenant) -> int:  # type: ignore[no-untyped-def]
+    from serving.gateway import quota_store
+
+    return quota_store().usage([tenant.context])[tenant.context.tenant_id].num_in_flight
+
+
 def _requests_served(runtime) -> dict[str, int]:  # type: ignore[no-untyped-def]
     return {
         version: int(replica.metrics.snapshot().totals.counters.get("requests", 0))
@@ -56,10 +62,26 @@ async def test_every_choice_goes_to_the_version_the_first_was_routed_to(
     assert seen == {"v1", "v2"}  # the split itself still draws, per request
 
 
-async def test_more_choices_than_the_tenant_may_run_at_once_is_a_429_that_leaves_nothing_running(
+async def test_more_choices_than_the_tenant_may_ever_run_at_once_is_a_400_before_any_is_dispatched(
     make_tenant, runtime
 ) -> None:
     pair = await sync_to_async(make_tenant)("pair", max_concurrent_requests=2)
+    slow = await sync_to_async(make_tenant)("slow", requests_per_second=2.5)
+    (replica,) = runtime.replicas.values()
+    submitted_before = replica.metrics.snapshot().totals.counters.get("requests", 0)
+    for tenant, n, at_once in ((pair, 3, 2), (slow, 3, 2)):
+        refused = await _complete(tenant, n=n, temperature=0)
+        assert refused.status_code == 400, refused.content
+        assert f"admits at once ({at_once}" in refused.json()["error"]["message"]
+    assert replica.metrics.snapshot().totals.counters.get("requests", 0) == submitted_before
+    assert (await _complete(slow, n=2, temperature=0)).status_code == 200
+
+
+async def test_a_choice_refused_by_the_quota_is_a_429_that_leaves_the_others_nothing_running(
+    make_tenant, runtime
+) -> None:
+    # Each choice is charged ~5 tokens ("hello", 4 tokens at most): the third does not fit.
+    pair = await sync_to_async(make_tenant)("pair", tokens_per_minute=12, max_concurrent_requests=3)
     refused = await _complete(pair, n=3, temperature=0)
     assert refused.status_code == 429, refused.content
     assert refused.json()["error"]["type"] == "rate_limit_error"
@@ -67,9 +89,7 @@ async def test_more_choices_than_the_tenant_may_run_at_once_is_a_429_that_leaves
     await replica.wait_idle()
     stats = replica.engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
-    served = await _complete(pair, n=2, temperature=0)  # the refused request's slots were given back
-    assert served.status_code == 200, served.content
-    assert [c["index"] for c in served.json()["choices"]] == [0, 1]
+    assert _in_flight(pair) == 0  # the refused request's slots were given back
 
 
 async def test_a_client_that_leaves_while_its_choices_are_dispatched_leaves_nothing_behind(
@@ -81,7 +101,7 @@ async def test_a_client_that_leaves_while_its_choices_are_dispatched_leaves_noth
 
     from serving import openai_api
 
-    pair = await sync_to_async(make_tenant)("pair", max_concurrent_requests=2)
+    pair = await sync_to_async(make_tenant)("pair", max_concurrent_requests=3)
     dispatch, calls, third_waits = openai_api.dispatch, [], asyncio.Event()
 
     async def third_waits_for_ever(**request):  # type: ignore[no-untyped-def]
@@ -105,5 +125,4 @@ async def test_a_client_that_leaves_while_its_choices_are_dispatched_leaves_noth
     stats = replica.engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
     assert replica.metrics.snapshot().totals.counters.get("aborted", 0) - aborted_before == 2
-    served = await _complete(pair, n=2, temperature=0)  # both slots free again
-    assert served.status_code == 200, served.content
+    assert _in_flight(pair) == 0  # both slots given back

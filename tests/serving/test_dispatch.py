@@ -240,3 +240,93 @@ async def test_a_replica_that_misses_its_heartbeats_waits_out_the_open_breaker_w
         assert back.is_ready and not breaker.allows("far")
     finally:
         breaker.record_success("far")  # leave no state for other tests
+
+
+async def test_a_retry_aborts_the_try_left_on_a_replica_that_went_silent(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """A replica alive by its heartbeat that does not accept in time may only be slow: the request is
+    retried elsewhere, and its first try is aborted there, or it would run on beside the retry."""
+    from asgiref.sync import sync_to_async
+
+    from serving import dispatch as dispatch_module
+    from serving.breaker import breaker
+    from serving.replica import ABORT, SUBMIT
+
+    acme = await sync_to_async(make_tenant)("acme")
+    (good,) = await runtime.candidates("demo-chat", "v1")
+    slow = dataclasses.replace(good, replica_id="slow-replica", channel_name="switchyard.replica.slow.one")
+    real_candidates, real_is_alive = runtime.candidates, runtime.is_alive
+
+    async def candidates(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        return [slow, *await real_candidates(model_name, version)]
+
+    async def is_alive(handle):  # type: ignore[no-untyped-def]
+        return handle.replica_id == "slow-replica" or await real_is_alive(handle)
+
+    sent: list[tuple[str, str, str]] = []
+    send = runtime.layer.send
+
+    async def watched_send(channel: str, message: dict) -> None:  # type: ignore[type-arg]
+        if channel.startswith("switchyard.replica."):
+            sent.append((channel, message["type"], message["request_id"]))
+        await send(channel, message)
+
+    monkeypatch.setattr(dispatch_module, "choose_replica", lambda replicas, rng: replicas[0])
+    monkeypatch.setattr(dispatch_module, "ACCEPT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(dispatch_module, "LIVENESS_CHECK_S", 0.05)
+    monkeypatch.setattr(runtime, "candidates", candidates)
+    monkeypatch.setattr(runtime, "is_alive", is_alive)
+    monkeypatch.setattr(runtime.layer, "send", watched_send)
+    try:
+        handle = await dispatch_module.dispatch(
+            context=acme.context,
+            path_model="demo-chat",
+            pin=None,
+            params={"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []},
+            text="hello",
+        )
+        events = [event async for event in handle.events()]
+        await handle.close()
+    finally:
+        breaker.record_success("slow-replica")  # one failure was recorded; leave no state for other tests
+    assert handle.num_retries == 1 and handle.replica.replica_id == good.replica_id
+    assert events[-1]["finish_reason"] == "length"
+    first_try = handle.request_id
+    assert sent[:2] == [(slow.channel_name, SUBMIT, first_try), (slow.channel_name, ABORT, first_try)]
+    assert (good.channel_name, SUBMIT, f"{first_try}-1") in sent
+
+
+async def test_a_request_that_fails_after_some_text_is_an_error_not_a_partial_answer(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """Without a stream there is nothing to cut off part-way: the client gets a 503 to retry, not a
+    200 holding half an answer, no usage and a finish_reason no client knows."""
+    from asgiref.sync import sync_to_async
+
+    from serving import dispatch as dispatch_module
+    from serving.gateway import GatewayError
+
+    acme = await sync_to_async(make_tenant)("acme")
+    handle = await dispatch_module.dispatch(
+        context=acme.context,
+        path_model="demo-chat",
+        pin=None,
+        params={"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []},
+        text="hello",
+    )
+    scripted = iter(
+        [
+            {"token": "Once", "index": 0},
+            {"finish_reason": "error", "error": {"type": "internal_error", "message": "the step failed"}},
+        ]
+    )
+
+    async def next_event(*, timeout_s: float) -> dict:  # type: ignore[type-arg]
+        return next(scripted)
+
+    monkeypatch.setattr(handle, "_next_event", next_event)
+    with pytest.raises(GatewayError) as failed:
+        await handle.collect()
+    assert failed.value.status == 503 and failed.value.message == "the step failed"
+    assert failed.value.headers == {"Retry-After": "1"}
