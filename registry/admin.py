@@ -1,4 +1,5 @@
 from django.contrib import admin
+from django.db import transaction
 
 from registry.models import (
     Alias,
@@ -11,6 +12,7 @@ from registry.models import (
     RoutingTable,
     Tenant,
 )
+from registry.services import routing_changed
 
 
 @admin.register(Model)
@@ -44,6 +46,20 @@ class AliasAdmin(admin.ModelAdmin):
     list_display = ("__str__", "version", "updated_at")
     readonly_fields = ("model", "name", "version")
     inlines = [AliasEventInline]
+
+    # Gateways keep a model's routing, its aliases included, until its revision moves: a deletion here
+    # must move it as registry.services does for every other routing edit.
+    def delete_model(self, request, obj):  # type: ignore[no-untyped-def]
+        with transaction.atomic():
+            super().delete_model(request, obj)
+            routing_changed(model=obj.model)
+
+    def delete_queryset(self, request, queryset):  # type: ignore[no-untyped-def]
+        with transaction.atomic():
+            models = {alias.model for alias in queryset.select_related("model")}
+            super().delete_queryset(request, queryset)
+            for model in models:
+                routing_changed(model=model)
 
 
 class RoutingEntryInline(admin.TabularInline):

@@ -93,3 +93,31 @@ def test_a_signed_in_user_who_is_not_staff_sees_no_model(tenants) -> None:
         assert client.get(path).status_code == 403, path
     client.force_login(get_user_model().objects.create_user("alice", is_staff=True))
     assert _names(client.get("/v1/models")) == {"demo-chat", "acme-ft"}
+
+
+@pytest.mark.parametrize("how", ["its own page", "the list's bulk action"])
+def test_an_alias_deleted_in_the_admin_stops_routing_at_the_caches_next_check(
+    registered_model, how: str
+) -> None:
+    """Gateways keep a model's routing until its revision moves; the admin's deletions move it too."""
+    from django.contrib.auth import get_user_model
+
+    from registry.models import Alias, RoutingTable
+    from registry.services import alias_set
+
+    model = registered_model.model
+    alias = alias_set(model=model, name="stable", version=registered_model, actor="test")
+    assert routing_cache.get("demo-chat", max_age_s=0).aliases == {"stable": "v1"}
+    revision = RoutingTable.objects.get(model=model).revision
+    client = Client()
+    client.force_login(get_user_model().objects.create_user("alice", is_staff=True, is_superuser=True))
+    if how == "its own page":
+        response = client.post(f"/admin/registry/alias/{alias.pk}/delete/", {"post": "yes"})
+    else:
+        response = client.post(
+            "/admin/registry/alias/",
+            {"action": "delete_selected", "_selected_action": [alias.pk], "post": "yes"},
+        )
+    assert response.status_code == 302 and not Alias.objects.exists()
+    assert RoutingTable.objects.get(model=model).revision > revision
+    assert routing_cache.get("demo-chat", max_age_s=0).aliases == {}
