@@ -900,7 +900,7 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
     platform = Platform(
         model_dir, layer=str(options["layer"]), engine_env=engine_env, redis_url=str(options["redis_url"])
     )
-    log(f"starting a {options['layer']} platform in {platform.state} ...")
+    log(f"starting a platform ({options['layer']}) in {platform.state} ...")
     platform.start()
     rounds: list[CompareRound] = []
     pairs: list[Pair] = []
