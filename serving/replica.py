@@ -77,6 +77,9 @@ MAX_UNSENT = 64
 START_DELIVERY_WAIT_S = 0.005
 # Steps of one decoding sequence it takes before their median, not the warm-up's, is a step's base.
 MIN_BASE_SAMPLES = 8
+# How long the listening task waits before it tries a failed receive again, doubled up to the most.
+LISTEN_RETRY_MIN_S = 0.1
+LISTEN_RETRY_MAX_S = 2.0
 
 SUBMIT = "replica.submit"
 ABORT = "replica.abort"
@@ -389,9 +392,12 @@ class Replica:
         self.state = ReplicaState.STOPPED
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # A task that had ended with an error must not end the stop here: the heartbeat would never be
+        # withdrawn, nor the model thread stopped.
+        outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
+        for task, outcome in zip(self._tasks, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                logger.error("replica %s: %s had failed", self.replica_id, task.get_name(), exc_info=outcome)
         with self._inbox:
             self._stopping = True  # the model thread returns once its step, if it is in one, ends
             self._inbox.notify()
@@ -454,28 +460,61 @@ class Replica:
     # --- I/O on the event loop ---------------------------------------------------------------------
 
     async def _listen(self) -> None:
+        """Take submissions and aborts from the replica's channel for as long as it runs. A receive that
+        fails (Redis restarting, a dropped connection) is retried: ended, the replica would go on beating
+        ready with nothing reading its channel, and every request routed to it would wait out its
+        timeout."""
+        backoff_s = LISTEN_RETRY_MIN_S
         while True:
-            message = await self._layer.receive(self.channel_name)
-            kind = message.get("type")
-            if kind == SUBMIT:
-                if self.state is not ReplicaState.READY:
-                    self.metrics.record(requests=[RequestSample("error", error_type="replica_unavailable")])
-                    await self._send(
-                        message["reply_to"],
-                        {
-                            message["request_id"]: [
-                                _error_event("replica_unavailable", f"the replica is {self.state}")
-                            ]
-                        },
-                    )
-                    continue
-                self._last_request_at = time.monotonic()
-                self._arrive(submission=message)
-            elif kind == ABORT:
+            try:
+                message = await self._layer.receive(self.channel_name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.warning(
+                    "replica %s: receive failed; retrying in %.1f s",
+                    self.replica_id,
+                    backoff_s,
+                    exc_info=True,
+                )
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, LISTEN_RETRY_MAX_S)
+                continue
+            backoff_s = LISTEN_RETRY_MIN_S
+            try:
+                await self._take(message)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one malformed message must not stop the replica from listening
+                logger.exception("replica %s: could not take a message", self.replica_id)
+
+    async def _take(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == SUBMIT:
+            if self.state is not ReplicaState.READY or self._has_engine_ended:
+                # With no engine running (its thread died) this is a refusal too: in the inbox nothing
+                # would take it, and the request would wait out its timeout.
+                state = self.state if self.state is not ReplicaState.READY else ReplicaState.FAILED
+                self.metrics.record(requests=[RequestSample("error", error_type="replica_unavailable")])
+                await self._send(
+                    message["reply_to"],
+                    {message["request_id"]: [_error_event("replica_unavailable", f"the replica is {state}")]},
+                )
+                return
+            self._last_request_at = time.monotonic()
+            self._arrive(submission=message)
+        elif kind == ABORT:
+            if not self._has_engine_ended:  # else nothing holds the request any more: nothing to abort
                 self._arrive(abort=message["request_id"])
-            elif kind == SHADOW_RESULT:
-                matched = bool(message.get("matched"))
-                self.metrics.count({m.SHADOW_COMPARED: 1, m.SHADOW_MATCHED: int(matched)})
+        elif kind == SHADOW_RESULT:
+            matched = bool(message.get("matched"))
+            self.metrics.count({m.SHADOW_COMPARED: 1, m.SHADOW_MATCHED: int(matched)})
+
+    @property
+    def _has_engine_ended(self) -> bool:
+        """Whether the model thread has returned or died. An arrival then must not clear idle: nothing
+        would take it from the inbox, and a drain waiting for idle would wait for ever."""
+        return self._engine_run is not None and self._engine_run.done()
 
     def _arrive(self, *, submission: dict[str, Any] | None = None, abort: str | None = None) -> None:
         """Counted here, on the loop, so that idle (declared on the loop) waits for it; put in the inbox
@@ -699,6 +738,7 @@ class Replica:
                 raise
             model_time_s = time.perf_counter() - started
             now = time.monotonic()
+            finished: list[str] = []
             for output in outputs:
                 route = self._routes.get(output.request_id)
                 if route is None:
@@ -720,9 +760,14 @@ class Replica:
                         }
                     result.add(route, output.request_id, event)
                 if output.is_finished:
-                    del self._routes[output.request_id]
                     result.add(route, output.request_id, _final_event(output, route))
                     ended.append(_request_sample(output, route))
+                    finished.append(output.request_id)
+            # Only once every event of the step is built: should one raise (an encoder's vectors, say),
+            # _fail_all still finds each request of the step, those that finished in it too, and ends it
+            # with an error instead of leaving its client to time out.
+            for request_id in finished:
+                del self._routes[request_id]
         result.model_time_s, result.itl_s, result.ended = model_time_s, itl_s, ended
         return result
 

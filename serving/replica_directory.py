@@ -37,6 +37,9 @@ MISSED_AFTER_S = STALE_AFTER_S + _SERVE_STALE_S
 STEP_WINDOW_S = 5.0
 MIN_STEP_SPAN_S = 1.0
 KEY_PREFIX = "switchyard:replicas:"
+# A replica's states (serving.replica.ReplicaState) in which it serves nothing any more. Any other counts
+# as alive, so that a state a newer replica adds (a rolling upgrade) does not fail its requests.
+TERMINAL_STATES = frozenset({"failed", "stopped"})
 # One hash: "model:version" -> when a request last waited for a replica of a version that had none
 # (scaled to zero), in seconds on Redis' own clock (TIME), which the autoscaler compares with the same
 # clock. It reads the entry as a request to that version.
@@ -109,6 +112,12 @@ class Heartbeat:
     @property
     def is_ready(self) -> bool:
         return self.state == "ready" and self.is_fresh
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the requests it holds may still end: a replica that has failed (its engine thread
+        died) goes on beating to say so, and its requests must fail over at once, not time out."""
+        return self.state not in TERMINAL_STATES and self.is_fresh
 
 
 _HEARTBEAT_FIELDS = frozenset(f.name for f in dataclasses.fields(Heartbeat))
@@ -256,7 +265,7 @@ class ReplicaDirectory:
 
     async def is_alive(self, model_name: str, version: str, replica_id: str) -> bool:
         beats = await self.replicas(model_name, version)
-        return any(b.replica_id == replica_id and b.is_fresh for b in beats)
+        return any(b.replica_id == replica_id and b.is_alive for b in beats)
 
     async def close(self) -> None:
         for task in list(self._refreshing.values()):

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -294,7 +295,8 @@ class Runtime:
         self._draining.pop(replica.replica_id, None)
 
 
-_runtimes: dict[asyncio.AbstractEventLoop, Runtime] = {}
+_runtimes: dict[asyncio.AbstractEventLoop, Runtime] = {}  # started
+_starting: dict[asyncio.AbstractEventLoop, asyncio.Task[Runtime]] = {}
 
 
 def live_runtimes() -> list[Runtime]:
@@ -304,21 +306,60 @@ def live_runtimes() -> list[Runtime]:
 
 
 async def get_runtime() -> Runtime:
+    """This loop's runtime, started. Callers that come while it starts wait for the one start: on Redis
+    the reply hub's SUBSCRIBE takes a round trip, and a runtime handed out before it ends has no inbox
+    (a request would name None as its reply channel and wait out its timeout)."""
     loop = asyncio.get_running_loop()
     runtime = _runtimes.get(loop)
-    if runtime is None:
-        for stale_loop in [lp for lp in _runtimes if lp.is_closed()]:
+    if runtime is not None:
+        return runtime
+    starting = _starting.get(loop)
+    if starting is None:
+        for stale_loop in [lp for lp in (*_runtimes, *_starting) if lp.is_closed()]:
             _runtimes.pop(stale_loop, None)
+            _starting.pop(stale_loop, None)
+        starting = _starting[loop] = loop.create_task(_start_runtime(loop), name="runtime-start")
+    # Shielded: a caller cancelled while it waits (a client that left) must not cancel the start the
+    # other callers wait for.
+    return await asyncio.shield(starting)
+
+
+async def _start_runtime(loop: asyncio.AbstractEventLoop) -> Runtime:
+    try:
         runtime = Runtime(get_channel_layer(), reply_layer())
+        try:
+            await runtime.start(embedded_replicas=settings.EMBEDDED_REPLICAS)
+        except BaseException:
+            # Registered half-started, it would be handed out for good; the next caller starts afresh.
+            with _logged_failure("could not stop a runtime whose start failed"):
+                await runtime.stop()
+            raise
         _runtimes[loop] = runtime
-        await runtime.start(embedded_replicas=settings.EMBEDDED_REPLICAS)
-    return runtime
+        return runtime
+    finally:
+        if _starting.get(loop) is asyncio.current_task():  # not a later start, after a shutdown
+            del _starting[loop]
+
+
+@contextlib.contextmanager
+def _logged_failure(message: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception:
+        logger.exception(message)
 
 
 async def shutdown_runtime() -> None:
     from serving import shadow
 
-    runtime = _runtimes.pop(asyncio.get_running_loop(), None)
+    loop = asyncio.get_running_loop()
+    starting = _starting.pop(loop, None)
+    if starting is not None:  # a start in progress stops what it started itself
+        starting.cancel()
+        await asyncio.wait({starting})  # it may have ended first, registered: stopped below
+        if not starting.cancelled():
+            starting.exception()  # retrieved: its callers have had it, if any were left
+    runtime = _runtimes.pop(loop, None)
     if runtime is not None:
         await shadow.cancel_all()  # copies nobody waits for; their replicas are about to stop
         await runtime.stop()

@@ -1,0 +1,225 @@
+"""A replica's failures end its requests at once and never hang a drain or a stop: a receive that fails
+(Redis restarting), a dead engine thread, a final event that cannot be built. And a runtime is handed
+out only once started, to every caller that waits for it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import redis.exceptions
+from asgiref.sync import sync_to_async
+from channels.layers import InMemoryChannelLayer
+
+from serving import replica as replica_module
+from serving import runtime as runtime_module
+from serving.replica import ABORT, Replica, ReplicaState
+from serving.replica_directory import Heartbeat, HeartbeatPublisher, ReplicaDirectory
+from tests.serving.test_replica_pipeline import HeldReplies, _assert_one_whole_stream, _submit
+
+
+class FlakyLayer(InMemoryChannelLayer):  # type: ignore[misc]
+    """An in-memory layer whose first receive fails as a dropped Redis connection does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = asyncio.Event()
+
+    async def receive(self, channel: str) -> dict[str, Any]:
+        if not self.failed.is_set():
+            self.failed.set()
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return await super().receive(channel)  # type: ignore[no-any-return]
+
+
+class FakePublisher:
+    """A heartbeat publisher that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.beats: list[Heartbeat] = []
+        self.withdrawn: list[str] = []
+
+    async def publish(self, beat: Heartbeat) -> None:
+        self.beats.append(beat)
+
+    async def withdraw(self, beat: Heartbeat) -> None:
+        self.withdrawn.append(beat.replica_id)
+
+
+class WatchedReplies(HeldReplies):
+    """Replies sent at once; `ended(request_id)` waits for that request's terminal event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.let_go()
+        self._sent = asyncio.Condition()
+
+    async def send(self, channel: str, message: dict[str, Any]) -> None:
+        await super().send(channel, message)
+        async with self._sent:
+            self._sent.notify_all()
+
+    async def ended(self, request_id: str) -> list[dict[str, Any]]:
+        async with asyncio.timeout(30), self._sent:
+            await self._sent.wait_for(lambda: any("finish_reason" in e for e in self.events(request_id)))
+        return self.events(request_id)
+
+
+async def _replica(layer: Any, replies: HeldReplies, **kwargs: Any) -> Replica:
+    from registry.selectors import version_ref
+
+    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
+    replica = Replica(ref, layer=layer, replies=replies, torch_threads=1, **kwargs)
+    await replica.start()
+    assert replica.is_ready, replica.error
+    return replica
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_replica_serves_on_after_a_receive_fails_and_its_stop_withdraws_its_heartbeat(
+    registered_model,
+) -> None:
+    layer, replies, publisher = FlakyLayer(), WatchedReplies(), FakePublisher()
+    replica = await _replica(layer, replies, publisher=publisher)
+    try:
+        await asyncio.wait_for(layer.failed.wait(), timeout=10)
+        await _submit(layer, replica, "r1", max_tokens=4)
+        _assert_one_whole_stream(await replies.ended("r1"), num_tokens=4)
+    finally:
+        await asyncio.wait_for(replica.stop(), timeout=30)
+    assert publisher.withdrawn == [replica.replica_id]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_task_that_failed_does_not_cut_the_stop_short(registered_model, monkeypatch) -> None:
+    publisher = FakePublisher()
+
+    async def broken() -> None:
+        raise RuntimeError("a bug in a replica's task")
+
+    monkeypatch.setattr(Replica, "_flush_periodically", lambda self: broken())
+    replica = await _replica(InMemoryChannelLayer(), WatchedReplies(), publisher=publisher)
+    (failed,) = [task for task in replica._tasks if task.get_name().endswith("-metrics")]
+    with pytest.raises(RuntimeError):
+        await failed
+    await asyncio.wait_for(replica.stop(), timeout=30)
+    assert publisher.withdrawn == [replica.replica_id]
+    assert replica._engine_run is not None and replica._engine_run.done()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_after_the_engine_thread_died_an_abort_or_a_submission_does_not_hold_up_a_drain(
+    registered_model,
+) -> None:
+    layer, replies = InMemoryChannelLayer(), WatchedReplies()
+    replica = await _replica(layer, replies)
+
+    def broken(*args: object) -> Any:
+        raise RuntimeError("a bug")
+
+    replica.engine.step = broken
+    replica._fail_all = broken  # type: ignore[method-assign]  # the step's own failure handling fails too
+    try:
+        await _submit(layer, replica, "r1", max_tokens=4)
+        assert replica._engine_run is not None
+        with pytest.raises(RuntimeError, match="a bug"):
+            await asyncio.wait_for(replica._engine_run, timeout=10)
+        # The client of r1 leaves, and another request comes: both after the engine has gone.
+        await layer.send(replica.channel_name, {"type": ABORT, "request_id": "r1"})
+        await _submit(layer, replica, "r2", max_tokens=4)
+        # Taken in order: once r2 is answered the abort has been handled too.
+        (refusal,) = await replies.ended("r2")
+        assert refusal["error"]["type"] == "replica_unavailable"
+        replica.drain()
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+        assert replica.state is ReplicaState.FAILED
+    finally:
+        await replica.stop()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_final_event_that_cannot_be_built_still_ends_its_request(
+    registered_model, monkeypatch
+) -> None:
+    layer, replies = InMemoryChannelLayer(), WatchedReplies()
+    replica = await _replica(layer, replies)
+
+    def broken(output: Any, route: Any) -> dict[str, Any]:
+        raise ValueError("vectors that cannot be encoded")
+
+    monkeypatch.setattr(replica_module, "_final_event", broken)
+    try:
+        await _submit(layer, replica, "r1", max_tokens=3)
+        events = await replies.ended("r1")
+        assert events[-1] == {
+            "finish_reason": "error",
+            "error": {"type": "internal_error", "message": "vectors that cannot be encoded"},
+        }
+        assert replica._routes == {}
+        assert replica.is_ready  # the step failed, not the replica
+    finally:
+        await replica.stop()
+
+
+async def test_callers_that_come_while_the_runtime_starts_get_it_started(settings, monkeypatch) -> None:
+    settings.EMBEDDED_REPLICAS = False
+    entered, release = asyncio.Event(), asyncio.Event()
+    start = runtime_module.Runtime.start
+
+    async def slow_start(self: Any, **kwargs: Any) -> None:
+        entered.set()
+        await release.wait()  # as a SUBSCRIBE to Redis waits for its reply
+        await start(self, **kwargs)
+
+    monkeypatch.setattr(runtime_module.Runtime, "start", slow_start)
+
+    async def channel_seen() -> tuple[Any, str | None]:
+        runtime = await runtime_module.get_runtime()
+        return runtime, runtime.hub.channel_name  # at the moment it was handed out
+
+    first, second = asyncio.create_task(channel_seen()), asyncio.create_task(channel_seen())
+    await entered.wait()
+    release.set()
+    (runtime_a, channel_a), (runtime_b, channel_b) = await asyncio.gather(first, second)
+    assert runtime_a is runtime_b
+    assert channel_a is not None and channel_b is not None
+
+
+async def test_a_runtime_whose_start_failed_is_not_handed_out(settings, monkeypatch) -> None:
+    settings.EMBEDDED_REPLICAS = False
+    start = runtime_module.Runtime.start
+
+    async def failing_start(self: Any, **kwargs: Any) -> None:
+        raise ConnectionError("Redis is restarting")
+
+    monkeypatch.setattr(runtime_module.Runtime, "start", failing_start)
+    with pytest.raises(ConnectionError):
+        await runtime_module.get_runtime()
+    assert asyncio.get_running_loop() not in runtime_module._runtimes
+    monkeypatch.setattr(runtime_module.Runtime, "start", start)
+    runtime = await runtime_module.get_runtime()
+    assert runtime.hub.channel_name is not None
+
+
+@pytest.mark.redis
+async def test_a_replica_that_beats_failed_is_not_alive(redis_url: str) -> None:
+    import uuid
+
+    model = f"dir-{uuid.uuid4().hex[:8]}"
+    publisher, directory = HeartbeatPublisher(redis_url), ReplicaDirectory(redis_url)
+    beats = [
+        Heartbeat(f"r-{state}", model, "v1", "switchyard.replica.x", state, 0, 1, 0.0, time.time())
+        for state in ("ready", "draining", "failed", "stopped")
+    ]
+    try:
+        for beat in beats:
+            await publisher.publish(beat)
+        alive = {beat.state: await directory.is_alive(model, "v1", beat.replica_id) for beat in beats}
+        assert alive == {"ready": True, "draining": True, "failed": False, "stopped": False}
+    finally:
+        for beat in beats:
+            await publisher.withdraw(beat)
+        await publisher.close()
+        await directory.close()
