@@ -1,8 +1,9 @@
 """The gateway: API key -> tenant -> model and pin permissions -> quota admission.
 
-Quota state is a token bucket for requests/s, one for tokens/min and a concurrency count per tenant.
-It lives in Redis when REDIS_URL is set (one Lua script, so it is atomic across gateway processes) and
-in process memory otherwise. A refusal is a GatewayError carrying the HTTP status and Retry-After."""
+Quota state is a token bucket for requests/s, one for tokens/min and the requests in flight per tenant
+(by ticket id; in Redis, leases that expire if never released). It lives in Redis when REDIS_URL is set
+(one Lua script, so it is atomic across gateway processes) and in process memory otherwise. A refusal
+is a GatewayError carrying the HTTP status and Retry-After."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from django.conf import settings
@@ -229,7 +230,9 @@ class _TenantState:
     request_tokens: float
     token_tokens: float
     updated_at: float
-    num_in_flight: int = 0
+    # Admitted and not yet released, by ticket id: a second release of one ticket frees no other's slot,
+    # as in the Redis store, whose in-flight requests are leases by ticket id.
+    in_flight: set[str] = field(default_factory=set)
 
 
 class MemoryQuotaStore:
@@ -256,13 +259,15 @@ class MemoryQuotaStore:
         return state
 
     def admit(self, context: TenantContext, *, tokens: int) -> Ticket:
+        check_fits_quota(context, tokens)
+        ticket = Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
         with self._lock:
             state = self._refill(context, self._clock())  # type: ignore[operator]
             refusal = _refusal(
                 context,
                 request_tokens=state.request_tokens,
                 token_tokens=state.token_tokens,
-                num_in_flight=state.num_in_flight,
+                num_in_flight=len(state.in_flight),
                 tokens=tokens,
             )
             if refusal is not None:
@@ -270,15 +275,15 @@ class MemoryQuotaStore:
                 raise refusal
             state.request_tokens -= 1.0
             state.token_tokens -= tokens
-            state.num_in_flight += 1
-        return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
+            state.in_flight.add(ticket.ticket_id)
+        return ticket
 
     def release(self, ticket: Ticket, *, used_tokens: int) -> None:
         with self._lock:
             state = self._states.get(ticket.tenant_id)
             if state is None:
                 return
-            state.num_in_flight = max(0, state.num_in_flight - 1)
+            state.in_flight.discard(ticket.ticket_id)
             # Settle the estimate charged at admission against what the request really used.
             state.token_tokens += ticket.charged_tokens - used_tokens
 
@@ -315,7 +320,7 @@ class MemoryQuotaStore:
                     tenant,
                     request_tokens=state.request_tokens if state else None,
                     token_tokens=state.token_tokens if state else None,
-                    num_in_flight=state.num_in_flight if state else 0,
+                    num_in_flight=len(state.in_flight) if state else 0,
                     elapsed_s=now - state.updated_at if state else 0.0,
                 )
             return result
@@ -324,29 +329,42 @@ class MemoryQuotaStore:
 def _refusal(
     context: TenantContext, *, request_tokens: float, token_tokens: float, num_in_flight: int, tokens: int
 ) -> GatewayError | None:
+    """The refusal for this state, None to admit. Every limit that binds is checked and Retry-After is
+    the longest wait among them: a retry after the first one's wait alone would be refused again."""
     if context.requests_per_second <= 0:
         return GatewayError(429, "request rate quota is zero for this tenant", retry_after_s=60)
+    if tokens > context.tokens_per_minute:  # the stores raise check_fits_quota's 400 before this
+        return too_large_for_quota(context, tokens)
+    binding: list[tuple[float, str]] = []  # (wait in seconds, what binds)
     if num_in_flight >= context.max_concurrent_requests:
-        return GatewayError(
-            429, f"too many concurrent requests (limit {context.max_concurrent_requests})", retry_after_s=1
-        )
+        # When one ends is unknown: 1 s, as a request rarely holds its slot for less.
+        binding.append((1.0, f"too many concurrent requests (limit {context.max_concurrent_requests})"))
     if request_tokens < 1.0:
         wait = (1.0 - request_tokens) / context.requests_per_second
-        return GatewayError(
-            429, f"request rate over quota ({context.requests_per_second:g}/s)", retry_after_s=wait
-        )
-    if tokens > context.tokens_per_minute:
-        return GatewayError(
-            429,
-            f"request needs {tokens} tokens, over the {context.tokens_per_minute}/min quota",
-            retry_after_s=60,
-        )
+        binding.append((wait, f"request rate over quota ({context.requests_per_second:g}/s)"))
     if token_tokens < tokens:
         wait = (tokens - token_tokens) / (context.tokens_per_minute / 60.0)
-        return GatewayError(
-            429, f"token rate over quota ({context.tokens_per_minute}/min)", retry_after_s=wait
-        )
-    return None
+        binding.append((wait, f"token rate over quota ({context.tokens_per_minute}/min)"))
+    if not binding:
+        return None
+    binding.sort(key=lambda limit: -limit[0])  # the longest wait first: it is the one Retry-After reports
+    return GatewayError(429, "; ".join(reason for _, reason in binding), retry_after_s=binding[0][0])
+
+
+def too_large_for_quota(context: TenantContext, tokens: int) -> GatewayError:
+    # A 400, not a 429: no wait would admit it, and clients (the openai one among them) retry 429s.
+    return GatewayError(
+        400,
+        f"request needs an estimated {tokens} tokens, over this tenant's whole quota of "
+        f"{context.tokens_per_minute} tokens/min, so it can never be admitted: lower max_tokens or "
+        "shorten the prompt",
+    )
+
+
+def check_fits_quota(context: TenantContext, tokens: int) -> None:
+    """Raises the 400 for a request that no wait would admit; both stores call it before counting."""
+    if tokens > context.tokens_per_minute:
+        raise too_large_for_quota(context, tokens)
 
 
 async def admit_then_send(

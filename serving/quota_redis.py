@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 from channels.exceptions import ChannelFull
+from django.conf import settings
 
 from registry.selectors import TenantContext
 from serving.channel_layer import SEND_FUNCTIONS, OneTripRedisChannelLayer
@@ -29,58 +31,107 @@ from serving.gateway import (
     Ticket,
     _refusal,
     admit_then_send,
+    check_fits_quota,
     quota_usage,
 )
 
-# admit(tenant hash, refusal counts, rps, tokens/min, max concurrent, tokens asked, idle expiry (s),
-# tenant id). A refusal is counted in the same script: no second round trip per 429. Returns {admitted
-# (0/1), request_tokens, token_tokens, in_flight} as strings (Lua numbers would be truncated to
-# integers on the way out).
+# admit(tenant hash, refusal counts, rps, tokens/min, max concurrent, tokens asked, hash expiry (s),
+# tenant id, ticket id, lease (s)). A refusal is counted in the same script: no second round trip per 429.
+# Returns {admitted (0/1), request_tokens, token_tokens, in_flight} as strings (Lua numbers would be
+# truncated to integers on the way out).
+#
+# The tenant hash holds both buckets (rt, tt, refilled at ts) and one field per request in flight,
+# 'l:<ticket id>' = its lease's deadline on Redis's clock. A lease that was never released (its gateway
+# died, or the release could not reach Redis) stops counting at its deadline; a count that only expired
+# with an idle key never cleared for a tenant that kept sending. 'lx': no lease expires before it, so
+# until then the count is HLEN less the other fields, and only a lease past its deadline costs a scan.
+# Leases live in the tenant hash rather than a key of their own so each script keeps its keys.
 _ADMIT_FUNCTION = """
-local function admit(key, refused_key, rps, tpm, max_c, tokens, ttl, tenant_id)
+local function live_leases(key, now)
+  local n, first = 0, nil
+  local fields = redis.call('HGETALL', key)
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, 2) == 'l:' then
+      local deadline = tonumber(fields[i + 1])
+      if deadline <= now then redis.call('HDEL', key, fields[i])
+      else
+        n = n + 1
+        if first == nil or deadline < first then first = deadline end
+      end
+    end
+  end
+  return n, first
+end
+local function admit(key, refused_key, rps, tpm, max_c, tokens, ttl, tenant_id, ticket, lease)
   rps = tonumber(rps); tpm = tonumber(tpm); max_c = tonumber(max_c)
-  tokens = tonumber(tokens); ttl = tonumber(ttl)
+  tokens = tonumber(tokens); ttl = tonumber(ttl); lease = tonumber(lease)
   local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
   local burst = math.max(1, rps)
-  local s = redis.call('HMGET', key, 'rt', 'tt', 'ts', 'n')
+  local s = redis.call('HMGET', key, 'rt', 'tt', 'ts', 'lx', 'n')
   local rt = tonumber(s[1]) or burst; local tt = tonumber(s[2]) or tpm
-  local ts = tonumber(s[3]) or now; local n = tonumber(s[4]) or 0
+  local ts = tonumber(s[3]) or now; local lx = tonumber(s[4])
+  local n
+  if s[5] then redis.call('HDEL', key, 'n') end -- the count kept before leases: dropped, leaks and all
+  if lx == nil or now < lx then
+    n = redis.call('HLEN', key)
+    for i = 1, 4 do if s[i] then n = n - 1 end end
+  else
+    n, lx = live_leases(key, now)
+  end
   local el = math.max(0, now - ts)
   rt = math.min(burst, rt + el * rps); tt = math.min(tpm, tt + el * tpm / 60)
   local ok = rps > 0 and n < max_c and rt >= 1 and tokens <= tpm and tt >= tokens
   local out_rt, out_tt, out_n = rt, tt, n
-  if ok then rt = rt - 1; tt = tt - tokens; n = n + 1
+  if ok then
+    rt = rt - 1; tt = tt - tokens
+    local deadline = now + lease
+    redis.call('HSET', key, 'l:' .. ticket, tostring(deadline))
+    if lx == nil or deadline < lx then lx = deadline end
   else redis.call('HINCRBY', refused_key, tenant_id, 1) end
-  redis.call('HSET', key, 'rt', tostring(rt), 'tt', tostring(tt), 'ts', tostring(now), 'n', n)
+  redis.call('HSET', key, 'rt', tostring(rt), 'tt', tostring(tt), 'ts', tostring(now))
+  if lx then redis.call('HSET', key, 'lx', tostring(lx)) else redis.call('HDEL', key, 'lx') end
   redis.call('EXPIRE', key, ttl)
   return {ok and 1 or 0, tostring(out_rt), tostring(out_tt), tostring(out_n)}
 end
 """
 # KEYS[1] tenant hash, KEYS[2] the refusal counts; ARGV as admit() takes them after its two keys.
 _ADMIT = _ADMIT_FUNCTION + "return admit(KEYS[1], KEYS[2], unpack(ARGV))"
-# The same, then KEYS[3] the replica's channel and ARGV[7..11] the send's (serving.channel_layer). A full
+# The same, then KEYS[3] the replica's channel and ARGV[9..13] the send's (serving.channel_layer). A full
 # channel admits nothing ({-1}); an admitted request is on its replica's channel when the reply arrives.
 _ADMIT_AND_SEND = (
     _ADMIT_FUNCTION
     + SEND_FUNCTIONS
     + """
-if not channel_has_room(KEYS[3], ARGV[7], ARGV[8]) then return {-1} end
-local result = admit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
-if result[1] == 1 then channel_add(KEYS[3], ARGV[9], ARGV[10], ARGV[11]) end
+if not channel_has_room(KEYS[3], ARGV[9], ARGV[10]) then return {-1} end
+local result = admit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
+if result[1] == 1 then channel_add(KEYS[3], ARGV[11], ARGV[12], ARGV[13]) end
 return result
 """
 )
 
+# KEYS[1] tenant hash; ARGV: tokens to give back (charged less used), ticket id. A lease that already
+# expired is gone: its release frees no one else's slot.
 _RELEASE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local n = tonumber(redis.call('HGET', KEYS[1], 'n') or '0')
-if n > 0 then redis.call('HSET', KEYS[1], 'n', n - 1) end
+redis.call('HDEL', KEYS[1], 'l:' .. ARGV[2])
 redis.call('HINCRBYFLOAT', KEYS[1], 'tt', ARGV[1])
 return 1
 """
 
-# A gateway that dies mid-request leaves its in-flight count behind; an idle tenant's state expires.
+# An idle tenant's hash expires (its buckets would be full again by then), but never before its leases.
 _IDLE_EXPIRY_S = 600
+# How long an admitted request that is never released counts against its tenant's concurrency. It must
+# outlast every legitimate request, or a live one stops counting: up to COLD_START_TIMEOUT_S waiting for a
+# replica to start, the dispatcher's ACCEPT_TIMEOUT_S for it to accept, then up to MAX_TOKENS_LIMIT
+# tokens, whose pace the gateway bounds only by a 60 s inactivity timeout between events. At 1 s a token
+# (ten times the rollout judge's TPOT SLA) the defaults give 120 + 30 + 4096 s, about 71 minutes.
+_SLOWEST_TOKEN_S = 1.0
+
+
+def default_lease_s() -> float:
+    from serving.dispatch import ACCEPT_TIMEOUT_S  # imports this module's importer: not at load time
+
+    return settings.COLD_START_TIMEOUT_S + ACCEPT_TIMEOUT_S + settings.MAX_TOKENS_LIMIT * _SLOWEST_TOKEN_S
 
 
 def _unavailable(exc: Exception) -> GatewayError:
@@ -101,34 +152,49 @@ class _LoopClient:
 class RedisQuotaStore:
     """The gateway admits with `aadmit` and `arelease`, on a client of its event loop's own, so admission
     costs one Redis round trip and no thread hop. `admit` and `release` are the same on a blocking client
-    (the QuotaStore interface, for callers in threads); `usage` and `refusals` serve the dashboard."""
+    (the QuotaStore interface, for callers in threads); `usage` and `refusals` serve the dashboard.
+    `lease_s`: how long a request never released counts as in flight (default_lease_s)."""
 
-    def __init__(self, url: str, *, key_prefix: str = "switchyard:quota:") -> None:
+    def __init__(
+        self, url: str, *, key_prefix: str = "switchyard:quota:", lease_s: float | None = None
+    ) -> None:
         self._url = url
         self._redis = redis.Redis.from_url(url)
         self._prefix = key_prefix
+        self._lease_s = default_lease_s() if lease_s is None else lease_s
+        self._expiry_s = max(_IDLE_EXPIRY_S, math.ceil(self._lease_s) + 1)
         self._admit = self._redis.register_script(_ADMIT)
         self._release = self._redis.register_script(_RELEASE)
         self._refused_key = f"{key_prefix}refused"  # tenant id -> 429s, over every gateway process
         self._loop_clients: dict[asyncio.AbstractEventLoop, _LoopClient] = {}
         # Tenant id -> until when (monotonic) this process expects it to be refused: see aadmit_and_send.
         self._refusing_until: dict[int, float] = {}
+        self._giving_back: set[asyncio.Task[None]] = set()  # see _admission: held until done
 
     def _key(self, tenant_id: int) -> str:
         return f"{self._prefix}{tenant_id}"
 
-    def _admit_args(self, context: TenantContext, tokens: int) -> dict[str, list[object]]:
+    def _admit_args(self, context: TenantContext, ticket: Ticket) -> dict[str, list[object]]:
         return {
             "keys": [self._key(context.tenant_id), self._refused_key],
             "args": [
                 context.requests_per_second,
                 context.tokens_per_minute,
                 context.max_concurrent_requests,
-                tokens,
-                _IDLE_EXPIRY_S,
+                ticket.charged_tokens,
+                self._expiry_s,
                 context.tenant_id,
+                ticket.ticket_id,
+                self._lease_s,
             ],
         }
+
+    @staticmethod
+    def _new_ticket(context: TenantContext, tokens: int) -> Ticket:
+        """Checked (a 400 for a request no wait would admit) and named before the script runs, which
+        takes the ticket id as its lease's name."""
+        check_fits_quota(context, tokens)
+        return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
 
     @staticmethod
     def _refusal(context: TenantContext, tokens: int, rt: bytes, tt: bytes, n: bytes) -> GatewayError:
@@ -138,18 +204,25 @@ class RedisQuotaStore:
         return refusal or GatewayError(429, "over quota", retry_after_s=1)
 
     def admit(self, context: TenantContext, *, tokens: int) -> Ticket:
+        ticket = self._new_ticket(context, tokens)
         try:
-            admitted, rt, tt, n = self._admit(**self._admit_args(context, tokens))
+            admitted, rt, tt, n = self._admit(**self._admit_args(context, ticket))
         except redis.RedisError as exc:
             raise _unavailable(exc) from exc
         if not int(admitted):
             raise self._refusal(context, tokens, rt, tt, n)
-        return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
+        return ticket
 
     def release(self, ticket: Ticket, *, used_tokens: int) -> None:
-        # On failure the idle expiry clears the count we could not give back.
+        # On failure the lease expires on its own; the tokens stay charged.
         with contextlib.suppress(redis.RedisError):
-            self._release(keys=[self._key(ticket.tenant_id)], args=[ticket.charged_tokens - used_tokens])
+            self._release(**self._release_args(ticket, used_tokens))
+
+    def _release_args(self, ticket: Ticket, used_tokens: int) -> dict[str, list[object]]:
+        return {
+            "keys": [self._key(ticket.tenant_id)],
+            "args": [ticket.charged_tokens - used_tokens, ticket.ticket_id],
+        }
 
     def _loop_client(self) -> _LoopClient:
         loop = asyncio.get_running_loop()
@@ -161,16 +234,44 @@ class RedisQuotaStore:
             self._loop_clients[loop] = client
         return client
 
+    async def _admission(self, script: Coroutine[Any, Any, Any], ticket: Ticket) -> Any:
+        """The reply of an admission script. The script runs in a task of its own: when the caller is
+        cancelled (a client that went away) once Redis may have run it, the caller never gets the ticket
+        and so never releases it; here its reply is still read, and an admission given back in full,
+        before the CancelledError goes on."""
+        reply = asyncio.ensure_future(script)
+        try:
+            return await asyncio.shield(reply)
+        except asyncio.CancelledError:
+            giving_back = asyncio.ensure_future(self._give_back_if_admitted(reply, ticket))
+            self._giving_back.add(giving_back)
+            giving_back.add_done_callback(self._giving_back.discard)
+            # A second cancellation stops this wait, not the giving back.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(giving_back)
+            raise
+
+    async def _give_back_if_admitted(self, reply: asyncio.Future[Any], ticket: Ticket) -> None:
+        try:
+            admitted = int((await reply)[0])
+        except (Exception, asyncio.CancelledError):
+            return  # no reply (Redis unreachable): the lease, if any, expires on its own
+        if admitted == 1:  # (-1: a full channel admitted nothing)
+            await self.arelease(ticket, used_tokens=0)
+
     async def aadmit(self, context: TenantContext, *, tokens: int) -> Ticket:
+        ticket = self._new_ticket(context, tokens)
         client = self._loop_client()
         try:
-            admitted, rt, tt, n = await client.admit(**self._admit_args(context, tokens))
+            admitted, rt, tt, n = await self._admission(
+                client.admit(**self._admit_args(context, ticket)), ticket
+            )
         except redis.RedisError as exc:
             raise _unavailable(exc) from exc
         if not int(admitted):
             raise self._refused(context, tokens, rt, tt, n)
         self._refusing_until.pop(context.tenant_id, None)
-        return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
+        return ticket
 
     def _refused(self, context: TenantContext, tokens: int, rt: bytes, tt: bytes, n: bytes) -> GatewayError:
         refusal = self._refusal(context, tokens, rt, tt, n)
@@ -189,31 +290,32 @@ class RedisQuotaStore:
         """Admit, then send `message` on `layer`: in one round trip when the layer's Redis is this one,
         else admission and then the layer's own send. Raises GatewayError (a refusal: nothing is sent)
         or ChannelFull (nothing is admitted). A tenant being refused (sends_with_admission) is admitted
-        alone first."""
+        alone first. Cancelled once the script ran, the admission is given back; the request may be on
+        its replica's channel then, and the caller aborts it there (Dispatch sets its replica first)."""
         shares_server = isinstance(layer, OneTripRedisChannelLayer) and layer.single_address() == self._url
         if not shares_server or not self.sends_with_admission(context):
             return await admit_then_send(
                 self, context, tokens=tokens, layer=layer, channel=channel, message=message
             )
+        ticket = self._new_ticket(context, tokens)
         prepared = layer.prepare_send(channel, message)
-        admit = self._admit_args(context, tokens)
+        admit = self._admit_args(context, ticket)
+        script = self._loop_client().admit_and_send(
+            keys=[*admit["keys"], prepared.key], args=[*admit["args"], *prepared.args]
+        )
         try:
-            admitted, *state = await self._loop_client().admit_and_send(
-                keys=[*admit["keys"], prepared.key], args=[*admit["args"], *prepared.args]
-            )
+            admitted, *state = await self._admission(script, ticket)
         except redis.RedisError as exc:
             raise _unavailable(exc) from exc
         if int(admitted) == -1:
             raise ChannelFull()
         if not int(admitted):
             raise self._refused(context, tokens, *state)
-        return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
+        return ticket
 
     async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None:
         with contextlib.suppress(redis.RedisError):
-            await self._loop_client().release(
-                keys=[self._key(ticket.tenant_id)], args=[ticket.charged_tokens - used_tokens]
-            )
+            await self._loop_client().release(**self._release_args(ticket, used_tokens))
 
     def refusals(self) -> dict[int, int] | None:
         """429s per tenant id, counted by every gateway process (None when Redis cannot be read)."""
@@ -227,25 +329,31 @@ class RedisQuotaStore:
         """Each tenant's usage now, over every gateway process (empty when Redis cannot be read).
 
         Reads the hash _ADMIT keeps and refills it in Python, writing nothing: a look must not move a
-        bucket's timestamp. The clock is Redis's own TIME, as in the script, read in the same
-        MULTI/EXEC as the hashes so that no admission lands between them."""
+        bucket's timestamp, nor drop an expired lease (it just does not count). The clock is Redis's own
+        TIME, as in the script, read in the same MULTI/EXEC as the hashes so that no admission lands
+        between them."""
         limits = list(limits)
         try:
             with self._redis.pipeline(transaction=True) as pipe:
                 pipe.time()
                 for tenant in limits:
-                    pipe.hmget(self._key(tenant.tenant_id), "rt", "tt", "ts", "n")
+                    pipe.hgetall(self._key(tenant.tenant_id))
                 (seconds, microseconds), *states = pipe.execute()
         except redis.RedisError:
             return {}
         now = seconds + microseconds / 1e6
         result = {}
-        for tenant, (rt, tt, ts, n) in zip(limits, states, strict=True):
+        for tenant, state in zip(limits, states, strict=True):
+            rt, tt, ts = (state.get(field) for field in (b"rt", b"tt", b"ts"))
             result[tenant.tenant_id] = quota_usage(
                 tenant,
                 request_tokens=None if rt is None else float(rt),
                 token_tokens=None if tt is None else float(tt),
-                num_in_flight=0 if n is None else int(n),
+                num_in_flight=sum(
+                    1
+                    for field, deadline in state.items()
+                    if field.startswith(b"l:") and float(deadline) > now
+                ),
                 elapsed_s=0.0 if ts is None else now - float(ts),
             )
         return result

@@ -1,0 +1,280 @@
+"""Quota admission's in-flight leases (a request never released stops counting), admission cancelled
+after Redis ran it, Retry-After over every binding limit, and the 400 for a request no wait would admit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from registry.errors import error_body
+from serving.gateway import GatewayError, MemoryQuotaStore
+from tests.serving.conftest import one_trip_layer
+from tests.serving.test_gateway import _context
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def store(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Each store, for the behaviour both must share."""
+    if request.param == "memory":
+        yield MemoryQuotaStore()
+        return
+    from serving.quota_redis import RedisQuotaStore
+
+    redis_store = RedisQuotaStore(request.getfixturevalue("redis_url"), key_prefix="test:quota-leases:")
+    redis_store.clear()
+    yield redis_store
+    redis_store.clear()
+
+
+def _redis_store(redis_url: str, **options: Any) -> Any:
+    from serving.quota_redis import RedisQuotaStore
+
+    store = RedisQuotaStore(redis_url, key_prefix="test:quota-leases:", **options)
+    store.clear()
+    return store
+
+
+# --- leases ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_a_request_never_released_stops_counting_at_its_lease_deadline_while_the_tenant_keeps_sending(
+    redis_url: str,
+) -> None:
+    """A gateway killed mid-request leaks its admission. The count used to clear only with the idle
+    expiry of the tenant's key, which every admission, refusals included, pushed back: a tenant that kept
+    sending was refused for ever."""
+    store = _redis_store(redis_url, lease_s=1.0)
+    context = _context(31, requests_per_second=1000, tokens_per_minute=10**6, max_concurrent_requests=1)
+    try:
+        leaked = store.admit(context, tokens=1)  # never released
+        leaked_at = time.monotonic()
+        refusals = 0
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                ticket = store.admit(context, tokens=1)
+                break
+            except GatewayError as exc:
+                assert exc.status == 429 and "concurrent" in exc.message
+                refusals += 1
+            assert time.monotonic() < deadline, "the leaked lease never stopped counting"
+            time.sleep(0.05)
+        # It kept sending, and was refused until the lease ran out, not before.
+        assert refusals >= 3 and time.monotonic() - leaked_at >= 0.9
+        assert store.usage([context])[31].num_in_flight == 1
+
+        store.release(leaked, used_tokens=1)  # late: its lease is gone, and it frees no one else's slot
+        assert store.usage([context])[31].num_in_flight == 1
+        with pytest.raises(GatewayError, match="concurrent"):
+            store.admit(context, tokens=1)
+        store.release(ticket, used_tokens=1)
+        assert store.usage([context])[31].num_in_flight == 0
+        store.admit(context, tokens=1)
+    finally:
+        store.clear()
+
+
+@pytest.mark.redis
+def test_a_count_left_by_the_layout_before_leases_is_dropped(redis_url: str) -> None:
+    """Hashes written before leases kept a bare count, leaks included: the first admission drops it."""
+    store = _redis_store(redis_url)
+    context = _context(39, requests_per_second=1000, tokens_per_minute=600, max_concurrent_requests=2)
+    try:
+        store._redis.hset(store._key(39), mapping={"rt": "1000", "tt": "600", "ts": "0", "n": "2"})
+        ticket = store.admit(context, tokens=1)
+        assert store._redis.hget(store._key(39), "n") is None
+        assert store.usage([context])[39].num_in_flight == 1
+        store.release(ticket, used_tokens=1)
+        assert store.usage([context])[39].num_in_flight == 0
+    finally:
+        store.clear()
+
+
+@pytest.mark.redis
+def test_a_lease_outlasts_the_longest_legitimate_request(redis_url: str, settings: Any) -> None:
+    from serving.dispatch import ACCEPT_TIMEOUT_S
+    from serving.quota_redis import default_lease_s
+
+    settings.MAX_TOKENS_LIMIT, settings.COLD_START_TIMEOUT_S = 4096, 120.0
+    assert default_lease_s() >= 120 + ACCEPT_TIMEOUT_S + 4096 * 0.5  # 0.5 s a token: 5x the TPOT SLA
+    store = _redis_store(redis_url)
+    context = _context(32, max_concurrent_requests=1)
+    try:
+        store.admit(context, tokens=1)
+        ttl = store._redis.ttl(store._key(32))
+        assert ttl >= default_lease_s()  # the tenant's hash, which holds the leases, outlives them
+    finally:
+        store.clear()
+
+
+def test_a_second_release_of_one_ticket_frees_no_other_requests_slot(store: Any) -> None:
+    context = _context(33, requests_per_second=1000, tokens_per_minute=10**6, max_concurrent_requests=2)
+    first = store.admit(context, tokens=1)
+    store.admit(context, tokens=1)
+    store.release(first, used_tokens=1)
+    store.release(first, used_tokens=1)  # a caller's mistake, or a retried release
+    assert store.usage([context])[33].num_in_flight == 1
+    store.admit(context, tokens=1)
+    with pytest.raises(GatewayError, match="concurrent"):
+        store.admit(context, tokens=1)
+
+
+# --- cancelled during admission ----------------------------------------------------------------------------
+
+
+def _reply_held_back(client: Any, name: str) -> tuple[asyncio.Event, asyncio.Event]:
+    """Makes the loop client's script `name` run in Redis, then hold its reply back until the second
+    event is set: a caller cancelled meanwhile was admitted without knowing it. The first event: it ran."""
+    ran, let_reply = asyncio.Event(), asyncio.Event()
+    script = getattr(client, name)
+
+    async def held_back(**kwargs: Any) -> Any:
+        result = await script(**kwargs)
+        ran.set()
+        await let_reply.wait()
+        return result
+
+    setattr(client, name, held_back)
+    return ran, let_reply
+
+
+async def _cancelled_after_the_script_ran(client: Any, name: str, admission: Any) -> None:
+    """Runs `admission` (a coroutine) with the loop client's script `name` held back as _reply_held_back
+    does, cancels it once the script ran and expects its CancelledError."""
+    ran, let_reply = _reply_held_back(client, name)
+    task = asyncio.ensure_future(admission)
+    await asyncio.wait_for(ran.wait(), timeout=5)
+    task.cancel()
+    await asyncio.sleep(0)  # one turn of the loop: the task takes its cancellation, the reply held back
+    let_reply.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("sends", [False, True], ids=["aadmit", "aadmit_and_send"])
+async def test_a_caller_cancelled_after_the_script_ran_gives_the_admission_back(
+    redis_url: str, sends: bool
+) -> None:
+    """The client went away (Django cancels the view) after Redis admitted the request but before the reply
+    was read: the caller never got its ticket to release. The store gives it back, all its tokens too; a
+    refusal cancelled the same way gives nothing back."""
+    store = _redis_store(redis_url)
+    layer = one_trip_layer(redis_url)
+    channel = "switchyard.replica.cancelled"
+    name = "admit_and_send" if sends else "admit"
+    # 1 token/s refill: a charge of 50 left in place would still show when the test looks.
+    context = _context(34, requests_per_second=1000, tokens_per_minute=60, max_concurrent_requests=1)
+
+    def admission() -> Any:
+        if sends:
+            return store.aadmit_and_send(
+                context, tokens=50, layer=layer, channel=channel, message={"type": "submit"}
+            )
+        return store.aadmit(context, tokens=50)
+
+    try:
+        await _cancelled_after_the_script_ran(store._loop_client(), name, admission())
+        usage = store.usage([context])[34]
+        assert usage.num_in_flight == 0 and usage.tokens_drawn == pytest.approx(0, abs=1)
+        if sends:  # it was sent: the caller (Dispatch, which set its replica first) aborts it there
+            assert await layer.receive(channel) == {"type": "submit"}
+
+        holder = await store.aadmit(context, tokens=1)  # the one slot is free, and taken again
+        # (the script is still wrapped, its reply no longer held back: a second wrapping holds it again)
+        await _cancelled_after_the_script_ran(store._loop_client(), name, admission())  # refused
+        assert store.usage([context])[34].num_in_flight == 1  # the holder's, still counted
+        await store.arelease(holder, used_tokens=1)
+        assert store.usage([context])[34].num_in_flight == 0
+    finally:
+        await layer.flush()
+        store.clear()
+
+
+# --- Retry-After over every limit that binds ---------------------------------------------------------------
+
+
+def test_retry_after_is_the_longest_wait_among_the_limits_that_bind(store: Any) -> None:
+    """2 requests/s and 600 tokens/min, 500 then 50 tokens admitted: 500 more wait on both buckets. The
+    request rate's 1 s alone was answered, and the retry then was refused for tokens (44 s more)."""
+    context = _context(36, requests_per_second=2, tokens_per_minute=600, max_concurrent_requests=10)
+    store.admit(context, tokens=500)
+    store.admit(context, tokens=50)
+    with pytest.raises(GatewayError) as refused:
+        store.admit(context, tokens=500)
+    assert refused.value.status == 429
+    assert refused.value.retry_after_s == pytest.approx(45.0, abs=0.5)  # 450 tokens at 10 a second
+    assert refused.value.headers == {"Retry-After": "45"}
+    assert refused.value.message.startswith("token rate over quota (600/min)")  # the longest wait first
+    assert "request rate" in refused.value.message
+
+
+def test_concurrency_and_tokens_binding_together_wait_for_the_tokens(store: Any) -> None:
+    context = _context(37, requests_per_second=1000, tokens_per_minute=600, max_concurrent_requests=1)
+    store.admit(context, tokens=300)
+    with pytest.raises(GatewayError) as refused:
+        store.admit(context, tokens=500)
+    assert refused.value.retry_after_s == pytest.approx(20.0, abs=0.5)  # 200 tokens short, 10 a second
+    assert "concurrent" in refused.value.message and "token rate" in refused.value.message
+
+
+# --- a request no wait would admit -------------------------------------------------------------------------
+
+
+async def test_a_request_over_the_whole_token_quota_is_a_400_and_counts_nothing(
+    store: Any, request: Any
+) -> None:
+    """No wait would admit it, and clients retry a 429 (the openai one does): a 400 that says what to change,
+    from every way in, before anything is counted."""
+    context = _context(38, requests_per_second=1000, tokens_per_minute=600, max_concurrent_requests=1)
+    if isinstance(store, MemoryQuotaStore):
+        from channels.layers import InMemoryChannelLayer
+
+        layer: Any = InMemoryChannelLayer()
+    else:
+        layer = one_trip_layer(request.getfixturevalue("redis_url"))
+    attempts = [
+        lambda: asyncio.to_thread(store.admit, context, tokens=601),
+        lambda: store.aadmit(context, tokens=601),
+        lambda: store.aadmit_and_send(context, tokens=601, layer=layer, channel="replica.big", message={}),
+    ]
+    for attempt in attempts:
+        with pytest.raises(GatewayError) as refused:
+            await attempt()
+        error = refused.value
+        assert error.status == 400 and error.headers == {}
+        assert "601" in error.message and "600" in error.message and "max_tokens" in error.message
+        assert error_body(error.status, error.message)["error"]["type"] == "invalid_request_error"
+    assert not (store.refusals() or {}).get(38)  # not a refusal over quota
+    usage = store.usage([context])[38]
+    assert (usage.num_in_flight, usage.requests_drawn, usage.tokens_drawn) == (0, 0, 0)
+    await store.arelease(await store.aadmit(context, tokens=600), used_tokens=600)  # the whole quota fits
+    if not isinstance(store, MemoryQuotaStore):
+        await layer.flush()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_an_inference_request_over_the_whole_token_quota_is_a_400(
+    make_tenant, registered_model
+) -> None:
+    import json
+
+    from asgiref.sync import sync_to_async
+    from django.test import AsyncClient
+
+    small = await sync_to_async(make_tenant)("small", tokens_per_minute=50)
+    response = await AsyncClient().post(
+        "/v1/models/demo-chat/infer",
+        data=json.dumps({"input": "hello", "max_tokens": 100}),
+        content_type="application/json",
+        headers=small.auth,
+    )
+    assert response.status_code == 400 and "Retry-After" not in response
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "50 tokens/min" in error["message"] and "max_tokens" in error["message"]
