@@ -109,7 +109,10 @@ def test_logprobs_of_completions_and_chats_whole_and_streamed(client: openai.Ope
     entries = [
         e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
     ]
-    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+    assert [e.token for e in entries] == [e.token for e in content]
+    # Equal to float32 rounding: the second request's prefill may start from the first's cached prefix,
+    # a matmul of another shape, which on some CPUs (AVX-512 here) rounds differently in the last bits.
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in content], abs=1e-5)
     # Asked for none, none come.
     plain = client.chat.completions.create(model="demo-chat", messages=messages, max_tokens=2)
     assert plain.choices[0].logprobs is None
