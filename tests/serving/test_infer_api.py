@@ -22,6 +22,25 @@ def acme(make_tenant, registered_model, runtime):
     return make_tenant("acme")
 
 
+@pytest.mark.parametrize(
+    "name", ["demo-chat\x00", "Demo-Chat", "x" * 300], ids=["a NUL", "capitals", "too long"]
+)
+async def test_a_model_name_no_model_can_have_is_404_without_a_database_read(acme, name, monkeypatch) -> None:
+    """Postgres refuses a NUL in a query, which the routing cache took for the table being unavailable
+    (a 503 to retry); a name outside the registry's pattern is answered without asking."""
+    from serving import router
+
+    def no_read(**kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the routing table was read")
+
+    monkeypatch.setattr(router, "routing_revision", no_read)
+    monkeypatch.setattr(router, "routing_snapshot", no_read)
+    body = {"model": name, "prompt": "hi", "max_tokens": 1}
+    response = await _post(AsyncClient(), body, acme.auth, url="/v1/completions")
+    assert response.status_code == 404, response.content
+    assert response.json()["error"]["type"] == "not_found_error"
+
+
 async def test_missing_or_bad_key_is_401(acme) -> None:
     client = AsyncClient()
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic abc"}):
