@@ -17,6 +17,27 @@ class FakeClock:
         return self.now
 
 
+async def _a_replica_chosen_first(runtime, monkeypatch, replica_id: str, *, is_alive: bool):  # type: ignore[no-untyped-def]
+    """A second replica of demo-chat:v1 that the router chooses whenever it is offered: `is_alive`, by its
+    heartbeat, or dead. It has a channel of its own that nothing reads. Returns it and the real one."""
+    from serving import dispatch as dispatch_module
+
+    (good,) = await runtime.candidates("demo-chat", "v1")
+    extra = dataclasses.replace(good, replica_id=replica_id, channel_name=f"switchyard.replica.{replica_id}")
+    real_candidates, real_is_alive = runtime.candidates, runtime.is_alive
+
+    async def candidates(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        return [extra, *await real_candidates(model_name, version)]
+
+    async def alive(handle):  # type: ignore[no-untyped-def]
+        return is_alive if handle.replica_id == replica_id else await real_is_alive(handle)
+
+    monkeypatch.setattr(dispatch_module, "choose_replica", lambda replicas, rng: replicas[0])
+    monkeypatch.setattr(runtime, "candidates", candidates)
+    monkeypatch.setattr(runtime, "is_alive", alive)
+    return extra, good
+
+
 def test_breaker_opens_after_consecutive_failures_then_lets_one_trial_through() -> None:
     clock = FakeClock()
     breaker = CircuitBreaker(failure_threshold=3, open_s=5.0, clock=clock)
@@ -82,20 +103,8 @@ async def test_a_half_open_replica_gets_one_trial_request_and_the_rest_go_elsewh
     breaker = CircuitBreaker(failure_threshold=1, open_s=5.0, clock=clock)
     monkeypatch.setattr(dispatch_module, "breaker", breaker)
     acme = await sync_to_async(make_tenant)("acme")
-    (good,) = await runtime.candidates("demo-chat", "v1")
     # Alive by its heartbeat, but it never answers: its trial stays in flight.
-    silent = dataclasses.replace(good, replica_id="silent", channel_name="switchyard.replica.nobody.here")
-    real_candidates, real_is_alive = runtime.candidates, runtime.is_alive
-
-    async def candidates(model_name: str, version: str):  # type: ignore[no-untyped-def]
-        return [silent, *await real_candidates(model_name, version)]
-
-    async def is_alive(handle):  # type: ignore[no-untyped-def]
-        return handle.replica_id == "silent" or await real_is_alive(handle)
-
-    monkeypatch.setattr(dispatch_module, "choose_replica", lambda replicas, rng: replicas[0])
-    monkeypatch.setattr(runtime, "candidates", candidates)
-    monkeypatch.setattr(runtime, "is_alive", is_alive)
+    _, good = await _a_replica_chosen_first(runtime, monkeypatch, "silent", is_alive=True)
     breaker.record_failure("silent")
     clock.now = 6.0  # half-open
 
@@ -131,20 +140,7 @@ async def test_a_request_whose_replica_dies_before_its_first_token_is_retried_el
     from serving.breaker import breaker
 
     acme = await sync_to_async(make_tenant)("acme")
-    (good,) = await runtime.candidates("demo-chat", "v1")
-    dead = dataclasses.replace(good, replica_id="dead-replica", channel_name="switchyard.replica.nobody.here")
-    real_candidates = runtime.candidates
-
-    async def candidates(model_name: str, version: str):  # type: ignore[no-untyped-def]
-        return [dead, *await real_candidates(model_name, version)]
-
-    async def is_alive(handle):  # type: ignore[no-untyped-def]
-        return handle.replica_id != "dead-replica"
-
-    # The router picks the dead replica whenever it is offered.
-    monkeypatch.setattr(dispatch_module, "choose_replica", lambda replicas, rng: replicas[0])
-    monkeypatch.setattr(runtime, "candidates", candidates)
-    monkeypatch.setattr(runtime, "is_alive", is_alive)
+    _, good = await _a_replica_chosen_first(runtime, monkeypatch, "dead-replica", is_alive=False)
 
     handle = await dispatch_module.dispatch(
         context=acme.context,
@@ -254,16 +250,7 @@ async def test_a_retry_aborts_the_try_left_on_a_replica_that_went_silent(
     from serving.replica import ABORT, SUBMIT
 
     acme = await sync_to_async(make_tenant)("acme")
-    (good,) = await runtime.candidates("demo-chat", "v1")
-    slow = dataclasses.replace(good, replica_id="slow-replica", channel_name="switchyard.replica.slow.one")
-    real_candidates, real_is_alive = runtime.candidates, runtime.is_alive
-
-    async def candidates(model_name: str, version: str):  # type: ignore[no-untyped-def]
-        return [slow, *await real_candidates(model_name, version)]
-
-    async def is_alive(handle):  # type: ignore[no-untyped-def]
-        return handle.replica_id == "slow-replica" or await real_is_alive(handle)
-
+    slow, good = await _a_replica_chosen_first(runtime, monkeypatch, "slow-replica", is_alive=True)
     sent: list[tuple[str, str, str]] = []
     send = runtime.layer.send
 
@@ -272,11 +259,8 @@ async def test_a_retry_aborts_the_try_left_on_a_replica_that_went_silent(
             sent.append((channel, message["type"], message["request_id"]))
         await send(channel, message)
 
-    monkeypatch.setattr(dispatch_module, "choose_replica", lambda replicas, rng: replicas[0])
     monkeypatch.setattr(dispatch_module, "ACCEPT_TIMEOUT_S", 0.2)
     monkeypatch.setattr(dispatch_module, "LIVENESS_CHECK_S", 0.05)
-    monkeypatch.setattr(runtime, "candidates", candidates)
-    monkeypatch.setattr(runtime, "is_alive", is_alive)
     monkeypatch.setattr(runtime.layer, "send", watched_send)
     try:
         handle = await dispatch_module.dispatch(
