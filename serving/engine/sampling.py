@@ -62,15 +62,37 @@ class Sampler:
     def _sample(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
+        """A row with a top-k or top-p cut picks by its sorted distribution, one without in vocabulary
+        order: each by its own parameters alone, or a seeded row's token would depend on whether a row
+        with a cut shared its step (the same uniform lands on another token in the other order)."""
+        vocab_size = logits.shape[1]
+        cuts = [p.top_p < 1.0 or (p.top_k is not None and p.top_k < vocab_size) for p in params]
+        if all(cuts) or not any(cuts):
+            return self._pick(logits, params, generators, is_sorted=cuts[0])
+        chosen = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        for is_sorted in (True, False):
+            rows = [i for i, cut in enumerate(cuts) if cut is is_sorted]
+            chosen[torch.tensor(rows, device=logits.device)] = self._pick(
+                logits[rows], [params[i] for i in rows], [generators[i] for i in rows], is_sorted=is_sorted
+            )
+        return chosen
+
+    def _pick(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        *,
+        is_sorted: bool,
+    ) -> torch.Tensor:
         device = logits.device
         vocab_size = logits.shape[1]
         temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         scaled = logits.float() / temperatures[:, None]
-        top_ks = [p.top_k for p in params if p.top_k is not None and p.top_k < vocab_size]
-        has_top_k = bool(top_ks)
+        has_top_k = any(p.top_k is not None and p.top_k < vocab_size for p in params)
         has_top_p = any(p.top_p < 1.0 for p in params)
         order = None
-        if has_top_k or has_top_p:
+        if is_sorted:
             # Sorted descending, every cut keeps a prefix; stable so ties always break the same way.
             scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
             if has_top_k:

@@ -22,13 +22,16 @@ class FinishReason(enum.StrEnum):
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+# Below this a temperature is greedy, as vLLM reads it: dividing by 1e-39 overflows float32 and by 1e-50
+# (zero in float32) divides by zero, and either made every probability NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI's logit_bias
 
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or under GREEDY_BELOW_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int | None = None  # None: no top-k cut
     seed: int | None = None
@@ -46,7 +49,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def adjusts_logits(self) -> bool:

@@ -44,9 +44,14 @@ def test_seeded_sampling_reproduces_and_differs_across_seeds() -> None:
     assert sequence_of_draws(7) != sequence_of_draws(8)
 
 
-def test_seeded_row_does_not_depend_on_the_rest_of_the_batch() -> None:
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=42), SamplingParams(temperature=1.0, seed=42)],
+    ids=["with top-k and top-p cuts", "without a cut (OpenAI's defaults)"],
+)
+def test_seeded_row_does_not_depend_on_the_rest_of_the_batch(params: SamplingParams) -> None:
+    """Whatever shares its steps, a row with a cut among them (which sorts its own distribution)."""
     row = random_logits(1, seed=3)
-    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=42)
     alone_generator = make_generator(params)
     alone = [int(Sampler()(row, [params], [alone_generator])[0]) for _ in range(30)]
 
@@ -59,6 +64,15 @@ def test_seeded_row_does_not_depend_on_the_rest_of_the_batch() -> None:
         generators = [None, batched_generator, None, make_generator(others[2])]
         batched.append(int(Sampler()(logits, all_params, generators)[1]))
     assert alone == batched
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-39, 1e-50])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature: float) -> None:
+    """1e-39 overflows float32 when the logits are divided by it and 1e-50 is zero there: every
+    probability came out NaN and the pick fell on the vocabulary's last token."""
+    logits = random_logits(8)
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(8)]
+    assert Sampler(seed=0)(logits, params).tolist() == logits.argmax(-1).tolist()
 
 
 def test_top_k_one_equals_greedy() -> None:
