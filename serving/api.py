@@ -17,6 +17,7 @@ from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
 from serving.dispatch import Dispatch, authenticate, close_all, dispatch, model_snapshot, prompt_usage
 from serving.gateway import GatewayError
+from serving.prometheus import has_metrics_token
 from serving.requests import parse_classify, parse_infer, parse_json_body
 from serving.router import split_model_name
 from serving.runtime import get_runtime
@@ -190,7 +191,16 @@ async def readyz(request: HttpRequest) -> JsonResponse:
         # scale-up), or none at all (every model scaled to zero), must not take every gateway out of its
         # load balancer, which would leave the clients with refused connections instead.
         is_ready = database_ok
-    return JsonResponse(
-        {"ready": is_ready, "database": database_ok, "num_ready_replicas": num_ready, "replicas": replicas},
-        status=200 if is_ready else 503,
-    )
+    body: dict[str, Any] = {"ready": is_ready, "database": database_ok, "num_ready_replicas": num_ready}
+    # The list names every model served, tenants' own included, and its load: for those who may read
+    # /metrics, not for whoever can reach a load balancer's health check.
+    if await _may_read_metrics(request):
+        body["replicas"] = replicas
+    return JsonResponse(body, status=200 if is_ready else 503)
+
+
+async def _may_read_metrics(request: HttpRequest) -> bool:
+    if has_metrics_token(request.headers.get("Authorization")):
+        return True
+    user = await request.auser()
+    return bool(user.is_authenticated and user.is_active and user.is_staff)

@@ -11,11 +11,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import REPO_ROOT
+
+METRICS_TOKEN = "e2e-metrics-token"  # /metrics and /readyz's replica list, for the tests' platforms
 
 
 def _free_port() -> int:
@@ -41,6 +44,11 @@ class LiveServer:
             timeout=120,
         )
 
+    def replicas(self) -> list[dict[str, Any]]:
+        """/readyz's replica list, which it shows to the metrics token (or staff) only."""
+        headers = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+        return httpx.get(f"{self.url}/readyz", headers=headers).json()["replicas"]  # type: ignore[no-any-return]
+
     def wait_until(self, predicate, *, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
         """Poll an HTTP condition of the live server (an external process: there is no event to await)."""
         deadline = time.monotonic() + timeout_s
@@ -57,10 +65,12 @@ class LiveServer:
 
 
 def embedded_env(state: Path, **extra: str) -> dict[str, str]:
-    """The environment of an embedded platform in `state`: SQLite, in-memory layer, no secrets."""
+    """The environment of an embedded platform in `state`: SQLite, in-memory layer, no secrets but the
+    test's metrics token."""
     env = {
         **os.environ,
         "SWITCHYARD_STATE_DIR": str(state),
+        "SWITCHYARD_METRICS_TOKEN": METRICS_TOKEN,
         "SWITCHYARD_REPLICA_SYNC_INTERVAL_S": "0.5",
         **extra,
     }

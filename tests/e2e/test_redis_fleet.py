@@ -20,7 +20,7 @@ import redis
 
 from serving.router import REVALIDATE_S
 from tests.conftest import REPO_ROOT, require_service
-from tests.e2e.conftest import LiveServer, _free_port
+from tests.e2e.conftest import METRICS_TOKEN, LiveServer, _free_port
 
 pytestmark = [pytest.mark.live_server_process, pytest.mark.redis]
 REDIS_URL = "redis://127.0.0.1:6379/14"
@@ -52,7 +52,7 @@ class Fleet:
     log_of: dict[str, Path] = field(default_factory=dict)  # replica id -> its log
 
     def ready_replicas(self) -> set[str]:
-        beats = httpx.get(f"{self.server.url}/readyz").json()["replicas"]
+        beats = self.server.replicas()
         return {r["replica_id"] for r in beats if r["state"] == "ready"}
 
     def start_replica(self) -> None:
@@ -113,6 +113,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         "SWITCHYARD_STATE_DIR": str(state),
         "REDIS_URL": REDIS_URL,
         "DATABASE_URL": _fresh_postgres_database(),
+        "SWITCHYARD_METRICS_TOKEN": METRICS_TOKEN,
         "PYTHONFAULTHANDLER": "1",  # a process sent SIGABRT prints every thread's stack
     }
     for name in ("SECRET_KEY", "DJANGO_SETTINGS_MODULE"):
@@ -241,7 +242,7 @@ def test_the_provisioner_runs_as_many_replica_processes_as_the_target_and_drains
     fleet: Fleet,
 ) -> None:
     def ready_replicas() -> int:
-        beats = httpx.get(f"{fleet.server.url}/readyz").json()["replicas"]
+        beats = fleet.server.replicas()
         return sum(1 for r in beats if r["model"] == "demo-classify" and r["state"] == "ready")
 
     _set_target(fleet, "demo-classify", 2)
@@ -285,7 +286,7 @@ def test_a_model_scaled_to_zero_gets_a_replica_for_a_request_and_loses_it_when_i
     replica processes, and the gateway holds the request that finds no replica until one is ready."""
 
     def ready_replicas() -> int:
-        beats = httpx.get(f"{fleet.server.url}/readyz").json()["replicas"]
+        beats = fleet.server.replicas()
         return sum(1 for r in beats if r["model"] == "demo-classify" and r["state"] == "ready")
 
     assert ready_replicas() == 0

@@ -28,7 +28,7 @@ def test_a_traffic_change_is_obeyed_within_one_second(platform_server, demo_mode
     assert platform_server.manage("set_traffic", "demo-chat", "v1=99", "v2=1").returncode == 0
 
     def v2_ready() -> bool:
-        replicas = httpx.get(f"{platform_server.url}/readyz").json()["replicas"]
+        replicas = platform_server.replicas()
         return any(r["version"] == "v2" and r["state"] == "ready" for r in replicas)
 
     platform_server.wait_until(v2_ready, timeout_s=60)

@@ -57,7 +57,8 @@ async def test_a_gateway_in_front_of_replica_processes_is_ready_whatever_they_do
     monkeypatch, settings, handles: list
 ) -> None:
     settings.EMBEDDED_REPLICAS = False
-    response = await _readyz(monkeypatch, settings, handles)
+    settings.METRICS_TOKEN = "scrape"
+    response = await _readyz(monkeypatch, settings, handles, headers={"Authorization": "Bearer scrape"})
     assert response.status_code == 200 and response.json()["replicas"] == [
         {
             "model": "chat",
@@ -72,7 +73,21 @@ async def test_a_gateway_in_front_of_replica_processes_is_ready_whatever_they_do
     ]
 
 
-async def _readyz(monkeypatch, settings, handles: list) -> httpx.Response:  # type: ignore[no-untyped-def]
+async def test_the_replica_list_is_for_the_metrics_token_or_staff_not_a_load_balancer(
+    monkeypatch, settings
+) -> None:
+    """It names every model served, tenants' own too: what /metrics keeps to its readers."""
+    settings.EMBEDDED_REPLICAS = False
+    settings.METRICS_TOKEN = "scrape"
+    handles = [_handle("acme-private-ft", "ready", is_local=False)]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        anonymous = await _readyz(monkeypatch, settings, handles, headers=headers)
+        assert anonymous.json() == {"ready": True, "database": True, "num_ready_replicas": 1}
+    scraper = await _readyz(monkeypatch, settings, handles, headers={"Authorization": "Bearer scrape"})
+    assert [r["model"] for r in scraper.json()["replicas"]] == ["acme-private-ft"]
+
+
+async def _readyz(monkeypatch, settings, handles: list, headers: dict | None = None) -> httpx.Response:  # type: ignore[no-untyped-def]
     from config.asgi import application
     from serving import api
 
@@ -87,4 +102,4 @@ async def _readyz(monkeypatch, settings, handles: list) -> httpx.Response:  # ty
     settings.ALLOWED_HOSTS = ["localhost"]
     transport = httpx.ASGITransport(app=application)
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
-        return await client.get("/readyz")
+        return await client.get("/readyz", headers=headers or {})
