@@ -35,7 +35,7 @@ def _opaque_token(match: re.Match[str]) -> str:
 
 
 # Most specific first: a key is a secret before its digits are a number. Every pattern runs in time
-# linear in the text (bounded repeats, no nested unbounded ones), and the text is cut first.
+# linear in the text (bounded repeats, no nested unbounded ones).
 _REDACTIONS: list[tuple[re.Pattern[str], str | Any]] = [
     (re.compile(r"-----BEGIN [A-Z ]{1,40}-----.*?(?:-----END [A-Z ]{1,40}-----|\Z)", re.S), "[SECRET]"),
     (re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+"), r"\1 [SECRET]"),
@@ -65,14 +65,14 @@ _writing: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak refe
 
 
 def redact(text: str) -> str:
-    """The text with secrets and personal data replaced, cut to LOGGED_CHARS. Cut to twice that before
-    the patterns run (a secret across the first cut is still redacted whole), so a long input costs no
-    more than a short one."""
+    """The text with secrets and personal data replaced, then cut to LOGGED_CHARS. The patterns run over
+    the whole text (the gateway bounds it: MAX_INPUT_CHARS): run over a first cut, a secret split by it
+    escaped them, and once what came before had shrunk into placeholders its fragment moved inside the
+    part that is logged."""
     num_chars = len(text)
-    text = text[: 2 * LOGGED_CHARS]
     for pattern, replacement in _REDACTIONS:
         text = pattern.sub(replacement, text)
-    if len(text) > LOGGED_CHARS or num_chars > 2 * LOGGED_CHARS:
+    if len(text) > LOGGED_CHARS:
         text = f"{text[:LOGGED_CHARS]}…[{num_chars - LOGGED_CHARS} more characters]"
     return text
 

@@ -43,6 +43,20 @@ def test_each_kind_of_secret_is_replaced(kind: str) -> None:
     assert redacted.split()[0] == text.split()[0]  # the words around it stay
 
 
+@pytest.mark.parametrize(
+    "cut_after", [8, 14, 30]
+)  # characters of what follows the key that fit before the cut
+def test_a_secret_past_what_is_logged_leaves_no_fragment_in_it(cut_after: int) -> None:
+    """A long key shrinks to a placeholder, and whatever followed it moves inside the logged part: none
+    of it may be a piece of a secret the patterns did not see whole."""
+    begin, end = "-----BEGIN PRIVATE KEY-----", "-----END PRIVATE KEY-----"
+    body = "a1" * ((2 * LOGGED_CHARS - cut_after - len(begin) - len(end)) // 2)
+    text = f"{begin}{body}{end}" + " alice.smith@example.com +1 555 867 5309 end"
+    redacted = redact(text)
+    for fragment in ("alice", "smith", "example", "555", "867", "5309"):
+        assert fragment not in redacted, (fragment, redacted[-80:])
+
+
 def test_ordinary_text_and_short_numbers_stay_and_long_text_is_cut() -> None:
     text = "In 2026 the 42 trains carried 1,250 parcels between 3 towns at 12:30:45: version v2.1 (build 77)."
     assert redact(text) == text
