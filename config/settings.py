@@ -36,7 +36,20 @@ if not SECRET_KEY:
         import secrets
 
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        _key_file.write_text(secrets.token_urlsafe(50))
+        # Written whole, readable by its owner only from the start, under a name of its own, then linked
+        # into place: no moment where another user may read it, nor another process read it half written.
+        _new_key = STATE_DIR / f".secret_key.{os.getpid()}"
+        _new_key.unlink(missing_ok=True)  # left by a process of the same pid that died here
+        _fd = os.open(_new_key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(_fd, "w") as _out:
+            _out.write(secrets.token_urlsafe(50))
+        try:
+            os.link(_new_key, _key_file)
+        except FileExistsError:  # another process made it first: its key is the one
+            pass
+        finally:
+            _new_key.unlink()
+    if _key_file.stat().st_mode & 0o077:  # one made loose by hand, or by an older version
         _key_file.chmod(0o600)
     SECRET_KEY = _key_file.read_text().strip()
 
