@@ -410,7 +410,7 @@ async def dispatch(
         snapshot = await _snapshot(model_name)
     if snapshot is None:
         raise GatewayError(404, f"model {model_name!r} not found")
-    gateway.authorize_model(context, snapshot, pinned_version=pin)
+    gateway.authorize_model(context, snapshot, pinned_version=pin, alias=alias)
     if snapshot.kind != kind:
         raise GatewayError(
             400, f"model {model_name!r} is of kind {snapshot.kind}; this endpoint serves {kind} models"

@@ -113,7 +113,15 @@ def clear_auth_cache() -> None:
         _auth_cache.clear()
 
 
-def authorize_model(context: TenantContext, snapshot: RoutingSnapshot, *, pinned_version: str | None) -> None:
+# The aliases any tenant that may use a model may name. Another (`canary`, which a deployment in flight
+# points at its candidate) chooses a version as a pin does, and needs the right to pin: any tenant could
+# otherwise send a candidate all the traffic it liked and steer the rollout judge's verdict.
+PUBLIC_ALIASES = frozenset({"stable"})
+
+
+def authorize_model(
+    context: TenantContext, snapshot: RoutingSnapshot, *, pinned_version: str | None, alias: str | None = None
+) -> None:
     """Against the model's owner as the routing cache has it (within a second of a change)."""
     model_name, owner_id = snapshot.model_name, snapshot.owner_id
     if context.is_hidden(model_name, owner_id=owner_id):  # as an unknown model: its name tells nothing
@@ -122,6 +130,12 @@ def authorize_model(context: TenantContext, snapshot: RoutingSnapshot, *, pinned
         raise GatewayError(403, f"tenant {context.tenant_name!r} may not use model {model_name!r}")
     if pinned_version is not None and not context.may_pin:
         raise GatewayError(403, f"tenant {context.tenant_name!r} may not pin versions (X-Version-Pin)")
+    if alias is not None and alias not in PUBLIC_ALIASES and not context.may_pin:
+        raise GatewayError(
+            403,
+            f"tenant {context.tenant_name!r} may not choose a version by alias ({model_name}@{alias}): "
+            f"{', '.join(f'@{a}' for a in sorted(PUBLIC_ALIASES))} needs no right, others the right to pin",
+        )
 
 
 # --- quota admission -----------------------------------------------------------------------------

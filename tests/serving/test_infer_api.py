@@ -215,3 +215,24 @@ async def test_a_pinned_version_is_served_when_allowed(make_tenant, runtime, dem
     assert response.status_code == 200 and response["X-Served-Version"] == "v1"
     response = await _post(client, {"input": "hi"}, {**pinner.auth, "X-Version-Pin": "v9"})
     assert response.status_code == 404
+
+
+async def test_an_alias_other_than_stable_chooses_a_version_as_a_pin_does(make_tenant, runtime) -> None:
+    """`canary` points at a deployment's candidate: a tenant without the right to pin could otherwise send
+    it all the traffic it liked and steer the rollout judge. `stable` is anyone's."""
+    from asgiref.sync import sync_to_async
+
+    from registry.models import ModelVersion
+    from registry.services import alias_set
+
+    v1 = await sync_to_async(ModelVersion.objects.select_related("model").get)(model__name="demo-chat")
+    await sync_to_async(alias_set)(model=v1.model, name="canary", version=v1, actor="test")
+    user = await sync_to_async(make_tenant)("user")
+    pinner = await sync_to_async(make_tenant)("pinner", may_pin=True)
+    client, body = AsyncClient(), {"input": "hi", "max_tokens": 1}
+    refused = await _post(client, body, user.auth, url="/v1/models/demo-chat@canary/infer")
+    assert refused.status_code == 403
+    assert "may not choose a version by alias (demo-chat@canary)" in refused.json()["error"]["message"]
+    for tenant, alias in ((user, "stable"), (pinner, "canary"), (pinner, "stable")):
+        served = await _post(client, body, tenant.auth, url=f"/v1/models/demo-chat@{alias}/infer")
+        assert served.status_code == 200 and served["X-Served-Version"] == "v1", (tenant, alias)
