@@ -204,6 +204,16 @@ class ClassifierHead:
         return logits
 
 
+def _position_offset(model: Any) -> int:
+    """Positions the model's inputs cannot use. RoBERTa's family (XLM-R, CamemBERT, MPNet...) numbers
+    positions from its padding index + 1, so of max_position_embeddings = 514 only 512 hold tokens; a
+    longer input indexes past the table and the forward pass fails, every request of its batch with it."""
+    for name, module in model.named_modules():
+        if name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding):
+            return 0 if module.padding_idx is None else module.padding_idx + 1
+    return 0
+
+
 HEADS: dict[str, type[EmbeddingHead] | type[ClassifierHead]] = {
     "embedding": EmbeddingHead,
     "classifier": ClassifierHead,
@@ -211,7 +221,7 @@ HEADS: dict[str, type[EmbeddingHead] | type[ClassifierHead]] = {
 
 
 def _max_input_tokens(model_dir: Path, model: Any, tokenizer: Any) -> int:
-    limits = [int(model.config.max_position_embeddings)]
+    limits = [int(model.config.max_position_embeddings) - _position_offset(model)]
     st_config = model_dir / "sentence_bert_config.json"
     if st_config.exists():
         limits.append(int(json.loads(st_config.read_text()).get("max_seq_length") or limits[0]))

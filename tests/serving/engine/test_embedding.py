@@ -144,3 +144,35 @@ def test_vectors_equal_sentence_transformers_on_a_real_model() -> None:
     torch.testing.assert_close(vectors, reference, atol=1e-5, rtol=1e-4)
     similarity = vectors @ vectors.T
     assert similarity[0, 1] > 0.5 > similarity[0, 2]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "limit"),
+    [("bert", 10), ("roberta", 8)],  # RoBERTa numbers positions from its padding index (1) + 1
+)
+def test_the_input_limit_is_what_the_position_table_holds(
+    tmp_path: Path, model_type: str, limit: int
+) -> None:
+    """An input one token past it indexed beyond the table and failed the whole batch's forward pass."""
+    from transformers import AutoConfig, AutoModel
+
+    from serving.engine.encoder import _max_input_tokens
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=10,
+        pad_token_id=1,
+    )
+    model = AutoModel.from_config(config).eval()
+
+    class Tokenizer:
+        model_max_length = 10**30  # transformers' "no limit"
+
+    assert _max_input_tokens(tmp_path, model, Tokenizer()) == limit
+    with torch.no_grad():
+        model(input_ids=torch.full((1, limit), 5))  # the longest input it admits runs
