@@ -243,7 +243,7 @@ def decide(
     look: int | None = None,
 ) -> Verdict:
     """`num_looks`: looks planned in the step's bake window; `look`: which one this is (1-based; None:
-    within the plan)."""
+    within the plan), counting only the step's looks that ran the tests (not INSUFFICIENT_DATA ones)."""
     num_looks = max(1, num_looks)
     extra_looks = 0 if look is None else max(0, look - num_looks)
     if extra_looks:

@@ -54,6 +54,9 @@ class Deployment(models.Model):
     updated_at = models.DateTimeField(auto_now=True)
     provisioning_started_at = models.DateTimeField(null=True, blank=True)
     step_started_at = models.DateTimeField(null=True, blank=True)
+    # Looks at the current step that ran the judge's tests (a tick short of min_samples is none): the
+    # judge spends the step's alpha per look, so ticks that only waited for data must not use it up.
+    step_looks = models.PositiveIntegerField(default=0)
     last_judged_at = models.DateTimeField(null=True, blank=True)
     last_verdict = models.JSONField(default=dict, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

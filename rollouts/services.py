@@ -91,6 +91,12 @@ def validate_steps(steps: object) -> list[dict[str, int]]:
         pcts.append(pct)
     if pcts[-1] != 100:
         raise DeploymentError(f"the last step must be 100%, got {pcts[-1]}%")
+    if len(pcts) == 1:
+        # At 100% the incumbent takes no traffic, so the judge has nothing to compare the canary with.
+        raise DeploymentError(
+            "a canary needs at least one step below 100% before the last, e.g. "
+            '[{"pct": 5}, {"pct": 100}]; to move all traffic at once, promote the deployment instead'
+        )
     return [{"pct": p} for p in pcts]
 
 
@@ -135,7 +141,13 @@ def candidate_is_ready(deployment: Deployment) -> bool:
     in the server process, next to them), and the heartbeats in Redis (replica processes). A source that
     cannot answer (no runtime here; Redis down, or knowing no replica of this model at all) is skipped;
     when neither can, the old rule stands: the candidate holds the `canary` alias, so the replica
-    supervisor has been told to start it, and one tick has passed since."""
+    supervisor has been told to start it, and one tick has passed since. With replica processes only
+    (REDIS_URL, no embedded replicas) the heartbeats alone decide, and "cannot tell" is not ready."""
+    if settings.REDIS_URL and not settings.EMBEDDED_REPLICAS:
+        # Replicas are processes (run_replica, which every provisioner starts), and each publishes
+        # heartbeats: only a fresh ready one counts. No heartbeat, or Redis unreadable, is "not yet";
+        # the alias rule would send traffic to a version that may not be loaded anywhere.
+        return _fleet_replica_ready(deployment) is True
     model_name, version = deployment.model.name, deployment.candidate.version
     answers = [
         answer
@@ -313,15 +325,7 @@ def deployment_create(
     model = Model.objects.select_for_update().get(pk=model.pk)  # serializes creates for this model
     candidate = ModelVersion.objects.filter(model=model, version=version).first()
     if candidate is None:
-        elsewhere = sorted(
-            ModelVersion.objects.filter(version=version)
-            .exclude(model=model)
-            .values_list("model__name", flat=True)
-        )
-        if elsewhere:
-            raise DeploymentError(
-                f"version {version!r} belongs to {', '.join(elsewhere)}, not to {model.name!r}"
-            )
+        # Naming the models that do have such a version would show other tenants' models to the caller.
         raise DeploymentError(f"model {model.name!r} has no version {version!r}")
     stable = Alias.objects.filter(model=model, name=STABLE_ALIAS).select_related("version").first()
     if stable is None:
@@ -427,7 +431,7 @@ def deployment_judge(
     elif verdict.kind == judge.VerdictKind.ADVANCE:
         _advance(deployment, verdict=verdict, now=now)
     else:
-        deployment.save(update_fields=["last_judged_at", "last_verdict", "updated_at"])
+        deployment.save(update_fields=["last_judged_at", "last_verdict", "step_looks", "updated_at"])
         _note_overdue_step(deployment, verdict=verdict, now=now)
     return verdict
 
@@ -464,6 +468,7 @@ def _note_overdue_step(deployment: Deployment, *, verdict: judge.Verdict, now: d
 
 def _tick_provisioning(deployment: Deployment, *, now: dt.datetime) -> None:
     if _readiness_check()(deployment):
+        deployment.step_looks = 0
         if deployment.strategy == Deployment.Strategy.SHADOW:
             deployment.step_started_at = now
             routing_mirror_set(
@@ -538,8 +543,12 @@ def _verdict(deployment: Deployment, *, now: dt.datetime, read_window: WindowRea
         bake_elapsed_s=bake_elapsed_s,
         bake_seconds=deployment.bake_seconds,
         num_looks=num_looks(bake_seconds=deployment.bake_seconds),
-        look=math.floor(bake_elapsed_s / settings.ROLLOUT_JUDGE_INTERVAL_S) + 1,
+        # Counted, not derived from the clock: ticks that waited for min_samples ran no test, and
+        # counting them would leave a slow step's first real look at a vanishing alpha.
+        look=deployment.step_looks + 1,
     )
+    if verdict.kind != judge.VerdictKind.INSUFFICIENT_DATA:
+        deployment.step_looks += 1
     verdict.figures["window"] = {"start": start.isoformat(), "end": now.isoformat()}
     if deployment.strategy == Deployment.Strategy.SHADOW:
         compared, matched = canary.num_shadow_compared, canary.num_shadow_matched
@@ -568,7 +577,8 @@ def _advance(deployment: Deployment, *, verdict: judge.Verdict, now: dt.datetime
         )
         return
     next_step = deployment.current_step + 1
-    pct = int(deployment.steps[next_step]["pct"])
+    # A step list validated before single-step canaries were refused may end at the current step.
+    pct = int(deployment.steps[next_step]["pct"]) if next_step < len(deployment.steps) else 100
     if pct >= 100:
         _promote(
             deployment, actor=JUDGE_ACTOR, reason=f"judge: {verdict.reason}", figures=verdict.figures, now=now
@@ -578,6 +588,7 @@ def _advance(deployment: Deployment, *, verdict: judge.Verdict, now: dt.datetime
     previous_pct = deployment.current_pct
     deployment.current_step = next_step
     deployment.step_started_at = now
+    deployment.step_looks = 0
     _transition(
         deployment,
         State.RAMPING,
@@ -699,6 +710,12 @@ def deployment_promote(*, deployment: Deployment, actor: str, reason: str = "") 
     _refuse_unless_in_flight(deployment, "promote")
     if deployment.state == State.ROLLING_BACK:
         raise DeploymentConflict(f"deployment {deployment.pk} is rolling back; cannot promote it")
+    if deployment.state in (State.PENDING, State.PROVISIONING):
+        # Until the judge has seen a ready replica, 100% would go to a version nothing serves yet.
+        raise DeploymentConflict(
+            f"deployment {deployment.pk} is {deployment.state}: the candidate has no ready replica yet; "
+            "promote it once it takes traffic (ramping or shadowing)"
+        )
     try:
         _promote(
             deployment,

@@ -259,9 +259,17 @@ def test_rollback_calls_the_rollouts_service(make_user: Any, deployment: Any, mo
 
 def test_promote_calls_the_rollouts_service(make_user: Any, deployment: Any) -> None:
     from registry.selectors import routing_snapshot
+    from rollouts.services import deployment_judge
+    from tests.rollouts.conftest import FakeMetrics
 
     client = _csrf_client(make_user)
     page = f"/dashboard/deployments/{deployment.pk}/"
+    # Still provisioning, the candidate may have no replica: refused, with the reason on the page.
+    refused = client.post(f"{page}promote", {"csrfmiddlewaretoken": _token(client, page)}, follow=True)
+    assert "no ready replica yet" in refused.content.decode()
+    deployment.refresh_from_db()
+    assert deployment.state == "provisioning"
+    deployment_judge(deployment=deployment, read_window=FakeMetrics())  # the candidate is up: ramping
     response = client.post(f"{page}promote", {"csrfmiddlewaretoken": _token(client, page)})
     assert response.status_code == 302
     deployment.refresh_from_db()

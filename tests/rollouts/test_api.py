@@ -94,6 +94,8 @@ def test_tenant_allowed_to_deploy_promotes(client, chat, make_tenant) -> None:
     assert response.status_code == 202, response.content
     deployment_id = response.json()["deployment_id"]
     assert Deployment.objects.get(pk=deployment_id).created_by == "tenant:acme"
+    # Promotion waits for a ready candidate: one judge tick takes it from provisioning to ramping.
+    services.deployment_judge(deployment=Deployment.objects.get(pk=deployment_id), read_window=FakeMetrics())
 
     promoted = post(client, f"/v1/deployments/{deployment_id}/promote", **acme.auth)
     assert promoted.status_code == 202
@@ -170,7 +172,7 @@ def test_unknown_deployment_or_model_is_404(staff_client, chat) -> None:
 
 BAD_INPUT = [
     ({"version": "v9"}, 400, "has no version 'v9'"),
-    ({"version": "only-elsewhere"}, 400, "belongs to other"),
+    ({"version": "only-elsewhere"}, 400, "model 'chat' has no version 'only-elsewhere'"),
     ({"steps": [{"pct": 5}, {"pct": 5}, {"pct": 100}]}, 400, "strictly increasing"),
     ({"steps": [{"pct": 25}, {"pct": 5}, {"pct": 100}]}, 400, "strictly increasing"),
     ({"steps": [{"pct": 5}, {"pct": 50}]}, 400, "last step must be 100%"),

@@ -366,8 +366,8 @@ def test_with_redis_the_candidate_is_ready_when_a_replica_process_beats_ready(
     keys = [version_key("chat", "v1"), version_key("chat", "v2")]
     client.delete(*keys)
     try:
-        # No heartbeat of this model at all: the directory cannot tell, the alias rule stands.
-        assert services.candidate_is_ready(provisioning) is True
+        # No heartbeat of this model at all: replica processes are the only replicas, so none is ready.
+        assert services.candidate_is_ready(provisioning) is False
         client.hset(keys[0], "inc", _beat("v1"))
         assert services.candidate_is_ready(provisioning) is False  # the fleet serves v1, has no v2
         client.hset(keys[1], "stale", _beat("v2", age_s=30))
@@ -382,10 +382,12 @@ def test_with_redis_the_candidate_is_ready_when_a_replica_process_beats_ready(
         client.close()
 
 
-def test_with_redis_unreachable_the_alias_rule_stands(provisioning, settings) -> None:
+def test_with_redis_unreachable_a_fleet_candidate_is_not_ready(provisioning, settings) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     settings.REDIS_URL = f"redis://127.0.0.1:{port}/0"  # nothing listens there
     settings.EMBEDDED_REPLICAS = False
+    assert services.candidate_is_ready(provisioning) is False  # cannot tell is not ready
+    settings.EMBEDDED_REPLICAS = True  # replicas here too: no runtime in this process, the alias rule
     assert services.candidate_is_ready(provisioning) is True

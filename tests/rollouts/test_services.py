@@ -245,6 +245,7 @@ def test_manual_rollback_and_promote_and_refusals_after_the_end(ramping) -> None
         services.deployment_promote(deployment=deployment, actor="staff:bob")
 
     second = create(model, version="v3")
+    tick(second, 0, FakeMetrics())  # ready: ramping, so it may be promoted
     services.deployment_promote(deployment=second, actor="staff:bob")
     second.refresh_from_db()
     assert second.state == State.PROMOTED
@@ -313,6 +314,7 @@ def test_version_states_report_the_latest_deployment_and_rollbacks(ramping) -> N
     assert selectors.version_states(model=model) == {"v2": "ramping", "v1": "incumbent"}
     services.deployment_rollback(deployment=deployment, actor="staff:bob")
     second = create(model, version="v3")
+    tick(second, 0, FakeMetrics())
     services.deployment_promote(deployment=second, actor="staff:bob")
     assert selectors.version_states(model=model) == {"v3": "promoted", "v2": "rolled_back"}
 

@@ -210,10 +210,22 @@ def test_one_tick_through_a_real_celery_worker_on_redis(tmp_path: Path) -> None:
         stderr=subprocess.STDOUT,
         text=True,
     )
+    import json
+
+    import redis
+
+    from serving.replica_directory import version_key
+
+    beats = redis.Redis.from_url(broker)
     try:
         deadline = time.monotonic() + 45
         row = None
         while row is None and time.monotonic() < deadline and worker.poll() is None:
+            # With REDIS_URL the candidate is ready only when a replica process says so: beat as one.
+            beat = {"replica_id": "r-v2", "model_name": "chat", "version": "v2", "state": "ready"}
+            beat |= {"channel_name": "switchyard.replica.chat.v2.x", "num_waiting": 0, "num_running": 0}
+            beat |= {"kv_cache_usage": 0.0, "sent_at": time.time()}
+            beats.hset(version_key("chat", "v2"), "r-v2", json.dumps(beat))
             time.sleep(0.25)
             with sqlite3.connect(database) as conn:
                 row = conn.execute(
@@ -224,10 +236,8 @@ def test_one_tick_through_a_real_celery_worker_on_redis(tmp_path: Path) -> None:
     finally:
         worker.terminate()
         output = worker.communicate(timeout=20)[0]
-        import redis
-
-        redis.Redis.from_url(broker).delete(
-            queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}"
-        )
+        beats.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+        beats.delete(version_key("chat", "v2"))
+        beats.close()
     assert row == ("provisioning", "ramping", "rollout-judge"), output[-3000:]
     assert JUDGE_TASK in output  # the worker listed it among its tasks and ran it
