@@ -1,6 +1,7 @@
 """Settings read from the environment. The embedded default needs none of them:
 SQLite under var/, the in-memory channel layer, replicas inside the server process."""
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -47,10 +48,14 @@ if not SECRET_KEY:
             os.link(_new_key, _key_file)
         except FileExistsError:  # another process made it first: its key is the one
             pass
+        except OSError:  # a filesystem without hard links: renamed, still whole and 0600
+            os.replace(_new_key, _key_file)
         finally:
-            _new_key.unlink()
+            _new_key.unlink(missing_ok=True)
     if _key_file.stat().st_mode & 0o077:  # one made loose by hand, or by an older version
-        _key_file.chmod(0o600)
+        # Not ours to change (a read-only image, another owner): serve with it as it is.
+        with contextlib.suppress(OSError):
+            _key_file.chmod(0o600)
     SECRET_KEY = _key_file.read_text().strip()
 
 ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h]

@@ -95,7 +95,7 @@ def validate_steps(steps: object) -> list[dict[str, int]]:
         # At 100% the incumbent takes no traffic, so the judge has nothing to compare the canary with.
         raise DeploymentError(
             "a canary needs at least one step below 100% before the last, e.g. "
-            '[{"pct": 5}, {"pct": 100}]; to move all traffic at once, promote the deployment instead'
+            '[{"pct": 5}, {"pct": 100}]: at 100% the incumbent gets nothing for the judge to compare with'
         )
     return [{"pct": p} for p in pcts]
 

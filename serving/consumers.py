@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
@@ -26,6 +27,7 @@ from serving.dispatch import SLOW_READER, SLOW_READER_MESSAGE, Dispatch, authent
 from serving.gateway import GatewayError
 from serving.requests import InferRequest, loads_json, parse_infer
 
+logger = logging.getLogger(__name__)
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_SLOW_READER = 4408
 CLOSE_UNSUPPORTED_DATA = 1003
@@ -126,6 +128,10 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             )
         except GatewayError as exc:
             await self._error(exc)
+            return
+        except Exception:  # in this task nobody else would see it, and the client would wait for ever
+            logger.exception("could not dispatch a WebSocket request")
+            await self._error(GatewayError(503, "the request could not be dispatched", retry_after_s=1))
             return
         except asyncio.CancelledError:  # cancelled before any replica had it: dispatch() gave back its slot
             with contextlib.suppress(Exception):

@@ -382,6 +382,32 @@ async def model_snapshot(context: TenantContext, path_model: str) -> RoutingSnap
     return snapshot
 
 
+def charge_estimate(
+    context: TenantContext,
+    *,
+    params: dict[str, Any],
+    text: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+    inputs: list[str] | None = None,
+    num_choices: int = 1,
+) -> int:
+    """The tokens admission charges one request (one choice of `num_choices`) before it is tokenised."""
+    if text is not None:
+        input_chars = len(text)
+    elif messages is not None:
+        input_chars = sum(len(m["content"]) for m in messages)
+    else:
+        input_chars = sum(len(t) for t in inputs or ())
+    max_tokens = params.get("max_tokens", 1)
+    if max_tokens is None:  # to the end of the context: charged at the ceiling, settled when it ends,
+        # but never more than its choice's share of the tenant's whole minute, which would refuse every
+        # such request (or its last choice)
+        input_tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=0)
+        budget = context.tokens_per_minute // max(1, num_choices)
+        max_tokens = max(1, min(settings.MAX_TOKENS_LIMIT, budget - input_tokens))
+    return gateway.estimate_tokens(input_chars=input_chars, max_tokens=max_tokens)
+
+
 async def dispatch(
     *,
     context: TenantContext,
@@ -394,6 +420,7 @@ async def dispatch(
     kind: str = Model.Kind.CAUSAL_LM,
     snapshot: RoutingSnapshot | None = None,
     version: str | None = None,
+    num_choices: int = 1,
 ) -> Dispatch:
     """Route, admit and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a
     replica when it can; a prompt the replica refuses (too long for the model) comes back as a 400.
@@ -401,7 +428,8 @@ async def dispatch(
     the quota is checked; a store that would save nothing by it (in memory, or a tenant it is
     refusing right now) admits first, so a 429 costs no more than the admission. `version`: the version
     another part of the same request already went to (the choices of an OpenAI `n`), whatever the
-    traffic split would draw now; it is the platform's choice, not a pin, so it needs no pin right."""
+    traffic split would draw now; it is the platform's choice, not a pin, so it needs no pin right.
+    `num_choices`: how many such requests make up the client's one (OpenAI's n), for charge_estimate."""
     if sum(payload is not None for payload in (text, messages, inputs)) != 1:
         raise ValueError("dispatch needs exactly one of text, messages or inputs")
     model_name, alias = split_model_name(path_model)
@@ -417,18 +445,9 @@ async def dispatch(
         )
     if version is None:
         version = choose_version(snapshot, pin=pin, alias=alias, rng=_rng)
-    if text is not None:
-        input_chars = len(text)
-    elif messages is not None:
-        input_chars = sum(len(m["content"]) for m in messages)
-    else:
-        input_chars = sum(len(t) for t in inputs or ())
-    max_tokens = params.get("max_tokens", 1)
-    if max_tokens is None:  # to the end of the context: charged at the ceiling, settled when it ends,
-        # but never more than the tenant's whole minute, which would refuse every such request
-        input_tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=0)
-        max_tokens = max(1, min(settings.MAX_TOKENS_LIMIT, context.tokens_per_minute - input_tokens))
-    tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=max_tokens)
+    tokens = charge_estimate(
+        context, params=params, text=text, messages=messages, inputs=inputs, num_choices=num_choices
+    )
     store = gateway.quota_store()
     ticket = None if store.sends_with_admission(context) else await store.aadmit(context, tokens=tokens)
     runtime = await get_runtime()

@@ -23,7 +23,7 @@ from registry.errors import error_response
 from registry.models import Model
 from registry.selectors import TenantContext
 from serving.api import sse_response
-from serving.dispatch import Dispatch, authenticate, close_all, dispatch, prompt_usage
+from serving.dispatch import Dispatch, authenticate, charge_estimate, close_all, dispatch, prompt_usage
 from serving.engine.sequence import MAX_LOGPROBS
 from serving.gateway import GatewayError
 from serving.requests import SAMPLING_FIELDS, is_int, parse_json_body, parse_sampling, parse_text_inputs
@@ -248,14 +248,25 @@ async def _dispatch_choices(n: int, **request: Any) -> list[Dispatch]:
     choices than the tenant's quota admits at once is a 400: refused with a 429, the client would retry
     a request that can never be admitted."""
     context: TenantContext = request["context"]
-    at_once = min(math.floor(max(1.0, context.requests_per_second)), context.max_concurrent_requests)
-    if n > at_once:
-        raise GatewayError(
-            400,
-            f"n={n} asks for more choices than this tenant's quota admits at once ({at_once}: each choice "
-            f"counts as a request against {context.requests_per_second:g} requests/s and "
-            f"{context.max_concurrent_requests} concurrent)",
-        )
+    if n > 1:
+        at_once = min(math.floor(max(1.0, context.requests_per_second)), context.max_concurrent_requests)
+        if n > at_once:
+            raise GatewayError(
+                400,
+                f"n={n} asks for more choices than this tenant's quota admits at once ({at_once}: each "
+                f"choice counts as a request against {context.requests_per_second:g} requests/s and "
+                f"{context.max_concurrent_requests} concurrent)",
+            )
+        payload = {k: request.get(k) for k in ("text", "messages", "inputs")}
+        tokens = charge_estimate(context, params=request["params"], num_choices=n, **payload)
+        if n * tokens > context.tokens_per_minute:
+            raise GatewayError(
+                400,
+                f"n={n} choices of an estimated {tokens} tokens each are over this tenant's whole quota of "
+                f"{context.tokens_per_minute} tokens/min, so they can never be admitted together: lower "
+                "n, max_tokens or the prompt",
+            )
+        request["num_choices"] = n
     first = await dispatch(**request)
     if n == 1:
         return [first]

@@ -80,16 +80,38 @@ async def test_more_choices_than_the_tenant_may_ever_run_at_once_is_a_400_before
 async def test_a_choice_refused_by_the_quota_is_a_429_that_leaves_the_others_nothing_running(
     make_tenant, runtime
 ) -> None:
-    # Each choice is charged ~5 tokens ("hello", 4 tokens at most): the third does not fit.
-    pair = await sync_to_async(make_tenant)("pair", tokens_per_minute=12, max_concurrent_requests=3)
-    refused = await _complete(pair, n=3, temperature=0)
+    """Another request of the tenant's holds one of its three slots: the third choice finds none."""
+    from serving.gateway import quota_store
+
+    trio = await sync_to_async(make_tenant)("trio", max_concurrent_requests=3)
+    other_request = quota_store().admit(trio.context, tokens=1)
+    refused = await _complete(trio, n=3, temperature=0)
     assert refused.status_code == 429, refused.content
     assert refused.json()["error"]["type"] == "rate_limit_error"
     (replica,) = runtime.replicas.values()
     await replica.wait_idle()
     stats = replica.engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
-    assert _in_flight(pair) == 0  # the refused request's slots were given back
+    assert _in_flight(trio) == 1  # the refused request's two slots were given back, the other's kept
+    quota_store().release(other_request, used_tokens=1)
+
+
+async def test_choices_that_could_never_fit_the_token_quota_together_are_a_400(make_tenant, runtime) -> None:
+    """Each choice is charged ~5 tokens ("hello", 4 tokens at most): three are over 12 a minute. Without
+    max_tokens, each choice is charged its share of the minute, so they fit."""
+    small = await sync_to_async(make_tenant)("small", tokens_per_minute=12)
+    refused = await _complete(small, n=3, temperature=0)
+    assert refused.status_code == 400, refused.content
+    assert "can never be admitted together" in refused.json()["error"]["message"]
+    assert (await _complete(small, n=2, temperature=0)).status_code == 200
+    roomy = await sync_to_async(make_tenant)("roomy", tokens_per_minute=8000)
+    chat = await AsyncClient().post(
+        "/v1/chat/completions",
+        data=json.dumps({"model": "demo-chat", "messages": [{"role": "user", "content": "hi"}], "n": 2}),
+        content_type="application/json",
+        headers=roomy.auth,
+    )
+    assert chat.status_code == 200, chat.content  # each charged under 4,000, not 4,096 + the prompt
 
 
 async def test_a_client_that_leaves_while_its_choices_are_dispatched_leaves_nothing_behind(

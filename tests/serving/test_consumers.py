@@ -177,3 +177,25 @@ async def test_cancel_reaches_a_request_still_waiting_to_be_dispatched(acme, mon
     await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
     assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(3)] == ["token", "token", "done"]
     await ws.disconnect()
+
+
+async def test_a_dispatch_that_fails_unexpectedly_answers_503_and_the_socket_serves_on(
+    acme, monkeypatch
+) -> None:
+    """It fails in the generation's task, where no one else would see it: the client gets the error."""
+    from serving import consumers
+
+    real_dispatch = consumers.dispatch
+
+    async def redis_is_down(**request):  # type: ignore[no-untyped-def]
+        raise ConnectionError("Redis is down")
+
+    monkeypatch.setattr(consumers, "dispatch", redis_is_down)
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
+    error = await ws.receive_json_from(timeout=10)
+    assert (error["type"], error["error"]["type"]) == ("error", "service_unavailable")
+    monkeypatch.setattr(consumers, "dispatch", real_dispatch)
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
+    assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(3)] == ["token", "token", "done"]
+    await ws.disconnect()
