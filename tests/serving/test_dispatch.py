@@ -17,6 +17,16 @@ class FakeClock:
         return self.now
 
 
+def _hello(tenant, *, max_tokens: int):  # type: ignore[no-untyped-def]
+    """dispatch() of a greedy "hello" to demo-chat for `tenant`."""
+    from serving import dispatch as dispatch_module
+
+    params = {"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}
+    return dispatch_module.dispatch(
+        context=tenant.context, path_model="demo-chat", pin=None, params=params, text="hello"
+    )
+
+
 async def _a_replica_chosen_first(runtime, monkeypatch, replica_id: str, *, is_alive: bool):  # type: ignore[no-untyped-def]
     """A second replica of demo-chat:v1 that the router chooses whenever it is offered: `is_alive`, by its
     heartbeat, or dead. It has a channel of its own that nothing reads. Returns it and the real one."""
@@ -136,19 +146,12 @@ async def test_a_request_whose_replica_dies_before_its_first_token_is_retried_el
 ) -> None:
     from asgiref.sync import sync_to_async
 
-    from serving import dispatch as dispatch_module
     from serving.breaker import breaker
 
     acme = await sync_to_async(make_tenant)("acme")
     _, good = await _a_replica_chosen_first(runtime, monkeypatch, "dead-replica", is_alive=False)
 
-    handle = await dispatch_module.dispatch(
-        context=acme.context,
-        path_model="demo-chat",
-        pin=None,
-        params={"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []},
-        text="hello",
-    )
+    handle = await _hello(acme, max_tokens=3)
     events = [event async for event in handle.events()]
     await handle.close()
     assert handle.num_retries == 1
@@ -263,13 +266,7 @@ async def test_a_retry_aborts_the_try_left_on_a_replica_that_went_silent(
     monkeypatch.setattr(dispatch_module, "LIVENESS_CHECK_S", 0.05)
     monkeypatch.setattr(runtime.layer, "send", watched_send)
     try:
-        handle = await dispatch_module.dispatch(
-            context=acme.context,
-            path_model="demo-chat",
-            pin=None,
-            params={"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []},
-            text="hello",
-        )
+        handle = await _hello(acme, max_tokens=2)
         events = [event async for event in handle.events()]
         await handle.close()
     finally:
@@ -288,17 +285,10 @@ async def test_a_request_that_fails_after_some_text_is_an_error_not_a_partial_an
     200 holding half an answer, no usage and a finish_reason no client knows."""
     from asgiref.sync import sync_to_async
 
-    from serving import dispatch as dispatch_module
     from serving.gateway import GatewayError
 
     acme = await sync_to_async(make_tenant)("acme")
-    handle = await dispatch_module.dispatch(
-        context=acme.context,
-        path_model="demo-chat",
-        pin=None,
-        params={"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []},
-        text="hello",
-    )
+    handle = await _hello(acme, max_tokens=2)
     scripted = iter(
         [
             {"token": "Once", "index": 0},
