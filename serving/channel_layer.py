@@ -153,6 +153,7 @@ class BlockingPublisher:
         self._hosts = list(hosts)
         self._serialize = serialize
         self._connections: list[redis.connection.AbstractConnection | None] = [None] * len(self._hosts)
+        self._unanswered = [0] * len(self._hosts)  # PUBLISHes written on each connection, reply unread
         # Taken for a whole write, pending messages included, so none overtakes another. Then _pending's.
         self._writing = threading.Lock()
         self._pending: list[tuple[str, dict[str, Any]]] = []  # publish_soon's, oldest first
@@ -200,7 +201,26 @@ class BlockingPublisher:
             writer.join()
         with self._writing:
             for index in range(len(self._hosts)):
+                self._await_replies(index)
                 self._drop(index)
+
+    def _await_replies(self, index: int) -> None:
+        """Read every reply still owed on the shard's connection: closed with replies unread, a socket is
+        reset rather than closed, and Redis may drop the last PUBLISHes it had not read yet (the final
+        steps of a replica that drains and exits)."""
+        connection = self._connections[index]
+        try:
+            while connection is not None and self._unanswered[index] > 0:
+                self._read_reply(index, connection)
+        except (redis.RedisError, OSError):
+            logger.warning("could not read Redis's last replies to the step publisher", exc_info=True)
+
+    def _read_reply(self, index: int, connection: redis.connection.AbstractConnection) -> None:
+        self._unanswered[index] -= 1
+        try:
+            connection.read_response()
+        except redis.ResponseError as exc:  # a refused PUBLISH (an ACL, say): not retried
+            logger.warning("Redis refused a PUBLISH: %s", exc)
 
     def _write_soon(self) -> None:
         while True:
@@ -229,6 +249,7 @@ class BlockingPublisher:
         try:
             command = connection.pack_command("PUBLISH", channel, data)
             connection.send_packed_command(command, check_health=False)
+            self._unanswered[index] += 1
         except (redis.RedisError, OSError):
             self._drop(index)
             raise
@@ -239,10 +260,7 @@ class BlockingPublisher:
         if connection is not None:
             try:
                 while connection.can_read(timeout=0):
-                    try:
-                        connection.read_response()
-                    except redis.ResponseError as exc:  # a refused PUBLISH (an ACL, say): not retried
-                        logger.warning("Redis refused a PUBLISH: %s", exc)
+                    self._read_reply(index, connection)
                 return connection
             except (redis.ConnectionError, OSError):  # Redis closed it (a restart, a CLIENT KILL)
                 self._drop(index)
@@ -259,5 +277,6 @@ class BlockingPublisher:
 
     def _drop(self, index: int) -> None:
         connection, self._connections[index] = self._connections[index], None
+        self._unanswered[index] = 0
         if connection is not None:
             connection.disconnect()
