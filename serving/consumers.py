@@ -135,14 +135,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             return
         except asyncio.CancelledError:  # cancelled before any replica had it: dispatch() gave back its slot
             with contextlib.suppress(Exception):
-                await self.send_json(
-                    {
-                        "type": "done",
-                        "version": None,
-                        "finish_reason": "abort",
-                        "usage": {"completion_tokens": 0},
-                    }
-                )
+                await self.send_json(_aborted(version=None, num_completion_tokens=0))
             raise
         await self._forward(handle)
 
@@ -177,14 +170,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                     await self.send_json(_final_error(handle, error))
                     await self.close(code=CLOSE_SLOW_READER)
                 else:
-                    await self.send_json(
-                        {
-                            "type": "done",
-                            "version": handle.version,
-                            "finish_reason": "abort",
-                            "usage": {"completion_tokens": handle.num_completion_tokens},
-                        }
-                    )
+                    await self.send_json(_aborted(handle.version, handle.num_completion_tokens))
             raise
         finally:
             await handle.close()
@@ -197,6 +183,16 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
 
     async def disconnect(self, code: int) -> None:
         await self._cancel()
+
+
+def _aborted(version: str | None, num_completion_tokens: int) -> dict[str, Any]:
+    """The done message of a generation the client cancelled (version None: no replica had it yet)."""
+    return {
+        "type": "done",
+        "version": version,
+        "finish_reason": "abort",
+        "usage": {"completion_tokens": num_completion_tokens},
+    }
 
 
 def _final_error(handle: Dispatch, error: dict[str, Any]) -> dict[str, Any]:

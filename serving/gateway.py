@@ -347,8 +347,6 @@ def _refusal(
     the longest wait among them: a retry after the first one's wait alone would be refused again."""
     if context.requests_per_second <= 0:
         return GatewayError(429, "request rate quota is zero for this tenant", retry_after_s=60)
-    if tokens > context.tokens_per_minute:  # the stores raise check_fits_quota's 400 before this
-        return too_large_for_quota(context, tokens)
     binding: list[tuple[float, str]] = []  # (wait in seconds, what binds)
     if num_in_flight >= context.max_concurrent_requests:
         # When one ends is unknown: 1 s, as a request rarely holds its slot for less.
@@ -365,20 +363,16 @@ def _refusal(
     return GatewayError(429, "; ".join(reason for _, reason in binding), retry_after_s=binding[0][0])
 
 
-def too_large_for_quota(context: TenantContext, tokens: int) -> GatewayError:
-    # A 400, not a 429: no wait would admit it, and clients (the openai one among them) retry 429s.
-    return GatewayError(
-        400,
-        f"request needs an estimated {tokens} tokens, over this tenant's whole quota of "
-        f"{context.tokens_per_minute} tokens/min, so it can never be admitted: lower max_tokens or "
-        "shorten the prompt",
-    )
-
-
 def check_fits_quota(context: TenantContext, tokens: int) -> None:
-    """Raises the 400 for a request that no wait would admit; both stores call it before counting."""
+    """Raises the 400 for a request that no wait would admit; both stores call it before counting, so
+    _refusal never sees one. A 400, not a 429: clients (the openai one among them) retry 429s."""
     if tokens > context.tokens_per_minute:
-        raise too_large_for_quota(context, tokens)
+        raise GatewayError(
+            400,
+            f"request needs an estimated {tokens} tokens, over this tenant's whole quota of "
+            f"{context.tokens_per_minute} tokens/min, so it can never be admitted: lower max_tokens or "
+            "shorten the prompt",
+        )
 
 
 async def admit_then_send(

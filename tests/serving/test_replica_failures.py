@@ -17,7 +17,12 @@ from serving import replica as replica_module
 from serving import runtime as runtime_module
 from serving.replica import ABORT, Replica, ReplicaState
 from serving.replica_directory import Heartbeat, HeartbeatPublisher, ReplicaDirectory
-from tests.serving.test_replica_pipeline import HeldReplies, _assert_one_whole_stream, _submit
+from tests.serving.test_replica_pipeline import (
+    HeldReplies,
+    _assert_one_whole_stream,
+    _submit,
+    break_the_engine_thread,
+)
 
 
 class FlakyLayer(InMemoryChannelLayer):  # type: ignore[misc]
@@ -115,12 +120,7 @@ async def test_after_the_engine_thread_died_an_abort_or_a_submission_does_not_ho
 ) -> None:
     layer, replies = InMemoryChannelLayer(), WatchedReplies()
     replica = await _replica(layer, replies)
-
-    def broken(*args: object) -> Any:
-        raise RuntimeError("a bug")
-
-    replica.engine.step = broken
-    replica._fail_all = broken  # type: ignore[method-assign]  # the step's own failure handling fails too
+    break_the_engine_thread(replica)
     try:
         await _submit(layer, replica, "r1", max_tokens=4)
         assert replica._engine_run is not None

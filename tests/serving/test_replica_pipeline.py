@@ -445,16 +445,21 @@ async def test_metrics_that_cannot_be_recorded_fail_no_request(registered_model)
         await replica.stop()
 
 
-async def test_a_dead_engine_thread_fails_the_replica_and_a_drain_still_ends(registered_model) -> None:
-    from serving.replica import ReplicaState
-
-    replica, layer, _ = await _replica_sending_at_once()
+def break_the_engine_thread(replica: Any) -> None:
+    """Its next step raises, and so does the step's own failure handling: the model thread dies."""
 
     def broken(*args: object) -> Any:
         raise RuntimeError("a bug")
 
     replica.engine.step = broken
-    replica._fail_all = broken  # type: ignore[method-assign]  # the step's own failure handling fails too
+    replica._fail_all = broken
+
+
+async def test_a_dead_engine_thread_fails_the_replica_and_a_drain_still_ends(registered_model) -> None:
+    from serving.replica import ReplicaState
+
+    replica, layer, _ = await _replica_sending_at_once()
+    break_the_engine_thread(replica)
     try:
         await _submit(layer, replica, "r1", max_tokens=4)
         assert replica._engine_run is not None
