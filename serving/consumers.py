@@ -23,7 +23,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from registry.errors import error_body
 from registry.selectors import TenantContext
-from serving.dispatch import SLOW_READER, SLOW_READER_MESSAGE, Dispatch, authenticate, dispatch
+from serving.dispatch import SLOW_READER, SLOW_READER_MESSAGE, Dispatch, authenticate, close_all, dispatch
 from serving.gateway import GatewayError
 from serving.requests import InferRequest, loads_json, parse_infer
 
@@ -162,7 +162,9 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                 else:
                     await self.send_json({"type": "done", "version": handle.version, **event})
         except asyncio.CancelledError:
-            await handle.close()  # aborts on the replica, freeing the sequence's blocks
+            # Aborts on the replica, freeing the sequence's blocks, and gives back its quota: all the way
+            # through, when a second cancellation (a disconnect after a slow-reader cut-off) comes during it.
+            await close_all([handle])
             # These wait until the client reads what is already buffered for it (or goes away).
             with contextlib.suppress(Exception):
                 if handle.is_cut_off:
@@ -173,7 +175,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                     await self.send_json(_aborted(handle.version, handle.num_completion_tokens))
             raise
         finally:
-            await handle.close()
+            await close_all([handle])
 
     async def _cancel(self) -> None:
         if self.task is not None and not self.task.done():

@@ -325,12 +325,14 @@ class Dispatch:
         self._is_closed = True
         self._settle_text(None)  # no-op when it finished normally
         self._runtime.hub.close(self._wire_id)
-        if (not self.is_finished or self._gave_up) and self.replica is not None:
-            await self._abort_on(self.replica)
-        if self._ticket is None:
-            return
-        used = self.num_prompt_tokens + self.num_completion_tokens
-        await gateway.quota_store().arelease(self._ticket, used_tokens=used)
+        try:
+            if (not self.is_finished or self._gave_up) and self.replica is not None:
+                await self._abort_on(self.replica)
+        finally:  # a cancellation during the abort must not keep the slot (its lease renewed for ever)
+            ticket, self._ticket = self._ticket, None
+            if ticket is not None:
+                used = self.num_prompt_tokens + self.num_completion_tokens
+                await gateway.quota_store().arelease(ticket, used_tokens=used)
 
     async def _abort_on(self, replica: ReplicaHandle) -> None:
         """Abort the current try on `replica`: frees its blocks if it is still there, a no-op if not."""
@@ -448,9 +450,9 @@ async def dispatch(
     tokens = charge_estimate(
         context, params=params, text=text, messages=messages, inputs=inputs, num_choices=num_choices
     )
+    runtime = await get_runtime()  # before admission: a cancellation while it starts holds no slot
     store = gateway.quota_store()
     ticket = None if store.sends_with_admission(context) else await store.aadmit(context, tokens=tokens)
-    runtime = await get_runtime()
     submission = {
         "reply_to": runtime.hub.channel_name,
         "input": text,
@@ -466,11 +468,11 @@ async def dispatch(
     handle = Dispatch(runtime, ticket, model_name, version, submission, cold_start=cold_start)
     try:
         await handle.submit(charge=(context, tokens) if ticket is None else None)
+        prompt_log.maybe_log(handle, tenant=context.tenant_name, submission=submission)  # off by default
+        if shadow.should_mirror(snapshot.mirror, version, _rng):
+            assert snapshot.mirror is not None
+            shadow.start_mirror(handle, runtime=runtime, version=snapshot.mirror[0], submission=submission)
     except BaseException:
         await handle.close()
         raise
-    prompt_log.maybe_log(handle, tenant=context.tenant_name, submission=submission)  # off by default
-    if shadow.should_mirror(snapshot.mirror, version, _rng):
-        assert snapshot.mirror is not None
-        shadow.start_mirror(handle, runtime=runtime, version=snapshot.mirror[0], submission=submission)
     return handle

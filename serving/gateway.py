@@ -237,6 +237,13 @@ class QuotaStore(Protocol):
     ) -> Ticket: ...
     def refusals(self) -> dict[int, int] | None: ...  # None: the counters cannot be read now
     def usage(self, limits: Iterable[QuotaLimits]) -> dict[int, QuotaUsage]: ...
+    # Extends the leases of this process's requests in flight (the runtime calls it every
+    # LEASE_RENEW_EVERY_S): a store whose in-flight counts outlive the process holds a dead process's
+    # requests only until their leases run out.
+    async def arenew(self) -> None: ...
+
+
+LEASE_RENEW_EVERY_S = 15.0
 
 
 @dataclass(slots=True)
@@ -317,6 +324,9 @@ class MemoryQuotaStore:
         return await admit_then_send(
             self, context, tokens=tokens, layer=layer, channel=channel, message=message
         )
+
+    async def arenew(self) -> None:
+        pass  # the counts are this process's own, and go with it
 
     def refusals(self) -> dict[int, int]:
         """429s per tenant id since this process started."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import Coroutine, Iterable
@@ -25,6 +27,7 @@ from django.conf import settings
 from registry.selectors import TenantContext
 from serving.channel_layer import SEND_FUNCTIONS, OneTripRedisChannelLayer
 from serving.gateway import (
+    LEASE_RENEW_EVERY_S,
     GatewayError,
     QuotaLimits,
     QuotaUsage,
@@ -34,6 +37,8 @@ from serving.gateway import (
     check_fits_quota,
     quota_usage,
 )
+
+logger = logging.getLogger(__name__)
 
 # admit(tenant hash, refusal counts, rps, tokens/min, max concurrent, tokens asked, hash expiry (s),
 # tenant id, ticket id, lease (s)). A refusal is counted in the same script: no second round trip per 429.
@@ -109,6 +114,24 @@ return result
 """
 )
 
+# KEYS: tenant hashes; ARGV[1] the lease (s), ARGV[2] the hashes' expiry (s), ARGV[2 + i] the ticket ids
+# (comma-separated) of KEYS[i] to renew. A lease already released (or expired and dropped) stays gone.
+_RENEW = """
+local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local deadline = tostring(now + tonumber(ARGV[1]))
+local renewed = 0
+for i, key in ipairs(KEYS) do
+  for ticket in string.gmatch(ARGV[i + 2], '[^,]+') do
+    if redis.call('HEXISTS', key, 'l:' .. ticket) == 1 then
+      redis.call('HSET', key, 'l:' .. ticket, deadline)
+      renewed = renewed + 1
+    end
+  end
+  if redis.call('EXISTS', key) == 1 then redis.call('EXPIRE', key, ARGV[2]) end
+end
+return renewed
+"""
+
 # KEYS[1] tenant hash; ARGV: tokens to give back (charged less used), ticket id. A lease that already
 # expired is gone: its release frees no one else's slot.
 _RELEASE = """
@@ -120,15 +143,22 @@ return 1
 
 # An idle tenant's hash expires (its buckets would be full again by then), but never before its leases.
 _IDLE_EXPIRY_S = 600
-# How long an admitted request that is never released counts against its tenant's concurrency. It must
-# outlast every legitimate request, or a live one stops counting: up to COLD_START_TIMEOUT_S waiting for a
-# replica to start, the dispatcher's ACCEPT_TIMEOUT_S for it to accept, then up to MAX_TOKENS_LIMIT
-# tokens, whose pace the gateway bounds only by a 60 s inactivity timeout between events. At 1 s a token
-# (ten times the rollout judge's TPOT SLA) the defaults give 120 + 30 + 4096 s, about 71 minutes.
+# How long an admitted request counts against its tenant's concurrency unless its gateway renews it (every
+# LEASE_RENEW_EVERY_S while the request runs, serving.runtime): a gateway process that dies mid-request
+# holds its tenants' slots this long at most. Six renewals' worth, so that a busy event loop or a Redis
+# blip that delays a few of them never lets a live request stop counting. (Without renewal the lease had
+# to outlast the longest legitimate request, ~71 minutes, and a crashed gateway left its tenants refused
+# for that long.)
+DEFAULT_LEASE_S = 6 * LEASE_RENEW_EVERY_S
+# No legitimate request runs longer than this: up to COLD_START_TIMEOUT_S waiting for a replica to start,
+# the dispatcher's ACCEPT_TIMEOUT_S for it to accept, then up to MAX_TOKENS_LIMIT tokens, whose pace the
+# gateway bounds only by a 60 s inactivity timeout between events; at 1 s a token (ten times the rollout
+# judge's TPOT SLA) the defaults give 120 + 30 + 4096 s, about 71 minutes. A ticket held longer was
+# leaked by a bug (never released): renewal lets it go rather than hold its slot for ever.
 _SLOWEST_TOKEN_S = 1.0
 
 
-def default_lease_s() -> float:
+def longest_request_s() -> float:
     from serving.dispatch import ACCEPT_TIMEOUT_S  # imports this module's importer: not at load time
 
     return settings.COLD_START_TIMEOUT_S + ACCEPT_TIMEOUT_S + settings.MAX_TOKENS_LIMIT * _SLOWEST_TOKEN_S
@@ -147,13 +177,14 @@ class _LoopClient:
         self.admit = self.redis.register_script(_ADMIT)
         self.admit_and_send = self.redis.register_script(_ADMIT_AND_SEND)
         self.release = self.redis.register_script(_RELEASE)
+        self.renew = self.redis.register_script(_RENEW)
 
 
 class RedisQuotaStore:
     """The gateway admits with `aadmit` and `arelease`, on a client of its event loop's own, so admission
     costs one Redis round trip and no thread hop. `admit` and `release` are the same on a blocking client
     (the QuotaStore interface, for callers in threads); `usage` and `refusals` serve the dashboard.
-    `lease_s`: how long a request never released counts as in flight (default_lease_s)."""
+    `lease_s`: how long a request neither released nor renewed counts as in flight (DEFAULT_LEASE_S)."""
 
     def __init__(
         self, url: str, *, key_prefix: str = "switchyard:quota:", lease_s: float | None = None
@@ -161,7 +192,7 @@ class RedisQuotaStore:
         self._url = url
         self._redis = redis.Redis.from_url(url)
         self._prefix = key_prefix
-        self._lease_s = default_lease_s() if lease_s is None else lease_s
+        self._lease_s = DEFAULT_LEASE_S if lease_s is None else lease_s
         self._expiry_s = max(_IDLE_EXPIRY_S, math.ceil(self._lease_s) + 1)
         self._admit = self._redis.register_script(_ADMIT)
         self._release = self._redis.register_script(_RELEASE)
@@ -170,6 +201,10 @@ class RedisQuotaStore:
         # Tenant id -> until when (monotonic) this process expects it to be refused: see aadmit_and_send.
         self._refusing_until: dict[int, float] = {}
         self._giving_back: set[asyncio.Task[None]] = set()  # see _admission: held until done
+        # This process's admitted requests not yet released, whose leases arenew() extends. Admissions
+        # and releases come from event loops and threads alike.
+        self._held: dict[str, tuple[Ticket, float]] = {}  # by ticket id, with when (monotonic) admitted
+        self._held_lock = threading.Lock()
 
     def _key(self, tenant_id: int) -> str:
         return f"{self._prefix}{tenant_id}"
@@ -211,12 +246,44 @@ class RedisQuotaStore:
             raise _unavailable(exc) from exc
         if not int(admitted):
             raise self._refusal(context, tokens, rt, tt, n)
-        return ticket
+        return self._hold(ticket)
 
     def release(self, ticket: Ticket, *, used_tokens: int) -> None:
+        self._let_go(ticket)
         # On failure the lease expires on its own; the tokens stay charged.
         with contextlib.suppress(redis.RedisError):
             self._release(**self._release_args(ticket, used_tokens))
+
+    def _hold(self, ticket: Ticket) -> Ticket:
+        with self._held_lock:
+            self._held[ticket.ticket_id] = (ticket, time.monotonic())
+        return ticket
+
+    def _let_go(self, ticket: Ticket) -> None:
+        with self._held_lock:
+            self._held.pop(ticket.ticket_id, None)
+
+    async def arenew(self) -> None:
+        """Extend the lease of every request this process holds to a full lease from now, in one round trip.
+        On failure (Redis unreachable) they keep their deadlines, and the next renewal tries again."""
+        by_key: dict[str, list[str]] = {}
+        oldest = time.monotonic() - longest_request_s()
+        with self._held_lock:
+            leaked = [ticket for ticket, admitted_at in self._held.values() if admitted_at < oldest]
+            for ticket in leaked:
+                del self._held[ticket.ticket_id]
+            for ticket, _ in self._held.values():
+                by_key.setdefault(self._key(ticket.tenant_id), []).append(ticket.ticket_id)
+        for ticket in leaked:
+            logger.warning(
+                "quota lease %s held past the longest request: no longer renewed", ticket.ticket_id
+            )
+        if not by_key:
+            return
+        keys = list(by_key)
+        args: list[object] = [self._lease_s, self._expiry_s, *(",".join(by_key[key]) for key in keys)]
+        with contextlib.suppress(redis.RedisError):
+            await self._loop_client().renew(keys=keys, args=args)
 
     def _release_args(self, ticket: Ticket, used_tokens: int) -> dict[str, list[object]]:
         return {
@@ -271,7 +338,7 @@ class RedisQuotaStore:
         if not int(admitted):
             raise self._refused(context, tokens, rt, tt, n)
         self._refusing_until.pop(context.tenant_id, None)
-        return ticket
+        return self._hold(ticket)
 
     def _refused(self, context: TenantContext, tokens: int, rt: bytes, tt: bytes, n: bytes) -> GatewayError:
         refusal = self._refusal(context, tokens, rt, tt, n)
@@ -311,9 +378,10 @@ class RedisQuotaStore:
             raise ChannelFull()
         if not int(admitted):
             raise self._refused(context, tokens, *state)
-        return ticket
+        return self._hold(ticket)
 
     async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None:
+        self._let_go(ticket)
         with contextlib.suppress(redis.RedisError):
             await self._loop_client().release(**self._release_args(ticket, used_tokens))
 

@@ -20,6 +20,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from registry.selectors import VersionRef, versions_with_traffic
+from serving import gateway
 from serving.breaker import breaker
 from serving.replica import Replica, ReplicaState
 from serving.replica_directory import Heartbeat, ReplicaDirectory
@@ -110,11 +111,15 @@ class Runtime:
         self._supervisor: asyncio.Task[None] | None = None
         self._route_refresher: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
+        self._lease_renewer: asyncio.Task[None] | None = None
 
     async def start(self, *, embedded_replicas: bool) -> None:
         await self.hub.start()
         self._route_refresher = asyncio.get_running_loop().create_task(
             self._refresh_routes(), name="routing-refresher"
+        )
+        self._lease_renewer = asyncio.get_running_loop().create_task(
+            self._renew_leases_periodically(), name="quota-lease-renewer"
         )
         if embedded_replicas:
             self._supervisor = asyncio.get_running_loop().create_task(
@@ -127,7 +132,7 @@ class Runtime:
         for cold in self._cold_starts.values():
             cold.poller.cancel()
         self._cold_starts.clear()
-        for task in (self._supervisor, self._route_refresher):
+        for task in (self._supervisor, self._route_refresher, self._lease_renewer):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -139,6 +144,17 @@ class Runtime:
         await self.hub.stop()
         if self.directory is not None:
             await self.directory.close()
+
+    async def _renew_leases_periodically(self) -> None:
+        """Keeps this process's requests in flight counted against their tenants' concurrency; were the
+        process to die, they would stop counting once their leases ran out."""
+        while True:
+            await asyncio.sleep(gateway.LEASE_RENEW_EVERY_S)
+            try:
+                async with asyncio.timeout(gateway.LEASE_RENEW_EVERY_S):  # a hung call must not end renewal
+                    await gateway.quota_store().arenew()
+            except Exception:
+                logger.warning("quota leases: renewal failed; will retry", exc_info=True)
 
     async def candidates(
         self, model_name: str, version: str, *, refresh: bool = False

@@ -1,9 +1,11 @@
-"""Quota admission's in-flight leases (a request never released stops counting), admission cancelled
-after Redis ran it, Retry-After over every binding limit, and the 400 for a request no wait would admit."""
+"""Quota admission's in-flight leases (one never released stops counting, one in flight is renewed),
+admission cancelled after Redis ran it, Retry-After over every binding limit, and the 400 for a request
+no wait would admit."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -96,20 +98,120 @@ def test_a_count_left_by_the_layout_before_leases_is_dropped(redis_url: str) -> 
 
 
 @pytest.mark.redis
-def test_a_lease_outlasts_the_longest_legitimate_request(redis_url: str, settings: Any) -> None:
-    from serving.dispatch import ACCEPT_TIMEOUT_S
-    from serving.quota_redis import default_lease_s
-
-    settings.MAX_TOKENS_LIMIT, settings.COLD_START_TIMEOUT_S = 4096, 120.0
-    assert default_lease_s() >= 120 + ACCEPT_TIMEOUT_S + 4096 * 0.5  # 0.5 s a token: 5x the TPOT SLA
-    store = _redis_store(redis_url)
-    context = _context(32, max_concurrent_requests=1)
+async def test_a_request_in_flight_keeps_its_slot_while_its_gateway_renews_the_lease(redis_url: str) -> None:
+    """Leases are short, so that a dead gateway's requests stop counting soon; the gateway renews those it
+    still runs. One held for 2.5 leases keeps its slot; once released, or once its lease is gone, no
+    renewal brings it back."""
+    store = _redis_store(redis_url, lease_s=1.0)
+    context = _context(32, requests_per_second=1000, tokens_per_minute=10**6, max_concurrent_requests=1)
+    key = store._key(32)
     try:
-        store.admit(context, tokens=1)
-        ttl = store._redis.ttl(store._key(32))
-        assert ttl >= default_lease_s()  # the tenant's hash, which holds the leases, outlives them
+        ticket = await store.aadmit(context, tokens=1)
+        held_until = time.monotonic() + 2.5
+        while time.monotonic() < held_until:
+            await store.arenew()
+            assert store._redis.ttl(key) >= 1  # the hash, which holds the lease, outlives it
+            with pytest.raises(GatewayError, match="concurrent"):
+                await store.aadmit(context, tokens=1)
+            await asyncio.sleep(0.25)  # the renewal's cadence, a quarter of the lease
+        await store.arelease(ticket, used_tokens=1)
+        await store.arenew()
+        assert store.usage([context])[32].num_in_flight == 0
+
+        dropped = await store.aadmit(context, tokens=1)
+        store._redis.hdel(key, f"l:{dropped.ticket_id}")  # as an admission drops a lease past its deadline
+        await store.arenew()
+        assert store.usage([context])[32].num_in_flight == 0
+        await store.arelease(dropped, used_tokens=1)
     finally:
         store.clear()
+
+
+@pytest.mark.redis
+async def test_a_ticket_held_past_the_longest_request_is_no_longer_renewed(
+    redis_url: str, monkeypatch: Any
+) -> None:
+    """A release a bug lost would otherwise keep its lease, and its tenant's slot, for as long as the
+    gateway runs."""
+    from serving import quota_redis
+
+    store = _redis_store(redis_url, lease_s=0.5)
+    context = _context(40, requests_per_second=1000, tokens_per_minute=10**6, max_concurrent_requests=1)
+    try:
+        await store.aadmit(context, tokens=1)  # never released
+        monkeypatch.setattr(quota_redis, "longest_request_s", lambda: 0.0)
+        await store.arenew()
+        assert store._held == {}
+        deadline = time.monotonic() + 10.0
+        while store.usage([context])[40].num_in_flight:  # until its lease runs out, not renewed
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await store.arelease(await store.aadmit(context, tokens=1), used_tokens=1)
+    finally:
+        store.clear()
+
+
+@pytest.mark.redis
+@pytest.mark.django_db(transaction=True)
+async def test_a_dispatch_lets_go_of_its_ticket_however_it_ends(
+    redis_url: str, make_tenant: Any, runtime: Any, monkeypatch: Any
+) -> None:
+    """Served, refused at once or cancelled mid-stream: no ticket stays held, so no lease is renewed for
+    a request that has ended."""
+    from asgiref.sync import sync_to_async
+
+    from serving import gateway
+    from serving.quota_redis import RedisQuotaStore
+    from tests.serving.test_dispatch import _hello
+
+    store = RedisQuotaStore(redis_url, key_prefix="test:quota-leases:")
+    store.clear()
+    gateway.reset_quota_store(store)  # the autouse fixture resets it after the test
+    acme = await sync_to_async(make_tenant)("acme", max_concurrent_requests=1)
+    try:
+        served = await _hello(acme, max_tokens=2)
+        assert [e async for e in served.events()][-1]["finish_reason"] == "length"
+        await served.close()
+        assert store._held == {}
+
+        left = await _hello(acme, max_tokens=64)
+        assert len(store._held) == 1
+        with pytest.raises(GatewayError, match="concurrent"):
+            await _hello(acme, max_tokens=2)
+        await left.events().__anext__()  # its first event: it runs
+        aborting = asyncio.Event()
+
+        async def stuck_send(channel: str, message: dict[str, Any]) -> None:  # the abort never goes out
+            aborting.set()
+            await asyncio.Event().wait()
+
+        monkeypatch.setattr(runtime.layer, "send", stuck_send)
+        closing = asyncio.ensure_future(left.close())
+        await aborting.wait()
+        closing.cancel()  # the client's second cancellation lands during the abort
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+        assert store._held == {}
+        assert store.usage([acme.context])[acme.tenant.pk].num_in_flight == 0
+    finally:
+        store.clear()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_the_runtime_renews_the_leases_of_its_requests(monkeypatch: Any) -> None:
+    from serving import gateway
+    from serving.runtime import get_runtime
+
+    renewed = asyncio.Event()
+
+    class Store(MemoryQuotaStore):
+        async def arenew(self) -> None:
+            renewed.set()
+
+    monkeypatch.setattr(gateway, "LEASE_RENEW_EVERY_S", 0.01)
+    gateway.reset_quota_store(Store())  # the autouse fixture resets it after the test
+    await get_runtime()
+    await asyncio.wait_for(renewed.wait(), timeout=5)
 
 
 def test_a_second_release_of_one_ticket_frees_no_other_requests_slot(store: Any) -> None:
