@@ -24,7 +24,8 @@ from registry.selectors import RoutingSnapshot, TenantContext
 from serving import gateway, prompt_log, shadow
 from serving.breaker import breaker
 from serving.gateway import GatewayError, Ticket
-from serving.replica import ABORT, SUBMIT
+from serving.gateway_failures import GATEWAY_COUNTED, NO_READY_REPLICA, REPLICA_LOST, REPLICA_TIMEOUT
+from serving.replica import ABORT, SUBMIT, ReplicaState
 from serving.router import choose_replica, choose_version, routing_cache, split_model_name
 from serving.runtime import ReplicaHandle, Runtime, get_runtime
 
@@ -35,11 +36,10 @@ INACTIVITY_TIMEOUT_S = 60.0
 LIVENESS_CHECK_S = 0.5
 _rng = random.Random()
 
-_REPLICA_LOST = "replica_lost"
 # Failures of the replica, not of the request: retried elsewhere (before the first token) and counted by
 # the circuit breaker. A request-level error (a model failure, an injected fault) is neither: retrying
 # it would hide a bad version from the metrics the rollout judge reads.
-REPLICA_FAILURES = frozenset({_REPLICA_LOST, "replica_unavailable", "replica_timeout"})
+REPLICA_FAILURES = frozenset({REPLICA_LOST, "replica_unavailable", REPLICA_TIMEOUT})
 SLOW_READER = "slow_reader"
 SLOW_READER_MESSAGE = "the client fell too far behind the stream"
 
@@ -60,6 +60,7 @@ class Dispatch:
         submission: dict[str, Any],
         *,
         cold_start: bool = False,  # the version may have no replica: wait for one to start
+        counts_failures: bool = False,  # a client's request to a version with traffic (dispatch())
     ) -> None:
         self._runtime = runtime
         self._cold_start_allowed = cold_start
@@ -82,6 +83,11 @@ class Dispatch:
         # be running it, so closing aborts it there as for an unfinished request.
         self._gave_up = False
         self._is_closed = False
+        # A failure of the replica or of finding one, the first of a retry's chain: if the request ends
+        # in it, no replica counts it, and the gateway counts it in the version's metrics (the judge's).
+        self._counts_failures = counts_failures
+        self._failure: str | None = None
+        self._is_failure_counted = False
         self._first_event: dict[str, Any] | None = None  # an error that arrived in place of acceptance
         self._text: list[str] | None = None  # kept only when a shadow copy will compare against it
         self._text_done: asyncio.Future[str | None] | None = None
@@ -127,6 +133,8 @@ class Dispatch:
             replica = choose_replica(candidates, rng=_rng)
         if replica is None:
             await self._refuse_if_over_quota(charge)
+            if not any(r.state == ReplicaState.LOADING for r in replicas):  # not one coming up (a restart)
+                self._note_failure(NO_READY_REPLICA)
             raise GatewayError(503, f"no ready replica for {self.model_name}:{self.version}", retry_after_s=2)
         message = {
             **self._submission,
@@ -166,6 +174,7 @@ class Dispatch:
                 if error.get("type") not in REPLICA_FAILURES:
                     self._first_event = first  # a request-level failure: the client sees it as a stream error
                     return
+                self._note_failure(error.get("type"))
                 breaker.record_failure(replica.replica_id)
                 has_verdict = True
                 if self.num_retries == 0:
@@ -180,6 +189,18 @@ class Dispatch:
             if is_trial and not has_verdict:  # it says nothing of the replica: the next request may try
                 breaker.release(replica.replica_id)
         self.num_prompt_tokens = int(first.get("num_prompt_tokens", 0))
+
+    def _note_failure(self, error_type: str) -> None:
+        # A replica that refused (replica_unavailable: draining, not ready) counts that itself, as a
+        # rejection; what the request then met (no other replica, a lost one) is the gateway's to count.
+        if self._failure is None and error_type in GATEWAY_COUNTED:
+            self._failure = error_type
+
+    def count_failure(self) -> None:
+        """The request ends in the replica failure noted on its way (if any): count it, once."""
+        if self._counts_failures and self._failure is not None and not self._is_failure_counted:
+            self._is_failure_counted = True
+            self._runtime.failures.record(self.model_name, self.version, self._failure)
 
     async def _refuse_if_over_quota(self, charge: tuple[TenantContext, int] | None) -> None:
         """Over quota is still the answer with nothing to serve the request: 429 before 503."""
@@ -197,6 +218,7 @@ class Dispatch:
             async with asyncio.timeout(timeout_s):
                 return await self._runtime.wait_for_replica(self.model_name, self.version)
         except TimeoutError:
+            self._note_failure(NO_READY_REPLICA)
             raise GatewayError(
                 503,
                 f"no replica of {self.model_name}:{self.version} became ready within {timeout_s:g} s "
@@ -229,10 +251,10 @@ class Dispatch:
             except TimeoutError:
                 if not await self._runtime.is_alive(self.replica):
                     self._gave_up = True
-                    return _error_event(_REPLICA_LOST, "the replica serving this request stopped")
+                    return _error_event(REPLICA_LOST, "the replica serving this request stopped")
                 if time.monotonic() > deadline:
                     self._gave_up = True
-                    return _error_event("replica_timeout", "the replica stopped answering")
+                    return _error_event(REPLICA_TIMEOUT, "the replica stopped answering")
 
     def _on_backlog(self) -> None:
         """The client has stopped reading: its reader is blocked in the server's send() while events pile
@@ -267,6 +289,7 @@ class Dispatch:
                 event = await self._next_event(timeout_s=INACTIVITY_TIMEOUT_S)
             is_replica_failure = event.get("error", {}).get("type") in REPLICA_FAILURES
             if is_replica_failure and self.replica is not None:
+                self._note_failure(event["error"]["type"])
                 breaker.record_failure(self.replica.replica_id)
                 if self.num_completion_tokens == 0 and self.num_retries == 0:
                     try:
@@ -274,6 +297,7 @@ class Dispatch:
                         continue
                     except GatewayError as exc:
                         event = _error_event("replica_unavailable", exc.message)
+                self.count_failure()
             if "token" in event:
                 self.num_completion_tokens += 1
                 if self._text is not None:
@@ -465,9 +489,23 @@ async def dispatch(
     # A request may wait for a replica to start (a cold start) only for a version the autoscaler gives
     # replicas to: a pin to a version without traffic would wait for nothing.
     cold_start = snapshot.scales_to_zero and snapshot.serves(version)
-    handle = Dispatch(runtime, ticket, model_name, version, submission, cold_start=cold_start)
+    # A version without traffic (a pin to one) says nothing the judge could use when it has no replica.
+    handle = Dispatch(
+        runtime,
+        ticket,
+        model_name,
+        version,
+        submission,
+        cold_start=cold_start,
+        counts_failures=snapshot.serves(version),
+    )
     try:
-        await handle.submit(charge=(context, tokens) if ticket is None else None)
+        try:
+            await handle.submit(charge=(context, tokens) if ticket is None else None)
+        except GatewayError as exc:
+            if exc.status == 503:
+                handle.count_failure()
+            raise
         prompt_log.maybe_log(handle, tenant=context.tenant_name, submission=submission)  # off by default
         if shadow.should_mirror(snapshot.mirror, version, _rng):
             assert snapshot.mirror is not None

@@ -22,6 +22,7 @@ from django.conf import settings
 from registry.selectors import VersionRef, versions_with_traffic
 from serving import gateway
 from serving.breaker import breaker
+from serving.gateway_failures import GatewayFailures
 from serving.replica import Replica, ReplicaState
 from serving.replica_directory import Heartbeat, ReplicaDirectory
 from serving.router import REVALIDATE_S, routing_cache
@@ -111,12 +112,17 @@ class Runtime:
         self._supervisor: asyncio.Task[None] | None = None
         self._route_refresher: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
+        self.failures = GatewayFailures()  # requests that failed where no replica counts them
+        self._failure_flusher: asyncio.Task[None] | None = None
         self._lease_renewer: asyncio.Task[None] | None = None
 
     async def start(self, *, embedded_replicas: bool) -> None:
         await self.hub.start()
         self._route_refresher = asyncio.get_running_loop().create_task(
             self._refresh_routes(), name="routing-refresher"
+        )
+        self._failure_flusher = asyncio.get_running_loop().create_task(
+            self._flush_failures_periodically(), name="gateway-failures-flusher"
         )
         self._lease_renewer = asyncio.get_running_loop().create_task(
             self._renew_leases_periodically(), name="quota-lease-renewer"
@@ -132,7 +138,7 @@ class Runtime:
         for cold in self._cold_starts.values():
             cold.poller.cancel()
         self._cold_starts.clear()
-        for task in (self._supervisor, self._route_refresher, self._lease_renewer):
+        for task in (self._supervisor, self._route_refresher, self._failure_flusher, self._lease_renewer):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -141,9 +147,26 @@ class Runtime:
             await replica.stop()
         self.replicas.clear()
         self._draining.clear()
+        try:
+            async with asyncio.timeout(5.0):  # a database that does not answer must not hold the shutdown
+                flushed = await self.flush_failures()
+        except TimeoutError:
+            flushed = -1
+        if flushed < 0:
+            logger.warning("gateway failure counts dropped at shutdown: the metrics store did not take them")
+        self.failures.close()
         await self.hub.stop()
         if self.directory is not None:
             await self.directory.close()
+
+    async def flush_failures(self) -> int:
+        """Write the gateway's failure counts to the metrics store; the number of windows written, -1 if
+        it failed. Never raises: a store that is down only delays them."""
+        try:
+            return await database_sync_to_async(self.failures.flush, thread_sensitive=False)()
+        except Exception:
+            logger.warning("gateway failure counts: flush failed; will retry", exc_info=True)
+            return -1
 
     async def _renew_leases_periodically(self) -> None:
         """Keeps this process's requests in flight counted against their tenants' concurrency; were the
@@ -155,6 +178,11 @@ class Runtime:
                     await gateway.quota_store().arenew()
             except Exception:
                 logger.warning("quota leases: renewal failed; will retry", exc_info=True)
+
+    async def _flush_failures_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(settings.METRICS_FLUSH_INTERVAL_S)
+            await self.flush_failures()
 
     async def candidates(
         self, model_name: str, version: str, *, refresh: bool = False

@@ -88,11 +88,14 @@ async def _run(
     from serving.dispatch import Dispatch
     from serving.gateway import GatewayError
 
-    handle = Dispatch(runtime, None, model_name, version, submission)
+    # Counted as the primaries are: in a shadow deployment the judge reads only these.
+    handle = Dispatch(runtime, None, model_name, version, submission, counts_failures=True)
     try:
         await handle.submit()
         text, final = await handle.collect()
     except GatewayError as exc:
+        if exc.status == 503:
+            handle.count_failure()
         logger.info("shadow copy to %s:%s not served: %s", model_name, version, exc.message)
         return
     except Exception:

@@ -131,3 +131,27 @@ async def test_copies_over_the_in_flight_cap_are_skipped_and_counted_in_metrics(
     settings.METRICS_TOKEN = "scrape"
     text = (await AsyncClient().get("/metrics", headers={"Authorization": "Bearer scrape"})).content.decode()
     assert 'switchyard_shadow_copies_total{model="demo-chat",outcome="skipped",version="v2"}' in text
+
+
+async def test_copies_the_candidate_cannot_serve_count_as_its_errors(
+    make_tenant, registered_model, demo_model_dir, monkeypatch
+) -> None:
+    """In a shadow deployment the judge reads only the copies: a candidate whose replicas are gone must
+    not look healthy for serving none of them."""
+    await sync_to_async(_mirror_to)(demo_model_dir, 100)
+    runtime, acme = await _start(make_tenant)
+    started = datetime.now(tz=UTC) - timedelta(seconds=5)
+    real_candidates = runtime.candidates
+
+    async def candidates(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        return [] if version == "v2" else await real_candidates(model_name, version)
+
+    monkeypatch.setattr(runtime, "candidates", candidates)  # v2's replica crashed, say
+    assert await _serve(acme, 3, temperature=0) == ["v1"] * 3  # the clients never notice
+    from serving import shadow
+
+    await shadow.wait_idle()
+    await runtime.flush_failures()
+    windows = await _windows(runtime, started)
+    assert (windows["v2"].num_requests, windows["v2"].num_errors) == (3, 3)
+    assert (windows["v1"].num_requests, windows["v1"].num_errors) == (3, 0)

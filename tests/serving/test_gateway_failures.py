@@ -1,0 +1,177 @@
+"""Requests that fail where no replica can count them reach their version's metrics through the gateway,
+where the rollout judge reads them."""
+
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.utils import timezone
+
+from tests.serving.test_dispatch import _a_replica_chosen_first, _hello
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def _window(version: str = "v1"):  # type: ignore[no-untyped-def]
+    """demo-chat's version window over the last minute, once this gateway's counts are written."""
+    from serving.runtime import get_runtime
+    from serving.selectors import version_window
+
+    await (await get_runtime()).flush_failures()
+    now = timezone.now()
+    return await sync_to_async(version_window)(
+        model_name="demo-chat",
+        version=version,
+        start=now - timedelta(minutes=1),
+        end=now + timedelta(seconds=5),
+    )
+
+
+async def _counters(version: str = "v1") -> dict[str, int]:
+    from serving.models import MetricWindow
+
+    rows = await sync_to_async(list)(
+        MetricWindow.objects.filter(version__version=version, replica_id__startswith="gateway-").values_list(
+            "counters", flat=True
+        )
+    )
+    totals: dict[str, int] = {}
+    for counters in rows:
+        for name, value in counters.items():
+            totals[name] = totals.get(name, 0) + value
+    return totals
+
+
+async def test_a_stream_whose_replica_dies_after_its_first_token_counts_as_the_versions_error(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    acme = await sync_to_async(make_tenant)("acme")
+    handle = await _hello(acme, max_tokens=4)
+    scripted = iter(
+        [
+            {"token": "Once", "index": 0},
+            {"finish_reason": "error", "error": {"type": "replica_lost", "message": "it stopped"}},
+        ]
+    )
+
+    async def next_event(*, timeout_s: float) -> dict:  # type: ignore[type-arg]
+        event = next(scripted)
+        handle._gave_up = "error" in event  # as the real one does: the replica may still run it
+        return event
+
+    monkeypatch.setattr(handle, "_next_event", next_event)
+    try:
+        events = [event async for event in handle.events()]
+    finally:
+        await handle.close()
+    assert events[-1]["error"]["type"] == "replica_lost"
+    window = await _window()
+    assert window.num_errors == 1  # (the replica, alive here, may yet count the abort)
+    assert await _counters() == {
+        "requests": 1,
+        "errors": 1,
+        "errors.replica_lost": 1,
+        "finish.error": 1,
+        "prompt_tokens": 0,
+        "output_tokens": 0,
+    }
+
+
+async def test_a_request_whose_replica_dies_and_whose_retry_finds_none_is_counted_once(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    from serving import dispatch as dispatch_module
+    from serving.breaker import breaker
+    from serving.gateway import GatewayError
+
+    acme = await sync_to_async(make_tenant)("acme")
+    dead, _ = await _a_replica_chosen_first(runtime, monkeypatch, "dead-replica", is_alive=False)
+
+    async def only_the_dead_one(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        return [dead]
+
+    monkeypatch.setattr(runtime, "candidates", only_the_dead_one)
+    monkeypatch.setattr(
+        dispatch_module, "choose_replica", lambda replicas, rng: replicas[0] if replicas else None
+    )
+    try:
+        with pytest.raises(GatewayError) as failed:
+            await _hello(acme, max_tokens=2)
+    finally:
+        breaker.record_success("dead-replica")  # leave no state for other tests
+    assert failed.value.status == 503
+    window = await _window()
+    assert (window.num_requests, window.num_errors) == (1, 1)
+    assert (await _counters()).get("errors.replica_lost") == 1  # the cause, not the retry's "no replica"
+
+
+async def test_a_retry_that_succeeds_counts_nothing_at_the_gateway(make_tenant, runtime, monkeypatch) -> None:
+    from serving.breaker import breaker
+
+    acme = await sync_to_async(make_tenant)("acme")
+    await _a_replica_chosen_first(runtime, monkeypatch, "dead-replica", is_alive=False)
+    try:
+        handle = await _hello(acme, max_tokens=2)
+        events = [event async for event in handle.events()]
+        await handle.close()
+    finally:
+        breaker.record_success("dead-replica")
+    assert handle.num_retries == 1 and events[-1]["finish_reason"] == "length"
+    await _window()
+    assert await _counters() == {}
+
+
+async def test_no_ready_replica_counts_for_a_version_with_traffic_not_for_a_pin_to_one_without(
+    make_tenant, runtime, monkeypatch, demo_model_dir
+) -> None:
+    from django.test import AsyncClient
+
+    from registry.services import model_version_register
+
+    await sync_to_async(model_version_register)(name="demo-chat", version="v2", source_dir=demo_model_dir)
+    pinner = await sync_to_async(make_tenant)("pinner", may_pin=True)
+    client = AsyncClient()
+
+    async def post(headers: dict[str, str]):  # type: ignore[no-untyped-def]
+        return await client.post(
+            "/v1/models/demo-chat/infer", {"input": "hi"}, content_type="application/json", headers=headers
+        )
+
+    pinned = await post({**pinner.auth, "X-Version-Pin": "v2"})  # v2 has no traffic, so no replica
+    assert pinned.status_code == 503
+    assert await _counters("v2") == {}
+
+    async def none_ready(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        return []
+
+    monkeypatch.setattr(runtime, "candidates", none_ready)  # v1's replicas all gone (crashed, say)
+    for _ in range(2):
+        refused = await post(pinner.auth)
+        assert refused.status_code == 503 and refused.json()["error"]["message"].startswith(
+            "no ready replica"
+        )
+    window = await _window("v1")
+    assert (window.num_requests, window.num_errors) == (2, 2)
+    assert (await _counters("v1")).get("errors.no_ready_replica") == 2
+
+
+async def test_what_the_client_did_is_not_the_versions_error(make_tenant, runtime, monkeypatch) -> None:
+    """Over quota, or gone before the end: nothing the version did."""
+    from serving.gateway import GatewayError
+
+    burst_of_one = await sync_to_async(make_tenant)("burst", requests_per_second=0.001)
+    handle = await _hello(burst_of_one, max_tokens=8)
+    async for event in handle.events():
+        if "token" in event:
+            break
+    await handle.close()  # the client left mid-stream
+
+    async def none_ready(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        return []
+
+    monkeypatch.setattr(runtime, "candidates", none_ready)
+    with pytest.raises(GatewayError) as refused:
+        await _hello(burst_of_one, max_tokens=2)
+    assert refused.value.status == 429  # over quota is the answer before "no ready replica"
+    await _window()
+    assert await _counters() == {}
