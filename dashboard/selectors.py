@@ -352,7 +352,9 @@ def deployment_page(*, deployment_id: int) -> dict[str, Any] | None:
             if v in versions
         ],
         "can_rollback": deployment.is_in_flight,
-        "can_promote": deployment.is_in_flight and deployment.state != Deployment.State.ROLLING_BACK,
+        # Not before the candidate takes traffic (pending, provisioning): it may have no replica yet, and
+        # the service would refuse the click.
+        "can_promote": deployment.state in (Deployment.State.RAMPING, Deployment.State.SHADOWING),
     }
 
 

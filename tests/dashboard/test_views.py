@@ -176,8 +176,15 @@ def test_model_page_ranges(staff_client: Client, chat: Any) -> None:
 
 
 def test_rollout_page_shows_steps_traffic_verdicts_and_buttons(staff_client: Client, deployment: Any) -> None:
+    from rollouts.services import deployment_judge
+    from tests.rollouts.conftest import FakeMetrics
+
     response = staff_client.get("/dashboard/models/chat/rollout/")
     assert response.status_code == 302 and response["Location"] == f"/dashboard/deployments/{deployment.pk}/"
+    provisioning = staff_client.get(response["Location"]).text
+    # The candidate may have no replica yet: nothing to promote, but it can be called off.
+    assert "Promote v2" not in provisioning and "Roll back to v1" in provisioning
+    deployment_judge(deployment=deployment, read_window=FakeMetrics())  # the candidate is up: ramping
     html = staff_client.get(response["Location"]).text
     assert 'data-role="candidate"' in html and 'data-role="incumbent"' in html
     assert "Promote v2" in html and "Roll back to v1" in html
