@@ -28,6 +28,11 @@ def _gateway_error(exc: GatewayError) -> JsonResponse:
     return error_response(exc.status, exc.message, headers=exc.headers)
 
 
+def failed_dispatch(handle: Dispatch, exc: GatewayError) -> JsonResponse:
+    """A request that reached a replica and failed there: the error, saying which version served it."""
+    return error_response(exc.status, exc.message, headers={**handle.response_headers(), **exc.headers})
+
+
 def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
@@ -71,7 +76,7 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
     try:
         text, final = await handle.collect()
     except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers={**handle.response_headers(), **exc.headers})
+        return failed_dispatch(handle, exc)
     return JsonResponse(
         {
             "id": handle.request_id,
@@ -105,7 +110,7 @@ async def _classify(
         rows, final = await handle.collect_vectors("scores", len(inputs))
         predictions = [_ranked(final.get("labels"), decode_vector(row), top_k) for row in rows]
     except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers={**handle.response_headers(), **exc.headers})
+        return failed_dispatch(handle, exc)
     return JsonResponse(
         {
             "id": handle.request_id,

@@ -22,7 +22,7 @@ from django.views.decorators.csrf import csrf_exempt
 from registry.errors import error_response
 from registry.models import Model
 from registry.selectors import TenantContext
-from serving.api import sse_response
+from serving.api import failed_dispatch, sse_response
 from serving.dispatch import Dispatch, authenticate, charge_estimate, close_all, dispatch, prompt_usage
 from serving.engine.sequence import MAX_LOGPROBS
 from serving.gateway import GatewayError
@@ -357,7 +357,7 @@ async def _serve(
     try:
         results = await _collect(handles, logprobs)
     except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers={**handle.response_headers(), **exc.headers})
+        return failed_dispatch(handle, exc)
     wholes = [
         make_whole(chunk(text, _finish_reason(final), logprobs[i], i), text, final)
         for i, (text, final) in enumerate(results)
@@ -522,7 +522,7 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
     try:
         vectors, final = await handle.collect_vectors("embeddings", len(inputs))
     except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers={**handle.response_headers(), **exc.headers})
+        return failed_dispatch(handle, exc)
     return JsonResponse(
         {
             "object": "list",
