@@ -553,7 +553,7 @@ class Replica:
         """Everything about a submission the engine itself need not do: never raises, a failure is the
         arrival's error. Reads the tokenizer only (concurrent reads are safe; nothing here sets its
         truncation or padding, the one thing that would not be)."""
-        from serving.engine.chat import render_chat_prompt
+        from serving.engine.chat import encode_chat_prompt
         from serving.engine.sequence import SamplingParams
 
         request_id = str(message.get("request_id"))
@@ -576,8 +576,11 @@ class Replica:
             else:
                 text = message.get("input")
                 if text is None:
-                    text = render_chat_prompt(self._engine.tokenizer, message["messages"])
-                arrival.prompt_ids = self._engine.encode(text)
+                    arrival.prompt_ids = encode_chat_prompt(
+                        self._engine.tokenizer, message["messages"], self._engine.encode
+                    )
+                else:
+                    arrival.prompt_ids = self._engine.encode(text)
                 if to_context:
                     room = self._engine.max_model_len - len(arrival.prompt_ids)
                     arrival.params = dataclasses.replace(
