@@ -581,8 +581,8 @@ class Replica:
                     )
                 else:
                     arrival.prompt_ids = self._engine.encode(text)
-                if to_context:
-                    room = self._engine.max_model_len - len(arrival.prompt_ids)
+                if to_context:  # as far as the context goes, and as far as the KV cache could hold
+                    room = self._engine.max_output_tokens(len(arrival.prompt_ids))
                     arrival.params = dataclasses.replace(
                         arrival.params, max_tokens=max(1, min(settings.MAX_TOKENS_LIMIT, room))
                     )

@@ -213,6 +213,11 @@ class Engine:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
+    def max_output_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt this long can ever be given: the context limit's room, or less where
+        the KV cache (or a tenant's share of it) could not hold that much."""
+        return self.scheduler.max_output_tokens(num_prompt_tokens)
+
     def encode(self, text: str) -> list[int]:
         """The prompt's ids, as `self.tokenizer(text)["input_ids"]` gives them. Safe to call from another
         thread than the one stepping the engine (the replica prepares prompts on one of its own)."""

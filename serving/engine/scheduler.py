@@ -168,9 +168,7 @@ class Scheduler:
         # The last token is sampled but never computed, so this many positions need slots at most.
         max_num_positions = min(seq.num_prompt_tokens + seq.params.max_tokens, cfg.max_model_len) - 1
         num_blocks_alone = -(-max_num_positions // cfg.block_size)
-        max_blocks = self.kv_cache.num_blocks
-        if cfg.max_blocks_per_tenant is not None:
-            max_blocks = min(max_blocks, cfg.max_blocks_per_tenant)
+        max_blocks = self.max_blocks_per_sequence
         if num_blocks_alone > max_blocks:
             raise ValueError(
                 f"request {seq.request_id!r} needs up to {num_blocks_alone} KV blocks; at most {max_blocks} "
@@ -178,6 +176,19 @@ class Scheduler:
             )
         self._requests[seq.request_id] = seq
         self._enqueue(seq, is_preempted=False)
+
+    @property
+    def max_blocks_per_sequence(self) -> int:
+        """The KV blocks one sequence can ever hold: the pool, or its tenant's share of it."""
+        if self.config.max_blocks_per_tenant is None:
+            return self.kv_cache.num_blocks
+        return min(self.kv_cache.num_blocks, self.config.max_blocks_per_tenant)
+
+    def max_output_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt this long can ever be given (add() refuses more): up to the context
+        limit, and no more than the blocks it could hold (the last token needs no slot). May be < 1."""
+        num_positions = self.max_blocks_per_sequence * self.config.block_size
+        return min(self.config.max_model_len, num_positions + 1) - num_prompt_tokens
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a waiting or running request and free its blocks at once; None if unknown."""

@@ -36,6 +36,31 @@ async def test_without_max_tokens_a_chat_runs_to_the_end_of_the_answer_not_to_16
     assert within_budget.status_code == 200, within_budget.text
 
 
+async def test_without_max_tokens_a_chat_runs_as_far_as_a_small_kv_cache_holds_not_refused(
+    registered_model: Any, make_tenant: Any, settings: Any
+) -> None:
+    """A KV pool smaller than the context (a big model on a small device) used to refuse every chat
+    that named no length: "needs up to N KV blocks"."""
+    from serving.runtime import get_runtime
+
+    settings.ALLOWED_HOSTS = ["localhost"]
+    settings.MAX_TOKENS_LIMIT = 4096
+    settings.REPLICA_KV_CACHE_BYTES = 256 * 1024
+    runtime = await get_runtime()
+    assert await runtime.wait_ready()
+    (replica,) = runtime.replicas.values()
+    engine = replica._engine
+    assert engine.scheduler.max_blocks_per_sequence * 16 < engine.max_model_len  # smaller than the context
+    acme = await sync_to_async(make_tenant)("acme", tokens_per_minute=10**6)
+    async with asgi_client() as client:
+        response = await _chat(client, acme.auth, [{"role": "user", "content": "hello"}])
+    assert response.status_code == 200, response.text
+    body = response.json()
+    usage = body["usage"]
+    assert usage["completion_tokens"] == engine.max_output_tokens(usage["prompt_tokens"])
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
 async def test_text_parts_and_the_developer_role_read_as_a_string_and_the_system_role(
     runtime: Any, make_tenant: Any, settings: Any
 ) -> None:

@@ -493,3 +493,23 @@ def test_random_workloads_keep_invariants_and_finish_every_request(
         while len(expected) < seq.num_tokens:
             expected.append(100 + len(expected) * 7 % 50)
         assert seq.token_ids == expected
+
+
+@given(
+    num_blocks=st.integers(1, 40),
+    tenant_cap=st.one_of(st.none(), st.integers(1, 40)),
+    num_prompt_tokens=st.integers(1, 255),
+)
+@settings(max_examples=200, deadline=None)
+def test_max_output_tokens_is_exactly_what_add_admits(
+    num_blocks: int, tenant_cap: int | None, num_prompt_tokens: int
+) -> None:
+    """A request that asked for no length (chat's default: to the end) is given max_output_tokens: never
+    refused for a KV pool, or a tenant's share of it, smaller than the context."""
+    scheduler = make_scheduler(num_blocks, max_blocks_per_tenant=tenant_cap)
+    longest = scheduler.max_output_tokens(num_prompt_tokens)
+    if longest >= 1:
+        scheduler.add(make_seq("fits", num_prompt_tokens, max_tokens=longest))
+    if num_prompt_tokens + longest < 256:  # one more is refused, unless the context limit refuses it first
+        with pytest.raises(ValueError, match="KV blocks"):
+            scheduler.add(make_seq("over", num_prompt_tokens, max_tokens=max(1, longest + 1)))
