@@ -1,9 +1,9 @@
 """OpenAI-compatible endpoints, so the `openai` client works with base_url=http://host/v1.
 
-Only n=1 is served; features we do not implement (echo, tools, penalties other than 0) are refused
-with a 400 rather than silently ignored. Log probabilities are the model's own (before temperature and
-top-p), of each token decoded alone, as OpenAI's and vLLM's: completions' `logprobs` (0-5 alternatives),
-chat's `logprobs` and `top_logprobs` (0-20)."""
+Features we do not implement (echo, tools, images, response formats other than text) are refused with
+a 400 rather than silently ignored; n is served up to MAX_CHOICES. Log probabilities are the model's
+own (before temperature and top-p), of each token decoded alone, as OpenAI's and vLLM's: completions'
+`logprobs` (0-5 alternatives), chat's `logprobs` and `top_logprobs` (0-20)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,17 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 _IGNORED = frozenset({"user", "stream_options", "service_tier", "store", "metadata"})
 _COMMON = SAMPLING_FIELDS | {"model", "n"}
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "logprobs"}
-CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = (
+    _COMMON
+    | _IGNORED
+    | {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+    }
+)
 MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions; chat's top_logprobs go to the engine's 20
 MAX_CHOICES = 16  # n: choices of one request, each a sequence of its own on the replica
 
@@ -91,10 +101,20 @@ def _parse_completion(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, 
 
 
 def _parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, list[dict[str, str]]]:
-    if "max_completion_tokens" in body:
-        body = {**body, "max_tokens": body.pop("max_completion_tokens")}
+    if "max_completion_tokens" in body:  # OpenAI's newer name; null is absent, as for max_tokens
+        body = dict(body)
+        max_completion_tokens = body.pop("max_completion_tokens")
+        if max_completion_tokens is not None:
+            if body.get("max_tokens") is not None and body["max_tokens"] != max_completion_tokens:
+                raise GatewayError(400, "max_tokens and max_completion_tokens differ: send one of them")
+            body["max_tokens"] = max_completion_tokens
     # OpenAI's chat default: no max_tokens runs to the end of the answer or of the context.
     model, sampling, include_usage = _common(body, CHAT_FIELDS, default_max_tokens=None)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:  # text is what we make anyway
+        raise GatewayError(
+            400, 'response_format: only {"type": "text"} is supported (no JSON mode or schema)'
+        )
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise GatewayError(400, "logprobs must be true or false")
@@ -225,19 +245,20 @@ async def _events(handles: list[Dispatch]) -> AsyncIterator[tuple[int, dict[str,
             await stream.aclose()
 
 
-def _usage(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """One request's usage over its choices: the prompt once (as OpenAI counts it), every choice's
-    completion."""
-    if len(usages) == 1:
-        return usages[0]
+def _usage(usages: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """One request's usage over its choices (the replicas' final events'), in OpenAI's shape: the prompt
+    once (as OpenAI counts it), every choice's completion, the prompt tokens a prefix cache served as
+    prompt_tokens_details.cached_tokens (and, as before, cached_prompt_tokens)."""
     known = [u or {} for u in usages]
     prompt = max(int(u.get("prompt_tokens", 0)) for u in known)
     completion = sum(int(u.get("completion_tokens", 0)) for u in known)
+    cached = max(int(u.get("cached_prompt_tokens", 0)) for u in known)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "cached_prompt_tokens": max(int(u.get("cached_prompt_tokens", 0)) for u in known),
+        "cached_prompt_tokens": cached,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -461,7 +482,7 @@ def _chat_chunk(base: dict[str, Any]) -> Chunk:
 
 
 def _completion_whole(last_chunk: dict[str, Any], text: str, final: dict[str, Any]) -> dict[str, Any]:
-    return {**last_chunk, "usage": final.get("usage", {})}
+    return {**last_chunk, "usage": _usage([final.get("usage")])}
 
 
 def _chat_whole(last_chunk: dict[str, Any], text: str, final: dict[str, Any]) -> dict[str, Any]:
@@ -471,7 +492,12 @@ def _chat_whole(last_chunk: dict[str, Any], text: str, final: dict[str, Any]) ->
         "logprobs": last_chunk["choices"][0]["logprobs"],
         "finish_reason": last_chunk["choices"][0]["finish_reason"],
     }
-    return {**last_chunk, "object": "chat.completion", "choices": [choice], "usage": final.get("usage", {})}
+    return {
+        **last_chunk,
+        "object": "chat.completion",
+        "choices": [choice],
+        "usage": _usage([final.get("usage")]),
+    }
 
 
 @csrf_exempt

@@ -100,6 +100,11 @@ def parse_stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _or_default(body: dict[str, Any], name: str, default: Any) -> Any:
+    value = body.get(name)
+    return default if value is None else value
+
+
 def parse_sampling(body: dict[str, Any], *, default_max_tokens: int | None = 16) -> dict[str, Any]:
     """The sampling fields shared by /infer and the OpenAI-shaped endpoints. `default_max_tokens` None
     (chat completions, as OpenAI's): without max_tokens the replica generates until the model ends its
@@ -111,22 +116,25 @@ def parse_sampling(body: dict[str, Any], *, default_max_tokens: int | None = 16)
     elif not is_int(max_tokens) or not 1 <= max_tokens <= settings.MAX_TOKENS_LIMIT:
         raise GatewayError(400, f"max_tokens must be an integer from 1 to {settings.MAX_TOKENS_LIMIT}")
     out["max_tokens"] = max_tokens
-    stream = body.get("stream", False)
+    # null is absent, as in OpenAI's schema (its client sends null for a parameter passed as None)
+    stream = _or_default(body, "stream", False)
     if not isinstance(stream, bool):
         raise GatewayError(400, "stream must be true or false")
     out["stream"] = stream
-    temperature = body.get("temperature", 1.0)
+    temperature = _or_default(body, "temperature", 1.0)
     if not _is_number(temperature) or not 0 <= temperature <= 2:
         raise GatewayError(400, "temperature must be a number from 0 to 2")
     out["temperature"] = float(temperature)
-    top_p = body.get("top_p", 1.0)
+    top_p = _or_default(body, "top_p", 1.0)
     if not _is_number(top_p) or not 0 < top_p <= 1:
         raise GatewayError(400, "top_p must be a number in (0, 1]")
     out["top_p"] = float(top_p)
     seed = body.get("seed")
-    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
-        raise GatewayError(400, "seed must be a non-negative integer")
-    out["seed"] = seed
+    if seed is not None and (not is_int(seed) or not -(2**63) <= seed < 2**63):
+        raise GatewayError(400, "seed must be a 64-bit integer")
+    # Any int64, as OpenAI's and vLLM's; a negative one (-1 from a UI meaning "pick one", say) is taken
+    # modulo 2**63, as the engine's generators want a non-negative one.
+    out["seed"] = None if seed is None else seed % 2**63
     out["stop"] = parse_stop(body.get("stop"))
     for name in ("presence_penalty", "frequency_penalty"):
         penalty = body.get(name)

@@ -16,10 +16,24 @@ _ERROR = {
 
 _SAMPLING = {  # /infer's and the OpenAI endpoints' shared fields (serving/requests.py parse_sampling)
     "max_tokens": {"type": "integer", "minimum": 1, "default": 16},
-    "stream": {"type": "boolean", "default": False},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
-    "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "default": 1},
-    "seed": {"type": "integer", "nullable": True},
+    # null reads as absent, for every field (the openai client sends null for a parameter given as None)
+    "stream": {"type": "boolean", "default": False, "nullable": True},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1, "nullable": True},
+    "top_p": {
+        "type": "number",
+        "minimum": 0,
+        "exclusiveMinimum": True,
+        "maximum": 1,
+        "default": 1,
+        "nullable": True,
+    },
+    "seed": {
+        "type": "integer",
+        "nullable": True,
+        "minimum": -(2**63),
+        "maximum": 2**63 - 1,
+        "description": "a negative seed is taken modulo 2**63",
+    },
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0},
@@ -82,7 +96,12 @@ _OPENAI_PATHS = [
                 **_OPENAI_SAMPLING,
                 # As OpenAI's: without it, the answer runs to its end or the context's (MAX_TOKENS_LIMIT).
                 "max_tokens": {"type": "integer", "minimum": 1},
-                "max_completion_tokens": {"type": "integer", "minimum": 1},
+                "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+                "response_format": {
+                    "type": "object",
+                    "description": 'only {"type": "text"}: no JSON mode or schema',
+                    "properties": {"type": {"type": "string", "enum": ["text"]}},
+                },
                 "logprobs": {"type": "boolean", "default": False},
                 "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True},
                 "messages": {

@@ -233,3 +233,17 @@ def test_embeddings_in_both_encodings(client: openai.OpenAI) -> None:
     assert default.usage.prompt_tokens == default.usage.total_tokens > 0
     with pytest.raises(openai.BadRequestError, match="this endpoint serves embedding models"):
         client.embeddings.create(model="demo-chat", input="hi")
+
+
+def test_parameters_passed_as_none_a_negative_seed_and_cached_tokens(client: openai.OpenAI) -> None:
+    """What the client sends for a parameter given as None is null, which is absent; seed -1 is a seed;
+    the prefix cache's tokens read where the client looks for them."""
+    words = "once upon a time there was a little robot who loved to read books about the sea"
+    messages = [{"role": "user", "content": f"{words}, {words}"}]
+    kwargs = {"model": "demo-chat", "messages": messages, "max_completion_tokens": 4, "seed": -1}
+    first = client.chat.completions.create(temperature=None, top_p=None, **kwargs)
+    again = client.chat.completions.create(temperature=None, top_p=None, **kwargs)
+    assert first.usage is not None and first.usage.completion_tokens == 4
+    assert again.choices[0].message.content == first.choices[0].message.content  # seeded: it reproduces
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16  # the same prompt: a block or more cached

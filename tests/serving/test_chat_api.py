@@ -112,3 +112,35 @@ async def test_bad_chat_bodies_get_the_json_error(
         response = await _chat(client, acme.auth, messages, **fields)
     assert response.status_code == 400, response.text
     assert fragment in response.json()["error"]["message"]
+
+
+async def test_openai_parameters_as_its_clients_send_them(
+    runtime: Any, make_tenant: Any, settings: Any
+) -> None:
+    settings.ALLOWED_HOSTS = ["localhost"]
+    acme = await sync_to_async(make_tenant)("acme")
+    hello = [{"role": "user", "content": "hello"}]
+    async with asgi_client() as client:
+        nulls = await _chat(client, acme.auth, hello, max_tokens=3, temperature=None, top_p=None, stream=None)
+        newer_name = await _chat(client, acme.auth, hello, max_tokens=3, max_completion_tokens=None)
+        both = await _chat(client, acme.auth, hello, max_tokens=3, max_completion_tokens=5)
+        text_format = await _chat(client, acme.auth, hello, max_tokens=2, response_format={"type": "text"})
+        json_mode = await _chat(
+            client, acme.auth, hello, max_tokens=2, response_format={"type": "json_object"}
+        )
+        negative = [
+            await _chat(client, acme.auth, hello, max_tokens=6, temperature=1.0, seed=seed)
+            for seed in (-1, -1, 2**63 - 1, 2**63)
+        ]
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["usage"]["completion_tokens"] == 3
+    # A null max_completion_tokens is absent: max_tokens stands (it ran to the context's end before).
+    assert newer_name.status_code == 200 and newer_name.json()["usage"]["completion_tokens"] == 3
+    assert both.status_code == 400 and "max_completion_tokens" in both.json()["error"]["message"]
+    assert text_format.status_code == 200
+    assert json_mode.status_code == 400 and "response_format" in json_mode.json()["error"]["message"]
+    assert [r.status_code for r in negative] == [200, 200, 200, 400]
+    texts = [r.json()["choices"][0]["message"]["content"] for r in negative[:3]]
+    assert texts[0] == texts[1] == texts[2]  # -1 is 2**63 - 1 modulo 2**63: one seed, reproduced
+    usage = nulls.json()["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": usage["cached_prompt_tokens"]}

@@ -90,7 +90,7 @@ async def test_pinning_without_permission_is_403(acme) -> None:
         ({"input": "hi", "top_p": 0}, None, 400, "top_p"),
         ({"input": "hi", "stream": "yes"}, None, 400, "stream"),
         ({"input": "hi", "stop": [""]}, None, 400, "stop"),
-        ({"input": "hi", "seed": -3}, None, 400, "seed"),
+        ({"input": "hi", "seed": 2**63}, None, 400, "seed"),
         ({"input": "hi", "bogus": 1}, None, 400, "unknown field(s): bogus"),
         ({"input": "hi", "frequency_penalty": 2.5}, None, 400, "frequency_penalty"),
         ({"input": "hi", "presence_penalty": "1"}, None, 400, "presence_penalty"),
