@@ -10,6 +10,7 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 
+from config.body_limit import body_limited  # noqa: E402
 from config.inference import inference_or  # noqa: E402
 from config.lifespan import lifespan  # noqa: E402
 from config.routing import websocket_urlpatterns  # noqa: E402
@@ -22,7 +23,7 @@ if settings.SERVE_STATIC:
 
 application = ProtocolTypeRouter(
     {
-        "http": inference_or(django_asgi_app),
+        "http": body_limited(inference_or(django_asgi_app), settings.MAX_REQUEST_BYTES),
         "websocket": URLRouter(websocket_urlpatterns),
         "lifespan": lifespan,
     }
