@@ -7,6 +7,7 @@ and is left out until a deployment needs one."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -73,7 +74,34 @@ def validate_source_dir(source_dir: Path) -> list[Path]:
         raise ArtifactError(f"no *.safetensors weights in {source_dir}")
     if not (source_dir / "config.json").is_file():
         raise ArtifactError(f"no config.json in {source_dir}")
+    _check_references(source_dir, files)
     return files
+
+
+def _check_references(root: Path, files: list[Path]) -> None:
+    """Files that name other files must name them inside the artifact: transformers joins a sharded
+    checkpoint's weight_map entries, and the encoder a sentence-transformers modules.json's paths, onto
+    the directory, so `../other/model.safetensors` would load weights no digest covered."""
+    inside = root.resolve()
+    for path in files:
+        data = _json(path) if path.name.endswith(".index.json") or path.name == "modules.json" else None
+        if isinstance(data, dict) and isinstance(data.get("weight_map"), dict):
+            names = list(data["weight_map"].values())
+        elif isinstance(data, list):
+            names = [module.get("path", "") for module in data if isinstance(module, dict)]
+        else:
+            continue
+        for name in names:
+            target = (root / str(name)).resolve()
+            if not isinstance(name, str) or Path(name).is_absolute() or not target.is_relative_to(inside):
+                raise ArtifactError(f"{path.name} names {name!r}, outside the artifact; refusing it")
+
+
+def _json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ArtifactError(f"{path.name} is not readable JSON: {exc}") from None
 
 
 def compute_manifest(root: Path) -> ArtifactManifest:
@@ -97,9 +125,14 @@ def stage_copy(source_dir: Path, artifact_root: Path) -> tuple[Path, ArtifactMan
 
 
 def verify(artifact_dir: Path, *, expected_files: dict[str, str], expected_sha256: str) -> None:
-    """Re-hash every file before a load; any difference from the registry refuses the load."""
+    """Re-hash every file before a load; any difference from the registry refuses the load, as does a
+    symbolic link (the loader would follow it to whatever it names now) or a file naming another outside
+    the artifact."""
     if not artifact_dir.is_dir():
         raise ArtifactError(f"artifact directory {artifact_dir} is missing")
+    if artifact_dir.is_symlink() or any(p.is_symlink() for p in artifact_dir.rglob("*")):
+        raise ArtifactError(f"artifact {artifact_dir} contains symbolic links; refusing to load")
+    _check_references(artifact_dir, _list_files(artifact_dir))
     actual = compute_manifest(artifact_dir)
     if actual.files != expected_files or actual.sha256 != expected_sha256:
         changed = sorted(

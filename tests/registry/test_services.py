@@ -152,3 +152,35 @@ def test_loading_refuses_an_artifact_whose_files_changed(registered_model: Model
         f.write(" ")
     with pytest.raises(artifacts.ArtifactDigestMismatch, match=r"config\.json.*refusing to load"):
         artifacts.verify(path, expected_files=registered_model.files, expected_sha256=registered_model.sha256)
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("model.safetensors.index.json", {"weight_map": {"lm_head.weight": "../other/v1/model.safetensors"}}),
+        ("model.safetensors.index.json", {"weight_map": {"lm_head.weight": "/srv/models/x.safetensors"}}),
+        ("modules.json", [{"idx": 0, "name": "1", "path": "../../pooling", "type": "x"}]),
+    ],
+)
+def test_a_file_naming_another_outside_the_artifact_is_refused(
+    demo_model_dir: Path, tmp_path: Path, name: str, content: object
+) -> None:
+    """transformers joins a sharded checkpoint's weight_map onto the directory (and the encoder a
+    modules.json's paths): a name outside it would load weights no digest covers."""
+    import json
+    import shutil
+
+    source = tmp_path / "model"
+    shutil.copytree(demo_model_dir, source)
+    (source / name).write_text(json.dumps(content))
+    with pytest.raises(artifacts.ArtifactError, match="outside the artifact"):
+        model_version_register(name="chat", version="v1", source_dir=source)
+    assert not ModelVersion.objects.exists()
+
+
+def test_loading_refuses_an_artifact_that_holds_a_symbolic_link(registered_model: ModelVersion) -> None:
+    """A link put in after registration is followed by the loader to whatever it names at load time."""
+    path = Path(registered_model.artifact_uri)
+    (path / "sneaky.safetensors").symlink_to(path / "model.safetensors")
+    with pytest.raises(artifacts.ArtifactError, match="symbolic links"):
+        artifacts.verify(path, expected_files=registered_model.files, expected_sha256=registered_model.sha256)
