@@ -890,6 +890,14 @@ def _write_targets(
         advice = recommend(
             signals.get(key, []), model_policy, idle_s=idle_s.get(key, math.inf), kept_warm_by=why
         )
+        held = min(target.replicas, model_policy.max_replicas)
+        if not signals.get(key) and advice.replicas < held:
+            # None of its replicas is ready: they are starting (a restart, a lost node) and say nothing of
+            # the load yet. A lower target would stop the newest while they load, and the survivor would
+            # come up to the backlog and ask for them again.
+            advice = dataclasses.replace(
+                advice, replicas=held, reason=f"no ready replica: {held} kept while they start"
+            )
         history = [
             (float(t), int(n)) for t, n in target.recommendations if now - t <= policy.scale_down_window_s
         ]

@@ -346,6 +346,24 @@ def test_a_tick_scales_a_loaded_version_up_at_once_and_down_a_window_later(make_
 
 
 @pytest.mark.django_db
+def test_replicas_that_all_restart_are_not_scaled_down_while_they_load(make_model) -> None:
+    """Replica processes beat only once ready: a version whose replicas are all starting again (a lost
+    node, a provisioner restart) has no signal, which is no evidence that it needs fewer of them."""
+    from rollouts.services import autoscale
+
+    make_model("chat")
+    loaded = [beat("chat", "v1", waiting=7, running=64, kv=0.6, sent_at=1000.0)]
+    assert autoscale(heartbeats=loaded, policy=POLICY, now=1000.0) == {("chat", "v1"): 4}
+    for at in (1030.0, 1070.0, 1200.0):  # every one of them loading, past the scale-down window
+        assert autoscale(heartbeats=[], policy=POLICY, now=at) == {}
+    assert _targets() == {("chat", "v1"): 4}
+    calm = [beat("chat", "v1", running=4, kv=0.1, sent_at=at) for at in (1210.0,) for _ in range(4)]
+    autoscale(heartbeats=calm, policy=POLICY, now=1210.0)
+    later = [beat("chat", "v1", running=4, kv=0.1, sent_at=1300.0) for _ in range(4)]
+    assert autoscale(heartbeats=later, policy=POLICY, now=1300.0) == {("chat", "v1"): 1}  # ready, then judged
+
+
+@pytest.mark.django_db
 def test_a_tick_reads_the_replicas_step_times_from_their_heartbeats(make_model) -> None:
     from rollouts.models import ScaleTarget
     from rollouts.services import autoscale
