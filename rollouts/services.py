@@ -820,12 +820,25 @@ def _on_demand(
     the idle time: the version a promotion (or a traffic edit) just took traffic from, while requests
     pinned to it (X-Version-Pin) keep coming. They keep one replica until idle, so going back to them
     meanwhile is a routing edit. Only a version that still has a replica qualifies: a pin cannot bring
-    back one that has none. (model, version) -> version id."""
+    back one that has none; nor a candidate its deployment just rolled back. (model, version) -> id."""
     kept = [
         key
         for key in reported
         if key not in serving and idle_s.get(key, math.inf) < policy.idle_before_zero_s
     ]
+    if not kept:
+        return {}
+    # Not a candidate just rolled back: it was busy until the rollback, but nobody is to go back to it,
+    # and its replica would hold a device the incumbent, with all the traffic now, could use.
+    latest: dict[str, tuple[str, str]] = {}
+    for model_name, state, candidate in (
+        Deployment.objects.filter(model__name__in={m for m, _ in kept})
+        .order_by("model__name", "-created_at", "-pk")
+        .values_list("model__name", "state", "candidate__version")
+    ):
+        latest.setdefault(model_name, (state, candidate))
+    rolled_back = {(m, c) for m, (state, c) in latest.items() if state == Deployment.State.ROLLED_BACK}
+    kept = [key for key in kept if key not in rolled_back]
     if not kept:
         return {}
     match = Q()

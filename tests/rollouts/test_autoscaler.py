@@ -468,6 +468,23 @@ def test_a_version_that_lost_its_traffic_keeps_one_replica_while_pinned_requests
     assert tick(1300.0, [v1, beat("chat", "v2", sent_at=1300.0, idle_s=300.0)]) == {("chat", "v2"): 0}
 
 
+@pytest.mark.django_db
+def test_a_candidate_just_rolled_back_gives_its_replica_up_at_once(make_model) -> None:
+    """It was busy until the rollback, but nobody is to go back to it: its device is the incumbent's."""
+    from rollouts.services import autoscale, deployment_create, deployment_rollback
+
+    model = make_model("chat")
+    deployment = deployment_create(model=model, version="v2", created_by="t")
+
+    def tick(now: float, v2_idle_s: float) -> dict:  # type: ignore[type-arg]
+        beats = [beat("chat", "v1", sent_at=now), beat("chat", "v2", sent_at=now, idle_s=v2_idle_s)]
+        return autoscale(heartbeats=beats, demand={}, policy=POLICY, now=now)
+
+    assert tick(1000.0, 0.0) == {("chat", "v1"): 1, ("chat", "v2"): 1}  # in flight: both kept
+    deployment_rollback(deployment=deployment, actor="t")
+    assert tick(1010.0, 5.0) == {("chat", "v2"): 0}
+
+
 def _reason_of(version: str) -> str:
     from rollouts.models import ScaleTarget
 
