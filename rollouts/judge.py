@@ -19,9 +19,13 @@ Rules, in order:
      the bake window if need be) until the p99 falls within the limit or the breach is significant.
    - errors: the canary's error rate is higher than the incumbent's by a statistically significant
      margin: one-sided test of H0 "p_canary <= p_incumbent". The test is Fisher's exact test
-     (hypergeometric upper tail) when the canary's expected count of errors or of successes is below 5,
-     else the two-proportion z-test with a pooled variance. The difference must also be at least
-     `min_rate_increase` (absolute), so that huge windows do not turn harmless differences into rollbacks.
+     (hypergeometric upper tail) when the canary's expected count of errors or of successes is below
+     100, else the two-proportion z-test with a pooled variance. (The judge tests at alphas of 1e-4 to
+     1e-6, far out in the tail, where the normal approximation overstates significance by orders of
+     magnitude when few events are expected: 18 of 900 against 100 of 20,000 reads p = 2e-9 by the
+     z-test and 3e-6 exactly. Fisher's sum has at most that many events' terms: cheap at these counts.)
+     The difference must also be at least `min_rate_increase` (absolute), so that huge windows do not
+     turn harmless differences into rollbacks.
    - quality proxy: the empty-output rate and the truncated-output rate (requests that ran into their
      max_tokens, finish_reason "length"; a model that no longer ends its answers does), both among
      requests that did not fail, tested the same way; the truncated rate must also rise by at least
@@ -33,8 +37,9 @@ Rules, in order:
    each single test is run at alpha / (5 x num_looks) (Bonferroni); testing every look at alpha would
    roll back roughly one healthy canary in twenty (measured by the simulated rollouts in
    tests/rollouts/test_judge.py). Looks past the planned ones (a step held by an unconfirmed latency
-   breach) spend a halving share each: look num_looks + j runs each test at alpha / (5 x 2^j), so a
-   hold of any length adds at most alpha to the step's false-rollback rate (2 x alpha in all).
+   breach) spend a shrinking share each: look num_looks + j runs each test at alpha x 6 / (pi^2 j^2) / 5,
+   so a hold of any length adds at most alpha to the step's false-rollback rate (2 x alpha in all), and
+   the bar rises slowly enough that a held canary's growing evidence catches up with it.
 3. ADVANCE when healthy (no breach at all) and the step's bake window has elapsed.
 4. HOLD otherwise.
 """
@@ -48,7 +53,7 @@ from typing import Any, Protocol
 
 FISHER_TEST = "fisher_exact_one_sided"
 Z_TEST = "two_proportion_z_one_sided"
-MIN_EXPECTED_COUNT_FOR_Z = 5.0
+MIN_EXPECTED_COUNT_FOR_Z = 100.0
 RATE_TESTS = ("errors", "empty_outputs", "truncated")
 LATENCY_METRICS = ("ttft", "tpot")
 NUM_TESTS = len(RATE_TESTS) + len(LATENCY_METRICS)
@@ -247,7 +252,11 @@ def decide(
     num_looks = max(1, num_looks)
     extra_looks = 0 if look is None else max(0, look - num_looks)
     if extra_looks:
-        alpha_per_test = thresholds.alpha / (NUM_TESTS * 2**extra_looks)
+        # Another alpha in all over the looks past the plan, spent as 6 / (pi^2 j^2) of it at the j-th:
+        # a bar that rises slowly, so that a held canary's growing evidence catches up with it. (Halving
+        # it each look, as before, raised the bar faster than any canary's samples could: a moderately
+        # slow one was held at its step for ever, and a canary that began to fail then went unseen.)
+        alpha_per_test = thresholds.alpha * 6 / (math.pi**2 * extra_looks**2) / NUM_TESTS
     else:
         alpha_per_test = thresholds.alpha / (NUM_TESTS * num_looks)
     figures: dict[str, Any] = {

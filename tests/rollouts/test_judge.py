@@ -69,8 +69,8 @@ def test_latency_limit_is_the_larger_of_the_sla_and_the_incumbent_times_the_rati
 
 
 def test_an_erroring_canary_is_rolled_back_by_the_z_test() -> None:
-    canary = window(num_requests=1000, num_errors=50)  # 5%
-    incumbent = window(num_requests=8000, num_errors=80)  # 1%
+    canary = window(num_requests=10000, num_errors=500)  # 5%
+    incumbent = window(num_requests=80000, num_errors=800)  # 1%
     verdict = judge(canary, incumbent, bake_elapsed_s=5)
     assert verdict.kind is VerdictKind.ROLLBACK
     test = verdict.figures["errors_test"]
@@ -153,6 +153,17 @@ def test_fisher_and_z_match_reference_values() -> None:
     assert z == pytest.approx(1.5119, abs=1e-4)
     assert p == pytest.approx(0.06528, abs=1e-4)
     assert proportion_greater(0, 100, 0, 1000).p_value == 1.0
+
+
+def test_few_expected_events_are_tested_exactly_not_by_the_normal_tail() -> None:
+    """At the judge's alphas the z-test's tail is far off with few events: 18 of 900 against 100 of
+    20,000 (5.1 expected) reads 2e-9 by it, 3e-6 exactly: a rollback at a bar of 1e-6 it does not earn."""
+    z_p = two_proportion_z_greater(18, 900, 100, 20000)[1]
+    exact = proportion_greater(18, 900, 100, 20000)
+    assert exact.name == FISHER_TEST
+    assert exact.p_value == pytest.approx(fisher_exact_greater(18, 900, 100, 20000))
+    assert z_p < 1e-8 < 1e-6 < exact.p_value
+    assert proportion_greater(500, 10000, 800, 80000).name == Z_TEST  # 144 expected: the z-test holds
 
 
 @dataclass
@@ -373,7 +384,7 @@ def test_a_canary_failing_10pct_of_requests_is_rolled_back_before_it_reaches_50p
     assert max(at_s for _, at_s, _ in outcomes) <= 2 * (30.0 + 5.0)
 
 
-def test_looks_past_the_bake_window_spend_a_halving_share_of_alpha() -> None:
+def test_looks_past_the_bake_window_spend_another_alpha_slowly() -> None:
     canary = window(num_requests=300, num_errors=10)  # Fisher p = 0.0016 against 1%
     incumbent = window(num_requests=6000, num_errors=60)
 
@@ -390,9 +401,10 @@ def test_looks_past_the_bake_window_spend_a_halving_share_of_alpha() -> None:
         return verdict.figures["errors_test"]["alpha"]
 
     assert alpha_at(7) == pytest.approx(0.01 / 35, rel=1e-3)  # the last planned look: 5 tests x 7 looks
-    assert alpha_at(8) == pytest.approx(0.01 / 10, rel=1e-3)  # then alpha / (5 x 2^j): at most alpha more
-    assert alpha_at(9) == pytest.approx(0.01 / 20, rel=1e-3)
-    assert sum(0.01 / (5 * 2**j) for j in range(1, 60)) * 5 <= 0.01 + 1e-12
+    # then 6 / (pi^2 j^2) of alpha over the 5 tests at the j-th look past the plan: at most alpha more
+    assert alpha_at(8) == pytest.approx(0.01 * 6 / math.pi**2 / 5, rel=1e-3)
+    assert alpha_at(9) == pytest.approx(alpha_at(8) / 4, rel=1e-3)
+    assert sum(0.01 * 6 / (math.pi**2 * j**2) for j in range(1, 10**5)) <= 0.01 + 1e-12
 
 
 def test_repeated_looks_divide_alpha_bonferroni_style() -> None:
@@ -403,3 +415,23 @@ def test_repeated_looks_divide_alpha_bonferroni_style() -> None:
     many = decide(canary, incumbent, thresholds=DEFAULTS, bake_elapsed_s=120, bake_seconds=60, num_looks=13)
     assert many.figures["errors_test"]["alpha"] == pytest.approx(0.01 / 65, rel=1e-3)  # 5 tests x 13 looks
     assert many.kind is VerdictKind.ADVANCE
+
+
+def test_a_canary_held_past_its_bake_window_is_rolled_back_once_its_evidence_grows() -> None:
+    """Looks past the plan test at a bar that rises slowly: a p-value of 3e-6 (2% of requests over the
+    TPOT limit against 0.5%) rolls it back at the tenth extra look, where halving alpha each look had
+    raised the bar to 2e-6 and held it (and further every look after)."""
+    incumbent = window(num_requests=20000, tpot_p99_ms=19.0, tpot_tail=Tail([16.0] * 19900 + [30.0] * 100))
+    canary = window(num_requests=900, tpot_p99_ms=30.0, tpot_tail=Tail([16.0] * 882 + [30.0] * 18))
+    verdict = decide(
+        canary,
+        incumbent,
+        thresholds=Thresholds(tpot_sla_ms=10),
+        bake_elapsed_s=600,
+        bake_seconds=60,
+        num_looks=12,
+        look=22,
+    )
+    test = verdict.figures["tpot_test"]
+    assert 0.01 / (5 * 2**10) < test["p_value"] < test["alpha"]
+    assert verdict.kind is VerdictKind.ROLLBACK
