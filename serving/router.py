@@ -80,6 +80,9 @@ class RoutingCache:
             snapshot = routing_snapshot(model_name=model_name)
         except Exception as exc:
             if entry is not None and entry.snapshot is not None:
+                # Tried again a period later, not by every request meanwhile: a database that hangs
+                # would otherwise gather every worker thread in the connect.
+                entry.checked_at = now
                 logger.warning(
                     "routing table for %s unreadable (%s); using revision %s",
                     model_name,

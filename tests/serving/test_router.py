@@ -75,6 +75,30 @@ def test_routing_cache_sees_a_change_after_revalidation_and_keeps_the_last_good_
 
 
 @pytest.mark.django_db
+def test_while_the_database_is_down_a_table_is_tried_again_once_a_period(
+    registered_model, monkeypatch
+) -> None:
+    from serving import router
+
+    clock = [1000.0]
+    monkeypatch.setattr(router.time, "monotonic", lambda: clock[0])
+    cache = RoutingCache(revalidate_s=0.5)
+    cache.get("demo-chat")
+    tries = []
+
+    def database_down(**kwargs: object) -> None:
+        tries.append(clock[0])
+        raise ConnectionError("database unreachable")
+
+    monkeypatch.setattr("serving.router.routing_revision", database_down)
+    monkeypatch.setattr("serving.router.routing_snapshot", database_down)
+    for step in range(20):  # a request every 0.05 s for a second
+        clock[0] = 1000.6 + step * 0.05
+        assert cache.get("demo-chat").weights == {"v1": 100}  # type: ignore[union-attr]
+    assert len(tries) == 2  # at 1000.6 and half a second on, not twenty times
+
+
+@pytest.mark.django_db
 def test_tables_in_use_are_revalidated_ahead_so_requests_route_from_memory(
     registered_model, monkeypatch
 ) -> None:
