@@ -156,7 +156,10 @@ class DeploymentDetailView(APIView):
         )
     )
     def get(self, request: Request, deployment_id: int) -> Response:
-        return Response(selectors.deployment_detail(deployment=_deployment(request, deployment_id)))
+        viewer = _actor(request) if isinstance(request.auth, TenantContext) else None
+        return Response(
+            selectors.deployment_detail(deployment=_deployment(request, deployment_id), viewer=viewer)
+        )
 
 
 def _reason(request: Request) -> str:

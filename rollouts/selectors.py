@@ -58,8 +58,21 @@ def deployment_in_flight(*, model: Model) -> Deployment | None:
     return Deployment.objects.filter(model=model, state__in=Deployment.IN_FLIGHT_STATES).first()
 
 
-def deployment_detail(*, deployment: Deployment) -> dict[str, Any]:
-    """The API's view of one deployment, events included."""
+def _actor_as_seen_by(actor: str, viewer: str | None) -> str:
+    """Who did it, as `viewer` (a tenant's actor name; None: staff) may know it: itself by name, staff and
+    other tenants only as such (several tenants may deploy one platform model)."""
+    if viewer is None or actor == viewer:
+        return actor
+    if actor.startswith("staff:"):
+        return "staff"
+    if actor.startswith("tenant:"):
+        return "another tenant"
+    return actor  # the judge, the system
+
+
+def deployment_detail(*, deployment: Deployment, viewer: str | None = None) -> dict[str, Any]:
+    """The API's view of one deployment, events included. `viewer`: the tenant asking (its actor name,
+    "tenant:NAME"), which sees neither other tenants' names nor staff logins; None: staff."""
     steps = deployment.steps or []
     return {
         "deployment_id": deployment.pk,
@@ -74,7 +87,7 @@ def deployment_detail(*, deployment: Deployment) -> dict[str, Any]:
         "mirror_pct": deployment.mirror_pct,
         "bake_seconds": deployment.bake_seconds,
         "thresholds": deployment.thresholds,
-        "created_by": deployment.created_by,
+        "created_by": _actor_as_seen_by(deployment.created_by, viewer),
         "created_at": deployment.created_at,
         "step_started_at": deployment.step_started_at,
         "last_judged_at": deployment.last_judged_at,
@@ -92,7 +105,7 @@ def deployment_detail(*, deployment: Deployment) -> dict[str, Any]:
                 "at": e.at,
                 "from_state": e.from_state or None,
                 "to_state": e.to_state,
-                "actor": e.actor,
+                "actor": _actor_as_seen_by(e.actor, viewer),
                 "reason": e.reason,
                 "figures": e.figures,
             }

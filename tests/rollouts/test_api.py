@@ -240,3 +240,26 @@ def test_versions_endpoint_reports_state_from_deployments(staff_client, chat) ->
     assert (rows["v1"]["traffic_pct"], rows["v1"]["state"]) == (100, "serving")
     assert (rows["v2"]["traffic_pct"], rows["v2"]["state"]) == (0, "rolled_back")
     assert staff_client.get("/v1/models/nope/versions").status_code == 404
+
+
+def test_a_tenant_sees_neither_other_tenants_names_nor_staff_logins(client, chat, make_tenant) -> None:
+    """Several tenants may be granted one platform model's rollouts: each reads its deployments' events."""
+    acme = make_tenant("acme", may_deploy=True, allowed_models=[chat], deployable_models=[chat])
+    globex = make_tenant("globex", may_deploy=True, allowed_models=[chat], deployable_models=[chat])
+    deployment_id = post(client, "/v1/deployments", BODY, **acme.auth).json()["deployment_id"]
+    deployment = Deployment.objects.get(pk=deployment_id)
+    services.deployment_rollback(deployment=deployment, actor="staff:alice", reason="by hand")
+
+    seen_by_acme = client.get(f"/v1/deployments/{deployment_id}", headers=acme.auth).json()
+    seen_by_globex = client.get(f"/v1/deployments/{deployment_id}", headers=globex.auth).json()
+    assert seen_by_acme["created_by"] == "tenant:acme"
+    assert seen_by_globex["created_by"] == "another tenant"
+    for body in (seen_by_acme, seen_by_globex):
+        actors = {e["actor"] for e in body["events"]}
+        assert "staff" in actors and not any("alice" in a for a in actors)
+        assert "tenant:globex" not in actors
+    staff = get_user_model().objects.create_user("bob", is_staff=True)
+    client.force_login(staff)
+    seen_by_staff = client.get(f"/v1/deployments/{deployment_id}").json()
+    assert seen_by_staff["created_by"] == "tenant:acme"
+    assert "staff:alice" in {e["actor"] for e in seen_by_staff["events"]}
