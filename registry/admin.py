@@ -90,7 +90,17 @@ class TenantAdmin(admin.ModelAdmin):
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
     list_display = ("prefix", "tenant", "name", "created_at", "revoked_at")
-    readonly_fields = ("tenant", "prefix", "key_hash", "created_at", "last_used_at")
+    # A revocation is one-way: cleared here, a leaked key would come back with no record of it.
+    readonly_fields = ("tenant", "prefix", "key_hash", "created_at", "revoked_at")
+    exclude = ("last_used_at",)  # not tracked (a write on the request path); shown empty, it misled
+    actions = ["revoke"]
+
+    @admin.action(description="Revoke the selected keys")
+    def revoke(self, request, queryset):  # type: ignore[no-untyped-def]
+        from django.utils import timezone
+
+        num_revoked = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
+        self.message_user(request, f"{num_revoked} key(s) revoked")
 
     def has_add_permission(self, request):  # type: ignore[no-untyped-def]
         return False  # keys are created with `manage.py create_api_key`, which shows the key once

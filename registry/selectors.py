@@ -131,7 +131,11 @@ def tenant_context(*, tenant: Tenant) -> TenantContext:
     return TenantContext(
         tenant_id=tenant.pk,
         tenant_name=tenant.name,
-        cache_group=tenant.prefix_cache_group or f"tenant:{tenant.pk}",
+        # Named groups and the default ones apart: a group typed as "tenant:7" must not join tenant 7's
+        # own (sharing blocks lets one time the other's prompts).
+        cache_group=(
+            f"group:{tenant.prefix_cache_group}" if tenant.prefix_cache_group else f"tenant:{tenant.pk}"
+        ),
         requests_per_second=quota.requests_per_second,
         tokens_per_minute=quota.tokens_per_minute,
         max_concurrent_requests=quota.max_concurrent_requests,

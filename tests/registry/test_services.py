@@ -184,3 +184,32 @@ def test_loading_refuses_an_artifact_that_holds_a_symbolic_link(registered_model
     (path / "sneaky.safetensors").symlink_to(path / "model.safetensors")
     with pytest.raises(artifacts.ArtifactError, match="symbolic links"):
         artifacts.verify(path, expected_files=registered_model.files, expected_sha256=registered_model.sha256)
+
+
+def test_a_named_prefix_cache_group_never_joins_a_tenants_own() -> None:
+    """Tenants in one group share prefix-cache blocks, and so can time each other's prompts: a group
+    typed as another tenant's default name must not make one."""
+    from registry.selectors import tenant_context
+
+    alone = tenant_create(name="alone")
+    mimic = tenant_create(name="mimic")
+    mimic.prefix_cache_group = f"tenant:{alone.pk}"
+    mimic.save()
+    assert tenant_context(tenant=alone).cache_group != tenant_context(tenant=mimic).cache_group
+    partner = tenant_create(name="partner")
+    partner.prefix_cache_group = f"tenant:{alone.pk}"
+    partner.save()
+    assert tenant_context(tenant=partner).cache_group == tenant_context(tenant=mimic).cache_group
+
+
+def test_the_admin_revokes_keys_one_way(admin_client: object) -> None:
+    """revoked_at is not a field staff can clear; the list's action revokes."""
+    tenant = tenant_create(name="acme")
+    api_key, raw_key = api_key_create(tenant=tenant)
+    page = admin_client.get(f"/admin/registry/apikey/{api_key.pk}/change/")  # type: ignore[attr-defined]
+    assert page.status_code == 200 and 'name="revoked_at' not in page.content.decode()
+    response = admin_client.post(  # type: ignore[attr-defined]
+        "/admin/registry/apikey/", {"action": "revoke", "_selected_action": [api_key.pk]}
+    )
+    assert response.status_code == 302
+    assert tenant_context_for_api_key(raw_key) is None
