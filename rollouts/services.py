@@ -272,9 +272,12 @@ def _split(deployment: Deployment, pct: int) -> dict[str, int]:
 
 def _locked(deployment: Deployment) -> Deployment:
     """The deployment's row, locked for the rest of the transaction (SQLite: the settings open every
-    transaction IMMEDIATE, which takes the database's write lock up front)."""
+    transaction IMMEDIATE, which takes the database's write lock up front). Its row only (of=self): the
+    joined model and versions locked FOR UPDATE too would hold back, for a whole judge tick, every
+    metrics flush of either version (a row's foreign key takes a KEY SHARE lock on the version) and
+    anything else that locks the model. Creates lock the model themselves; routing edits their table."""
     return (
-        Deployment.objects.select_for_update()
+        Deployment.objects.select_for_update(of=("self",))
         .select_related("model", "candidate", "incumbent")
         .get(pk=deployment.pk)
     )

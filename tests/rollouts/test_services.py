@@ -365,3 +365,47 @@ def test_the_judge_reads_the_real_metrics_store_through_its_selector(ramping) ->
     assert incumbent["tpot_p99_ms"] == pytest.approx(90.0, rel=0.01)
     assert canary["mean_output_tokens"] == pytest.approx((60 * 40 + 3 * 64) / 63, abs=1e-3)
     assert "p99 TPOT" in verdict.reason
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_judge_tick_holding_its_deployment_does_not_hold_back_metrics_flushes(make_model) -> None:
+    """The tick locks its deployment's row for the whole tick; the versions' rows it joins are not
+    locked with it, or each replica's flush (whose rows reference the version) would wait the tick out."""
+    import threading
+    from datetime import UTC, datetime
+
+    from django.db import connection, transaction
+
+    from rollouts import services as rollout_services
+    from serving.metrics import MetricsWindow
+    from serving.services import metrics_flush
+
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite's transactions take the whole database's write lock (the Postgres pass)")
+    model = make_model("chat")
+    deployment = rollout_services.deployment_create(model=model, version="v2", created_by="t")
+    locked, release = threading.Event(), threading.Event()
+
+    def tick() -> None:
+        try:
+            with transaction.atomic():
+                rollout_services._locked(deployment)
+                locked.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=tick)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        window = MetricsWindow()
+        window.count("requests")
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '2s'")  # waiting on the tick's lock fails rather than hangs
+        start = datetime(2026, 1, 1, tzinfo=UTC)
+        written = metrics_flush(version_id=deployment.candidate_id, replica_id="r", windows=[(start, window)])
+        assert written == 1
+    finally:
+        release.set()
+        holder.join()
