@@ -694,9 +694,10 @@ class Replica:
             try:
                 result = self._step(submissions, aborts)
             except Exception as exc:
-                # A failed forward pass fails every request in it; the replica keeps serving new ones.
+                # A failed forward pass fails the requests in it; the replica keeps serving the others
+                # and new ones. A failure anywhere else may have left any request half done: all fail.
                 logger.exception("replica %s: engine step failed", self.replica_id)
-                result = self._fail_all(str(exc))
+                result = self._fail_all(str(exc), getattr(exc, "request_ids", None))  # engine.StepFailed's
             is_engine_empty = not engine.has_unfinished()
             # Recording fails nothing: the step itself went well, and its requests go on.
             with _logged_failure("replica %s: could not record a step's metrics", self.replica_id):
@@ -847,16 +848,16 @@ class Replica:
         route.seq = engine.sequence(request_id)
         self._routes[request_id] = route
 
-    def _fail_all(self, message: str) -> _StepResult:
+    def _fail_all(self, message: str, request_ids: list[str] | None = None) -> _StepResult:
+        """End `request_ids` (None: every request the replica holds) with an internal error."""
         result = _StepResult()
-        for request_id, route in self._routes.items():
+        failed = list(self._routes) if request_ids is None else [r for r in request_ids if r in self._routes]
+        for request_id in failed:
+            route = self._routes.pop(request_id)
             result.add(route, request_id, _error_event("internal_error", message))
             with contextlib.suppress(Exception):
                 self._engine.abort(request_id)
-        self.metrics.record(
-            requests=[RequestSample("error", error_type="internal_error") for _ in self._routes]
-        )
-        self._routes.clear()
+        self.metrics.record(requests=[RequestSample("error", error_type="internal_error") for _ in failed])
         return result
 
 

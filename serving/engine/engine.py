@@ -24,7 +24,7 @@ from serving.engine.kv_cache import KVCacheManager
 from serving.engine.loading import load_tokenizer, prompt_encoder
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import Sampler, make_generator
-from serving.engine.scheduler import Scheduler, SchedulerConfig
+from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.engine.sequence import FinishReason, SamplingParams, Sequence
 from serving.engine.token_bytes import token_bytes_reader
 
@@ -170,6 +170,15 @@ def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
     return DEFAULT_CPU_KV_CACHE_BYTES
 
 
+class StepFailed(RuntimeError):
+    """A step failed after scheduling: the requests of its batch (`request_ids`) are lost, and the
+    caller ends them; the engine's other requests are as they were. The message is the cause's."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.request_ids = request_ids
+
+
 class Engine:
     def __init__(self, model_dir: str | Path, *, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -300,10 +309,19 @@ class Engine:
     # --- the step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One engine step. Raises StepFailed, naming the requests of its batch, when anything after the
+        scheduling fails (the forward pass, say): those are lost, the others (waiting, or preempted) can
+        run on."""
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
         seqs = [item.seq for item in scheduled.scheduled]
+        try:
+            return self._run_batch(scheduled, seqs)
+        except Exception as exc:
+            raise StepFailed([seq.request_id for seq in seqs], exc) from exc
+
+    def _run_batch(self, scheduled: SchedulerOutput, seqs: list[Sequence]) -> list[RequestOutput]:
         batch = self.runner.build_batch(seqs, [item.num_new_tokens for item in scheduled.scheduled])
         logits = self.runner.execute(batch)
         sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices.tolist()]

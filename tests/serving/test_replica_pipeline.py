@@ -445,6 +445,41 @@ async def test_metrics_that_cannot_be_recorded_fail_no_request(registered_model)
         await replica.stop()
 
 
+async def test_a_failed_forward_pass_fails_its_batch_and_the_waiting_request_runs_on(
+    registered_model, settings
+) -> None:
+    """One running at a time: r2 waits while r1 decodes. A forward pass that fails (out of memory, say)
+    loses the requests in it, not the queue behind them."""
+    settings.REPLICA_MAX_NUM_SEQS = 1
+    replica, layer, replies = await _replica_sending_at_once()
+    scheduler, runner = replica.engine.scheduler, replica.engine.runner
+    execute = runner.execute
+    failures: list[int] = []
+
+    def fails_once_r2_waits(batch: Any) -> Any:
+        if not failures and scheduler.num_waiting:
+            failures.append(scheduler.num_waiting)
+            raise RuntimeError("out of memory")
+        return execute(batch)
+
+    runner.execute = fails_once_r2_waits
+    try:
+        await _submit(layer, replica, "r1", max_tokens=1000)
+        await _submit(layer, replica, "r2", max_tokens=4)
+        await asyncio.wait_for(replica.wait_idle(), timeout=30)
+        assert failures == [1]
+        r1 = replies.events("r1")
+        assert r1[-1] == {
+            "finish_reason": "error",
+            "error": {"type": "internal_error", "message": "out of memory"},
+        }
+        _assert_one_whole_stream(replies.events("r2"), num_tokens=4)
+        assert replica.is_ready and replica._routes == {}
+        assert replica.engine.stats().kv_cache_usage == 0.0  # r1's blocks freed
+    finally:
+        await replica.stop()
+
+
 def break_the_engine_thread(replica: Any) -> None:
     """Its next step raises, and so does the step's own failure handling: the model thread dies."""
 
