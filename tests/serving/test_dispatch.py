@@ -27,6 +27,25 @@ def _hello(tenant, *, max_tokens: int):  # type: ignore[no-untyped-def]
     )
 
 
+def one_token_then(handle, monkeypatch, error_type: str, message: str, *, gave_up: bool = False) -> None:  # type: ignore[no-untyped-def]
+    """The handle's next events, whatever its replica does: one token, then an error of `error_type`.
+    `gave_up`: the error is the gateway's own (its liveness check), which leaves the replica's try to
+    be aborted."""
+    scripted = iter(
+        [
+            {"token": "Once", "index": 0},
+            {"finish_reason": "error", "error": {"type": error_type, "message": message}},
+        ]
+    )
+
+    async def next_event(*, timeout_s: float) -> dict:  # type: ignore[type-arg]
+        event = next(scripted)
+        handle._gave_up = gave_up and "error" in event
+        return event
+
+    monkeypatch.setattr(handle, "_next_event", next_event)
+
+
 async def _a_replica_chosen_first(runtime, monkeypatch, replica_id: str, *, is_alive: bool):  # type: ignore[no-untyped-def]
     """A second replica of demo-chat:v1 that the router chooses whenever it is offered: `is_alive`, by its
     heartbeat, or dead. It has a channel of its own that nothing reads. Returns it and the real one."""
@@ -289,17 +308,7 @@ async def test_a_request_that_fails_after_some_text_is_an_error_not_a_partial_an
 
     acme = await sync_to_async(make_tenant)("acme")
     handle = await _hello(acme, max_tokens=2)
-    scripted = iter(
-        [
-            {"token": "Once", "index": 0},
-            {"finish_reason": "error", "error": {"type": "internal_error", "message": "the step failed"}},
-        ]
-    )
-
-    async def next_event(*, timeout_s: float) -> dict:  # type: ignore[type-arg]
-        return next(scripted)
-
-    monkeypatch.setattr(handle, "_next_event", next_event)
+    one_token_then(handle, monkeypatch, "internal_error", "the step failed")
     with pytest.raises(GatewayError) as failed:
         await handle.collect()
     assert failed.value.status == 503 and failed.value.message == "the step failed"

@@ -7,7 +7,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.utils import timezone
 
-from tests.serving.test_dispatch import _a_replica_chosen_first, _hello
+from tests.serving.test_dispatch import _a_replica_chosen_first, _hello, one_token_then
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -47,19 +47,7 @@ async def test_a_stream_whose_replica_dies_after_its_first_token_counts_as_the_v
 ) -> None:
     acme = await sync_to_async(make_tenant)("acme")
     handle = await _hello(acme, max_tokens=4)
-    scripted = iter(
-        [
-            {"token": "Once", "index": 0},
-            {"finish_reason": "error", "error": {"type": "replica_lost", "message": "it stopped"}},
-        ]
-    )
-
-    async def next_event(*, timeout_s: float) -> dict:  # type: ignore[type-arg]
-        event = next(scripted)
-        handle._gave_up = "error" in event  # as the real one does: the replica may still run it
-        return event
-
-    monkeypatch.setattr(handle, "_next_event", next_event)
+    one_token_then(handle, monkeypatch, "replica_lost", "it stopped", gave_up=True)
     try:
         events = [event async for event in handle.events()]
     finally:

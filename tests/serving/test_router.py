@@ -74,16 +74,22 @@ def test_routing_cache_sees_a_change_after_revalidation_and_keeps_the_last_good_
     assert excinfo.value.status == 503
 
 
-@pytest.mark.django_db
-def test_while_the_database_is_down_a_table_is_tried_again_once_a_period(
-    registered_model, monkeypatch
-) -> None:
+def _cache_on_a_clock(monkeypatch) -> tuple[list[float], RoutingCache]:  # type: ignore[no-untyped-def]
+    """A routing cache revalidating every 0.5 s of a clock the test moves (clock[0]), demo-chat read."""
     from serving import router
 
     clock = [1000.0]
     monkeypatch.setattr(router.time, "monotonic", lambda: clock[0])
     cache = RoutingCache(revalidate_s=0.5)
     cache.get("demo-chat")
+    return clock, cache
+
+
+@pytest.mark.django_db
+def test_while_the_database_is_down_a_table_is_tried_again_once_a_period(
+    registered_model, monkeypatch
+) -> None:
+    clock, cache = _cache_on_a_clock(monkeypatch)
     tries = []
 
     def database_down(**kwargs: object) -> None:
@@ -105,10 +111,7 @@ def test_tables_in_use_are_revalidated_ahead_so_requests_route_from_memory(
     from registry.services import model_version_register, routing_table_set
     from serving import router
 
-    clock = [1000.0]
-    monkeypatch.setattr(router.time, "monotonic", lambda: clock[0])
-    cache = RoutingCache(revalidate_s=0.5)
-    cache.get("demo-chat")
+    clock, cache = _cache_on_a_clock(monkeypatch)
     assert cache.due_for_refresh() == []  # just read
     clock[0] += 0.3  # past half the period, not yet stale: a request would still use it as it is
     assert cache.get_fresh("demo-chat")[0]
