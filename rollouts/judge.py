@@ -36,7 +36,9 @@ Rules, in order:
    seconds (`num_looks` per bake window) and runs five tests per look (two latency, three rates), so
    each single test is run at alpha / (5 x num_looks) (Bonferroni); testing every look at alpha would
    roll back roughly one healthy canary in twenty (measured by the simulated rollouts in
-   tests/rollouts/test_judge.py). Looks past the planned ones (a step held by an unconfirmed latency
+   tests/rollouts/test_judge.py). The first look once the bake window has passed may spend what the
+   planned looks never taken (ticks short of min_samples) left, and counts as the plan's last. Looks
+   past the planned ones (a step held by an unconfirmed latency
    breach) spend a shrinking share each: look num_looks + j runs each test at alpha x 6 / (pi^2 j^2) / 5,
    so a hold of any length adds at most alpha to the step's false-rollback rate (2 x alpha in all), and
    the bar rises slowly enough that a held canary's growing evidence catches up with it.
@@ -257,6 +259,12 @@ def decide(
         # it each look, as before, raised the bar faster than any canary's samples could: a moderately
         # slow one was held at its step for ever, and a canary that began to fail then went unseen.)
         alpha_per_test = thresholds.alpha * 6 / (math.pi**2 * extra_looks**2) / NUM_TESTS
+    elif look is not None and bake_elapsed_s >= bake_seconds:
+        # The first look once the bake window has passed may spend what the planned looks never taken
+        # left unspent: a low-traffic step that reached min_samples only now would otherwise decide on
+        # its one look at the rate meant for many, and advance a failing canary more often than not.
+        # (The caller then counts it as the plan's last look, so that any look after it is an extra.)
+        alpha_per_test = thresholds.alpha * (num_looks - look + 1) / (NUM_TESTS * num_looks)
     else:
         alpha_per_test = thresholds.alpha / (NUM_TESTS * num_looks)
     figures: dict[str, Any] = {

@@ -551,7 +551,11 @@ def _verdict(deployment: Deployment, *, now: dt.datetime, read_window: WindowRea
         look=deployment.step_looks + 1,
     )
     if verdict.kind != judge.VerdictKind.INSUFFICIENT_DATA:
-        deployment.step_looks += 1
+        planned = num_looks(bake_seconds=deployment.bake_seconds)
+        if bake_elapsed_s >= deployment.bake_seconds and deployment.step_looks < planned:
+            deployment.step_looks = planned  # it spent what the plan had left (judge.decide)
+        else:
+            deployment.step_looks += 1
     verdict.figures["window"] = {"start": start.isoformat(), "end": now.isoformat()}
     if deployment.strategy == Deployment.Strategy.SHADOW:
         compared, matched = canary.num_shadow_compared, canary.num_shadow_matched

@@ -103,6 +103,45 @@ def test_looks_are_counted_per_step_and_only_when_the_tests_ran(make_model, sett
     assert tick(deployment, 65, healthy).figures["look"] == 1
 
 
+def test_a_steps_first_look_after_its_bake_window_spends_what_the_plan_left(make_model, settings) -> None:
+    """A step that reached min_samples only once its bake window had passed decides on that one look:
+    at alpha / (5 x 13), the rate meant for thirteen, a canary failing 10% of 50 requests against 1%
+    advanced more often than not. It may spend the whole step's alpha; a look after it is an extra."""
+    model = make_model()
+    deployment = ramping_at_1pct(model, settings)
+    sparse = FakeMetrics({"v2": window(num_requests=20), "v1": window(num_requests=60)})
+    for seconds in range(5, 70, 5):
+        tick(deployment, seconds, sparse)
+    assert deployment.step_looks == 0
+    # 5 errors in 50 against 10 in 1000: Fisher's p 4e-4, over alpha / 65 but under alpha / 5.
+    failing = FakeMetrics(
+        {"v2": window(num_requests=50, num_errors=5), "v1": window(num_requests=1000, num_errors=10)}
+    )
+    verdict = tick(deployment, 70, failing)
+    test = verdict.figures["errors_test"]
+    assert test["alpha"] == pytest.approx(0.01 / 5, rel=1e-3)
+    assert 0.01 / 65 < test["p_value"] < test["alpha"]
+    assert verdict.kind is VerdictKind.ROLLBACK, verdict.reason
+
+
+def test_a_look_after_the_one_that_spent_the_rest_is_an_extra_look(make_model, settings) -> None:
+    from tests.rollouts.test_judge import Tail
+
+    model = make_model()
+    deployment = ramping_at_1pct(model, settings)
+    sparse = FakeMetrics({"v2": window(num_requests=20), "v1": window(num_requests=60)})
+    # Its p99 TPOT over the limit, by one request of 60: not significant, so held past the bake window.
+    incumbent = window(num_requests=3000, tpot_p99_ms=19.0, tpot_tail=Tail([16.0] * 2960 + [30.0] * 40))
+    canary = window(num_requests=60, tpot_p99_ms=900.0, tpot_tail=Tail([16.0] * 59 + [900.0]))
+    one_slow = FakeMetrics({"v2": canary, "v1": incumbent})
+    for seconds in range(5, 70, 5):
+        tick(deployment, seconds, sparse)
+    first = tick(deployment, 70, one_slow)
+    assert first.kind is VerdictKind.HOLD, first.reason
+    assert first.figures["look"] == 1 and deployment.step_looks == 13  # the plan's alpha, all spent
+    assert tick(deployment, 75, one_slow).figures["look"] == 14  # so this one is an extra look
+
+
 # --- 2. a single 100% step is refused ---------------------------------------------------------------
 
 
