@@ -218,9 +218,12 @@ def model_page(
     now = now or timezone.now()
     versions = model_versions(model=model)
     end = charts.data_end(now)
+    # The newest versions, and whichever older ones are active (stable, traffic, a rollout): those are
+    # charted however many were registered after them.
+    newest = {v["version"] for v in versions[-MAX_VERSIONS_CHARTED * 2 :]}
     points = _version_points(
         model_name=model.name,
-        versions=[v["version"] for v in versions][-MAX_VERSIONS_CHARTED * 2 :],
+        versions=[v["version"] for v in versions if v["version"] in newest or _is_active(v)],
         start=charts.series_start(chart, now),
         end=end,
         step_s=chart.step_s,

@@ -168,6 +168,17 @@ def test_replicas_show_their_queue_depth_not_their_load(staff_client: Client, ch
     assert re.findall(r'data-field="step_ms">([^<]*)<', response.text) == ["12.5 ms", "—"]
 
 
+def test_a_model_with_many_versions_charts_its_stable_one_however_old(staff_client: Client) -> None:
+    """Only the newest versions' points were read, then every active one looked up: a 500."""
+    from tests.conftest import model_rows
+
+    model_rows("many", tuple(f"v{i}" for i in range(1, 31)))  # v1 stable, with all the traffic
+    response = staff_client.get("/dashboard/models/many/")
+    assert response.status_code == 200
+    config = _config(response)
+    assert "v1" in config["charted"] and config["points"]["v1"]
+
+
 def test_model_page_ranges(staff_client: Client, chat: Any) -> None:
     for key, step_s in (("5m", 5), ("1h", 60), ("24h", 900), ("bogus", 15)):
         config = _config(staff_client.get(f"/dashboard/models/chat/?range={key}"))
