@@ -8,7 +8,8 @@ LIVE_INTERVAL_S (the client sends nothing):
   replica states, each version's traffic and last-minute rates, fleet KV-cache use.
 
 Mounted with config.routing.session_route (session auth + the allowed-hosts origin check). Anyone but
-staff is refused at the handshake (close code 4403; an unknown model 4404)."""
+staff is refused at the handshake (close code 4403; an unknown model 4404), and an open feed is closed
+with 4403 within STAFF_RECHECK_S of its user logging out or losing staff."""
 
 from __future__ import annotations
 
@@ -29,6 +30,19 @@ logger = logging.getLogger(__name__)
 
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
+STAFF_RECHECK_S = 30.0
+
+
+def _is_still_staff(scope: dict[str, Any]) -> bool:
+    """The handshake's session read afresh: gone (a logout anywhere), or its user no longer active staff."""
+    from django.contrib.auth import SESSION_KEY, get_user_model
+
+    session = scope.get("session")
+    if session is None or not session.session_key or not session.exists(session.session_key):
+        return False
+    user_id = session.__class__(session.session_key).get(SESSION_KEY)
+    user = get_user_model()._default_manager.filter(pk=user_id).first() if user_id is not None else None
+    return bool(user is not None and user.is_active and user.is_staff)
 
 
 class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
@@ -62,7 +76,15 @@ class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         pass  # the feed only pushes
 
     async def _push_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        checked_at = loop.time()
         while True:
+            if loop.time() - checked_at >= STAFF_RECHECK_S:
+                checked_at = loop.time()
+                with contextlib.suppress(Exception):  # a database hiccup is no verdict: the next check
+                    if not await database_sync_to_async(_is_still_staff, thread_sensitive=False)(self.scope):
+                        await self.close(code=CLOSE_FORBIDDEN)
+                        return
             try:
                 await self.push()
             except asyncio.CancelledError:
@@ -85,7 +107,9 @@ class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
 class OverviewFeedConsumer(_PushingConsumer):
     async def push(self) -> None:
         replicas = await selectors.fleet_replicas()
-        await self.send_json(await database_sync_to_async(selectors.overview_update)(replicas=replicas))
+        await self.send_json(
+            await database_sync_to_async(selectors.overview_update, thread_sensitive=False)(replicas=replicas)
+        )
 
 
 class LiveFeedConsumer(_PushingConsumer):
@@ -96,11 +120,14 @@ class LiveFeedConsumer(_PushingConsumer):
         # The versions the page drew at load (it may show a version with data but no traffic now).
         self.charted: list[str] = [v for v in ",".join(query.get("versions", [])).split(",") if v]
         self.model_name = self.scope["url_route"]["kwargs"]["model"]
-        return await database_sync_to_async(selectors.model_get)(name=self.model_name) is not None
+        return (
+            await database_sync_to_async(selectors.model_get, thread_sensitive=False)(name=self.model_name)
+            is not None
+        )
 
     async def push(self) -> None:
         replicas = await selectors.fleet_replicas()
-        update = await database_sync_to_async(selectors.live_update)(
+        update = await database_sync_to_async(selectors.live_update, thread_sensitive=False)(
             model_name=self.model_name,
             chart=self.chart,
             charted=self.charted,

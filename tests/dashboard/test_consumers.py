@@ -201,3 +201,22 @@ async def test_the_overview_feed_is_for_staff_only(make_user: Any, chat: Any) ->
     assert await (await _communicator(None, path=OVERVIEW)).connect() == (False, 4403)
     mallory = await sync_to_async(make_user)("mallory", is_staff=False)
     assert await (await _communicator(mallory, path=OVERVIEW)).connect() == (False, 4403)
+
+
+async def test_an_open_feed_is_closed_once_its_user_is_no_longer_staff(
+    make_user: Any, chat: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dashboard import consumers
+
+    monkeypatch.setattr(consumers, "STAFF_RECHECK_S", 0.0)
+    staff = await sync_to_async(make_user)("admin")
+    ws = await _communicator(staff)
+    assert (await ws.connect())[0]
+    assert (await ws.receive_json_from(timeout=10))["type"] == "update"
+    staff.is_staff = False
+    await sync_to_async(staff.save)()
+    while True:  # the updates in flight, then the close
+        message = await ws.receive_output(timeout=10)
+        if message["type"] == "websocket.close":
+            break
+    assert message["code"] == consumers.CLOSE_FORBIDDEN
