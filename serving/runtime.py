@@ -252,7 +252,14 @@ class Runtime:
             replica = local.get(handle.replica_id)
             return replica is not None and replica.state in (ReplicaState.READY, ReplicaState.DRAINING)
         assert self.directory is not None
-        return await self.directory.is_alive(handle.model_name, handle.version, handle.replica_id)
+        try:
+            return await self.directory.is_alive(handle.model_name, handle.version, handle.replica_id)
+        except Exception:
+            # Redis unreadable (a restart, a failover) says nothing of the replica: every stream checks
+            # within LIVENESS_CHECK_S, and an error here would end them all without a final event. They
+            # wait instead, up to their own timeouts.
+            logger.warning("replica directory unreadable; %s taken for alive", handle.replica_id)
+            return True
 
     async def all_replicas(self) -> list[ReplicaHandle]:
         """Every replica: this process's, draining ones included (for /readyz and the dashboard), and

@@ -223,3 +223,20 @@ async def test_a_replica_that_beats_failed_is_not_alive(redis_url: str) -> None:
             await publisher.withdraw(beat)
         await publisher.close()
         await directory.close()
+
+
+async def test_a_directory_that_cannot_be_read_ends_no_stream() -> None:
+    """Every stream asks whether its replica is alive every LIVENESS_CHECK_S: Redis restarting made that
+    raise, and the error ended every stream in flight without a final event."""
+    from channels.layers import InMemoryChannelLayer
+
+    from serving.runtime import ReplicaHandle, Runtime
+
+    class Unreadable:
+        async def is_alive(self, model_name: str, version: str, replica_id: str) -> bool:
+            raise ConnectionError("Redis is restarting")
+
+    runtime = Runtime(InMemoryChannelLayer())
+    runtime.directory = Unreadable()  # type: ignore[assignment]
+    far = ReplicaHandle("far", "m", "v1", "switchyard.replica.far", "ready", 0, 0.0, True, False)
+    assert await runtime.is_alive(far)
