@@ -383,6 +383,12 @@ class Replica:
         """Until nothing is queued or running (used by drain, and by tests after an abort)."""
         await self._idle.wait()
 
+    async def wait_engine_ended(self) -> None:
+        """Until the engine thread has ended: at stop(), or on its own when it died (state FAILED)."""
+        if self._engine_run is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(self._engine_run)
+
     def drain(self) -> None:
         """Admit nothing new; requests already accepted run to their end."""
         if self.state is ReplicaState.READY:

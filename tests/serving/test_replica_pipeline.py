@@ -500,6 +500,8 @@ async def test_a_dead_engine_thread_fails_the_replica_and_a_drain_still_ends(reg
         assert replica._engine_run is not None
         with pytest.raises(RuntimeError, match="a bug"):
             await asyncio.wait_for(replica._engine_run, timeout=10)
+        # What run_replica waits on beside SIGTERM, to exit (non-zero) rather than beat "failed" for ever.
+        await asyncio.wait_for(replica.wait_engine_ended(), timeout=10)
         replica.drain()
         await asyncio.wait_for(replica.wait_idle(), timeout=10)
         assert replica.state is ReplicaState.FAILED

@@ -140,7 +140,18 @@ class Command(BaseCommand):
             f"replica {replica.replica_id} of {replica.ref.model_name}:{replica.ref.version} ready"
         )
         self.stdout.flush()
-        await stop_requested.wait()
+        stopping = asyncio.ensure_future(stop_requested.wait())
+        engine_ended = asyncio.ensure_future(replica.wait_engine_ended())
+        await asyncio.wait({stopping, engine_ended}, return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done():
+            # The engine thread died: the replica would beat "failed" for ever, and a supervisor restarts
+            # only a process that has exited (the provisioner; Kubernetes without a liveness probe).
+            stopping.cancel()
+            self.stderr.write(f"{replica.error or 'the engine thread ended'}; exiting")
+            await replica.stop()
+            await publisher.close()
+            return 1
+        engine_ended.cancel()
         replica.drain()  # the heartbeat now says draining: gateways stop choosing this replica
         self.stdout.write("draining")
         self.stdout.flush()
