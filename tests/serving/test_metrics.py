@@ -421,3 +421,37 @@ async def test_the_replica_flushes_on_its_own_every_interval(make_tenant, regist
         await asyncio.sleep(0.05)
     assert sum(w.counters.get("requests", 0) for w in rows) == 1
     assert {w.replica_id for w in rows} == {runtime.replicas[("demo-chat", "v1")].replica_id}
+
+
+def test_a_series_by_the_minute_reads_rolled_up_minutes_and_counts_each_request_once(
+    version, django_assert_max_num_queries
+) -> None:
+    """A day's chart reads a 60 s row a minute where the minute is rolled up (a day of 5 s rows is
+    17,280 a replica), the 5 s rows where it is not yet, or where a late flush changed it since."""
+    from serving.selectors import version_series
+    from serving.services import metrics_rollup
+
+    t0 = minute_ago(10)
+    for replica_id in ("a", "b"):
+        recorder = recorder_for(version, replica_id)
+        for second in range(0, 180, 5):
+            recorder.record(requests=[done(0.1)], now=t0 + second)
+        recorder.flush()
+    assert metrics_rollup() == 3
+    late = recorder_for(version, "a")
+    late.record(requests=[done(9.0)], now=t0 + 70)  # minute 2 changes after its roll-up
+    late.flush()
+    fresh = recorder_for(version, "b")
+    fresh.record(requests=[done(0.1)], now=t0 + 185)  # minute 4: not rolled up yet
+
+    def series():  # type: ignore[no-untyped-def]
+        return version_series(model_name="chat", version="v1", start=at(t0), end=at(t0 + 240), step_s=60)
+
+    fresh.flush()
+    with django_assert_max_num_queries(4):
+        counts = [w.num_requests for w in series()]
+    assert counts == [24, 25, 24, 1]
+    assert series()[1].ttft.max == 9.0
+    # Minute 1 is read from its 60 s row alone: with its 5 s rows gone, it reads the same.
+    MetricWindow.objects.filter(resolution_s=5, start__gte=at(t0), start__lt=at(t0 + 60)).delete()
+    assert [w.num_requests for w in series()] == [24, 25, 24, 1]
