@@ -188,6 +188,10 @@ class Dispatch:
         finally:
             if is_trial and not has_verdict:  # it says nothing of the replica: the next request may try
                 breaker.release(replica.replica_id)
+        if not first.get("accepted"):
+            # Its acceptance was lost on the way (published while the reply hub reconnected to Redis):
+            # what came first is already the stream, which the client must not lose.
+            self._first_event = first
         self.num_prompt_tokens = int(first.get("num_prompt_tokens", 0))
 
     def _note_failure(self, error_type: str) -> None:

@@ -313,3 +313,27 @@ async def test_a_request_that_fails_after_some_text_is_an_error_not_a_partial_an
         await handle.collect()
     assert failed.value.status == 503 and failed.value.message == "the step failed"
     assert failed.value.headers == {"Retry-After": "1"}
+
+
+async def test_a_lost_acceptance_does_not_lose_the_first_token(make_tenant, runtime, monkeypatch) -> None:
+    """Steps published while the gateway's reply hub reconnects to Redis are lost; when the acceptance
+    is, the first event to arrive is a token, which was taken for the acceptance and dropped."""
+    from asgiref.sync import sync_to_async
+
+    from serving.dispatch import Dispatch
+
+    acme = await sync_to_async(make_tenant)("acme")
+    token = {"token": "Once", "index": 0}
+    final = {"finish_reason": "length", "usage": {"completion_tokens": 1}}
+    script = [token, final]
+
+    async def next_event(self, *, timeout_s: float) -> dict:  # type: ignore[no-untyped-def, type-arg]
+        return script.pop(0)
+
+    monkeypatch.setattr(Dispatch, "_next_event", next_event)
+    handle = await _hello(acme, max_tokens=1)
+    try:
+        events = [event async for event in handle.events()]
+    finally:
+        await handle.close()
+    assert events == [token, final]
