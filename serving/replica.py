@@ -85,9 +85,6 @@ SUBMIT = "replica.submit"
 ABORT = "replica.abort"
 
 
-MAX_FAILED_STEPS_IN_A_ROW = 5
-
-
 class ReplicaState(enum.StrEnum):
     LOADING = "loading"
     READY = "ready"
@@ -680,7 +677,6 @@ class Replica:
         only when the engine holds nothing."""
         engine = self._engine
         num_taken = 0  # inbox items taken, all told: _deliver compares it with _num_queued
-        num_failed_in_a_row = 0
         while True:
             with self._inbox:
                 while not (self._stopping or self._submissions or self._aborts):
@@ -701,16 +697,13 @@ class Replica:
                 submissions, self._submissions = self._submissions, []
                 aborts, self._aborts = self._aborts, []
                 num_taken += len(submissions) + len(aborts)
-            failure: Exception | None = None
             try:
                 result = self._step(submissions, aborts)
-                num_failed_in_a_row = 0
             except Exception as exc:
                 # A failed forward pass fails the requests in it; the replica keeps serving the others
                 # and new ones. A failure anywhere else may have left any request half done: all fail.
                 logger.exception("replica %s: engine step failed", self.replica_id)
                 result = self._fail_all(str(exc), getattr(exc, "request_ids", None))  # engine.StepFailed's
-                failure, num_failed_in_a_row = exc, num_failed_in_a_row + 1
             is_engine_empty = not engine.has_unfinished()
             # Recording fails nothing: the step itself went well, and its requests go on.
             with _logged_failure("replica %s: could not record a step's metrics", self.replica_id):
@@ -722,11 +715,6 @@ class Replica:
                 self._account(result)
             if is_engine_empty:  # after the account, so whoever waits for idle reads the final stats
                 self._emit(_StepResult(), is_engine_empty=True, num_taken=num_taken)
-            if num_failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
-                # Not one request's trouble but the device's (a sticky CUDA error): ending the thread marks
-                # the replica failed, so gateways stop choosing it (its quick failures made it look idle,
-                # the least loaded of all) and run_replica exits for its supervisor to start another.
-                raise RuntimeError(f"{num_failed_in_a_row} engine steps failed in a row") from failure
 
     def _step(self, submissions: list[_Arrival | dict[str, Any]], aborts: list[str]) -> _StepResult:
         engine = self._engine

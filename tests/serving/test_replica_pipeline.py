@@ -480,33 +480,6 @@ async def test_a_failed_forward_pass_fails_its_batch_and_the_waiting_request_run
         await replica.stop()
 
 
-async def test_a_replica_whose_every_step_fails_says_it_has_failed(registered_model, monkeypatch) -> None:
-    """A device in a state no step survives: its requests failed at once, so the replica looked idle,
-    the least loaded of all, and drew the traffic it failed. After a few steps in a row it is failed."""
-    from serving import replica as replica_module
-    from serving.replica import ReplicaState
-
-    monkeypatch.setattr(replica_module, "MAX_FAILED_STEPS_IN_A_ROW", 3)
-    replica, layer, replies = await _replica_sending_at_once()
-
-    def broken(batch: Any) -> Any:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    replica.engine.runner.execute = broken
-    try:
-        for i in range(3):
-            await _submit(layer, replica, f"r{i}", max_tokens=4)
-            await asyncio.wait_for(replica.wait_idle(), timeout=10)
-            assert replies.events(f"r{i}")[-1]["error"]["type"] == "internal_error"
-            if i < 2:
-                assert replica.state is ReplicaState.READY
-        await asyncio.wait_for(replica.wait_engine_ended(), timeout=10)
-        assert replica.state is ReplicaState.FAILED
-        assert "3 engine steps failed in a row" in (replica.error or "")
-    finally:
-        await replica.stop()
-
-
 def break_the_engine_thread(replica: Any) -> None:
     """Its next step raises, and so does the step's own failure handling: the model thread dies."""
 
