@@ -34,15 +34,17 @@ STAFF_RECHECK_S = 30.0
 
 
 def _is_still_staff(scope: dict[str, Any]) -> bool:
-    """The handshake's session read afresh: gone (a logout anywhere), or its user no longer active staff."""
-    from django.contrib.auth import SESSION_KEY, get_user_model
+    """The handshake's session read afresh, as a request's would be: gone (a logout anywhere), its user's
+    password changed since (Django's session auth hash), or its user no longer active staff."""
+    from types import SimpleNamespace
+
+    from django.contrib.auth import get_user
 
     session = scope.get("session")
     if session is None or not session.session_key or not session.exists(session.session_key):
         return False
-    user_id = session.__class__(session.session_key).get(SESSION_KEY)
-    user = get_user_model()._default_manager.filter(pk=user_id).first() if user_id is not None else None
-    return bool(user is not None and user.is_active and user.is_staff)
+    user = get_user(SimpleNamespace(session=session.__class__(session.session_key)))  # type: ignore[arg-type]
+    return bool(user.is_authenticated and user.is_active and user.is_staff)
 
 
 class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]

@@ -203,9 +203,12 @@ async def test_the_overview_feed_is_for_staff_only(make_user: Any, chat: Any) ->
     assert await (await _communicator(mallory, path=OVERVIEW)).connect() == (False, 4403)
 
 
+@pytest.mark.parametrize("change", ["no longer staff", "password reset"])
 async def test_an_open_feed_is_closed_once_its_user_is_no_longer_staff(
-    make_user: Any, chat: Any, monkeypatch: pytest.MonkeyPatch
+    make_user: Any, chat: Any, monkeypatch: pytest.MonkeyPatch, change: str
 ) -> None:
+    """Staff rights taken away, or the password reset (what follows a stolen session): Django ends the
+    session's other requests, and the feed with them."""
     from dashboard import consumers
 
     monkeypatch.setattr(consumers, "STAFF_RECHECK_S", 0.0)
@@ -213,7 +216,10 @@ async def test_an_open_feed_is_closed_once_its_user_is_no_longer_staff(
     ws = await _communicator(staff)
     assert (await ws.connect())[0]
     assert (await ws.receive_json_from(timeout=10))["type"] == "update"
-    staff.is_staff = False
+    if change == "no longer staff":
+        staff.is_staff = False
+    else:
+        staff.set_password("a new one, after the old was stolen")
     await sync_to_async(staff.save)()
     while True:  # the updates in flight, then the close
         message = await ws.receive_output(timeout=10)
