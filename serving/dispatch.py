@@ -308,6 +308,8 @@ class Dispatch:
                     self._text.append(event["token"])
             if "finish_reason" in event:
                 self.is_finished = True
+                if not self.num_prompt_tokens:  # its acceptance was lost: the quota settles on usage
+                    self.num_prompt_tokens = int((event.get("usage") or {}).get("prompt_tokens", 0))
                 ok = event["finish_reason"] != "error" and self._text is not None
                 self._settle_text("".join(self._text or ()) if ok else None)
                 if event["finish_reason"] != "error" and self.replica is not None:

@@ -324,7 +324,7 @@ async def test_a_lost_acceptance_does_not_lose_the_first_token(make_tenant, runt
 
     acme = await sync_to_async(make_tenant)("acme")
     token = {"token": "Once", "index": 0}
-    final = {"finish_reason": "length", "usage": {"completion_tokens": 1}}
+    final = {"finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
     script = [token, final]
 
     async def next_event(self, *, timeout_s: float) -> dict:  # type: ignore[no-untyped-def, type-arg]
@@ -337,3 +337,4 @@ async def test_a_lost_acceptance_does_not_lose_the_first_token(make_tenant, runt
     finally:
         await handle.close()
     assert events == [token, final]
+    assert handle.num_prompt_tokens == 3  # from the usage: the quota settles on what the prompt took

@@ -103,7 +103,7 @@ class Command(BaseCommand):
             )
         )
         if code:
-            raise CommandError(f"replica of {ref.model_name}:{ref.version} failed to start")
+            raise CommandError(f"replica of {ref.model_name}:{ref.version} failed (see above)")
 
     async def _serve(
         self, ref: object, config: object, faults: object, metrics_port: object, metrics_addr: str
