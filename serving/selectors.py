@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.db.models import Q
 from django.utils import timezone
 
 from serving import metrics as m
@@ -182,11 +183,13 @@ def _rows(
 
 
 def _minute_rows(
-    model_name: str, version: str, start: datetime, end: datetime, now: datetime
+    model_name: str, version: str, start: datetime, end: datetime
 ) -> Iterable[tuple[datetime, dict[str, Any], dict[str, int], dict[str, Any]]]:
     """As _rows, for a minute-aligned [start, end), reading each rolled-up minute's one 60 s row rather
     than its 5 s rows (one per replica every 5 s: a day of them is 17,280 a replica). A minute whose 5 s
-    rows are not all rolled up yet (the last one or two, or one a late flush changed) is read from them."""
+    rows are not all rolled up yet (the last one or two, or one a late flush changed) is read from them;
+    only those 5 s rows are read. (A minute whose 5 s rows are all rolled up has its 60 s row: the roll-up
+    writes it in the transaction that marks them, and keeps it longer than they are kept.)"""
     if start >= end:
         return
     base = MetricWindow.objects.filter(version__model__name=model_name, version__version=version)
@@ -199,10 +202,19 @@ def _minute_rows(
         .exclude(start__in=dirty)
         .values_list("start", "histograms", "counters", "gauges")
     }
-    # Minutes with no 60 s row (dirty, or past coarse retention's start but never rolled up) keep their
-    # 5 s rows; the rest are read whole from the roll-up.
-    fine_rows = fine.order_by("start", "replica_id").values_list("start", "histograms", "counters", "gauges")
-    rows = [row for row in fine_rows.iterator() if floor_time(row[0], coarse_s) not in rolled]
+    minute = timedelta(seconds=coarse_s)
+    in_dirty = Q()
+    for dirty_start in dirty:
+        in_dirty |= Q(start__gte=dirty_start, start__lt=dirty_start + minute)
+    rows = (
+        list(
+            fine.filter(in_dirty)
+            .order_by("start", "replica_id")
+            .values_list("start", "histograms", "counters", "gauges")
+        )
+        if dirty
+        else []
+    )
     yield from sorted([*rolled.values(), *rows], key=lambda row: row[0])
 
 
@@ -236,7 +248,7 @@ def version_series(
     if step_s % coarse_s == 0 and start.timestamp() % coarse_s == 0:
         split = max(start, floor_time(end, coarse_s))
     rows = itertools.chain(
-        _minute_rows(model_name, version, start, split, now), _rows(model_name, version, split, end, now)
+        _minute_rows(model_name, version, start, split), _rows(model_name, version, split, end, now)
     )
     for row_start, histograms, counters, gauges in rows:
         index = int((row_start - start).total_seconds() // step_s)
