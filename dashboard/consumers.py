@@ -41,8 +41,9 @@ def _is_still_staff(scope: dict[str, Any]) -> bool:
     from django.contrib.auth import get_user
 
     session = scope.get("session")
-    if session is None or not session.session_key or not session.exists(session.session_key):
+    if session is None or not session.session_key:
         return False
+    # A session gone from the store loads empty, and its user is anonymous.
     user = get_user(SimpleNamespace(session=session.__class__(session.session_key)))  # type: ignore[arg-type]
     return bool(user.is_authenticated and user.is_active and user.is_staff)
 
