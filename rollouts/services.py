@@ -539,19 +539,19 @@ def _verdict(deployment: Deployment, *, now: dt.datetime, read_window: WindowRea
             (f"metrics unavailable: {exc}",),
             {"bake_elapsed_s": round(bake_elapsed_s, 3), "bake_seconds": deployment.bake_seconds},
         )
+    planned = num_looks(bake_seconds=deployment.bake_seconds)
     verdict = judge.decide(
         canary,
         incumbent,
         thresholds=thresholds,
         bake_elapsed_s=bake_elapsed_s,
         bake_seconds=deployment.bake_seconds,
-        num_looks=num_looks(bake_seconds=deployment.bake_seconds),
+        num_looks=planned,
         # Counted, not derived from the clock: ticks that waited for min_samples ran no test, and
         # counting them would leave a slow step's first real look at a vanishing alpha.
         look=deployment.step_looks + 1,
     )
     if verdict.kind != judge.VerdictKind.INSUFFICIENT_DATA:
-        planned = num_looks(bake_seconds=deployment.bake_seconds)
         if bake_elapsed_s >= deployment.bake_seconds and deployment.step_looks < planned:
             deployment.step_looks = planned  # it spent what the plan had left (judge.decide)
         else:
