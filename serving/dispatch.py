@@ -42,6 +42,11 @@ _rng = random.Random()
 REPLICA_FAILURES = frozenset({REPLICA_LOST, "replica_unavailable", REPLICA_TIMEOUT})
 SLOW_READER = "slow_reader"
 SLOW_READER_MESSAGE = "the client fell too far behind the stream"
+# Steps lost between replica and gateway (Redis pub/sub drops what it publishes while a subscriber
+# reconnects, ARCHITECTURE.md "Silent loss"): the text has a hole, so the stream ends in an error rather
+# than "stop" with words missing. Not the version's fault: neither the breaker nor the judge counts it.
+TOKENS_LOST = "tokens_lost"
+TOKENS_LOST_MESSAGE = "part of the response was lost on its way from the replica"
 
 
 def _error_event(error_type: str, message: str) -> dict[str, Any]:
@@ -302,6 +307,16 @@ class Dispatch:
                     except GatewayError as exc:
                         event = _error_event("replica_unavailable", exc.message)
                 self.count_failure()
+            if self._has_lost_tokens(event):
+                logger.warning(
+                    "request %s: tokens lost on their way from replica %s (expected index %d, got %r)",
+                    self.request_id,
+                    self.replica.replica_id if self.replica is not None else None,
+                    self.num_completion_tokens,
+                    event.get("index", (event.get("usage") or {}).get("completion_tokens")),
+                )
+                self._gave_up = True  # the replica may still be generating: close() aborts it there
+                event = _error_event(TOKENS_LOST, TOKENS_LOST_MESSAGE)
             if "token" in event:
                 self.num_completion_tokens += 1
                 if self._text is not None:
@@ -315,6 +330,16 @@ class Dispatch:
                 if event["finish_reason"] != "error" and self.replica is not None:
                     breaker.record_success(self.replica.replica_id)
             yield event
+
+    def _has_lost_tokens(self, event: dict[str, Any]) -> bool:
+        """Whether a step before this event never arrived: a token whose index is not the next one, or
+        a final event whose usage counts more tokens than came."""
+        if "token" in event:
+            return event.get("index") != self.num_completion_tokens
+        if event.get("finish_reason") not in (None, "error"):
+            generated = (event.get("usage") or {}).get("completion_tokens")
+            return isinstance(generated, int) and generated > self.num_completion_tokens
+        return False
 
     async def collect(self, *, logprobs: list[dict[str, Any]] | None = None) -> tuple[str, dict[str, Any]]:
         """Run to the end and return the whole text and the final event; closes the request. A request

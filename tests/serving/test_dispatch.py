@@ -338,3 +338,67 @@ async def test_a_lost_acceptance_does_not_lose_the_first_token(make_tenant, runt
         await handle.close()
     assert events == [token, final]
     assert handle.num_prompt_tokens == 3  # from the usage: the quota settles on what the prompt took
+
+
+async def test_a_step_lost_on_the_way_ends_the_stream_in_an_error_and_frees_its_blocks(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """Redis pub/sub drops what a replica publishes while the gateway's subscriber reconnects. A stream
+    that lost a step has a hole in its text: it must not end "length" as if whole."""
+    from asgiref.sync import sync_to_async
+
+    from serving.breaker import breaker
+
+    acme = await sync_to_async(make_tenant)("acme")
+    deliver = runtime.hub.deliver
+    dropped = []
+
+    def lossy_deliver(message):  # type: ignore[no-untyped-def]
+        for item in message.get("items", ()):
+            if any(event.get("index") == 1 for event in item["events"]):
+                dropped.append(item["request_id"])
+                message = {**message, "items": [i for i in message["items"] if i is not item]}
+        deliver(message)
+
+    monkeypatch.setattr(runtime.hub, "deliver", lossy_deliver)
+    handle = await _hello(acme, max_tokens=6)
+    try:
+        events = [event async for event in handle.events()]
+    finally:
+        await handle.close()
+    assert dropped == [handle.request_id]
+    assert [e["index"] for e in events if "token" in e] == [0]
+    assert events[-1]["finish_reason"] == "error" and events[-1]["error"]["type"] == "tokens_lost"
+    # The rest of its generation was aborted on the replica, and the loss is not the replica's fault.
+    (replica,) = runtime.replicas.values()
+    await replica.wait_idle()
+    assert replica.engine.stats().kv_cache_usage == 0.0
+    assert breaker.allows(handle.replica.replica_id) and not breaker.is_open(handle.replica.replica_id)
+    assert runtime.failures._recorders == {}
+
+
+async def test_a_final_event_counting_tokens_that_never_came_is_an_error(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    from serving.dispatch import Dispatch
+
+    acme = await sync_to_async(make_tenant)("acme")
+    script = [
+        {"accepted": True, "num_prompt_tokens": 3},
+        {"token": "Once", "index": 0},
+        {"finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+    ]
+
+    async def next_event(self, *, timeout_s: float) -> dict:  # type: ignore[no-untyped-def, type-arg]
+        return script.pop(0)
+
+    monkeypatch.setattr(Dispatch, "_next_event", next_event)
+    handle = await _hello(acme, max_tokens=2)
+    try:
+        events = [event async for event in handle.events()]
+    finally:
+        await handle.close()
+    assert events[0] == {"token": "Once", "index": 0}
+    assert events[-1]["error"]["type"] == "tokens_lost"
