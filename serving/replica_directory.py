@@ -4,7 +4,12 @@ Each replica process publishes a heartbeat every HEARTBEAT_INTERVAL_S into one R
 version (field: replica id, value: its state and load). Gateways read the hash, cache it for a quarter
 of a second (routing takes a cache up to a second old and refreshes it in the background), and treat a
 replica whose last beat is older than STALE_AFTER_S as gone. In the embedded default there is no Redis:
-the runtime knows its in-process replicas directly."""
+the runtime knows its in-process replicas directly.
+
+A beat's age is read on one clock, Redis's: the publishing script stamps `sent_at` with Redis's TIME,
+and a reader turns it into its own clock with the offset it reads beside the hash. Stamped by the
+replica's host and read against the gateway's, a skew of a second between two hosts (STALE_AFTER_S is
+1.5 s) flapped a replica's readiness, or kept a dead one routable."""
 
 from __future__ import annotations
 
@@ -45,6 +50,13 @@ TERMINAL_STATES = frozenset({"failed", "stopped"})
 # clock. It reads the entry as a request to that version.
 DEMAND_KEY = "switchyard:demand"
 RECORD_DEMAND_SCRIPT = "local t = redis.call('TIME'); redis.call('HSET', KEYS[1], ARGV[1], t[1]); return t[1]"
+# KEYS[1] the version's hash; ARGV: replica id, the beat's JSON. Its sent_at becomes Redis's TIME.
+PUBLISH_BEAT_SCRIPT = """
+local t = redis.call('TIME')
+local beat = cjson.decode(ARGV[2])
+beat['sent_at'] = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(beat))
+"""
 
 
 def version_key(model_name: str, version: str) -> str:
@@ -61,7 +73,7 @@ class Heartbeat:
     num_waiting: int
     num_running: int
     kv_cache_usage: float
-    sent_at: float  # wall clock
+    sent_at: float  # wall clock: Redis's once published, the reader's own once read (module docstring)
     capacity: int = 0  # the most sequences (or batch items) it runs at once; 0: not known (older replicas)
     is_generative: bool = True  # False: an encoder, whose queue is inputs waiting for a batch
     # Seconds since its last submission (or since it became ready), on its own clock, so that no host's
@@ -187,10 +199,11 @@ class HeartbeatPublisher:
         import redis.asyncio as aioredis
 
         self._redis: Any = aioredis.Redis.from_url(redis_url)
+        self._publish = self._redis.register_script(PUBLISH_BEAT_SCRIPT)
 
     async def publish(self, beat: Heartbeat) -> None:
         key = version_key(beat.model_name, beat.version)
-        await self._redis.hset(key, beat.replica_id, json.dumps(asdict(beat)))
+        await self._publish(keys=[key], args=[beat.replica_id, json.dumps(asdict(beat))])
 
     async def withdraw(self, beat: Heartbeat) -> None:
         await self._redis.hdel(version_key(beat.model_name, beat.version), beat.replica_id)
@@ -236,7 +249,12 @@ class ReplicaDirectory:
 
     async def _read(self, key: str) -> list[Heartbeat]:
         read_at = time.monotonic()
-        raw = await self._redis.hgetall(key)
+        asked_at = time.time()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            (seconds, micros), raw = await pipe.time().hgetall(key).execute()
+        # Redis's clock less ours, halfway through the round trip: within a millisecond or so here,
+        # where a beat's age is judged in seconds.
+        offset = seconds + micros / 1e6 - (asked_at + time.time()) / 2
         beats, forgotten = [], []
         for field, value in raw.items():
             try:
@@ -244,6 +262,7 @@ class ReplicaDirectory:
             except ValueError as exc:  # one bad entry must not hide the version's other replicas
                 logger.warning("replica directory: skipping %s in %s: %s", field, key, exc)
                 continue
+            beat = dataclasses.replace(beat, sent_at=beat.sent_at - offset)  # on this process's clock
             if time.time() - beat.sent_at > _FORGET_AFTER_S:
                 forgotten.append(field)  # a replica that died without withdrawing
             else:

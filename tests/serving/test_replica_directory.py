@@ -112,3 +112,27 @@ def test_recent_steps_read_as_a_share_of_wall_time_and_a_long_step_as_busy() -> 
     fresh.begin(18.0)
     fresh.cancel()
     assert fresh.read(now=40.0) == StepTimes(0.0, 0.0)
+
+
+@pytest.mark.redis
+async def test_a_beat_is_aged_on_redis_clock_whatever_the_hosts_clocks_say(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica host whose clock is 10 s behind, read by a gateway host whose clock is 10 s ahead: its
+    fresh beat is ready, and one it stopped sending goes stale."""
+    model = f"dir-{uuid.uuid4().hex[:8]}"
+    behind = Heartbeat("r1", model, "v1", "switchyard.replica.x", "ready", 0, 0, 0.0, time.time() - 10)
+    publisher, directory = HeartbeatPublisher(redis_url), ReplicaDirectory(redis_url)
+    real_time = time.time
+    monkeypatch.setattr(replica_directory.time, "time", lambda: real_time() + 10)  # the gateway's host
+    try:
+        await publisher.publish(behind)
+        (beat,) = await directory.replicas(model, "v1", refresh=True)
+        assert beat.is_ready and abs(beat.sent_at - time.time()) < 0.5
+        assert await directory.is_alive(model, "v1", "r1")
+        monkeypatch.setattr(replica_directory.time, "time", lambda: real_time() + 10 + 3)  # 3 s later
+        assert not beat.is_fresh and beat.has_missed_beats
+    finally:
+        await publisher.withdraw(behind)
+        await publisher.close()
+        await directory.close()
