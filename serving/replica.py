@@ -267,6 +267,10 @@ class Replica:
 
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        if self._publisher is not None:
+            # Beating "loading" from the start: gateways see a replica on its way (a restart), whose
+            # 503s meanwhile are not counted as the version having none (Dispatch.submit).
+            self._tasks.append(loop.create_task(self._beat(), name=f"replica-{self.replica_id}-heartbeat"))
         try:
             self._arm_faults()
             self._engine = await loop.run_in_executor(self._executor, self._load)
@@ -290,8 +294,6 @@ class Replica:
             (self._deliver(), "deliver"),
             (self._flush_periodically(), "metrics"),
         ]
-        if self._publisher is not None:
-            coros.append((self._beat(), "heartbeat"))
         for coro, name in coros:
             self._tasks.append(loop.create_task(coro, name=f"replica-{self.replica_id}-{name}"))
         logger.info("replica %s:%s ready on %s", self.ref.model_name, self.ref.version, self.channel_name)

@@ -36,7 +36,7 @@ async def remote_runtime(redis_url: str) -> AsyncIterator[Any]:
         await client.aclose()
 
 
-def _dispatch(runtime: Any, *, cold_start: bool) -> Any:
+def _dispatch(runtime: Any, *, cold_start: bool, counts_failures: bool = False) -> Any:
     from serving.dispatch import Dispatch
 
     submission = {
@@ -48,7 +48,9 @@ def _dispatch(runtime: Any, *, cold_start: bool) -> Any:
         "tenant": "t",
         "cache_group": "t",
     }
-    return Dispatch(runtime, None, "demo-chat", "v1", submission, cold_start=cold_start)
+    return Dispatch(
+        runtime, None, "demo-chat", "v1", submission, cold_start=cold_start, counts_failures=counts_failures
+    )
 
 
 async def _demand(redis_url: str) -> bytes | None:
@@ -220,3 +222,52 @@ async def test_a_request_pinned_to_a_version_without_traffic_or_replicas_gets_it
         )
     assert refused.value.status == 503
     assert remote_runtime._cold_starts == {}
+
+
+async def test_a_replica_process_beats_loading_while_it_loads_and_its_503s_are_not_the_versions_failures(
+    registered_model: Any, remote_runtime: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica process restarting: until it beat, a gateway saw no replica at all, and counted each
+    request's 503 meanwhile against the version, as if it had lost every replica."""
+    import threading
+
+    from asgiref.sync import sync_to_async
+
+    from registry.selectors import version_ref
+    from serving.gateway import GatewayError
+    from serving.replica import Replica
+    from serving.replica_directory import HeartbeatPublisher
+
+    loaded = threading.Event()
+    real_load = Replica._load
+
+    def slow_load(self):  # type: ignore[no-untyped-def]
+        loaded.wait(30)
+        return real_load(self)
+
+    monkeypatch.setattr(Replica, "_load", slow_load)
+    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
+    replica = Replica(ref, layer=remote_runtime.layer, publisher=HeartbeatPublisher(redis_url))
+    starting = asyncio.create_task(replica.start())
+    try:
+        async with asyncio.timeout(10):
+            while not (beats := await remote_runtime.directory.replicas("demo-chat", "v1", refresh=True)):
+                await asyncio.sleep(0.05)
+        assert [b.state for b in beats] == ["loading"]
+        handle = _dispatch(remote_runtime, cold_start=False, counts_failures=True)
+        with pytest.raises(GatewayError, match="no ready replica") as refused:
+            await handle.submit()
+        assert refused.value.status == 503
+        await handle.close()
+        assert remote_runtime.failures._recorders == {}
+        loaded.set()
+        await starting
+        async with asyncio.timeout(10):  # its next beat says so
+            while [
+                b.state for b in await remote_runtime.directory.replicas("demo-chat", "v1", refresh=True)
+            ] != ["ready"]:
+                await asyncio.sleep(0.05)
+    finally:
+        loaded.set()
+        await starting
+        await replica.stop()

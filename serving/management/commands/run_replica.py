@@ -135,6 +135,8 @@ class Command(BaseCommand):
         await replica.start()
         if not replica.is_ready:
             self.stderr.write(f"load failed: {replica.error}")
+            await replica.stop()  # withdraws its heartbeat ("loading", then "failed")
+            await publisher.close()
             return 1
         self.stdout.write(
             f"replica {replica.replica_id} of {replica.ref.model_name}:{replica.ref.version} ready"
