@@ -81,8 +81,17 @@ MIN_BASE_SAMPLES = 8
 LISTEN_RETRY_MIN_S = 0.1
 LISTEN_RETRY_MAX_S = 2.0
 
+# Failed steps in a row after which the model thread probes its device (Engine.probe): a device that
+# fails the probe too is broken (a sticky CUDA error), and the replica fails rather than stay ready and
+# fail every request. A request that fails every step it is in fails only its own steps: the probe,
+# which holds none of them, passes, and the replica serves on.
+PROBE_AFTER_FAILED_STEPS = 3
 SUBMIT = "replica.submit"
 ABORT = "replica.abort"
+
+
+class DeviceFailed(RuntimeError):
+    """The model thread's end when its device fails a probe (PROBE_AFTER_FAILED_STEPS)."""
 
 
 class ReplicaState(enum.StrEnum):
@@ -145,6 +154,11 @@ class _StepResult:
         self.events_by_inbox[route.reply_to].setdefault(request_id, []).append(event)
         if "accepted" in event or event.get("index") == 0:
             self.starts_a_stream = True
+
+    def merge_events(self, other: _StepResult) -> None:
+        for inbox, items in other.events_by_inbox.items():
+            for request_id, events in items.items():
+                self.events_by_inbox[inbox].setdefault(request_id, []).extend(events)
 
 
 def engine_config_from_settings() -> Any:
@@ -269,7 +283,7 @@ class Replica:
         loop = self._loop = asyncio.get_running_loop()
         if self._publisher is not None:
             # Beating "loading" from the start: gateways see a replica on its way (a restart), whose
-            # 503s meanwhile are not counted as the version having none (Dispatch.submit).
+            # 503s meanwhile are not counted as the version having none (serving/gateway_failures.py).
             self._tasks.append(loop.create_task(self._beat(), name=f"replica-{self.replica_id}-heartbeat"))
         try:
             self._arm_faults()
@@ -301,13 +315,14 @@ class Replica:
     def _engine_ended(self, run: asyncio.Future[None]) -> None:
         if run.cancelled() or run.exception() is None:
             return
-        # A bug, not a failed step (those fail their requests and the thread goes on): nothing would
-        # run the engine any more, so the replica says it has failed and gateways stop choosing it; its
-        # requests end on their gateways' liveness check (a failed replica is not alive). Idle too: a
-        # drain waiting for the engine to empty would wait forever.
+        # A bug or a broken device (DeviceFailed), not a failed step (those fail their requests and the
+        # thread goes on): nothing would run the engine any more, so the replica says it has failed and
+        # gateways stop choosing it; its requests end on their gateways' liveness check (a failed replica
+        # is not alive). Idle too: a drain waiting for the engine to empty would wait forever.
         if self.state is not ReplicaState.STOPPED:
             self.state = ReplicaState.FAILED
-        self.error = f"the engine thread died: {run.exception()!r}"
+        error = run.exception()
+        self.error = str(error) if isinstance(error, DeviceFailed) else f"the engine thread died: {error!r}"
         logger.error("replica %s: %s", self.replica_id, self.error, exc_info=run.exception())
         self._idle.set()
 
@@ -679,6 +694,7 @@ class Replica:
         only when the engine holds nothing."""
         engine = self._engine
         num_taken = 0  # inbox items taken, all told: _deliver compares it with _num_queued
+        num_failed_in_a_row = 0
         while True:
             with self._inbox:
                 while not (self._stopping or self._submissions or self._aborts):
@@ -699,13 +715,21 @@ class Replica:
                 submissions, self._submissions = self._submissions, []
                 aborts, self._aborts = self._aborts, []
                 num_taken += len(submissions) + len(aborts)
+            broken: Exception | None = None  # the device's failure, which the probe confirmed
             try:
                 result = self._step(submissions, aborts)
+                num_failed_in_a_row = 0
             except Exception as exc:
                 # A failed forward pass fails the requests in it; the replica keeps serving the others
                 # and new ones. A failure anywhere else may have left any request half done: all fail.
                 logger.exception("replica %s: engine step failed", self.replica_id)
                 result = self._fail_all(str(exc), getattr(exc, "request_ids", None))  # engine.StepFailed's
+                num_failed_in_a_row += 1
+                if num_failed_in_a_row >= PROBE_AFTER_FAILED_STEPS:
+                    num_failed_in_a_row = 0
+                    broken = self._probe()
+            if broken is not None:
+                result.merge_events(self._fail_all(f"the replica's device failed: {broken}"))
             is_engine_empty = not engine.has_unfinished()
             # Recording fails nothing: the step itself went well, and its requests go on.
             with _logged_failure("replica %s: could not record a step's metrics", self.replica_id):
@@ -717,6 +741,22 @@ class Replica:
                 self._account(result)
             if is_engine_empty:  # after the account, so whoever waits for idle reads the final stats
                 self._emit(_StepResult(), is_engine_empty=True, num_taken=num_taken)
+            if broken is not None:  # its requests have their errors: the thread ends, and the replica fails
+                raise DeviceFailed(f"its device failed a probe after failed steps: {broken!r}") from broken
+
+    def _probe(self) -> Exception | None:
+        """Engine.probe on the model thread: None when the device works, else what it raised."""
+        try:
+            self._engine.probe()
+        except Exception as exc:
+            logger.error("replica %s: the device failed its probe: %r", self.replica_id, exc)
+            return exc
+        logger.warning(
+            "replica %s: %d steps failed in a row but the device passed its probe: serving on",
+            self.replica_id,
+            PROBE_AFTER_FAILED_STEPS,
+        )
+        return None
 
     def _step(self, submissions: list[_Arrival | dict[str, Any]], aborts: list[str]) -> _StepResult:
         engine = self._engine

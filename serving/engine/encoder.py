@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from serving.engine.batcher import Batch, BatcherConfig, BatchItem, DynamicBatcher
-from serving.engine.engine import EngineStats
+from serving.engine.engine import EngineStats, probe_device
 from serving.engine.loading import (
     ModelLoadError,
     load_classifier,
@@ -331,6 +331,10 @@ class EncoderEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def probe(self) -> None:
+        """As Engine.probe: a round trip through the device, raising what it raises."""
+        probe_device(self.device)
 
     def seconds_until_ready(self, now: float | None = None) -> float | None:
         """0 when a step would run a batch now, None when nothing is queued."""

@@ -170,6 +170,11 @@ def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
     return DEFAULT_CPU_KV_CACHE_BYTES
 
 
+def probe_device(device: torch.device) -> None:
+    """The smallest round trip through the device, which fails where its context is broken."""
+    torch.ones(1, device=device).add_(1).cpu()
+
+
 class StepFailed(RuntimeError):
     """A step failed after scheduling: the requests of its batch (`request_ids`) are lost, and the
     caller ends them; the engine's other requests are as they were. The message is the cause's."""
@@ -238,6 +243,21 @@ class Engine:
         params = SamplingParams(seed=0)
         generator = make_generator(params)
         self.runner.warmup(sample=lambda logits: self.sampler(logits, [params], [generator]))
+
+    def probe(self) -> None:
+        """One token's forward pass through the model, on a block of its own and outside the
+        scheduler; raises what the device raises. After steps that failed one after another it tells a
+        broken device (a sticky CUDA error fails every call) from requests that fail on their own, none
+        of which it holds. Model thread only."""
+        seq = Sequence(request_id="probe", prompt_token_ids=[0])
+        if not self.kv_cache.can_allocate(seq, 1):  # every block held: the device alone is checked
+            probe_device(self.runner.device)
+            return
+        self.kv_cache.allocate(seq, 1)
+        try:
+            self.runner.execute(self.runner.build_batch([seq], [1])).cpu()
+        finally:
+            self.kv_cache.free(seq)
 
     @property
     def base_step_s(self) -> float:

@@ -680,3 +680,63 @@ async def _model_thread_waiting(replica: Replica) -> None:
                 if replica._is_model_waiting:
                     return
             await asyncio.sleep(0.001)
+
+
+async def test_a_device_that_fails_every_step_and_its_probe_fails_the_replica(registered_model) -> None:
+    """A sticky device error (CUDA's illegal memory access, say) fails every call: the replica must not
+    stay ready and fail every request routed to it."""
+    from serving.replica import PROBE_AFTER_FAILED_STEPS, ReplicaState
+
+    replica, layer, replies = await _replica_sending_at_once()
+
+    def broken(*args: object) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    replica.engine.runner.execute = broken
+    try:
+        for i in range(PROBE_AFTER_FAILED_STEPS - 1):
+            await _submit(layer, replica, f"r{i}", max_tokens=4)
+            await asyncio.wait_for(replica.wait_idle(), timeout=30)
+            assert replica.is_ready
+        await _submit(layer, replica, f"r{PROBE_AFTER_FAILED_STEPS - 1}", max_tokens=4)
+        await asyncio.wait_for(replica.wait_engine_ended(), timeout=30)  # run_replica then exits non-zero
+        assert replica.state is ReplicaState.FAILED
+        assert "failed a probe" in (replica.error or "") and "illegal memory access" in (replica.error or "")
+        for i in range(PROBE_AFTER_FAILED_STEPS):
+            assert replies.events(f"r{i}")[-1]["finish_reason"] == "error"
+    finally:
+        await replica.stop()
+
+
+async def test_a_request_that_fails_every_step_it_is_in_does_not_fail_a_replica_whose_device_works(
+    registered_model,
+) -> None:
+    """A client retrying a request that always fails (a shape the model cannot take, say): its steps
+    fail one after another, but the probe, which holds none of it, passes."""
+    from serving.replica import PROBE_AFTER_FAILED_STEPS
+
+    replica, layer, replies = await _replica_sending_at_once()
+    runner = replica.engine.runner
+    execute = runner.execute
+    probes = []
+
+    def fails_with_poison(batch: Any) -> Any:
+        if any(seq.request_id.startswith("poison") for seq in replica.engine.scheduler.running_seqs()):
+            raise RuntimeError("the model cannot take this input")
+        if batch.num_tokens == 1 and not replica.engine.scheduler.running_seqs():
+            probes.append(batch)
+        return execute(batch)
+
+    runner.execute = fails_with_poison
+    try:
+        for i in range(2 * PROBE_AFTER_FAILED_STEPS):
+            await _submit(layer, replica, f"poison-{i}", max_tokens=4)
+            await asyncio.wait_for(replica.wait_idle(), timeout=30)
+            assert replies.events(f"poison-{i}")[-1]["finish_reason"] == "error"
+        assert len(probes) == 2 and replica.is_ready
+        await _submit(layer, replica, "fine", max_tokens=4)
+        await asyncio.wait_for(replica.wait_idle(), timeout=30)
+        _assert_one_whole_stream(replies.events("fine"), num_tokens=4)
+        assert replica.engine.stats().kv_cache_usage == 0.0  # the probes' blocks given back
+    finally:
+        await replica.stop()
