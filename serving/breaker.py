@@ -8,7 +8,11 @@ replica that was a candidate but not the choice still has its trial to come. The
 replica accepts the request (`record_accepted`, closed) or fails it (`record_failure`, open again); a
 trial that ends without a verdict (refused by quota before it was sent, a full queue, a request-level
 error, a client gone before the acceptance) is `release`d, and the next request is the trial. A claim
-nobody settles (a bug) stops counting after `trial_timeout_s`."""
+nobody settles (a bug) stops counting after `trial_timeout_s`.
+
+Replica ids are new at every start, so the states of replicas that died would pile up for the gateway's
+life: a state nothing has touched for `forget_after_s` is dropped (checked at most once a minute, when a
+failure adds one). By then a dead replica's heartbeat is long gone from the directory."""
 
 from __future__ import annotations
 
@@ -23,6 +27,10 @@ class _State:
     num_failures: int = 0
     opened_at: float | None = None
     trial_started_at: float | None = None
+    touched_at: float = 0.0  # its last failure, trip or claim
+
+
+_PRUNE_EVERY_S = 60.0
 
 
 class CircuitBreaker:
@@ -32,12 +40,15 @@ class CircuitBreaker:
         failure_threshold: int = 3,
         open_s: float = 5.0,
         trial_timeout_s: float = 60.0,
+        forget_after_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._failure_threshold = failure_threshold
         self._open_s = open_s
         self._trial_timeout_s = trial_timeout_s
+        self._forget_after_s = forget_after_s
         self._clock = clock
+        self._pruned_at = clock()
         self._states: dict[str, _State] = {}
         self._lock = threading.Lock()
 
@@ -55,7 +66,7 @@ class CircuitBreaker:
             if not self._allows(state, now):
                 return False
             if state is not None and state.opened_at is not None:
-                state.trial_started_at = now
+                state.trial_started_at = state.touched_at = now
             return True
 
     def _allows(self, state: _State | None, now: float) -> bool:
@@ -92,16 +103,27 @@ class CircuitBreaker:
     def trip(self, replica_id: str) -> None:
         """Open now, whatever the count: the replica's heartbeats stopped."""
         with self._lock:
-            state = self._states.setdefault(replica_id, _State())
-            state.opened_at, state.trial_started_at = self._clock(), None
+            state = self._touched(replica_id)
+            state.opened_at, state.trial_started_at = state.touched_at, None
 
     def record_failure(self, replica_id: str) -> None:
         with self._lock:
-            state = self._states.setdefault(replica_id, _State())
+            state = self._touched(replica_id)
             state.num_failures += 1
             state.trial_started_at = None
             if state.opened_at is not None or state.num_failures >= self._failure_threshold:
-                state.opened_at = self._clock()
+                state.opened_at = state.touched_at
+
+    def _touched(self, replica_id: str) -> _State:
+        """Under the lock: the replica's state, created if need be, touched now."""
+        now = self._clock()
+        if now - self._pruned_at >= _PRUNE_EVERY_S:
+            self._pruned_at = now
+            for stale in [r for r, s in self._states.items() if now - s.touched_at >= self._forget_after_s]:
+                del self._states[stale]
+        state = self._states.setdefault(replica_id, _State())
+        state.touched_at = now
+        return state
 
 
 breaker = CircuitBreaker()

@@ -110,6 +110,18 @@ def test_a_half_open_replica_keeps_its_trial_until_one_is_sent_and_the_trial_the
     assert not breaker.is_open("r1") and breaker.claim("r1") and breaker.claim("r1")
 
 
+def test_the_states_of_replicas_nothing_has_heard_of_for_long_are_dropped() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=3, open_s=5.0, forget_after_s=600.0, clock=clock)
+    breaker.trip("died-long-ago")
+    clock.now = 300.0
+    breaker.record_failure("still-failing")
+    clock.now = 650.0
+    breaker.record_failure("still-failing")  # touched 350 s ago: kept; the dead one (650 s) is dropped
+    assert set(breaker._states) == {"still-failing"}
+    assert breaker.allows("died-long-ago") and not breaker.is_open("died-long-ago")
+
+
 def test_an_acceptance_keeps_a_closed_breakers_count_of_failures() -> None:
     breaker = CircuitBreaker(failure_threshold=2, open_s=5.0, clock=FakeClock())
     breaker.record_failure("r1")
