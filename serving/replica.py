@@ -436,7 +436,9 @@ class Replica:
         await asyncio.to_thread(self._preparer.shutdown, wait=True)
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
         if self._step_publisher is not None:
-            self._step_publisher.close()
+            # It joins its writer thread and reads Redis's last replies: blocking, so not on the loop,
+            # where an embedded replica shares it with every stream of the server.
+            await asyncio.to_thread(self._step_publisher.close)
 
     def heartbeat(self) -> Heartbeat:
         steps = self.recent_steps.read(time.monotonic())

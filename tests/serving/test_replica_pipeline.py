@@ -615,6 +615,41 @@ async def test_on_redis_what_is_left_to_the_publishers_thread_is_out_before_the_
         await replies.flush()
 
 
+@pytest.mark.redis
+async def test_on_redis_stopping_a_replica_does_not_block_the_event_loop_on_its_publisher(
+    registered_model, redis_url
+) -> None:
+    """An embedded replica shares its loop with every stream of the server: closing the step publisher
+    (joining its writer, reading Redis's last replies) must not hold that loop."""
+    replica, _, replies, _ = await _replica_replying_on_redis(redis_url)
+    publisher = replica._step_publisher
+    assert publisher is not None
+    await replica.start()
+    assert replica.is_ready, replica.error
+    close_started, loop_ran, waits = threading.Event(), threading.Event(), []
+    close = publisher.close
+
+    def slow_close() -> None:
+        close_started.set()
+        # True once the loop, below, has run meanwhile; on the loop itself this waits out its 5 s.
+        waits.append(loop_ran.wait(timeout=5))
+        close()
+
+    publisher.close = slow_close
+    stopping = asyncio.create_task(replica.stop())
+    try:
+        async with asyncio.timeout(10):
+            while not close_started.is_set():
+                await asyncio.sleep(0.01)
+        loop_ran.set()
+        await stopping
+        assert waits == [True]
+    finally:
+        loop_ran.set()
+        await stopping
+        await replies.flush()
+
+
 async def test_an_idle_model_thread_prepares_a_submission_itself_and_a_busy_one_leaves_it_to_the_preparer(
     registered_model,
 ) -> None:
