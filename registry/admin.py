@@ -89,10 +89,9 @@ class TenantAdmin(admin.ModelAdmin):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ("prefix", "tenant", "name", "created_at", "revoked_at")
+    list_display = ("prefix", "tenant", "name", "created_at", "last_used_at", "revoked_at")
     # A revocation is one-way: cleared here, a leaked key would come back with no record of it.
-    readonly_fields = ("tenant", "prefix", "key_hash", "created_at", "revoked_at")
-    exclude = ("last_used_at",)  # not tracked (a write on the request path); shown empty, it misled
+    readonly_fields = ("tenant", "prefix", "key_hash", "created_at", "last_used_at", "revoked_at")
     actions = ["revoke"]
 
     @admin.action(description="Revoke the selected keys")

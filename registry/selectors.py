@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from django.db.models import Prefetch
 
 from registry.models import Alias, ApiKey, Model, ModelVersion, Quota, RoutingEntry, RoutingTable, Tenant
-from registry.services import hash_api_key
+from registry.services import api_key_mark_used, hash_api_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +113,7 @@ def tenant_context_for_api_key(raw_key: str) -> TenantContext | None:
     ).select_related("tenant")
     for api_key in candidates:
         if hmac.compare_digest(api_key.key_hash, presented_hash):
+            api_key_mark_used(api_key=api_key)  # at most once a minute: the admin's "last used"
             return tenant_context(tenant=api_key.tenant)
     return None
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import shutil
 from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -25,6 +27,8 @@ from registry.models import (
     RoutingTable,
     Tenant,
 )
+
+logger = logging.getLogger(__name__)
 
 STABLE_ALIAS = "stable"
 API_KEY_PREFIX = "sy-"
@@ -244,3 +248,22 @@ def api_key_create(*, tenant: Tenant, name: str = "") -> tuple[ApiKey, str]:
         key_hash=hash_api_key(raw_key),
     )
     return api_key, raw_key
+
+
+# A key's last use is written at most once a minute: on every request, the database would be on each
+# one's path. (The gateway checks a key once every few seconds per process; this writes on one such
+# check a minute.)
+API_KEY_USE_RESOLUTION = timedelta(minutes=1)
+
+
+def api_key_mark_used(*, api_key: ApiKey, now: datetime | None = None) -> None:
+    """Record that the key was just presented, if its record is over a minute old. Never raises: a
+    database that cannot take the write (SQLite locked by another writer) loses one mark, not a request."""
+    now = now or timezone.now()
+    if api_key.last_used_at is not None and now - api_key.last_used_at < API_KEY_USE_RESOLUTION:
+        return
+    try:
+        with transaction.atomic():  # a savepoint, should a caller's transaction be open
+            ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
+    except DatabaseError as exc:
+        logger.warning("could not record the use of API key %s…: %s", api_key.prefix, exc)

@@ -213,3 +213,41 @@ def test_the_admin_revokes_keys_one_way(admin_client: object) -> None:
     )
     assert response.status_code == 302
     assert tenant_context_for_api_key(raw_key) is None
+
+
+def test_a_keys_use_is_recorded_at_most_once_a_minute_and_a_failed_write_fails_no_lookup(
+    monkeypatch: pytest.MonkeyPatch, django_assert_num_queries
+) -> None:
+    from datetime import timedelta
+
+    from django.db import DatabaseError
+    from django.utils import timezone
+
+    from registry import services
+
+    tenant = tenant_create(name="acme")
+    key, raw = api_key_create(tenant=tenant)
+    assert key.last_used_at is None
+    before = timezone.now()
+    assert tenant_context_for_api_key(raw) is not None
+    key.refresh_from_db()
+    assert key.last_used_at is not None and key.last_used_at >= before
+    first_use = key.last_used_at
+
+    # Within the minute: the key's lookup writes nothing.
+    services.api_key_mark_used(api_key=key, now=first_use + timedelta(seconds=59))
+    key.refresh_from_db()
+    assert key.last_used_at == first_use
+    # A minute on, it does; and a database that refuses the write loses only the mark.
+    later = first_use + timedelta(minutes=1)
+    services.api_key_mark_used(api_key=key, now=later)
+    key.refresh_from_db()
+    assert key.last_used_at == later
+
+    def locked(*args: object, **kwargs: object) -> int:
+        raise DatabaseError("database is locked")
+
+    monkeypatch.setattr(services.ApiKey.objects.get_queryset().__class__, "update", locked)
+    key.last_used_at = None
+    key.save(update_fields=["last_used_at"])
+    assert tenant_context_for_api_key(raw) is not None
