@@ -291,9 +291,11 @@ def test_live_charts_per_version_and_a_rollback_from_the_browser(dashboard_serve
             _screenshot(page, "dashboard-rollout-1280x800.png")
             dialogs: list[str] = []
             page.once("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.accept()))
+            page.fill("#rollback-reason", "canary answers look wrong")
             page.click("#rollback-button")
             expect(candidate_traffic).to_have_text("0%")
             assert dialogs and "Roll back" in dialogs[0]
+            expect(page.locator("ol.events")).to_contain_text("canary answers look wrong")
             expect(page.locator("#rollback-timing")).to_contain_text("routing edit")
             expect(page.locator("#deployment-state")).to_contain_text("rolled_back")
             _screenshot(page, "dashboard-rollout-rolled-back-1280x800.png")
