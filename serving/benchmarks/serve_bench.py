@@ -397,6 +397,9 @@ class Pair:
     replica_ttft_s: float | None  # the replica's own, from the gateway's submission (the final event)
     api_first: bool
     replica_queue_s: float | None = None  # of which before its first forward pass (the final event)
+    # Its place in its block (run_interleaved's `block`): past 0, each of its two runs came right after
+    # a run on the same path, not the other path's.
+    position: int = 0
 
     @property
     def added_ms(self) -> float:
@@ -413,15 +416,24 @@ async def run_interleaved(
     mean_gap_s: float,
     seed: int,
     statuses: Counter[str],
+    block: int = 1,
 ) -> list[Pair]:
     """Each request once on the engine alone (`alone` runs it and returns its TTFT in seconds) and once
-    through the API, one right after the other, then an idle gap drawn from [0, 2 * mean_gap_s], so that
-    no run keeps step with the replica's heartbeat. With one request at a time no queueing amplifies a
-    slower step, and a request's two runs see the machine within a second of each other rather than a
-    minute apart (its speed drifts by several per cent over that here). Whichever path runs second in a
-    pair follows the other's run and has itself idled longer, which costs it a few ms here; so the API
-    goes first for every second request, and the report gives each order's median. A request the API
-    failed is left out (its status is counted)."""
+    through the API, each run followed by an idle gap drawn from [0, 2 * mean_gap_s], so that no run
+    keeps step with the replica's heartbeat. With one request at a time no queueing amplifies a slower
+    step, and a request's two runs see the machine within a second or two of each other rather than a
+    minute apart (its speed drifts by several per cent over that here).
+
+    The requests go in blocks of `block`: the block's requests on one path, then the same requests on
+    the other, the API first in every second block. A run that follows the other path's run finds the
+    caches full of the other process's data and pays a few ms for it here; one that follows a run on
+    its own path does not, as in a deployment, where no second engine runs between two requests. Within
+    a block only its first pair has such a run (the other path's side ran last): each pair carries its
+    `position` in the block. With `block` 1 (requests alternating one by one) every pair has one such
+    run: the report's figures by order show what that costs each path. A request the API failed is left
+    out (its status is counted)."""
+    if block < 1:
+        raise ValueError(f"block must be at least 1, got {block}")
     rng = random.Random(f"gaps-{seed}")
     path = f"/v1/models/{model}/infer"
     pairs = []
@@ -429,28 +441,33 @@ async def run_interleaved(
         if requests:  # untimed: the connection opens here rather than on the first pair's clock
             warm_up = dataclasses.replace(requests[0], request_id="warm-up", arrival_s=0.0)
             await _one(client, path, key, warm_up, time.perf_counter(), HttpRun([], []))
-        for index, request in enumerate(requests):
-            request = dataclasses.replace(request, arrival_s=0.0)
-            api_first = index % 2 == 1
+        for start in range(0, len(requests), block):
+            chunk = [dataclasses.replace(r, arrival_s=0.0) for r in requests[start : start + block]]
+            api_first = (start // block) % 2 == 1
             run = HttpRun([], [])
-            alone_ttft_s = 0.0
+            alone_ttft_s: dict[str, float] = {}
             for side in ("api", "alone") if api_first else ("alone", "api"):
-                if side == "alone":
-                    alone_ttft_s = alone(request)
-                else:
-                    await _one(client, path, key, request, time.perf_counter(), run)
-                await asyncio.sleep(rng.uniform(0.0, 2 * mean_gap_s))
+                for request in chunk:
+                    if side == "alone":
+                        alone_ttft_s[request.request_id] = alone(request)
+                    else:
+                        await _one(client, path, key, request, time.perf_counter(), run)
+                    await asyncio.sleep(rng.uniform(0.0, 2 * mean_gap_s))
             statuses.update(run.statuses)
-            if run.records and run.records[0].is_complete:
-                api = run.records[0]
+            records = {record.request_id: record for record in run.records}
+            for position, request in enumerate(chunk):
+                api = records.get(request.request_id)
+                if api is None or not api.is_complete:
+                    continue
                 pairs.append(
                     Pair(
                         request.request_id,
-                        alone_ttft_s,
+                        alone_ttft_s[request.request_id],
                         api.ttft_s,
                         run.replica_ttft_s.get(request.request_id),
                         api_first,
                         run.replica_queue_s.get(request.request_id),
+                        position=position,
                     )
                 )
     return pairs
@@ -497,9 +514,16 @@ def interleaved_report(pairs: Sequence[Pair]) -> str:
         "p50 TTFT added by the API path": p50_ttft_added_ms,
         "median per-request difference": median_added_ms,
     }
-    for name, statistic in statistics.items():
-        low, high = bootstrap_interval(pairs, statistic)
-        lines.append(f"{name}: {statistic(pairs):+.2f} ms (95% interval {low:+.2f} to {high:+.2f})")
+    warm = [p for p in pairs if p.position > 0]
+    groups = [("", pairs)]
+    if warm:
+        groups.append((f"pairs after their block's first ({len(warm)} of {len(pairs)}), ", warm))
+    for prefix, group in groups:
+        for name, statistic in statistics.items():
+            low, high = bootstrap_interval(group, statistic)
+            lines.append(
+                f"{prefix}{name}: {statistic(group):+.2f} ms (95% interval {low:+.2f} to {high:+.2f})"
+            )
     # The replica's own TTFT splits each difference into the path outside the replica and its inside.
     split = [(p, p.replica_ttft_s) for p in pairs if p.replica_ttft_s is not None]
     outside = [(p.api_ttft_s - replica) * 1000 for p, replica in split]
@@ -519,11 +543,25 @@ def interleaved_report(pairs: Sequence[Pair]) -> str:
         f"{_median_ms(model, sign=True)}",
         "per-request difference by order (median): engine alone first "
         f"{_median_ms(alone_first, sign=True)}, API first {_median_ms(api_first, sign=True)}",
+        *_by_position(pairs),
         f"{len(pairs)} requests, one at a time; p50 TTFT engine alone "
         f"{percentile([p.alone_ttft_s for p in pairs], 50) * 1000:.1f} ms, through the API "
         f"{percentile([p.api_ttft_s for p in pairs], 50) * 1000:.1f} ms",
     ]
     return "\n".join(lines)
+
+
+def _by_position(pairs: Sequence[Pair]) -> list[str]:
+    """With blocks, the median per-request difference at each place in a block: how many runs on its
+    own path a run needs before the other path's stops slowing it."""
+    positions = sorted({p.position for p in pairs})
+    if positions == [0]:
+        return []
+    medians = ", ".join(
+        f"{position}: {_median_ms([p.added_ms for p in pairs if p.position == position], sign=True)}"
+        for position in positions
+    )
+    return [f"median per-request difference by place in its block: {medians}"]
 
 
 def _free_port() -> int:
@@ -692,6 +730,15 @@ def add_serve_arguments(parser: object) -> None:
         default=50.0,
         help="for --interleaved: the mean idle time after each run (drawn from 0 to twice this)",
     )
+    add(
+        "--block",
+        type=int,
+        default=1,
+        metavar="K",
+        help="for --interleaved: K requests on one path, then the same K on the other (the API first in "
+        "every second block); pairs after a block's first are reported apart as warm: neither of their "
+        "runs follows the other path's",
+    )
     add("--layer", choices=["embedded", "redis"], default="embedded")
     add("--redis-url", default="redis://127.0.0.1:6379/12")
     add("--model-dir", default=None, help="for --compare (default: the engine benchmark's model)")
@@ -750,6 +797,7 @@ def _interleave(  # type: ignore[no-untyped-def]
             mean_gap_s=float(options.get("gap_ms") or 0.0) / 1000,  # type: ignore[arg-type]
             seed=int(options["seed"]),  # type: ignore[call-overload]
             statuses=statuses,
+            block=int(options.get("block") or 1),  # type: ignore[call-overload]
         )
     )
 
@@ -842,6 +890,9 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         raise ValueError(
             "--interleaved goes with --compare, and sends one request at a time: no --rate or --repeat"
         )
+    block = int(options.get("block") or 1)  # type: ignore[call-overload]
+    if block < 1 or (block > 1 and not interleaved):
+        raise ValueError("--block is a positive number of requests, for --interleaved")
     sla = {
         "sla_ttft_s": float(options["sla_ttft_ms"]) / 1000,
         "sla_tpot_s": float(options["sla_tpot_ms"]) / 1000,

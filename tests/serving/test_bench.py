@@ -282,6 +282,40 @@ async def test_interleaved_requests_alternate_which_path_runs_first_and_pair_up_
     assert all(0 < p.api_ttft_s < 5 for p in pairs)
 
 
+async def test_interleaved_blocks_run_each_path_in_turn_and_mark_pairs_no_other_run_came_between() -> None:
+    from serving.benchmarks.serve_bench import TextRequest, run_interleaved
+
+    requests = [TextRequest(f"req-{i}", float(i), f"prompt {i}", 1) for i in range(5)]
+    server = ScriptedServer([_sse_reply(0.009)] + [_sse_reply(0.001 * (i + 1)) for i in range(5)])
+    order: list[str] = []  # "alone req-i" / "api n" (API requests the server had received by then)
+
+    def alone(request: TextRequest) -> float:
+        order.append(f"alone {request.request_id} after {len(server.requests)} api")
+        return 0.5
+
+    async with server.running():
+        pairs = await run_interleaved(
+            server.url, "k", "bench", requests, alone, mean_gap_s=0.0, seed=1, statuses=Counter(), block=2
+        )
+    # Block 0: alone req-0, req-1, then the API (warm-up + 2); block 1, the API first: req-2, req-3
+    # through the API, then alone; block 2 (req-4 alone) is the engine alone's again.
+    assert order == [
+        "alone req-0 after 1 api",
+        "alone req-1 after 1 api",
+        "alone req-2 after 5 api",
+        "alone req-3 after 5 api",
+        "alone req-4 after 5 api",
+    ]
+    assert [(p.request_id, p.api_first, p.position) for p in pairs] == [
+        ("req-0", False, 0),
+        ("req-1", False, 1),
+        ("req-2", True, 0),
+        ("req-3", True, 1),
+        ("req-4", False, 0),
+    ]
+    assert [p.replica_ttft_s for p in pairs] == [0.001, 0.002, 0.003, 0.004, 0.005]
+
+
 def test_the_interleaved_report_separates_a_shift_of_every_request_from_outliers() -> None:
     from serving.benchmarks.serve_bench import (
         Pair,
@@ -319,6 +353,21 @@ def test_the_interleaved_report_separates_a_shift_of_every_request_from_outliers
     assert "outside the replica (client TTFT - replica TTFT, median): n/a" in report
     assert "before the replica's first forward pass (its queue_s, median): n/a" in report
     assert "engine alone first +3.00 ms, API first n/a" in report
+    assert "block" not in report
+
+
+def test_the_interleaved_report_reads_the_warm_pairs_apart() -> None:
+    from serving.benchmarks.serve_bench import Pair, interleaved_report
+
+    # The first pair of each block pays 8 ms for a run that followed the other path's; the rest 2 ms.
+    pairs = [
+        Pair(f"req-{i}", 0.100, 0.100 + (0.002 if i % 4 else 0.008), None, api_first=False, position=i % 4)
+        for i in range(8)
+    ]
+    report = interleaved_report(pairs)
+    assert "after their block's first (6 of 8), median per-request difference: +2.00 ms" in report
+    assert "after their block's first (6 of 8), p50 TTFT added by the API path: +2.00 ms" in report
+    assert "by place in its block: 0: +8.00 ms, 1: +2.00 ms, 2: +2.00 ms, 3: +2.00 ms" in report
 
 
 def test_interleaved_refuses_a_rate_or_rounds() -> None:
