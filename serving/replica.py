@@ -720,7 +720,8 @@ class Replica:
             broken: Exception | None = None  # the device's failure, which the probe confirmed
             try:
                 result = self._step(submissions, aborts)
-                num_failed_in_a_row = 0
+                if result.model_time_s is not None:  # a forward pass ran, not only admissions or aborts
+                    num_failed_in_a_row = 0
             except Exception as exc:
                 # A failed forward pass fails the requests in it; the replica keeps serving the others
                 # and new ones. A failure anywhere else may have left any request half done: all fail.
@@ -731,7 +732,12 @@ class Replica:
                     num_failed_in_a_row = 0
                     broken = self._probe()
             if broken is not None:
-                result.merge_events(self._fail_all(f"the replica's device failed: {broken}"))
+                # The replica's failure, not the requests': a gateway retries those that have no token
+                # yet on another replica, and its breaker counts it (dispatch.REPLICA_FAILURES).
+                failed = self._fail_all(
+                    f"the replica's device failed: {broken}", error_type="replica_unavailable"
+                )
+                result.merge_events(failed)
             is_engine_empty = not engine.has_unfinished()
             # Recording fails nothing: the step itself went well, and its requests go on.
             with _logged_failure("replica %s: could not record a step's metrics", self.replica_id):
@@ -898,16 +904,18 @@ class Replica:
         route.seq = engine.sequence(request_id)
         self._routes[request_id] = route
 
-    def _fail_all(self, message: str, request_ids: list[str] | None = None) -> _StepResult:
-        """End `request_ids` (None: every request the replica holds) with an internal error."""
+    def _fail_all(
+        self, message: str, request_ids: list[str] | None = None, *, error_type: str = "internal_error"
+    ) -> _StepResult:
+        """End `request_ids` (None: every request the replica holds) with an error of `error_type`."""
         result = _StepResult()
         failed = list(self._routes) if request_ids is None else [r for r in request_ids if r in self._routes]
         for request_id in failed:
             route = self._routes.pop(request_id)
-            result.add(route, request_id, _error_event("internal_error", message))
+            result.add(route, request_id, _error_event(error_type, message))
             with contextlib.suppress(Exception):
                 self._engine.abort(request_id)
-        self.metrics.record(requests=[RequestSample("error", error_type="internal_error") for _ in failed])
+        self.metrics.record(requests=[RequestSample("error", error_type=error_type) for _ in failed])
         return result
 
 

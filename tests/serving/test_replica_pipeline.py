@@ -717,28 +717,43 @@ async def _model_thread_waiting(replica: Replica) -> None:
             await asyncio.sleep(0.001)
 
 
-async def test_a_device_that_fails_every_step_and_its_probe_fails_the_replica(registered_model) -> None:
+async def test_a_device_that_fails_every_step_and_its_probe_fails_the_replica(
+    registered_model, settings
+) -> None:
     """A sticky device error (CUDA's illegal memory access, say) fails every call: the replica must not
-    stay ready and fail every request routed to it."""
+    stay ready and fail every request routed to it. What it still holds ends as the replica's failure,
+    which a gateway retries elsewhere, not the request's."""
     from serving.replica import PROBE_AFTER_FAILED_STEPS, ReplicaState
 
+    settings.REPLICA_MAX_NUM_SEQS = 1  # the last request runs alone while another waits behind it
     replica, layer, replies = await _replica_sending_at_once()
+    scheduler, execute = replica.engine.scheduler, replica.engine.runner.execute
+    broken = [True]
 
-    def broken(*args: object) -> Any:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    def device(batch: Any) -> Any:
+        if broken[0] or scheduler.num_waiting:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return execute(batch)
 
-    replica.engine.runner.execute = broken
+    replica.engine.runner.execute = device
     try:
         for i in range(PROBE_AFTER_FAILED_STEPS - 1):
             await _submit(layer, replica, f"r{i}", max_tokens=4)
             await asyncio.wait_for(replica.wait_idle(), timeout=30)
             assert replica.is_ready
-        await _submit(layer, replica, f"r{PROBE_AFTER_FAILED_STEPS - 1}", max_tokens=4)
+            # A pass of the model thread that runs no step (an abort of nothing) is no success.
+            await layer.send(replica.channel_name, {"type": ABORT, "request_id": f"gone-{i}"})
+            await asyncio.wait_for(replica.wait_idle(), timeout=30)
+        broken[0] = False  # it runs "last" until "queued" waits behind it, then fails again
+        await _submit(layer, replica, "last", max_tokens=1000)
+        await _submit(layer, replica, "queued", max_tokens=4)
         await asyncio.wait_for(replica.wait_engine_ended(), timeout=30)  # run_replica then exits non-zero
         assert replica.state is ReplicaState.FAILED
         assert "failed a probe" in (replica.error or "") and "illegal memory access" in (replica.error or "")
-        for i in range(PROBE_AFTER_FAILED_STEPS):
-            assert replies.events(f"r{i}")[-1]["finish_reason"] == "error"
+        for i in range(PROBE_AFTER_FAILED_STEPS - 1):
+            assert replies.events(f"r{i}")[-1]["error"]["type"] == "internal_error"
+        assert replies.events("last")[-1]["error"]["type"] == "internal_error"  # its step failed
+        assert replies.events("queued")[-1]["error"]["type"] == "replica_unavailable"
     finally:
         await replica.stop()
 
