@@ -209,7 +209,7 @@ def fleet_heartbeats() -> list[Any]:
     runtimes' loops), and with Redis the hashes every replica process writes. Raises
     HeartbeatsUnavailable when Redis cannot be read: no heartbeats would look like no load."""
     from serving import runtime as data_plane  # rollouts may import serving; imported late, only here
-    from serving.replica_directory import KEY_PREFIX, Heartbeat
+    from serving.replica_directory import KEY_PREFIX, read_beats
 
     beats = {
         replica.replica_id: replica.heartbeat()
@@ -222,14 +222,9 @@ def fleet_heartbeats() -> list[Any]:
 
     client = fleet_redis()
     try:
-        for key in client.scan_iter(f"{KEY_PREFIX}*"):
-            for value in client.hgetall(key).values():
-                try:
-                    beat = Heartbeat.from_json(value)
-                except ValueError as exc:  # one bad entry must not blind the rest
-                    logger.warning("skipping a replica heartbeat that does not parse (%s)", exc)
-                    continue
-                beats.setdefault(beat.replica_id, beat)
+        keys = [key.decode() for key in client.scan_iter(f"{KEY_PREFIX}*")]
+        for beat in read_beats(client, keys):  # on this host's clock, whatever Redis's says
+            beats.setdefault(beat.replica_id, beat)
     except redis.RedisError as exc:
         raise HeartbeatsUnavailable(f"replica heartbeats unreadable ({exc})") from exc
     finally:

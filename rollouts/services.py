@@ -188,13 +188,12 @@ def _fleet_replica_ready(deployment: Deployment) -> bool | None:
         return None
     import redis
 
-    from serving.replica_directory import Heartbeat, version_key
+    from serving.replica_directory import Heartbeat, read_beats, version_key
 
     model_name = deployment.model.name
 
     def beats(version: str) -> list[Heartbeat]:
-        raw = client.hgetall(version_key(model_name, version))
-        return [Heartbeat.from_json(value) for value in raw.values()]
+        return read_beats(client, [version_key(model_name, version)])
 
     client = fleet_redis()
     try:

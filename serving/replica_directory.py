@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -194,6 +195,43 @@ class RecentSteps:
         return StepTimes(total / count, count / span)
 
 
+def clock_offset(redis_time: Sequence[int], asked_at: float, answered_at: float) -> float:
+    """Redis's clock (TIME's seconds and microseconds) less this process's, halfway through the round
+    trip that read it: within a millisecond or so here, where a beat's age is judged in seconds."""
+    seconds, micros = redis_time
+    return seconds + micros / 1e6 - (asked_at + answered_at) / 2
+
+
+def parse_beats(raw: Mapping[Any, Any], offset: float, *, where: str) -> list[tuple[Any, Heartbeat]]:
+    """A version hash's entries as (field, beat), sent_at turned from Redis's clock to this process's
+    (`offset`: clock_offset). An entry that is not a beat is logged and left out: one bad entry must not
+    hide the version's other replicas."""
+    beats = []
+    for field, value in raw.items():
+        try:
+            beat = Heartbeat.from_json(value)
+        except ValueError as exc:
+            logger.warning("replica directory: skipping %s in %s: %s", field, where, exc)
+            continue
+        beats.append((field, dataclasses.replace(beat, sent_at=beat.sent_at - offset)))
+    return beats
+
+
+def read_beats(client: Any, keys: Sequence[str]) -> list[Heartbeat]:
+    """The beats in these version hashes, on this process's clock, from a blocking redis-py client (the
+    control plane's loops): TIME and every HGETALL in one round trip."""
+    asked_at = time.time()
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    for key in keys:
+        pipe.hgetall(key)
+    redis_time, *hashes = pipe.execute()
+    offset = clock_offset(redis_time, asked_at, time.time())
+    return [
+        beat for key, raw in zip(keys, hashes, strict=True) for _, beat in parse_beats(raw, offset, where=key)
+    ]
+
+
 class HeartbeatPublisher:
     def __init__(self, redis_url: str) -> None:
         import redis.asyncio as aioredis
@@ -251,18 +289,10 @@ class ReplicaDirectory:
         read_at = time.monotonic()
         asked_at = time.time()
         async with self._redis.pipeline(transaction=False) as pipe:
-            (seconds, micros), raw = await pipe.time().hgetall(key).execute()
-        # Redis's clock less ours, halfway through the round trip: within a millisecond or so here,
-        # where a beat's age is judged in seconds.
-        offset = seconds + micros / 1e6 - (asked_at + time.time()) / 2
+            redis_time, raw = await pipe.time().hgetall(key).execute()
+        offset = clock_offset(redis_time, asked_at, time.time())
         beats, forgotten = [], []
-        for field, value in raw.items():
-            try:
-                beat = Heartbeat.from_json(value)
-            except ValueError as exc:  # one bad entry must not hide the version's other replicas
-                logger.warning("replica directory: skipping %s in %s: %s", field, key, exc)
-                continue
-            beat = dataclasses.replace(beat, sent_at=beat.sent_at - offset)  # on this process's clock
+        for field, beat in parse_beats(raw, offset, where=key):
             if time.time() - beat.sent_at > _FORGET_AFTER_S:
                 forgotten.append(field)  # a replica that died without withdrawing
             else:

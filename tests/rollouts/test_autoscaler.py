@@ -601,3 +601,47 @@ def test_a_setting_out_of_range_stops_the_server_at_start(variable: str, value: 
         [sys.executable, "manage.py", "check"], cwd=REPO_ROOT, env=env, capture_output=True, text=True
     )
     assert result.returncode != 0 and message in result.stderr
+
+
+@pytest.mark.redis
+@pytest.mark.django_db
+def test_the_control_planes_heartbeat_readers_age_beats_on_redis_clock(
+    settings, redis_url, monkeypatch
+) -> None:
+    """The judge's readiness check and the autoscaler read the hashes themselves: a control-plane host
+    whose clock is 10 s off Redis's must still see a replica that beats as fresh."""
+    import asyncio
+    import time
+    import types
+    import uuid
+
+    import redis
+
+    from rollouts import selectors, services
+    from serving.replica_directory import Heartbeat, HeartbeatPublisher, version_key
+
+    model = f"skew-{uuid.uuid4().hex[:8]}"
+    ready = Heartbeat("r1", model, "v2", "switchyard.replica.x", "ready", 0, 0, 0.0, time.time())
+
+    async def publish() -> None:
+        publisher = HeartbeatPublisher(redis_url)
+        try:
+            await publisher.publish(ready)
+        finally:
+            await publisher.close()
+
+    asyncio.run(publish())
+    settings.REDIS_URL = redis_url
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 10)
+    try:
+        (seen,) = [b for b in selectors.fleet_heartbeats() if b.replica_id == "r1" and b.model_name == model]
+        assert seen.is_ready
+        named = types.SimpleNamespace
+        deployment = named(
+            model=named(name=model), candidate=named(version="v2"), incumbent=named(version="v1")
+        )
+        assert services._fleet_replica_ready(deployment) is True  # type: ignore[arg-type]
+    finally:
+        monkeypatch.setattr(time, "time", real_time)
+        redis.Redis.from_url(redis_url).delete(version_key(model, "v2"))
