@@ -138,7 +138,8 @@ class Dispatch:
             replica = choose_replica(candidates, rng=_rng)
         if replica is None:
             await self._refuse_if_over_quota(charge)
-            if not any(r.state == ReplicaState.LOADING for r in replicas):  # not one coming up (a restart)
+            # Not one coming up (a restart): a loading replica that stopped beating is not coming.
+            if not any(r.state == ReplicaState.LOADING and r.is_fresh for r in replicas):
                 self._note_failure(NO_READY_REPLICA)
             raise GatewayError(503, f"no ready replica for {self.model_name}:{self.version}", retry_after_s=2)
         message = {
@@ -307,6 +308,9 @@ class Dispatch:
                     except GatewayError as exc:
                         event = _error_event("replica_unavailable", exc.message)
                 self.count_failure()
+            if "finish_reason" in event and not self.num_prompt_tokens:
+                # Its acceptance was lost: the quota settles on the final event's usage.
+                self.num_prompt_tokens = int((event.get("usage") or {}).get("prompt_tokens", 0))
             if self._has_lost_tokens(event):
                 logger.warning(
                     "request %s: tokens lost on their way from replica %s (expected index %d, got %r)",
@@ -323,8 +327,6 @@ class Dispatch:
                     self._text.append(event["token"])
             if "finish_reason" in event:
                 self.is_finished = True
-                if not self.num_prompt_tokens:  # its acceptance was lost: the quota settles on usage
-                    self.num_prompt_tokens = int((event.get("usage") or {}).get("prompt_tokens", 0))
                 ok = event["finish_reason"] != "error" and self._text is not None
                 self._settle_text("".join(self._text or ()) if ok else None)
                 if event["finish_reason"] != "error" and self.replica is not None:

@@ -51,6 +51,9 @@ class ReplicaHandle:
     queue_depth: int = 0  # waiting for a slot in the running batch (Heartbeat.num_waiting)
     num_running: int = 0
     step_s: float = 0.0  # its steps' mean time lately (Heartbeat.step_s); 0: none ran, or not asked
+    # Its last heartbeat is recent (an in-process replica always is): a replica killed while it loaded
+    # leaves a "loading" beat for a minute, which must not read as one coming up.
+    is_fresh: bool = True
 
 
 COLD_START_POLL_S = 0.25  # how often a cold start looks for its replica's ready heartbeat
@@ -96,6 +99,7 @@ def _remote_handle(beat: Heartbeat) -> ReplicaHandle:
         queue_depth=beat.num_waiting,
         num_running=beat.num_running,
         step_s=beat.step_s,
+        is_fresh=beat.is_fresh,
     )
 
 

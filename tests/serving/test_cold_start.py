@@ -259,7 +259,7 @@ async def test_a_replica_process_beats_loading_while_it_loads_and_its_503s_are_n
             await handle.submit()
         assert refused.value.status == 503
         await handle.close()
-        assert remote_runtime.failures._recorders == {}
+        assert handle._failure is None  # not the version's failure: its replica is on its way
         loaded.set()
         await starting
         async with asyncio.timeout(10):  # its next beat says so
@@ -271,3 +271,39 @@ async def test_a_replica_process_beats_loading_while_it_loads_and_its_503s_are_n
         loaded.set()
         await starting
         await replica.stop()
+
+
+async def test_a_loading_beat_that_stopped_is_not_a_replica_on_its_way(
+    registered_model: Any, remote_runtime: Any, redis_url: str
+) -> None:
+    """A replica killed while it loaded (OOM, SIGKILL) never withdraws its "loading" beat, which stays a
+    minute: the version's 503s meanwhile are its failures."""
+    import json
+    import time
+
+    import redis.asyncio as aioredis
+
+    from serving.gateway import GatewayError
+    from serving.replica_directory import version_key
+
+    beat = {
+        "replica_id": "killed-while-loading",
+        "model_name": "demo-chat",
+        "version": "v1",
+        "channel_name": "switchyard.replica.gone",
+        "state": "loading",
+        "num_waiting": 0,
+        "num_running": 0,
+        "kv_cache_usage": 0.0,
+        "sent_at": time.time() - 10,  # Redis's clock is this host's here
+    }
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.hset(version_key("demo-chat", "v1"), "killed-while-loading", json.dumps(beat))
+        handle = _dispatch(remote_runtime, cold_start=False, counts_failures=True)
+        with pytest.raises(GatewayError, match="no ready replica"):
+            await handle.submit()
+        await handle.close()
+        assert handle._failure == "no_ready_replica"
+    finally:
+        await client.aclose()

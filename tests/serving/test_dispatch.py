@@ -360,6 +360,7 @@ async def test_a_step_lost_on_the_way_ends_the_stream_in_an_error_and_frees_its_
     from asgiref.sync import sync_to_async
 
     from serving.breaker import breaker
+    from serving.replica import ABORT, SUBMIT
 
     acme = await sync_to_async(make_tenant)("acme")
     deliver = runtime.hub.deliver
@@ -373,6 +374,13 @@ async def test_a_step_lost_on_the_way_ends_the_stream_in_an_error_and_frees_its_
         deliver(message)
 
     monkeypatch.setattr(runtime.hub, "deliver", lossy_deliver)
+    sent, send = [], runtime.layer.send
+
+    async def recorded_send(channel, message):  # type: ignore[no-untyped-def]
+        sent.append((message["type"], message["request_id"]))
+        await send(channel, message)
+
+    monkeypatch.setattr(runtime.layer, "send", recorded_send)
     handle = await _hello(acme, max_tokens=6)
     try:
         events = [event async for event in handle.events()]
@@ -382,6 +390,7 @@ async def test_a_step_lost_on_the_way_ends_the_stream_in_an_error_and_frees_its_
     assert [e["index"] for e in events if "token" in e] == [0]
     assert events[-1]["finish_reason"] == "error" and events[-1]["error"]["type"] == "tokens_lost"
     # The rest of its generation was aborted on the replica, and the loss is not the replica's fault.
+    assert sent == [(SUBMIT, handle.request_id), (ABORT, handle.request_id)]
     (replica,) = runtime.replicas.values()
     await replica.wait_idle()
     assert replica.engine.stats().kv_cache_usage == 0.0
@@ -414,3 +423,15 @@ async def test_a_final_event_counting_tokens_that_never_came_is_an_error(
         await handle.close()
     assert events[0] == {"token": "Once", "index": 0}
     assert events[-1]["error"]["type"] == "tokens_lost"
+
+    # Its acceptance lost too: the quota still settles on the prompt the final event counts.
+    script[:] = [
+        {"token": "Once", "index": 0},
+        {"finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+    ]
+    handle = await _hello(acme, max_tokens=2)
+    try:
+        events = [event async for event in handle.events()]
+    finally:
+        await handle.close()
+    assert events[-1]["error"]["type"] == "tokens_lost" and handle.num_prompt_tokens == 3
