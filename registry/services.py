@@ -6,12 +6,15 @@ import hashlib
 import logging
 import secrets
 import shutil
+import threading
+import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -250,20 +253,38 @@ def api_key_create(*, tenant: Tenant, name: str = "") -> tuple[ApiKey, str]:
     return api_key, raw_key
 
 
-# A key's last use is written at most once a minute: on every request, the database would be on each
-# one's path. (The gateway checks a key once every few seconds per process; this writes on one such
-# check a minute.)
+# A key's last use is written at most once a minute, and never on the request's way: on SQLite a write
+# waits for the database's lock (up to its 20 s timeout) behind the metrics flushes and the judge. One
+# thread per process writes; a key is handed to it at most once a minute, so a database that refuses
+# the write (read-only, locked) costs a warning a minute, not one per lookup.
 API_KEY_USE_RESOLUTION = timedelta(minutes=1)
+_use_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-key-use")
+_use_marked_at: dict[int, float] = {}  # key id -> when this process last handed it over (monotonic)
+_use_lock = threading.Lock()
 
 
-def api_key_mark_used(*, api_key: ApiKey, now: datetime | None = None) -> None:
-    """Record that the key was just presented, if its record is over a minute old. Never raises: a
-    database that cannot take the write (SQLite locked by another writer) loses one mark, not a request."""
+def api_key_mark_used(*, api_key: ApiKey, now: datetime | None = None) -> Future[None] | None:
+    """Record, in the background, that the key was just presented, if its record is over a minute old.
+    Returns the write's future (None: nothing to write); it never raises."""
     now = now or timezone.now()
     if api_key.last_used_at is not None and now - api_key.last_used_at < API_KEY_USE_RESOLUTION:
-        return
+        return None
+    with _use_lock:
+        handed_at = _use_marked_at.get(api_key.pk)
+        if handed_at is not None and time.monotonic() - handed_at < API_KEY_USE_RESOLUTION.total_seconds():
+            return None  # this process asked for it within the minute: another lookup's record is on its way
+        if len(_use_marked_at) > 10_000:
+            _use_marked_at.clear()
+        _use_marked_at[api_key.pk] = time.monotonic()
+    return _use_writer.submit(_write_use, api_key.pk, api_key.prefix, now)
+
+
+def _write_use(pk: int, prefix: str, now: datetime) -> None:
     try:
-        with transaction.atomic():  # a savepoint, should a caller's transaction be open
-            ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
+        ApiKey.objects.filter(pk=pk).update(last_used_at=now)
     except DatabaseError as exc:
-        logger.warning("could not record the use of API key %s…: %s", api_key.prefix, exc)
+        logger.warning("could not record the use of API key %s…: %s", prefix, exc)
+    finally:
+        # Not kept open between writes a minute apart: an idle connection would outlive a database
+        # restart, and hold up a DROP DATABASE (the test database's teardown).
+        connection.close()
