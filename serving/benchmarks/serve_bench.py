@@ -797,7 +797,7 @@ def _interleave(  # type: ignore[no-untyped-def]
             mean_gap_s=float(options.get("gap_ms") or 0.0) / 1000,  # type: ignore[arg-type]
             seed=int(options["seed"]),  # type: ignore[call-overload]
             statuses=statuses,
-            block=int(options.get("block") or 1),  # type: ignore[call-overload]
+            block=1 if options.get("block") is None else int(options["block"]),  # type: ignore[call-overload]
         )
     )
 
@@ -890,7 +890,7 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         raise ValueError(
             "--interleaved goes with --compare, and sends one request at a time: no --rate or --repeat"
         )
-    block = int(options.get("block") or 1)  # type: ignore[call-overload]
+    block = 1 if options.get("block") is None else int(options["block"])  # type: ignore[call-overload]
     if block < 1 or (block > 1 and not interleaved):
         raise ValueError("--block is a positive number of requests, for --interleaved")
     sla = {

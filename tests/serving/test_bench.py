@@ -388,6 +388,14 @@ def test_interleaved_refuses_a_rate_or_rounds() -> None:
         run_serve_from_options(options, default_model_dir=Path("unused"))
     with pytest.raises(ValueError, match="one request at a time"):
         run_serve_from_options({**options, "rate": None, "repeat": 3}, default_model_dir=Path("unused"))
+    unused = Path("unused")
+    for block in (0, -2):
+        with pytest.raises(ValueError, match="--block is a positive number"):
+            run_serve_from_options({**options, "rate": None, "block": block}, default_model_dir=unused)
+    with pytest.raises(ValueError, match="--block is a positive number of requests, for --interleaved"):
+        run_serve_from_options(
+            {**options, "rate": None, "interleaved": False, "block": 4}, default_model_dir=Path("unused")
+        )
 
 
 def test_a_duration_sends_every_request_that_arrives_in_it() -> None:
