@@ -211,7 +211,6 @@ async def test_an_open_feed_is_closed_once_its_user_is_no_longer_staff(
     session's other requests, and the feed with them."""
     from dashboard import consumers
 
-    monkeypatch.setattr(consumers, "STAFF_RECHECK_S", 0.0)
     staff = await sync_to_async(make_user)("admin")
     ws = await _communicator(staff)
     assert (await ws.connect())[0]
@@ -226,6 +225,9 @@ async def test_an_open_feed_is_closed_once_its_user_is_no_longer_staff(
         else:
             staff.set_password("a new one, after the old was stolen")
         await sync_to_async(staff.save)()
+    # The feed's next pass rechecks, now that the change is in. Not before: its read, on a thread of its
+    # own, would race the change for the test database's table lock (SQLite in memory, shared cache).
+    monkeypatch.setattr(consumers, "STAFF_RECHECK_S", 0.0)
     for _ in range(100):  # the updates in flight, then the close (a feed left open fails the test)
         message = await ws.receive_output(timeout=10)
         if message["type"] == "websocket.close":
