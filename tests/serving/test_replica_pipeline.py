@@ -725,36 +725,43 @@ async def test_a_device_that_fails_every_step_and_its_probe_fails_the_replica(
     which a gateway retries elsewhere, not the request's."""
     from serving.replica import PROBE_AFTER_FAILED_STEPS, ReplicaState
 
-    settings.REPLICA_MAX_NUM_SEQS = 1  # the last request runs alone while another waits behind it
+    settings.REPLICA_MAX_NUM_SEQS = 1  # "last" runs alone while "queued" waits behind it
     replica, layer, replies = await _replica_sending_at_once()
-    scheduler, execute = replica.engine.scheduler, replica.engine.runner.execute
-    broken = [True]
+    holding, entered, let_go = [False], threading.Event(), threading.Event()
 
     def device(batch: Any) -> Any:
-        if broken[0] or scheduler.num_waiting:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return execute(batch)
+        if holding[0]:  # one pass held, failing, until the test has queued the next two
+            holding[0] = False
+            entered.set()
+            assert let_go.wait(timeout=10)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     replica.engine.runner.execute = device
     try:
-        for i in range(PROBE_AFTER_FAILED_STEPS - 1):
+        for i in range(PROBE_AFTER_FAILED_STEPS - 2):
             await _submit(layer, replica, f"r{i}", max_tokens=4)
             await asyncio.wait_for(replica.wait_idle(), timeout=30)
             assert replica.is_ready
             # A pass of the model thread that runs no step (an abort of nothing) is no success.
             await layer.send(replica.channel_name, {"type": ABORT, "request_id": f"gone-{i}"})
             await asyncio.wait_for(replica.wait_idle(), timeout=30)
-        broken[0] = False  # it runs "last" until "queued" waits behind it, then fails again
-        await _submit(layer, replica, "last", max_tokens=1000)
+        holding[0] = True
+        await _submit(layer, replica, "held", max_tokens=4)
+        assert await asyncio.to_thread(entered.wait, 10)
+        await _submit(layer, replica, "last", max_tokens=4)
         await _submit(layer, replica, "queued", max_tokens=4)
+        async with asyncio.timeout(10):  # both in the inbox, to be taken together once the pass fails
+            while len(replica._submissions) < 2:
+                await asyncio.sleep(0.01)
+        let_go.set()
         await asyncio.wait_for(replica.wait_engine_ended(), timeout=30)  # run_replica then exits non-zero
         assert replica.state is ReplicaState.FAILED
         assert "failed a probe" in (replica.error or "") and "illegal memory access" in (replica.error or "")
-        for i in range(PROBE_AFTER_FAILED_STEPS - 1):
-            assert replies.events(f"r{i}")[-1]["error"]["type"] == "internal_error"
-        assert replies.events("last")[-1]["error"]["type"] == "internal_error"  # its step failed
+        for request_id in [*(f"r{i}" for i in range(PROBE_AFTER_FAILED_STEPS - 2)), "held", "last"]:
+            assert replies.events(request_id)[-1]["error"]["type"] == "internal_error"  # their steps failed
         assert replies.events("queued")[-1]["error"]["type"] == "replica_unavailable"
     finally:
+        let_go.set()
         await replica.stop()
 
 
