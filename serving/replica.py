@@ -283,7 +283,7 @@ class Replica:
         loop = self._loop = asyncio.get_running_loop()
         if self._publisher is not None:
             # Beating "loading" from the start: gateways see a replica on its way (a restart), whose
-            # 503s meanwhile are not counted as the version having none (serving/gateway_failures.py).
+            # 503s meanwhile are not counted as the version having none (Dispatch.submit).
             self._tasks.append(loop.create_task(self._beat(), name=f"replica-{self.replica_id}-heartbeat"))
         try:
             self._arm_faults()

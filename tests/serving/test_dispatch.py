@@ -67,6 +67,23 @@ async def _a_replica_chosen_first(runtime, monkeypatch, replica_id: str, *, is_a
     return extra, good
 
 
+async def _run_scripted(tenant, monkeypatch, script: list, *, max_tokens: int):  # type: ignore[no-untyped-def, type-arg]
+    """A request of `tenant` whose replica's events, from the acceptance on, are `script`'s, whatever
+    its replica does: the handle, closed, and the events the client got."""
+    from serving.dispatch import Dispatch
+
+    async def next_event(self, *, timeout_s: float) -> dict:  # type: ignore[no-untyped-def, type-arg]
+        return script.pop(0)
+
+    monkeypatch.setattr(Dispatch, "_next_event", next_event)
+    handle = await _hello(tenant, max_tokens=max_tokens)
+    try:
+        events = [event async for event in handle.events()]
+    finally:
+        await handle.close()
+    return handle, events
+
+
 def test_breaker_opens_after_consecutive_failures_then_lets_one_trial_through() -> None:
     clock = FakeClock()
     breaker = CircuitBreaker(failure_threshold=3, open_s=5.0, clock=clock)
@@ -332,22 +349,10 @@ async def test_a_lost_acceptance_does_not_lose_the_first_token(make_tenant, runt
     is, the first event to arrive is a token, which was taken for the acceptance and dropped."""
     from asgiref.sync import sync_to_async
 
-    from serving.dispatch import Dispatch
-
     acme = await sync_to_async(make_tenant)("acme")
     token = {"token": "Once", "index": 0}
     final = {"finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
-    script = [token, final]
-
-    async def next_event(self, *, timeout_s: float) -> dict:  # type: ignore[no-untyped-def, type-arg]
-        return script.pop(0)
-
-    monkeypatch.setattr(Dispatch, "_next_event", next_event)
-    handle = await _hello(acme, max_tokens=1)
-    try:
-        events = [event async for event in handle.events()]
-    finally:
-        await handle.close()
+    handle, events = await _run_scripted(acme, monkeypatch, [token, final], max_tokens=1)
     assert events == [token, final]
     assert handle.num_prompt_tokens == 3  # from the usage: the quota settles on what the prompt took
 
@@ -403,35 +408,13 @@ async def test_a_final_event_counting_tokens_that_never_came_is_an_error(
 ) -> None:
     from asgiref.sync import sync_to_async
 
-    from serving.dispatch import Dispatch
-
     acme = await sync_to_async(make_tenant)("acme")
-    script = [
-        {"accepted": True, "num_prompt_tokens": 3},
-        {"token": "Once", "index": 0},
-        {"finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
-    ]
-
-    async def next_event(self, *, timeout_s: float) -> dict:  # type: ignore[no-untyped-def, type-arg]
-        return script.pop(0)
-
-    monkeypatch.setattr(Dispatch, "_next_event", next_event)
-    handle = await _hello(acme, max_tokens=2)
-    try:
-        events = [event async for event in handle.events()]
-    finally:
-        await handle.close()
-    assert events[0] == {"token": "Once", "index": 0}
+    token = {"token": "Once", "index": 0}
+    final = {"finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    accepted = {"accepted": True, "num_prompt_tokens": 3}
+    _, events = await _run_scripted(acme, monkeypatch, [accepted, token, final], max_tokens=2)
+    assert events[0] == token
     assert events[-1]["error"]["type"] == "tokens_lost"
-
     # Its acceptance lost too: the quota still settles on the prompt the final event counts.
-    script[:] = [
-        {"token": "Once", "index": 0},
-        {"finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
-    ]
-    handle = await _hello(acme, max_tokens=2)
-    try:
-        events = [event async for event in handle.events()]
-    finally:
-        await handle.close()
+    handle, events = await _run_scripted(acme, monkeypatch, [token, final], max_tokens=2)
     assert events[-1]["error"]["type"] == "tokens_lost" and handle.num_prompt_tokens == 3
