@@ -57,6 +57,16 @@ def demo_classifier_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _no_background_key_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key lookup hands its last-use write to a thread of its own (registry.services), which would
+    race the test's own queries for the in-memory SQLite database's table locks, or outlive the test.
+    tests/registry/test_services.py turns it back on where it is what is tested."""
+    from registry import selectors
+
+    monkeypatch.setattr(selectors, "api_key_mark_used", lambda **_: None)
+
+
+@pytest.fixture(autouse=True)
 def _isolated_state(settings: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None]:
     """Each test gets its own artifact store and fresh per-process caches."""
     from serving import gateway

@@ -738,13 +738,21 @@ async def test_a_device_that_fails_every_step_and_its_probe_fails_the_replica(
 
     replica.engine.runner.execute = device
     try:
+
+        async def taken(send: Any) -> None:
+            """Send, and wait until the model thread has taken it (idle is set from the start)."""
+            num_queued = replica._num_queued
+            await send
+            async with asyncio.timeout(10):
+                while replica._num_queued == num_queued:
+                    await asyncio.sleep(0.01)
+            await asyncio.wait_for(replica.wait_idle(), timeout=30)
+
         for i in range(PROBE_AFTER_FAILED_STEPS - 2):
-            await _submit(layer, replica, f"r{i}", max_tokens=4)
-            await asyncio.wait_for(replica.wait_idle(), timeout=30)
-            assert replica.is_ready
+            await taken(_submit(layer, replica, f"r{i}", max_tokens=4))
+            assert replies.events(f"r{i}")[-1]["error"]["type"] == "internal_error" and replica.is_ready
             # A pass of the model thread that runs no step (an abort of nothing) is no success.
-            await layer.send(replica.channel_name, {"type": ABORT, "request_id": f"gone-{i}"})
-            await asyncio.wait_for(replica.wait_idle(), timeout=30)
+            await taken(layer.send(replica.channel_name, {"type": ABORT, "request_id": f"gone-{i}"}))
         holding[0] = True
         await _submit(layer, replica, "held", max_tokens=4)
         assert await asyncio.to_thread(entered.wait, 10)
