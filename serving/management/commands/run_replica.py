@@ -132,11 +132,22 @@ class Command(BaseCommand):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop_requested.set)
+        try:
+            code = await self._run(replica, stop_requested)
+        finally:
+            await replica.stop()  # withdraws its heartbeat, whatever it said last
+            await publisher.close()
+        if code == 0:
+            self.stdout.write("stopped")
+            self.stdout.flush()
+        return code
+
+    async def _run(self, replica: Any, stop_requested: asyncio.Event) -> int:
+        """Load, serve until SIGTERM and drain, or end early: 1 if the load failed or the engine thread
+        died. The caller stops the replica either way."""
         await replica.start()
         if not replica.is_ready:
             self.stderr.write(f"load failed: {replica.error}")
-            await replica.stop()  # withdraws its heartbeat ("loading", then "failed")
-            await publisher.close()
             return 1
         self.stdout.write(
             f"replica {replica.replica_id} of {replica.ref.model_name}:{replica.ref.version} ready"
@@ -150,8 +161,6 @@ class Command(BaseCommand):
             # only a process that has exited (the provisioner; Kubernetes without a liveness probe).
             stopping.cancel()
             self.stderr.write(f"{replica.error or 'the engine thread ended'}; exiting")
-            await replica.stop()
-            await publisher.close()
             return 1
         engine_ended.cancel()
         replica.drain()  # the heartbeat now says draining: gateways stop choosing this replica
@@ -166,9 +175,5 @@ class Command(BaseCommand):
                 self.stdout.write(f"draining: {beat.num_running} running, {beat.num_waiting} waiting")
                 self.stdout.flush()
         self.stdout.write("drained; stopping")
-        self.stdout.flush()
-        await replica.stop()
-        await publisher.close()
-        self.stdout.write("stopped")
         self.stdout.flush()
         return 0
