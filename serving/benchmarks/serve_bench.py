@@ -776,6 +776,7 @@ def _interleave(  # type: ignore[no-untyped-def]
     options: dict[str, object],
     statuses: Counter[str],
     *,
+    block: int,
     log=print,
 ) -> list[Pair]:
     """run_interleaved against the platform, with one engine alone kept warm for the whole run."""
@@ -797,7 +798,7 @@ def _interleave(  # type: ignore[no-untyped-def]
             mean_gap_s=float(options.get("gap_ms") or 0.0) / 1000,  # type: ignore[arg-type]
             seed=int(options["seed"]),  # type: ignore[call-overload]
             statuses=statuses,
-            block=1 if options.get("block") is None else int(options["block"]),  # type: ignore[call-overload]
+            block=block,
         )
     )
 
@@ -969,7 +970,9 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
             )
         )  # warm-up
         if interleaved:
-            pairs = _interleave(platform, model_dir, engine_env, requests, options, statuses, log=log)
+            pairs = _interleave(
+                platform, model_dir, engine_env, requests, options, statuses, block=block, log=log
+            )
         else:
             # The engine alone runs while the platform idles (heartbeats every 0.5 s), so that the rounds
             # alternate; and every second round runs the API first, so that a steady drift of the machine's
