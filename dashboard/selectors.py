@@ -2,7 +2,7 @@
 
 Every figure comes from an existing reader: versions and traffic from the registry, deployment states
 and verdicts from rollouts, latency, rates and batch sizes from the metrics store
-(serving.selectors.version_series / version_window: percentiles of merged histograms), replicas from
+(serving.selectors.version_series / version_windows: percentiles of merged histograms), replicas from
 the data plane's runtime (in-process replicas and, with Redis, heartbeats of replica processes).
 
 Chart points are per version, always: a canary's series is never merged with the incumbent's."""
@@ -24,7 +24,7 @@ from rollouts.models import Deployment
 from rollouts.services import JUDGE_ACTOR
 from serving.gateway import MemoryQuotaStore, QuotaUsage, quota_store
 from serving.runtime import ReplicaHandle, get_runtime
-from serving.selectors import version_series, version_window
+from serving.selectors import version_series, version_windows
 
 LIVE_INTERVAL_S = 1.5  # how often the live feed pushes
 RATE_WINDOW = timedelta(minutes=1)  # "now" figures (overview, the model page's table)
@@ -51,9 +51,16 @@ def model_get(*, name: str) -> Model | None:
 def model_versions(*, model: Model) -> list[dict[str, Any]]:
     """The registry's version rows (traffic %, aliases) with the deployment state merged in, as
     GET /v1/models/{model}/versions reports them."""
-    rows = model_versions_overview(model=model)
-    states = rollout_selectors.version_states(model=model)
-    targets = rollout_selectors.scale_targets_of(model=model)
+    return _with_states(
+        model_versions_overview(model=model),
+        rollout_selectors.version_states(model=model),
+        rollout_selectors.scale_targets_of(model=model),
+    )
+
+
+def _with_states(
+    rows: list[dict[str, Any]], states: dict[str, str], targets: dict[str, tuple[int, str]]
+) -> list[dict[str, Any]]:
     for row in rows:
         row["state"] = states.get(row["version"], row["state"])
         # The autoscaler's target and why (None: it has not decided on this version)
@@ -95,12 +102,8 @@ def _charted_versions(rows: Sequence[dict[str, Any]], points: dict[str, list[dic
 
 def _last_minute(*, model_name: str, versions: Iterable[str], now: datetime) -> dict[str, dict[str, Any]]:
     end = charts.data_end(now)
-    return {
-        version: charts.window_summary(
-            version_window(model_name=model_name, version=version, start=end - RATE_WINDOW, end=end)
-        )
-        for version in versions
-    }
+    windows = version_windows(versions=[(model_name, v) for v in versions], start=end - RATE_WINDOW, end=end)
+    return {version: charts.window_summary(window) for (_, version), window in windows.items()}
 
 
 # --- replicas (the data plane's runtime) -----------------------------------------------------------------
@@ -154,23 +157,41 @@ def _fleet_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def overview(*, replicas: Sequence[ReplicaHandle], now: datetime | None = None) -> dict[str, Any]:
+    """Every model's shown versions with their last minute, its deployment in flight and its replicas.
+    A fixed number of queries however many models there are: the live feed reads this for every open
+    page every LIVE_INTERVAL_S."""
     now = now or timezone.now()
     rows = _replica_rows(replicas)
+    all_models = list(_models())
+    states = rollout_selectors.version_states_of(all_models)
+    targets = rollout_selectors.scale_targets_by_model(all_models)
+    in_flight = rollout_selectors.deployments_in_flight(all_models)
+    shown_of: dict[int, list[dict[str, Any]]] = {}
+    num_versions: dict[int, int] = {}
+    for model in all_models:
+        versions = _with_states(
+            model_versions_overview(model=model), states.get(model.pk, {}), targets.get(model.pk, {})
+        )
+        shown_of[model.pk] = [v for v in versions if _is_active(v)] or versions[-1:]
+        num_versions[model.pk] = len(versions)
+    end = charts.data_end(now)
+    windows = version_windows(
+        versions=[(m.name, v["version"]) for m in all_models for v in shown_of[m.pk]],
+        start=end - RATE_WINDOW,
+        end=end,
+    )
     models = []
-    for model in _models():
-        versions = model_versions(model=model)
-        shown = [v for v in versions if _is_active(v)] or versions[-1:]
-        rates = _last_minute(model_name=model.name, versions=[v["version"] for v in shown], now=now)
-        for row in shown:
-            row.update(rates[row["version"]])
-        in_flight = rollout_selectors.deployment_in_flight(model=model)
+    for model in all_models:
+        for row in shown_of[model.pk]:
+            row.update(charts.window_summary(windows[(model.name, row["version"])]))
+        deployment = in_flight.get(model.pk)
         models.append(
             {
                 "name": model.name,
                 "kind": model.get_kind_display(),
-                "versions": shown,
-                "num_versions": len(versions),
-                "deployment": _deployment_brief(in_flight) if in_flight else None,
+                "versions": shown_of[model.pk],
+                "num_versions": num_versions[model.pk],
+                "deployment": _deployment_brief(deployment) if deployment else None,
                 "replicas": [r for r in rows if r["model"] == model.name],
             }
         )

@@ -235,7 +235,8 @@ def model_versions_overview(*, model: Model) -> list[dict[str, object]]:
     for alias in model.aliases.all():
         aliases.setdefault(alias.version_id, []).append(alias.name)
     rows = []
-    for mv in model.versions.all().order_by("created_at"):
+    # Sorted here rather than by order_by(), which would query again past a prefetch of the versions.
+    for mv in sorted(model.versions.all(), key=lambda v: (v.created_at, v.pk)):
         pct = weights.get(mv.pk, 0)
         rows.append(
             {

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from django.conf import settings
-from django.db.models import Prefetch
+from django.db.models import OuterRef, Prefetch, Subquery
 from django.utils.module_loading import import_string
 
-from registry.models import Model
+from registry.models import Model, ModelVersion
 from rollouts.judge import VersionWindow
 from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
 
@@ -55,7 +55,11 @@ def deployment_ids_to_judge() -> list[int]:
 
 
 def deployment_in_flight(*, model: Model) -> Deployment | None:
-    return Deployment.objects.filter(model=model, state__in=Deployment.IN_FLIGHT_STATES).first()
+    return (
+        Deployment.objects.filter(model=model, state__in=Deployment.IN_FLIGHT_STATES)
+        .select_related("candidate", "incumbent")
+        .first()
+    )
 
 
 def _actor_as_seen_by(actor: str, viewer: str | None) -> str:
@@ -119,23 +123,50 @@ def version_states(*, model: Model) -> dict[str, str]:
 
     A candidate reports the state of the latest deployment it was the candidate of, when that
     deployment is the model's latest one (so an old `promoted` does not outlive a newer rollout) or when
-    it ended `rolled_back` (that stays true of the version). The incumbent of an in-flight canary
-    reports `incumbent`. Versions not mentioned keep the registry's own state (serving / idle)."""
-    deployments = list(
-        Deployment.objects.filter(model=model)
+    it ended `rolled_back` (that stays true of the version until it is deployed again). The incumbent of
+    an in-flight canary reports `incumbent`. Versions not mentioned keep the registry's own state
+    (serving / idle)."""
+    return version_states_of([model]).get(model.pk, {})
+
+
+def version_states_of(models: Iterable[Model]) -> dict[int, dict[str, str]]:
+    """version_states of several models (model pk -> its states), in one query however many models and
+    however long their deployment history: the dashboard asks for every model each push."""
+    model_ids = [m.pk for m in models]
+    latest_of_version = Subquery(
+        Deployment.objects.filter(candidate=OuterRef("pk")).order_by("-created_at", "-id").values("id")[:1]
+    )
+    latest_ids = (
+        ModelVersion.objects.filter(model_id__in=model_ids)
+        .annotate(latest=latest_of_version)
+        .filter(latest__isnull=False)
+        .values_list("latest", flat=True)
+    )
+    newest_first: dict[int, list[Deployment]] = {}
+    for deployment in (
+        Deployment.objects.filter(id__in=latest_ids)
         .select_related("candidate", "incumbent")
         .order_by("-created_at", "-id")
-    )
-    states: dict[str, str] = {}
-    for index, deployment in enumerate(deployments):
-        version = deployment.candidate.version
-        if version in states:
-            continue
-        if index == 0 or deployment.state == Deployment.State.ROLLED_BACK:
-            states[version] = deployment.state
-    if deployments and deployments[0].is_in_flight:
-        states.setdefault(deployments[0].incumbent.version, "incumbent")
+    ):
+        newest_first.setdefault(deployment.model_id, []).append(deployment)
+    # The model's latest deployment is its candidate's latest, so it leads its model's list.
+    states: dict[int, dict[str, str]] = {}
+    for model_id, deployments in newest_first.items():
+        of_model = states.setdefault(model_id, {})
+        for index, deployment in enumerate(deployments):
+            if index == 0 or deployment.state == Deployment.State.ROLLED_BACK:
+                of_model[deployment.candidate.version] = deployment.state
+        if deployments[0].is_in_flight:
+            of_model.setdefault(deployments[0].incumbent.version, "incumbent")
     return states
+
+
+def deployments_in_flight(models: Iterable[Model]) -> dict[int, Deployment]:
+    """model pk -> its deployment in flight, for the models that have one, in one query."""
+    rows = Deployment.objects.filter(
+        model_id__in=[m.pk for m in models], state__in=Deployment.IN_FLIGHT_STATES
+    ).select_related("candidate", "incumbent")
+    return {d.model_id: d for d in rows}
 
 
 # --- metrics -----------------------------------------------------------------------------------------
@@ -269,8 +300,16 @@ def scale_targets() -> dict[tuple[str, str], int]:
 
 def scale_targets_of(*, model: Model) -> dict[str, tuple[int, str]]:
     """version -> (the autoscaler's target, its reason), for the model's versions it has decided on."""
-    rows = ScaleTarget.objects.filter(version__model=model).select_related("version")
-    return {t.version.version: (t.replicas, t.reason) for t in rows}
+    return scale_targets_by_model([model]).get(model.pk, {})
+
+
+def scale_targets_by_model(models: Iterable[Model]) -> dict[int, dict[str, tuple[int, str]]]:
+    """scale_targets_of several models (model pk -> its targets), in one query."""
+    rows = ScaleTarget.objects.filter(version__model_id__in=[m.pk for m in models]).select_related("version")
+    targets: dict[int, dict[str, tuple[int, str]]] = {}
+    for t in rows:
+        targets.setdefault(t.version.model_id, {})[t.version.version] = (t.replicas, t.reason)
+    return targets
 
 
 def scaling_bounds() -> dict[str, tuple[int, int]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from serving import metrics as m
@@ -159,10 +159,18 @@ def _rows(
 ) -> Iterable[tuple[datetime, dict[str, Any], dict[str, int], dict[str, Any]]]:
     """(start, histograms, counters, gauges) of the rows in [start, end), oldest first: 60 s rows
     before the fine-retention cutoff, 5 s rows after it, so nothing is counted twice."""
+    base = MetricWindow.objects.filter(version__model__name=model_name, version__version=version)
+    for query in _by_resolution(base, start, end, now):
+        yield from query.order_by("start", "replica_id").values_list(
+            "start", "histograms", "counters", "gauges"
+        )
+
+
+def _by_resolution(base: QuerySet[MetricWindow], start: datetime, end: datetime, now: datetime) -> list[Any]:
+    """`base`'s rows in [start, end) as _rows reads them: one query per resolution the range needs."""
     cutoff = floor_time(now - MetricWindow.FINE_RETENTION, MetricWindow.COARSE_RESOLUTION_S) + timedelta(
         seconds=MetricWindow.COARSE_RESOLUTION_S
     )
-    base = MetricWindow.objects.filter(version__model__name=model_name, version__version=version)
     parts = []
     if start < cutoff:
         parts.append(
@@ -176,10 +184,7 @@ def _rows(
                 resolution_s=MetricWindow.FINE_RESOLUTION_S, start__gte=max(start, cutoff), start__lt=end
             )
         )
-    for query in parts:
-        yield from query.order_by("start", "replica_id").values_list(
-            "start", "histograms", "counters", "gauges"
-        )
+    return parts
 
 
 def _minute_rows(
@@ -225,6 +230,28 @@ def version_window(*, model_name: str, version: str, start: datetime, end: datet
     for _, histograms, counters, gauges in _rows(model_name, version, start, end, timezone.now()):
         window.merge(MetricsWindow.from_json(histograms, counters, gauges))
     return _version_window(model_name, version, start, end, window)
+
+
+def version_windows(
+    *, versions: Iterable[tuple[str, str]], start: datetime, end: datetime
+) -> dict[tuple[str, str], VersionWindow]:
+    """version_window of several (model name, version) pairs, keyed by the pair, in one query per
+    resolution however many pairs: the dashboard's overview asks for every model's versions each push."""
+    _check_range(start, end)
+    pairs = list(dict.fromkeys(versions))
+    merged = {pair: MetricsWindow() for pair in pairs}
+    if pairs:
+        matches = Q()
+        for model_name, version in pairs:
+            matches |= Q(version__model__name=model_name, version__version=version)
+        for query in _by_resolution(MetricWindow.objects.filter(matches), start, end, timezone.now()):
+            # In time order, as a gauge's `last` needs.
+            rows = query.order_by("start", "replica_id").values_list(
+                "version__model__name", "version__version", "histograms", "counters", "gauges"
+            )
+            for model_name, version, histograms, counters, gauges in rows:
+                merged[(model_name, version)].merge(MetricsWindow.from_json(histograms, counters, gauges))
+    return {pair: _version_window(*pair, start, end, window) for pair, window in merged.items()}
 
 
 def version_series(

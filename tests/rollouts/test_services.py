@@ -319,6 +319,20 @@ def test_version_states_report_the_latest_deployment_and_rollbacks(ramping) -> N
     assert selectors.version_states(model=model) == {"v3": "promoted", "v2": "rolled_back"}
 
 
+def test_a_version_deployed_again_after_its_rollback_no_longer_reads_rolled_back(ramping) -> None:
+    model, deployment = ramping
+    services.deployment_rollback(deployment=deployment, actor="staff:bob")
+    again = create(model)  # v2, fixed
+    tick(again, 0, FakeMetrics())
+    services.deployment_promote(deployment=again, actor="staff:bob")
+    third = create(model, version="v3")
+    tick(third, 0, FakeMetrics())
+    assert selectors.version_states(model=model) == {"v3": "ramping", "v2": "incumbent"}
+    services.deployment_promote(deployment=third, actor="staff:bob")
+    # v2's own latest deployment was promoted and is no longer the model's latest: the registry's state.
+    assert selectors.version_states(model=model) == {"v3": "promoted"}
+
+
 def test_detail_lists_events_with_reasons_and_figures(ramping) -> None:
     _, deployment = ramping
     detail = selectors.deployment_detail(deployment=selectors.deployment_get(deployment_id=deployment.pk))
