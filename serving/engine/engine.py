@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,7 +250,9 @@ class Engine:
         scheduler; raises what the device raises. After steps that failed one after another it tells a
         broken device (a sticky CUDA error fails every call) from requests that fail on their own, none
         of which it holds. Model thread only."""
-        seq = Sequence(request_id="probe", prompt_token_ids=[0])
+        # An id no caller holds: the KV cache keys its blocks by request id, and a caller's request named
+        # like the probe would lose its blocks when the probe frees its own.
+        seq = Sequence(request_id=f"probe-{uuid.uuid4().hex}", prompt_token_ids=[0])
         if not self.kv_cache.can_allocate(seq, 1):  # every block held: the device alone is checked
             probe_device(self.runner.device)
             return

@@ -920,3 +920,18 @@ def test_kv_stats_waste_stays_under_one_block_per_running_sequence(model_dir: Pa
         0,
         0,
     )
+
+
+def test_a_probe_between_steps_leaves_every_request_as_it_was(demo_dir: Path, demo_ref: Reference) -> None:
+    """The model thread probes the device between steps while requests hold blocks, one of them
+    named as a caller might name it: each still generates what generate() does, and every block
+    comes back."""
+    engine = make_engine(demo_dir)
+    baseline = kv_snapshot(engine)
+    arrivals = [
+        Arrival(0, "probe", demo_ref.prompt(20), greedy(4 * BLOCK_SIZE)),  # takes blocks after probes
+        Arrival(0, "other", demo_ref.prompt(9, start=30), greedy(10)),
+    ]
+    results = run(engine, arrivals, after_step=lambda e: e.probe())
+    assert_greedy_matches(demo_ref, arrivals, results)
+    assert kv_snapshot(engine) == baseline
