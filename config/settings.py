@@ -222,6 +222,14 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
 # A stream whose client has this many events unread beyond what the sockets hold is cut off and its
 # sequence aborted (serving/streams.py).
 STREAM_MAX_BACKLOG_EVENTS = int(os.environ.get("SWITCHYARD_STREAM_MAX_BACKLOG_EVENTS", "256"))
+# While the registry database cannot be read, an API key that passed its check this recently still
+# passes (serving/gateway.py): the data plane keeps serving the tenants it has seen through a
+# control-plane outage. 0 turns that off: every key not checked in the last few seconds gets a 503.
+AUTH_STALE_S = float(os.environ.get("SWITCHYARD_AUTH_STALE_S", "3600"))
+if AUTH_STALE_S < 0:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("SWITCHYARD_AUTH_STALE_S must be 0 (off) or a number of seconds")
 # The embedded runtime: in-process replicas supervised from the server's event loop.
 EMBEDDED_REPLICAS = _env_bool("SWITCHYARD_EMBEDDED_REPLICAS", not REDIS_URL)
 REPLICA_SYNC_INTERVAL_S = float(os.environ.get("SWITCHYARD_REPLICA_SYNC_INTERVAL_S", "2"))

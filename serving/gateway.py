@@ -43,10 +43,10 @@ class GatewayError(Exception):
 # --- authentication ------------------------------------------------------------------------------
 
 _AUTH_CACHE_TTL_S = 5.0
-# While the database cannot be read, a key that passed this recently still does: the data plane keeps
-# serving the tenants it has seen through a control-plane outage (as routing keeps its last good table).
-# The price: a key revoked meanwhile works until the database answers again.
-_AUTH_STALE_S = 3600.0
+# While the database cannot be read, a key that passed within settings.AUTH_STALE_S still does: the data
+# plane keeps serving the tenants it has seen through a control-plane outage (as routing keeps its last
+# good table). The price: a key revoked in the seconds before the outage works until the database
+# answers again.
 _auth_cache: dict[str, tuple[float, TenantContext]] = {}  # key hash -> (checked at, monotonic; context)
 _auth_cache_lock = threading.Lock()
 _stale_warned_at = -math.inf  # one warning per 10 s of an outage, not one per request
@@ -66,7 +66,7 @@ def authenticate_from_cache(authorization: str | None) -> TenantContext | None:
 def authenticate(authorization: str | None) -> TenantContext:
     """Resolve the caller. Contexts are cached a few seconds by key hash, so a burst of requests (or
     of refusals) costs one database read; a revoked key stops working within that time. While the
-    database cannot be read, a key that passed within the last hour still does."""
+    database cannot be read, a key that passed within settings.AUTH_STALE_S (an hour) still does."""
     cached = authenticate_from_cache(authorization)
     if cached is not None:
         return cached
@@ -79,7 +79,7 @@ def authenticate(authorization: str | None) -> TenantContext:
     except DatabaseError as exc:
         with _auth_cache_lock:
             hit = _auth_cache.get(cache_key)
-        if hit is not None and now - hit[0] < _AUTH_STALE_S:
+        if hit is not None and now - hit[0] < settings.AUTH_STALE_S:
             _warn_stale(exc)
             return hit[1]
         # A key not seen lately cannot be checked: the client should retry rather than read a 500.
@@ -104,7 +104,7 @@ def _warn_stale(exc: Exception) -> None:
         logger.warning(
             "API key lookup failed (%s); keys seen in the last %.0f s pass on their last check",
             type(exc).__name__,
-            _AUTH_STALE_S,
+            settings.AUTH_STALE_S,
         )
 
 
