@@ -13,7 +13,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, NamedTuple
 
 from channels.db import database_sync_to_async
 from channels.exceptions import ChannelFull
@@ -51,6 +51,15 @@ TOKENS_LOST_MESSAGE = "part of the response was lost on its way from the replica
 
 def _error_event(error_type: str, message: str) -> dict[str, Any]:
     return {"finish_reason": "error", "error": {"type": error_type, "message": message}}
+
+
+class Charge(NamedTuple):
+    """What a submission's admission charges: one request of `tokens` for the tenant, admitted only if
+    `room_for` such would be (QuotaStore.admit)."""
+
+    context: TenantContext
+    tokens: int
+    room_for: int = 1
 
 
 class Dispatch:
@@ -114,9 +123,7 @@ class Dispatch:
             headers["X-Served-Replica"] = self.replica.replica_id
         return headers
 
-    async def submit(
-        self, *, exclude: frozenset[str] = frozenset(), charge: tuple[TenantContext, int] | None = None
-    ) -> None:
+    async def submit(self, *, exclude: frozenset[str] = frozenset(), charge: Charge | None = None) -> None:
         """Pick a replica, send, and wait until it accepts. `charge` (a tenant and the tokens to charge
         it): admit the request too, in the same step as the send. Raises GatewayError (400, 429, 503)."""
         replicas = await self._runtime.candidates(self.model_name, self.version)
@@ -126,7 +133,9 @@ class Dispatch:
             and not any(r.is_ready and r.replica_id not in exclude for r in replicas)
         ):
             if charge is not None:  # admitted now: a 429 does not wait, and the wait holds its slot
-                self._ticket = await gateway.quota_store().aadmit(charge[0], tokens=charge[1])
+                self._ticket = await gateway.quota_store().aadmit(
+                    charge.context, tokens=charge.tokens, room_for=charge.room_for
+                )
                 charge = None
             replicas = await self._cold_start()
         candidates = [
@@ -159,9 +168,13 @@ class Dispatch:
                 if charge is None:
                     await layer.send(replica.channel_name, message)
                 else:
-                    context, tokens = charge
                     self._ticket = await gateway.quota_store().aadmit_and_send(
-                        context, tokens=tokens, layer=layer, channel=replica.channel_name, message=message
+                        charge.context,
+                        tokens=charge.tokens,
+                        room_for=charge.room_for,
+                        layer=layer,
+                        channel=replica.channel_name,
+                        message=message,
                     )
             except GatewayError:
                 self.replica = None
@@ -212,11 +225,12 @@ class Dispatch:
             self._is_failure_counted = True
             self._runtime.failures.record(self.model_name, self.version, self._failure)
 
-    async def _refuse_if_over_quota(self, charge: tuple[TenantContext, int] | None) -> None:
+    async def _refuse_if_over_quota(self, charge: Charge | None) -> None:
         """Over quota is still the answer with nothing to serve the request: 429 before 503."""
         if charge is not None:
             store = gateway.quota_store()
-            await store.arelease(await store.aadmit(charge[0], tokens=charge[1]), used_tokens=0)
+            ticket = await store.aadmit(charge.context, tokens=charge.tokens, room_for=charge.room_for)
+            await store.arelease(ticket, used_tokens=0)
 
     async def _cold_start(self) -> list[ReplicaHandle]:
         """The version has scaled to zero: wait, up to COLD_START_TIMEOUT_S, until a replica started for
@@ -480,6 +494,7 @@ async def dispatch(
     snapshot: RoutingSnapshot | None = None,
     version: str | None = None,
     num_choices: int = 1,
+    room_for: int = 1,
 ) -> Dispatch:
     """Route, admit and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a
     replica when it can; a prompt the replica refuses (too long for the model) comes back as a 400.
@@ -488,7 +503,9 @@ async def dispatch(
     refusing right now) admits first, so a 429 costs no more than the admission. `version`: the version
     another part of the same request already went to (the choices of an OpenAI `n`), whatever the
     traffic split would draw now; it is the platform's choice, not a pin, so it needs no pin right.
-    `num_choices`: how many such requests make up the client's one (OpenAI's n), for charge_estimate."""
+    `num_choices`: how many such requests make up the client's one (OpenAI's n), for charge_estimate.
+    `room_for`: admitted only if that many such requests would be (the first of n choices: a 429 then
+    comes before any choice reaches a replica, with the wait for all n)."""
     if sum(payload is not None for payload in (text, messages, inputs)) != 1:
         raise ValueError("dispatch needs exactly one of text, messages or inputs")
     model_name, alias = split_model_name(path_model)
@@ -509,7 +526,11 @@ async def dispatch(
     )
     runtime = await get_runtime()  # before admission: a cancellation while it starts holds no slot
     store = gateway.quota_store()
-    ticket = None if store.sends_with_admission(context) else await store.aadmit(context, tokens=tokens)
+    ticket = (
+        None
+        if store.sends_with_admission(context)
+        else await store.aadmit(context, tokens=tokens, room_for=room_for)
+    )
     submission = {
         "reply_to": runtime.hub.channel_name,
         "input": text,
@@ -534,7 +555,7 @@ async def dispatch(
     )
     try:
         try:
-            await handle.submit(charge=(context, tokens) if ticket is None else None)
+            await handle.submit(charge=Charge(context, tokens, room_for) if ticket is None else None)
         except GatewayError as exc:
             if exc.status == 503:
                 handle.count_failure()

@@ -224,16 +224,24 @@ def quota_usage(
 
 
 class QuotaStore(Protocol):
-    def admit(self, context: TenantContext, *, tokens: int) -> Ticket: ...
+    # `room_for`: admit only if that many such requests would be, charging this one (see _refusal).
+    def admit(self, context: TenantContext, *, tokens: int, room_for: int = 1) -> Ticket: ...
     def release(self, ticket: Ticket, *, used_tokens: int) -> None: ...
     # The same, for the gateway's event loop: no thread hop.
-    async def aadmit(self, context: TenantContext, *, tokens: int) -> Ticket: ...
+    async def aadmit(self, context: TenantContext, *, tokens: int, room_for: int = 1) -> Ticket: ...
     async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None: ...
     # Admission and the request's submission to its replica (a channel-layer send), together; and
     # whether that saves anything for this tenant now (else the gateway admits first).
     def sends_with_admission(self, context: TenantContext) -> bool: ...
     async def aadmit_and_send(
-        self, context: TenantContext, *, tokens: int, layer: Any, channel: str, message: dict[str, Any]
+        self,
+        context: TenantContext,
+        *,
+        tokens: int,
+        layer: Any,
+        channel: str,
+        message: dict[str, Any],
+        room_for: int = 1,
     ) -> Ticket: ...
     def refusals(self) -> dict[int, int] | None: ...  # None: the counters cannot be read now
     def usage(self, limits: Iterable[QuotaLimits]) -> dict[int, QuotaUsage]: ...
@@ -279,7 +287,7 @@ class MemoryQuotaStore:
         state.updated_at = now
         return state
 
-    def admit(self, context: TenantContext, *, tokens: int) -> Ticket:
+    def admit(self, context: TenantContext, *, tokens: int, room_for: int = 1) -> Ticket:
         check_fits_quota(context, tokens)
         ticket = Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
         with self._lock:
@@ -290,6 +298,7 @@ class MemoryQuotaStore:
                 token_tokens=state.token_tokens,
                 num_in_flight=len(state.in_flight),
                 tokens=tokens,
+                room_for=room_for,
             )
             if refusal is not None:
                 self._num_refused[context.tenant_id] = self._num_refused.get(context.tenant_id, 0) + 1
@@ -309,8 +318,8 @@ class MemoryQuotaStore:
             state.token_tokens += ticket.charged_tokens - used_tokens
 
     # No I/O: the event loop may call the sync methods directly (the lock is never held across I/O).
-    async def aadmit(self, context: TenantContext, *, tokens: int) -> Ticket:
-        return self.admit(context, tokens=tokens)
+    async def aadmit(self, context: TenantContext, *, tokens: int, room_for: int = 1) -> Ticket:
+        return self.admit(context, tokens=tokens, room_for=room_for)
 
     async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None:
         self.release(ticket, used_tokens=used_tokens)
@@ -319,10 +328,17 @@ class MemoryQuotaStore:
         return False  # admission costs no round trip here: admit before anything else is built
 
     async def aadmit_and_send(
-        self, context: TenantContext, *, tokens: int, layer: Any, channel: str, message: dict[str, Any]
+        self,
+        context: TenantContext,
+        *,
+        tokens: int,
+        layer: Any,
+        channel: str,
+        message: dict[str, Any],
+        room_for: int = 1,
     ) -> Ticket:
         return await admit_then_send(
-            self, context, tokens=tokens, layer=layer, channel=channel, message=message
+            self, context, tokens=tokens, layer=layer, channel=channel, message=message, room_for=room_for
         )
 
     async def arenew(self) -> None:
@@ -351,21 +367,29 @@ class MemoryQuotaStore:
 
 
 def _refusal(
-    context: TenantContext, *, request_tokens: float, token_tokens: float, num_in_flight: int, tokens: int
+    context: TenantContext,
+    *,
+    request_tokens: float,
+    token_tokens: float,
+    num_in_flight: int,
+    tokens: int,
+    room_for: int = 1,
 ) -> GatewayError | None:
     """The refusal for this state, None to admit. Every limit that binds is checked and Retry-After is
-    the longest wait among them: a retry after the first one's wait alone would be refused again."""
+    the longest wait among them: a retry after the first one's wait alone would be refused again.
+    `room_for`: admit only if `room_for` such requests would be (the first choice of an OpenAI n, whose
+    others are admitted right after it), though only this one is charged."""
     if context.requests_per_second <= 0:
         return GatewayError(429, "request rate quota is zero for this tenant", retry_after_s=60)
     binding: list[tuple[float, str]] = []  # (wait in seconds, what binds)
-    if num_in_flight >= context.max_concurrent_requests:
+    if num_in_flight + room_for > context.max_concurrent_requests:
         # When one ends is unknown: 1 s, as a request rarely holds its slot for less.
         binding.append((1.0, f"too many concurrent requests (limit {context.max_concurrent_requests})"))
-    if request_tokens < 1.0:
-        wait = (1.0 - request_tokens) / context.requests_per_second
+    if request_tokens < room_for:
+        wait = (room_for - request_tokens) / context.requests_per_second
         binding.append((wait, f"request rate over quota ({context.requests_per_second:g}/s)"))
-    if token_tokens < tokens:
-        wait = (tokens - token_tokens) / (context.tokens_per_minute / 60.0)
+    if token_tokens < tokens * room_for:
+        wait = (tokens * room_for - token_tokens) / (context.tokens_per_minute / 60.0)
         binding.append((wait, f"token rate over quota ({context.tokens_per_minute}/min)"))
     if not binding:
         return None
@@ -393,10 +417,11 @@ async def admit_then_send(
     layer: Any,
     channel: str,
     message: dict[str, Any],
+    room_for: int = 1,
 ) -> Ticket:
     """Admission, then the layer's own send; a send that fails gives the admission back. Raises
     GatewayError on a refusal, before anything is sent."""
-    ticket = await store.aadmit(context, tokens=tokens)
+    ticket = await store.aadmit(context, tokens=tokens, room_for=room_for)
     try:
         await layer.send(channel, message)
     except BaseException:

@@ -288,7 +288,9 @@ async def _dispatch_choices(n: int, **request: Any) -> list[Dispatch]:
                 "n, max_tokens or the prompt",
             )
         request["num_choices"] = n
-    first = await dispatch(**request)
+    # Admitted only with room for all n: a 429 comes before any choice reaches a replica, and its
+    # Retry-After is the wait for all of them.
+    first = await dispatch(**request, room_for=n)
     if n == 1:
         return [first]
     params = request.pop("params")

@@ -41,7 +41,8 @@ from serving.gateway import (
 logger = logging.getLogger(__name__)
 
 # admit(tenant hash, refusal counts, rps, tokens/min, max concurrent, tokens asked, hash expiry (s),
-# tenant id, ticket id, lease (s)). A refusal is counted in the same script: no second round trip per 429.
+# tenant id, ticket id, lease (s), room for: how many such requests must fit for this one to be admitted
+# (serving.gateway._refusal)). A refusal is counted in the same script: no second round trip per 429.
 # Returns {admitted (0/1), request_tokens, token_tokens, in_flight} as strings (Lua numbers would be
 # truncated to integers on the way out).
 #
@@ -67,9 +68,9 @@ local function live_leases(key, now)
   end
   return n, first
 end
-local function admit(key, refused_key, rps, tpm, max_c, tokens, ttl, tenant_id, ticket, lease)
+local function admit(key, refused_key, rps, tpm, max_c, tokens, ttl, tenant_id, ticket, lease, room)
   rps = tonumber(rps); tpm = tonumber(tpm); max_c = tonumber(max_c)
-  tokens = tonumber(tokens); ttl = tonumber(ttl); lease = tonumber(lease)
+  tokens = tonumber(tokens); ttl = tonumber(ttl); lease = tonumber(lease); room = tonumber(room)
   local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
   local burst = math.max(1, rps)
   local s = redis.call('HMGET', key, 'rt', 'tt', 'ts', 'lx', 'n')
@@ -85,7 +86,7 @@ local function admit(key, refused_key, rps, tpm, max_c, tokens, ttl, tenant_id, 
   end
   local el = math.max(0, now - ts)
   rt = math.min(burst, rt + el * rps); tt = math.min(tpm, tt + el * tpm / 60)
-  local ok = rps > 0 and n < max_c and rt >= 1 and tokens <= tpm and tt >= tokens
+  local ok = rps > 0 and n + room <= max_c and rt >= room and tokens <= tpm and tt >= tokens * room
   local out_rt, out_tt, out_n = rt, tt, n
   if ok then
     rt = rt - 1; tt = tt - tokens
@@ -101,15 +102,15 @@ end
 """
 # KEYS[1] tenant hash, KEYS[2] the refusal counts; ARGV as admit() takes them after its two keys.
 _ADMIT = _ADMIT_FUNCTION + "return admit(KEYS[1], KEYS[2], unpack(ARGV))"
-# The same, then KEYS[3] the replica's channel and ARGV[9..13] the send's (serving.channel_layer). A full
+# The same, then KEYS[3] the replica's channel and ARGV[10..14] the send's (serving.channel_layer). A full
 # channel admits nothing ({-1}); an admitted request is on its replica's channel when the reply arrives.
 _ADMIT_AND_SEND = (
     _ADMIT_FUNCTION
     + SEND_FUNCTIONS
     + """
-if not channel_has_room(KEYS[3], ARGV[9], ARGV[10]) then return {-1} end
-local result = admit(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
-if result[1] == 1 then channel_add(KEYS[3], ARGV[11], ARGV[12], ARGV[13]) end
+if not channel_has_room(KEYS[3], ARGV[10], ARGV[11]) then return {-1} end
+local result = admit(KEYS[1], KEYS[2], unpack(ARGV, 1, 9))
+if result[1] == 1 then channel_add(KEYS[3], ARGV[12], ARGV[13], ARGV[14]) end
 return result
 """
 )
@@ -209,7 +210,7 @@ class RedisQuotaStore:
     def _key(self, tenant_id: int) -> str:
         return f"{self._prefix}{tenant_id}"
 
-    def _admit_args(self, context: TenantContext, ticket: Ticket) -> dict[str, list[object]]:
+    def _admit_args(self, context: TenantContext, ticket: Ticket, room_for: int) -> dict[str, list[object]]:
         return {
             "keys": [self._key(context.tenant_id), self._refused_key],
             "args": [
@@ -221,6 +222,7 @@ class RedisQuotaStore:
                 context.tenant_id,
                 ticket.ticket_id,
                 self._lease_s,
+                room_for,
             ],
         }
 
@@ -232,20 +234,27 @@ class RedisQuotaStore:
         return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
 
     @staticmethod
-    def _refusal(context: TenantContext, tokens: int, rt: bytes, tt: bytes, n: bytes) -> GatewayError:
+    def _refusal(
+        context: TenantContext, tokens: int, room_for: int, rt: bytes, tt: bytes, n: bytes
+    ) -> GatewayError:
         refusal = _refusal(
-            context, request_tokens=float(rt), token_tokens=float(tt), num_in_flight=int(n), tokens=tokens
+            context,
+            request_tokens=float(rt),
+            token_tokens=float(tt),
+            num_in_flight=int(n),
+            tokens=tokens,
+            room_for=room_for,
         )
         return refusal or GatewayError(429, "over quota", retry_after_s=1)
 
-    def admit(self, context: TenantContext, *, tokens: int) -> Ticket:
+    def admit(self, context: TenantContext, *, tokens: int, room_for: int = 1) -> Ticket:
         ticket = self._new_ticket(context, tokens)
         try:
-            admitted, rt, tt, n = self._admit(**self._admit_args(context, ticket))
+            admitted, rt, tt, n = self._admit(**self._admit_args(context, ticket, room_for))
         except redis.RedisError as exc:
             raise _unavailable(exc) from exc
         if not int(admitted):
-            raise self._refusal(context, tokens, rt, tt, n)
+            raise self._refusal(context, tokens, room_for, rt, tt, n)
         return self._hold(ticket)
 
     def release(self, ticket: Ticket, *, used_tokens: int) -> None:
@@ -326,22 +335,24 @@ class RedisQuotaStore:
         if admitted == 1:  # (-1: a full channel admitted nothing)
             await self.arelease(ticket, used_tokens=0)
 
-    async def aadmit(self, context: TenantContext, *, tokens: int) -> Ticket:
+    async def aadmit(self, context: TenantContext, *, tokens: int, room_for: int = 1) -> Ticket:
         ticket = self._new_ticket(context, tokens)
         client = self._loop_client()
         try:
             admitted, rt, tt, n = await self._admission(
-                client.admit(**self._admit_args(context, ticket)), ticket
+                client.admit(**self._admit_args(context, ticket, room_for)), ticket
             )
         except redis.RedisError as exc:
             raise _unavailable(exc) from exc
         if not int(admitted):
-            raise self._refused(context, tokens, rt, tt, n)
+            raise self._refused(context, tokens, room_for, rt, tt, n)
         self._refusing_until.pop(context.tenant_id, None)
         return self._hold(ticket)
 
-    def _refused(self, context: TenantContext, tokens: int, rt: bytes, tt: bytes, n: bytes) -> GatewayError:
-        refusal = self._refusal(context, tokens, rt, tt, n)
+    def _refused(
+        self, context: TenantContext, tokens: int, room_for: int, rt: bytes, tt: bytes, n: bytes
+    ) -> GatewayError:
+        refusal = self._refusal(context, tokens, room_for, rt, tt, n)
         self._refusing_until[context.tenant_id] = time.monotonic() + (refusal.retry_after_s or 1.0)
         return refusal
 
@@ -352,7 +363,14 @@ class RedisQuotaStore:
         return self._refusing_until.get(context.tenant_id, 0.0) <= time.monotonic()
 
     async def aadmit_and_send(
-        self, context: TenantContext, *, tokens: int, layer: Any, channel: str, message: dict[str, Any]
+        self,
+        context: TenantContext,
+        *,
+        tokens: int,
+        layer: Any,
+        channel: str,
+        message: dict[str, Any],
+        room_for: int = 1,
     ) -> Ticket:
         """Admit, then send `message` on `layer`: in one round trip when the layer's Redis is this one,
         else admission and then the layer's own send. Raises GatewayError (a refusal: nothing is sent)
@@ -362,11 +380,11 @@ class RedisQuotaStore:
         shares_server = isinstance(layer, OneTripRedisChannelLayer) and layer.single_address() == self._url
         if not shares_server or not self.sends_with_admission(context):
             return await admit_then_send(
-                self, context, tokens=tokens, layer=layer, channel=channel, message=message
+                self, context, tokens=tokens, layer=layer, channel=channel, message=message, room_for=room_for
             )
         ticket = self._new_ticket(context, tokens)
         prepared = layer.prepare_send(channel, message)
-        admit = self._admit_args(context, ticket)
+        admit = self._admit_args(context, ticket, room_for)
         script = self._loop_client().admit_and_send(
             keys=[*admit["keys"], prepared.key], args=[*admit["args"], *prepared.args]
         )
@@ -377,7 +395,7 @@ class RedisQuotaStore:
         if int(admitted) == -1:
             raise ChannelFull()
         if not int(admitted):
-            raise self._refused(context, tokens, *state)
+            raise self._refused(context, tokens, room_for, *state)
         return self._hold(ticket)
 
     async def arelease(self, ticket: Ticket, *, used_tokens: int) -> None:

@@ -85,15 +85,37 @@ async def test_a_choice_refused_by_the_quota_is_a_429_that_leaves_the_others_not
 
     trio = await sync_to_async(make_tenant)("trio", max_concurrent_requests=3)
     other_request = quota_store().admit(trio.context, tokens=1)
+    (replica,) = runtime.replicas.values()
+    submitted_before = replica.metrics.snapshot().totals.counters.get("requests", 0)
     refused = await _complete(trio, n=3, temperature=0)
     assert refused.status_code == 429, refused.content
     assert refused.json()["error"]["type"] == "rate_limit_error"
-    (replica,) = runtime.replicas.values()
     await replica.wait_idle()
+    # Refused before any choice reached the replica: no generation is thrown away with the 429.
+    assert replica.metrics.snapshot().totals.counters.get("requests", 0) == submitted_before
     stats = replica.engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
     assert _in_flight(trio) == 1  # the refused request's two slots were given back, the other's kept
     quota_store().release(other_request, used_tokens=1)
+
+
+async def test_choices_over_the_token_bucket_wait_as_long_as_all_of_them_need(make_tenant, runtime) -> None:
+    """Three choices of 150 tokens with 160 left at 10 a second: the 429's Retry-After is the wait for
+    450 (29 s), not for the one choice that found the bucket short once the first was charged (14 s),
+    after which the retry would be refused again; and no choice reached the replica."""
+    import math
+
+    from serving.gateway import quota_store
+
+    tenant = await sync_to_async(make_tenant)("bucket", tokens_per_minute=600, requests_per_second=100)
+    drained = quota_store().admit(tenant.context, tokens=440)
+    quota_store().release(drained, used_tokens=440)  # 160 of 600 left
+    (replica,) = runtime.replicas.values()
+    submitted_before = replica.metrics.snapshot().totals.counters.get("requests", 0)
+    refused = await _complete(tenant, n=3, max_tokens=149, temperature=0)  # "hello": 1 token more
+    assert refused.status_code == 429, refused.content
+    assert int(refused.headers["Retry-After"]) >= math.ceil((3 * 150 - 160) / 10) - 1
+    assert replica.metrics.snapshot().totals.counters.get("requests", 0) == submitted_before
 
 
 async def test_choices_that_could_never_fit_the_token_quota_together_are_a_400(make_tenant, runtime) -> None:

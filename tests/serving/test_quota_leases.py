@@ -325,6 +325,49 @@ def test_concurrency_and_tokens_binding_together_wait_for_the_tokens(store: Any)
     assert "concurrent" in refused.value.message and "token rate" in refused.value.message
 
 
+async def test_room_for_several_admits_one_only_when_all_would_be_admitted(
+    store: Any, request: pytest.FixtureRequest
+) -> None:
+    """The first choice of an OpenAI n=3 is admitted only with room for three (each limit), charged as
+    one; refused, Retry-After is the wait for all three. On Redis, also when admission sends too."""
+    is_redis = not isinstance(store, MemoryQuotaStore)
+    layer = one_trip_layer(request.getfixturevalue("redis_url")) if is_redis else None
+    try:
+        for tenant_id, sends in [(38, False), *([(39, True)] if is_redis else [])]:
+            context = _context(
+                tenant_id, requests_per_second=3, tokens_per_minute=600, max_concurrent_requests=3
+            )
+
+            async def admit(room_for: int, context: Any = context, sends: bool = sends) -> Any:
+                if sends:
+                    return await store.aadmit_and_send(
+                        context,
+                        tokens=100,
+                        room_for=room_for,
+                        layer=layer,
+                        channel="replica.room",
+                        message={},
+                    )
+                return await store.aadmit(context, tokens=100, room_for=room_for)
+
+            held = await admit(1)  # 1 of 3 slots, 2 of 3 requests/s and 500 of 600 tokens left
+            with pytest.raises(GatewayError) as refused:
+                await admit(3)
+            assert "concurrent" in refused.value.message and "request rate" in refused.value.message
+            assert "token rate" not in refused.value.message  # 500 >= 3 x 100
+            await store.arelease(held, used_tokens=100)  # the slot back; 500 tokens, ~2 requests left
+            with pytest.raises(GatewayError) as refused:
+                await admit(3)
+            assert refused.value.retry_after_s == pytest.approx(1 / 3, abs=0.05)  # a third request/s
+            await asyncio.sleep(0.4)
+            admitted = await admit(3)  # charged as one: two more of 100 still fit
+            await store.arelease(await admit(1), used_tokens=0)
+            await store.arelease(admitted, used_tokens=0)
+    finally:
+        if layer is not None:
+            await layer.flush()
+
+
 # --- a request no wait would admit -------------------------------------------------------------------------
 
 
