@@ -32,7 +32,7 @@ from serving.runtime import ReplicaHandle, Runtime, get_runtime
 logger = logging.getLogger(__name__)
 
 ACCEPT_TIMEOUT_S = 30.0
-INACTIVITY_TIMEOUT_S = 60.0
+INACTIVITY_TIMEOUT_S = 60.0  # of silence, keepalives aside (replica.KEEPALIVE_S): the request is lost
 LIVENESS_CHECK_S = 0.5
 _rng = random.Random()
 
@@ -311,6 +311,8 @@ class Dispatch:
                 event, self._first_event = self._first_event, None
             else:
                 event = await self._next_event(timeout_s=INACTIVITY_TIMEOUT_S)
+            if event.get("keepalive"):  # the replica still holds it (queued, or preempted): wait on
+                continue
             is_replica_failure = event.get("error", {}).get("type") in REPLICA_FAILURES
             if is_replica_failure and self.replica is not None:
                 self._note_failure(event["error"]["type"])

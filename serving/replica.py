@@ -86,6 +86,11 @@ LISTEN_RETRY_MAX_S = 2.0
 # fail every request. A request that fails every step it is in fails only its own steps: the probe,
 # which holds none of them, passes, and the replica serves on.
 PROBE_AFTER_FAILED_STEPS = 3
+# How often a request the engine holds gets an event even when it has no token to send (waiting in the
+# queue for a slot, or preempted): a keepalive, which tells its gateway that the replica still has it.
+# Well under the gateway's inactivity timeout (dispatch.INACTIVITY_TIMEOUT_S), which ends a request it
+# has heard nothing of as lost.
+KEEPALIVE_S = 15.0
 SUBMIT = "replica.submit"
 ABORT = "replica.abort"
 
@@ -244,6 +249,7 @@ class Replica:
         self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()  # model thread -> loop, in step order
         self._unsent = threading.Semaphore(MAX_UNSENT)
         self._routes: dict[str, _Route] = {}  # every request the engine holds (model thread only)
+        self._keepalive_due = time.monotonic() + KEEPALIVE_S  # model thread only
         self._idle = asyncio.Event()  # nothing queued, nothing running, everything sent
         self._idle.set()
         self._settled = asyncio.Event()  # loading ended, ready or failed
@@ -828,8 +834,20 @@ class Replica:
             # with an error instead of leaving its client to time out.
             for request_id in finished:
                 del self._routes[request_id]
+        self._add_keepalives(result)
         result.model_time_s, result.itl_s, result.ended = model_time_s, itl_s, ended
         return result
+
+    def _add_keepalives(self, result: _StepResult) -> None:
+        """Every KEEPALIVE_S, a keepalive for each request held that has no event in this step: one
+        queued behind a full batch for longer than the gateway's inactivity timeout is not lost."""
+        now = time.monotonic()
+        if now < self._keepalive_due:
+            return
+        self._keepalive_due = now + KEEPALIVE_S
+        for request_id, route in self._routes.items():
+            if request_id not in result.events_by_inbox.get(route.reply_to, {}):
+                result.add(route, request_id, {"keepalive": True})
 
     def _account(self, result: _StepResult) -> None:
         """What the heartbeat reports, and the step's sample."""

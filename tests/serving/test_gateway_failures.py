@@ -163,3 +163,46 @@ async def test_what_the_client_did_is_not_the_versions_error(make_tenant, runtim
     assert refused.value.status == 429  # over quota is the answer before "no ready replica"
     await _window()
     assert await _counters() == {}
+
+
+async def test_a_request_queued_behind_a_full_batch_longer_than_the_inactivity_timeout_is_served(
+    make_tenant, registered_model, settings, monkeypatch
+) -> None:
+    """One sequence at a time, two requests of ~1 s each: the second waits in the replica's queue longer
+    than the gateway's inactivity timeout (0.5 s here, 60 s by default). The replica's keepalives tell
+    the gateway it still holds the request: it is served, not given up as lost, and the replica is not
+    blamed for it."""
+    import asyncio
+    import json
+
+    from django.test import AsyncClient
+
+    from serving import dispatch, replica
+    from serving.breaker import breaker
+    from serving.runtime import get_runtime
+
+    settings.REPLICA_MAX_NUM_SEQS = 1
+    monkeypatch.setattr(dispatch, "INACTIVITY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(replica, "KEEPALIVE_S", 0.1)
+    runtime = await get_runtime()
+    assert await runtime.wait_ready()
+    (served,) = runtime.replicas.values()
+    served._step_delay_s = 0.03  # 30 tokens: ~1 s a request
+    tenant = await sync_to_async(make_tenant)("acme")
+    body = {"input": "hello", "max_tokens": 30, "temperature": 0}
+
+    async def infer() -> object:
+        return await AsyncClient().post(
+            "/v1/models/demo-chat/infer",
+            data=json.dumps(body),
+            content_type="application/json",
+            headers=tenant.auth,
+        )
+
+    responses = await asyncio.gather(infer(), infer())
+    for response in responses:
+        assert response.status_code == 200, response.content
+        assert response.json()["usage"]["completion_tokens"] == 30
+    state = breaker._states.get(served.replica_id)
+    assert state is None or state.num_failures == 0
+    assert (await _counters()).get("errors", 0) == 0
