@@ -23,7 +23,7 @@ from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
 from serving import gateway, prompt_log, shadow
 from serving.breaker import breaker
-from serving.gateway import GatewayError, Ticket
+from serving.gateway import GatewayError, MaybeSent, Ticket
 from serving.gateway_failures import GATEWAY_COUNTED, NO_READY_REPLICA, REPLICA_LOST, REPLICA_TIMEOUT
 from serving.replica import ABORT, SUBMIT, ReplicaState
 from serving.router import choose_replica, choose_version, routing_cache, split_model_name
@@ -126,7 +126,11 @@ class Dispatch:
     async def submit(self, *, exclude: frozenset[str] = frozenset(), charge: Charge | None = None) -> None:
         """Pick a replica, send, and wait until it accepts. `charge` (a tenant and the tokens to charge
         it): admit the request too, in the same step as the send. Raises GatewayError (400, 429, 503)."""
-        replicas = await self._runtime.candidates(self.model_name, self.version)
+        try:
+            replicas = await self._runtime.candidates(self.model_name, self.version)
+        except Exception as exc:  # the replica directory (Redis) unreadable: a 503 to retry, not a 500
+            logger.warning("replica directory unreadable (%r): request refused with a 503", exc)
+            raise GatewayError(503, "the replica directory could not be read", retry_after_s=1) from exc
         if (
             self._cold_start_allowed
             and self._runtime.can_cold_start
@@ -176,12 +180,17 @@ class Dispatch:
                         channel=replica.channel_name,
                         message=message,
                     )
+            except MaybeSent:
+                raise  # the replica stays set: closing aborts it there
             except GatewayError:
                 self.replica = None
                 raise
             except ChannelFull as exc:
                 self.replica = None
                 raise GatewayError(503, "the replica's queue is full", retry_after_s=1) from exc
+            except Exception as exc:  # the channel layer's server failed mid-send
+                logger.warning("request %s: could not be sent to its replica (%r)", self.request_id, exc)
+                raise MaybeSent(503, "the request could not be sent to its replica", retry_after_s=1) from exc
             first = await self._next_event(timeout_s=ACCEPT_TIMEOUT_S)
             if first.get("finish_reason") == "error":
                 error = first["error"]

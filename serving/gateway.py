@@ -40,6 +40,11 @@ class GatewayError(Exception):
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
+class MaybeSent(GatewayError):
+    """A submission that failed in a way that leaves it unknown whether the request reached its
+    replica's channel (the connection dropped mid-send): the caller aborts it there, a no-op if not."""
+
+
 # --- authentication ------------------------------------------------------------------------------
 
 _AUTH_CACHE_TTL_S = 5.0
@@ -311,9 +316,9 @@ class MemoryQuotaStore:
     def release(self, ticket: Ticket, *, used_tokens: int) -> None:
         with self._lock:
             state = self._states.get(ticket.tenant_id)
-            if state is None:
-                return
-            state.in_flight.discard(ticket.ticket_id)
+            if state is None or ticket.ticket_id not in state.in_flight:
+                return  # released already, or never admitted: it holds nothing to give back
+            state.in_flight.remove(ticket.ticket_id)
             # Settle the estimate charged at admission against what the request really used.
             state.token_tokens += ticket.charged_tokens - used_tokens
 

@@ -29,6 +29,7 @@ from serving.channel_layer import SEND_FUNCTIONS, OneTripRedisChannelLayer
 from serving.gateway import (
     LEASE_RENEW_EVERY_S,
     GatewayError,
+    MaybeSent,
     QuotaLimits,
     QuotaUsage,
     Ticket,
@@ -133,11 +134,11 @@ end
 return renewed
 """
 
-# KEYS[1] tenant hash; ARGV: tokens to give back (charged less used), ticket id. A lease that already
-# expired is gone: its release frees no one else's slot.
+# KEYS[1] tenant hash; ARGV: tokens to give back (charged less used), ticket id. Only a lease still held
+# is released and settled: one that expired frees no one else's slot, and a ticket whose admission never
+# ran (or was refused) gives back nothing it was not charged.
 _RELEASE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HDEL', KEYS[1], 'l:' .. ARGV[2])
+if redis.call('HDEL', KEYS[1], 'l:' .. ARGV[2]) == 0 then return 0 end
 redis.call('HINCRBYFLOAT', KEYS[1], 'tt', ARGV[1])
 return 1
 """
@@ -391,7 +392,12 @@ class RedisQuotaStore:
         try:
             admitted, *state = await self._admission(script, ticket)
         except redis.RedisError as exc:
-            raise _unavailable(exc) from exc
+            # Redis may have run the script before its reply was lost (a connection dropped): whatever it
+            # admitted is given back (nothing, if it did not run), and the caller aborts what it may have
+            # sent.
+            with contextlib.suppress(redis.RedisError):
+                await self._loop_client().release(**self._release_args(ticket, 0))
+            raise MaybeSent(503, f"quota store unavailable: {type(exc).__name__}", retry_after_s=1) from exc
         if int(admitted) == -1:
             raise ChannelFull()
         if not int(admitted):

@@ -206,3 +206,65 @@ async def test_a_request_queued_behind_a_full_batch_longer_than_the_inactivity_t
     state = breaker._states.get(served.replica_id)
     assert state is None or state.num_failures == 0
     assert (await _counters()).get("errors", 0) == 0
+
+
+async def test_a_channel_layer_that_cannot_send_is_a_503_to_retry_not_a_500(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    import json
+
+    from django.test import AsyncClient
+
+    from serving.gateway import quota_store
+    from serving.replica import SUBMIT
+
+    acme = await sync_to_async(make_tenant)("acme")
+    send = runtime.layer.send
+
+    async def refused(channel: str, message: dict) -> None:  # type: ignore[type-arg]
+        if message.get("type") == SUBMIT:
+            raise ConnectionError("Connection refused")
+        await send(channel, message)
+
+    monkeypatch.setattr(runtime.layer, "send", refused)
+    response = await AsyncClient().post(
+        "/v1/models/demo-chat/infer",
+        data=json.dumps({"input": "hello", "max_tokens": 2}),
+        content_type="application/json",
+        headers=acme.auth,
+    )
+    assert response.status_code == 503, response.content
+    assert response.headers["Retry-After"] == "1"
+    assert response.json()["error"]["type"] == "service_unavailable"
+    assert quota_store().usage([acme.context])[acme.context.tenant_id].num_in_flight == 0
+
+
+async def test_a_retry_that_cannot_read_the_replica_directory_ends_the_stream_with_an_error_event(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """Accepted, then its replica is lost before the first token; the retry's read of the replicas fails
+    (Redis down): the stream still ends with one final error event, not an exception that cuts it off
+    without one."""
+    from serving.breaker import breaker
+    from tests.serving.test_dispatch import _run_scripted
+
+    acme = await sync_to_async(make_tenant)("acme")
+    (replica,) = await runtime.candidates("demo-chat", "v1")
+    lost = {"finish_reason": "error", "error": {"type": "replica_lost", "message": "gone"}}
+    candidates = runtime.candidates
+    calls = []
+
+    async def unreadable_after_the_first(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        calls.append(version)
+        if len(calls) > 1:
+            raise ConnectionError("Connection refused")
+        return await candidates(model_name, version)
+
+    monkeypatch.setattr(runtime, "candidates", unreadable_after_the_first)
+    try:
+        _, events = await _run_scripted(acme, monkeypatch, [{"accepted": True}, lost], max_tokens=2)
+    finally:
+        breaker.record_success(replica.replica_id)
+    assert len(calls) == 2  # the retry was tried
+    assert [e.get("finish_reason") for e in events] == ["error"]
+    assert events[0]["error"]["type"] == "replica_unavailable"

@@ -226,6 +226,55 @@ def test_a_second_release_of_one_ticket_frees_no_other_requests_slot(store: Any)
         store.admit(context, tokens=1)
 
 
+def test_only_a_ticket_held_is_settled(store: Any) -> None:
+    """A second release, or the release of an admission that never ran (its reply lost), gives back no
+    tokens: only the one admission that charged them does."""
+    from serving.gateway import Ticket
+
+    context = _context(40, requests_per_second=1000, tokens_per_minute=600, max_concurrent_requests=5)
+    held = store.admit(context, tokens=300)
+    store.release(Ticket("never-admitted", context.tenant_id, 200), used_tokens=0)
+    store.release(held, used_tokens=100)  # 200 of the 300 back
+    store.release(held, used_tokens=0)  # nothing more
+    assert store.usage([context])[40].tokens_drawn == pytest.approx(100, abs=2)
+
+
+@pytest.mark.redis
+async def test_a_reply_lost_after_the_one_trip_script_ran_holds_nothing_and_says_the_request_may_be_sent(
+    redis_url: str,
+) -> None:
+    """The connection drops after Redis admitted and sent the request: the caller gets a 503 it knows
+    may have reached the replica (Dispatch then aborts it there), and the admission is given back."""
+    import redis
+
+    from serving.gateway import MaybeSent
+
+    store = _redis_store(redis_url)
+    layer = one_trip_layer(redis_url)
+    channel = "switchyard.replica.lost-reply"
+    context = _context(41, requests_per_second=1000, tokens_per_minute=60, max_concurrent_requests=1)
+    client = store._loop_client()
+    script = client.admit_and_send
+
+    async def ran_then_dropped(**kwargs: Any) -> Any:
+        await script(**kwargs)
+        raise redis.ConnectionError("Connection reset by peer")
+
+    client.admit_and_send = ran_then_dropped
+    try:
+        with pytest.raises(MaybeSent) as failed:
+            await store.aadmit_and_send(
+                context, tokens=50, layer=layer, channel=channel, message={"type": "s"}
+            )
+        assert failed.value.status == 503 and failed.value.headers == {"Retry-After": "1"}
+        usage = store.usage([context])[41]
+        assert usage.num_in_flight == 0 and usage.tokens_drawn == pytest.approx(0, abs=1)
+        assert await layer.receive(channel) == {"type": "s"}  # it was sent: the caller aborts it
+    finally:
+        await layer.flush()
+        store.clear()
+
+
 # --- cancelled during admission ----------------------------------------------------------------------------
 
 
