@@ -38,6 +38,9 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     context: TenantContext | None = None
     authorization: str = ""  # as authenticated: each infer checks it again (a cache hit, mostly)
     task: asyncio.Task[None] | None = None
+    # The task's generation has sent its final message: what is left of the task is closing its request
+    # (the quota's release, a Redis round trip), which a client's next infer waits out, not a 409.
+    has_ended: bool = False
 
     def _header(self, name: bytes) -> str | None:
         for key, value in self.scope.get("headers", ()):
@@ -95,8 +98,11 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             )
             return
         if self.task is not None and not self.task.done():
-            await self._error(GatewayError(409, "a generation is already running on this connection"))
-            return
+            if not self.has_ended:
+                await self._error(GatewayError(409, "a generation is already running on this connection"))
+                return
+            with contextlib.suppress(Exception):
+                await self.task
         body = {k: v for k, v in content.items() if k not in {"type", "version_pin"}}
         pin = content.get("version_pin")
         try:
@@ -111,6 +117,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         # The dispatch runs in the task too: Channels reads a socket's next message only once this one is
         # handled, and a dispatch can wait (for a replica to start, to accept), which a cancel or a
         # disconnect must be able to cut short.
+        self.has_ended = False
         self.task = asyncio.get_running_loop().create_task(self._run(request, pin))
 
     async def _run(self, request: InferRequest, pin: str | None) -> None:
@@ -157,10 +164,19 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             async for event in handle.events():
                 if "token" in event:
                     await self.send_json({"type": "token", "token": event["token"], "index": event["index"]})
-                elif event.get("finish_reason") == "error":
+                    continue
+                self.has_ended = True  # before the send: the client may answer it at once
+                if event.get("finish_reason") == "error":
                     await self.send_json(_final_error(handle, event.get("error", {})))
                 else:
                     await self.send_json({"type": "done", "version": handle.version, **event})
+        except Exception:  # in this task nobody else would see it, and the client would wait for ever
+            logger.exception("request %s: its WebSocket stream failed", handle.request_id)
+            if not self.has_ended:
+                self.has_ended = True
+                error = {"type": "internal_error", "message": "the stream failed"}
+                with contextlib.suppress(Exception):
+                    await self.send_json(_final_error(handle, error))
         except asyncio.CancelledError:
             # Aborts on the replica, freeing the sequence's blocks, and gives back its quota: all the way
             # through, when a second cancellation (a disconnect after a slow-reader cut-off) comes during it.

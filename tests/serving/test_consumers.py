@@ -199,3 +199,49 @@ async def test_a_dispatch_that_fails_unexpectedly_answers_503_and_the_socket_ser
     await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
     assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(3)] == ["token", "token", "done"]
     await ws.disconnect()
+
+
+async def test_the_next_infer_sent_as_soon_as_done_arrives_is_served_not_refused(acme, monkeypatch) -> None:
+    """The done message goes out before its request is closed (its quota given back: a Redis round trip
+    in production, slowed here): a client that answers it at once is served, not told a generation is
+    still running."""
+    import asyncio
+
+    from serving.gateway import quota_store
+
+    store = quota_store()
+    release = store.arelease
+
+    async def slow_release(ticket, *, used_tokens):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.2)
+        await release(ticket, used_tokens=used_tokens)
+
+    monkeypatch.setattr(store, "arelease", slow_release)
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    for _ in range(2):
+        await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
+        messages = [await ws.receive_json_from(timeout=10) for _ in range(3)]
+        assert [m["type"] for m in messages] == ["token", "token", "done"], messages
+    await ws.disconnect()
+
+
+async def test_a_stream_that_fails_unexpectedly_ends_with_an_error_message(acme, monkeypatch) -> None:
+    """Something other than a gateway error escapes the stream (a bug): the client is told, rather
+    than left waiting on an open socket for a message that never comes."""
+    from serving.dispatch import Dispatch
+
+    async def broken_events(self):  # type: ignore[no-untyped-def]
+        yield {"token": "Once", "index": 0}
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Dispatch, "events", broken_events)
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
+    assert (await ws.receive_json_from(timeout=10))["type"] == "token"
+    final = await ws.receive_json_from(timeout=10)
+    assert (final["type"], final["finish_reason"], final["error"]["type"]) == (
+        "error",
+        "error",
+        "internal_error",
+    )
+    await ws.disconnect()
