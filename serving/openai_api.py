@@ -183,27 +183,31 @@ class Chunk(Protocol):
 
 
 async def _stream(handles: list[Dispatch], chunk: Chunk, include_usage: bool) -> AsyncIterator[bytes]:
+    def sse(payload: dict[str, Any]) -> bytes:
+        # With include_usage every chunk but the last carries "usage": null, as OpenAI documents.
+        return _sse({**payload, "usage": None} if include_usage else payload)
+
     try:
         for handle in handles:  # so that a client that stops reading at the first chunks is cut off too
             handle.set_reader(asyncio.current_task())
         for index in range(len(handles)):
-            yield _sse(chunk(None, None, None, index))  # announces each choice (chat: the assistant role)
+            yield sse(chunk(None, None, None, index))  # announces each choice (chat: the assistant role)
         usages: list[dict[str, Any] | None] = []
         async for index, event in _events(handles):
             if "token" in event:
                 # A token whose text is held back (it may start a stop string) still sends its logprob.
                 if event["token"] or "logprob" in event:
                     logprob = event.get("logprob")
-                    yield _sse(chunk(event["token"], None, [logprob] if logprob else None, index))
+                    yield sse(chunk(event["token"], None, [logprob] if logprob else None, index))
             elif event.get("finish_reason") == "error":
                 # The choice ends with finish_reason "error"; the error object is what the openai client
                 # raises on (APIError) instead of taking the stream as finished. The other choices end
                 # with it: their sequences are aborted.
                 error = event.get("error", {"type": "internal_error", "message": "failed"})
-                yield _sse({**chunk(None, "error", None, index), "error": error})
+                yield sse({**chunk(None, "error", None, index), "error": error})
                 break
             else:
-                yield _sse(chunk(None, _finish_reason(event), None, index))
+                yield sse(chunk(None, _finish_reason(event), None, index))
                 usages.append(event.get("usage"))
         else:
             if include_usage:

@@ -86,3 +86,25 @@ def test_entries_from_a_replica_of_the_release_before_still_shape() -> None:
     assert completion["text_offset"] == [0] and completion["top_logprobs"] == [{" a": -0.1, " b": -2.0}]
     chat = _chat_chunk(dict(base))(" a", None, old)["choices"][0]["logprobs"]["content"][0]
     assert chat["bytes"] == list(b" a") and chat["top_logprobs"][1]["bytes"] == list(b" b")
+
+
+class FinishingHandle(FailingHandle):
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        yield {"token": "Once", "index": 0}
+        yield {"finish_reason": "length", "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+
+
+async def test_with_include_usage_every_chunk_but_the_last_has_usage_null() -> None:
+    """As OpenAI documents stream_options.include_usage: "All other chunks will also include a usage
+    field, but with a null value"; without it, no chunk has the field."""
+    base = {"created": 0, "model": "chat-model", "system_fingerprint": "chat-model:v2", "request_id": "r1"}
+    for include_usage in (True, False):
+        stream = _stream([FinishingHandle()], _chat_chunk(dict(base)), include_usage=include_usage)  # type: ignore[list-item]
+        body = b"".join([part async for part in stream])
+        chunks = [json.loads(line.removeprefix("data: ")) for line in body.decode().split("\n\n")[:-2]]
+        if include_usage:
+            *others, last = chunks
+            assert last["choices"] == [] and last["usage"]["total_tokens"] == 4
+            assert others and all("usage" in c and c["usage"] is None for c in others)
+        else:
+            assert not any("usage" in c for c in chunks)
