@@ -331,6 +331,8 @@ class Dispatch:
                         await self._retry()
                         continue
                     except GatewayError as exc:
+                        # A retry that may have reached its replica is aborted there when this closes.
+                        self._gave_up = isinstance(exc, MaybeSent)
                         event = _error_event("replica_unavailable", exc.message)
                 self.count_failure()
             if "finish_reason" in event and not self.num_prompt_tokens:

@@ -134,10 +134,17 @@ end
 return renewed
 """
 
-# KEYS[1] tenant hash; ARGV: tokens to give back (charged less used), ticket id. Only a lease still held
-# is released and settled: one that expired frees no one else's slot, and a ticket whose admission never
-# ran (or was refused) gives back nothing it was not charged.
+# KEYS[1] tenant hash; ARGV: tokens to give back (charged less used), ticket id. A lease that already
+# expired is gone: its release frees no one else's slot, but still settles the tokens its request used.
 _RELEASE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[1], 'l:' .. ARGV[2])
+redis.call('HINCRBYFLOAT', KEYS[1], 'tt', ARGV[1])
+return 1
+"""
+# The same for an admission whose outcome is unknown (its reply lost): given back only if it holds its
+# lease, i.e. the script ran and admitted it; otherwise it was never charged.
+_GIVE_BACK_IF_HELD = """
 if redis.call('HDEL', KEYS[1], 'l:' .. ARGV[2]) == 0 then return 0 end
 redis.call('HINCRBYFLOAT', KEYS[1], 'tt', ARGV[1])
 return 1
@@ -179,6 +186,7 @@ class _LoopClient:
         self.admit = self.redis.register_script(_ADMIT)
         self.admit_and_send = self.redis.register_script(_ADMIT_AND_SEND)
         self.release = self.redis.register_script(_RELEASE)
+        self.give_back_if_held = self.redis.register_script(_GIVE_BACK_IF_HELD)
         self.renew = self.redis.register_script(_RENEW)
 
 
@@ -396,7 +404,7 @@ class RedisQuotaStore:
             # admitted is given back (nothing, if it did not run), and the caller aborts what it may have
             # sent.
             with contextlib.suppress(redis.RedisError):
-                await self._loop_client().release(**self._release_args(ticket, 0))
+                await self._loop_client().give_back_if_held(**self._release_args(ticket, 0))
             raise MaybeSent(503, f"quota store unavailable: {type(exc).__name__}", retry_after_s=1) from exc
         if int(admitted) == -1:
             raise ChannelFull()

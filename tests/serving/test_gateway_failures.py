@@ -268,3 +268,48 @@ async def test_a_retry_that_cannot_read_the_replica_directory_ends_the_stream_wi
     assert len(calls) == 2  # the retry was tried
     assert [e.get("finish_reason") for e in events] == ["error"]
     assert events[0]["error"]["type"] == "replica_unavailable"
+
+
+async def test_a_retry_that_may_have_reached_its_replica_is_aborted_there(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """Accepted, then lost before the first token; the retry's send fails once the message may be on
+    the other replica's channel (the connection dropped mid-send): the stream ends in an error, and that
+    try is aborted on its replica, which would otherwise run it to its end for no one."""
+    import dataclasses
+
+    from serving import dispatch as dispatch_module
+    from serving.breaker import breaker
+    from serving.replica import ABORT, SUBMIT
+    from tests.serving.test_dispatch import _run_scripted
+
+    acme = await sync_to_async(make_tenant)("acme")
+    (first,) = await runtime.candidates("demo-chat", "v1")
+    other = dataclasses.replace(first, replica_id="other-replica", channel_name="switchyard.replica.other")
+    candidates = runtime.candidates
+
+    async def with_the_other(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        return [*await candidates(model_name, version), other]
+
+    send, aborts = runtime.layer.send, []
+
+    async def dropped_mid_send(channel: str, message: dict) -> None:  # type: ignore[type-arg]
+        if message.get("type") == ABORT:
+            aborts.append((channel, message["request_id"]))
+        if channel == other.channel_name and message.get("type") == SUBMIT:
+            raise ConnectionError("Connection reset by peer")
+        await send(channel, message)
+
+    monkeypatch.setattr(runtime, "candidates", with_the_other)
+    monkeypatch.setattr(runtime.layer, "send", dropped_mid_send)
+    # The first try on the real replica, the retry (which leaves that one out) on the other.
+    monkeypatch.setattr(
+        dispatch_module, "choose_replica", lambda replicas, rng: replicas[0] if replicas else None
+    )
+    lost = {"finish_reason": "error", "error": {"type": "replica_lost", "message": "gone"}}
+    try:
+        handle, events = await _run_scripted(acme, monkeypatch, [{"accepted": True}, lost], max_tokens=2)
+    finally:
+        breaker.record_success(first.replica_id)
+    assert [e.get("finish_reason") for e in events] == ["error"]
+    assert (other.channel_name, handle._wire_id) in aborts
