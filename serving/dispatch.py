@@ -552,6 +552,7 @@ async def dispatch(
         "params": params,
         "tenant": context.tenant_name,
         "cache_group": context.cache_group,
+        "keepalives": True,  # events() skips them; a replica older than them sends none
     }
     # A request may wait for a replica to start (a cold start) only for a version the autoscaler gives
     # replicas to: a pin to a version without traffic would wait for nothing.

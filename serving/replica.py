@@ -119,6 +119,9 @@ class _Route:
     submitted_at: float  # wall clock, so a gateway in another process can be compared
     seq: Any = None  # the engine's Sequence, read for its queue wait when it ends
     last_token_at: float | None = None  # monotonic, for inter-token latency
+    # Its gateway asked for keepalives (KEEPALIVE_S). A gateway older than them would pass one on to its
+    # client as the stream's end: it gets none.
+    wants_keepalives: bool = False
 
 
 @dataclass(slots=True)
@@ -588,7 +591,11 @@ class Replica:
         from serving.engine.sequence import SamplingParams
 
         request_id = str(message.get("request_id"))
-        route = _Route(str(message.get("reply_to")), message.get("submitted_at") or time.time())
+        route = _Route(
+            str(message.get("reply_to")),
+            message.get("submitted_at") or time.time(),
+            wants_keepalives=message.get("keepalives") is True,
+        )
         arrival = _Arrival(request_id, route)
         try:
             raw = message["params"]
@@ -846,7 +853,7 @@ class Replica:
             return
         self._keepalive_due = now + KEEPALIVE_S
         for request_id, route in self._routes.items():
-            if request_id not in result.events_by_inbox.get(route.reply_to, {}):
+            if route.wants_keepalives and request_id not in result.events_by_inbox.get(route.reply_to, {}):
                 result.add(route, request_id, {"keepalive": True})
 
     def _account(self, result: _StepResult) -> None:

@@ -68,7 +68,12 @@ async def _replica_sending_at_once() -> tuple[Replica, InMemoryChannelLayer, Hel
 
 
 async def _submit(
-    layer: InMemoryChannelLayer, replica: Replica, request_id: str, max_tokens: int, reply_to: str = INBOX
+    layer: InMemoryChannelLayer,
+    replica: Replica,
+    request_id: str,
+    max_tokens: int,
+    reply_to: str = INBOX,
+    **fields: Any,
 ) -> None:
     await layer.send(
         replica.channel_name,
@@ -78,6 +83,7 @@ async def _submit(
             "reply_to": reply_to,
             "input": "once upon a time",
             "params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+            **fields,
         },
     )
 
@@ -803,5 +809,32 @@ async def test_a_request_that_fails_every_step_it_is_in_does_not_fail_a_replica_
         await asyncio.wait_for(replica.wait_idle(), timeout=30)
         _assert_one_whole_stream(replies.events("fine"), num_tokens=4)
         assert replica.engine.stats().kv_cache_usage == 0.0  # the probes' blocks given back
+    finally:
+        await replica.stop()
+
+
+async def test_requests_waiting_for_a_slot_get_keepalives_when_their_gateway_asks(
+    registered_model, settings, monkeypatch
+) -> None:
+    """One running at a time: r2 and r3 wait behind r1. r2's gateway asked for keepalives and gets them
+    between its acceptance and its first token; r3's did not (a gateway older than them would pass one
+    on as the stream's end) and gets none."""
+    from serving import replica as replica_module
+
+    settings.REPLICA_MAX_NUM_SEQS = 1
+    monkeypatch.setattr(replica_module, "KEEPALIVE_S", 0.05)
+    replica, layer, replies = await _replica_sending_at_once()
+    replica._step_delay_s = 0.02
+    try:
+        await _submit(layer, replica, "r1", max_tokens=20)
+        await _submit(layer, replica, "r2", max_tokens=2, keepalives=True)
+        await _submit(layer, replica, "r3", max_tokens=2)
+        await asyncio.wait_for(replica.wait_idle(), timeout=30)
+        r2 = replies.events("r2")
+        first_token = next(i for i, e in enumerate(r2) if "token" in e)
+        assert r2[0]["accepted"] and any(e.get("keepalive") for e in r2[1:first_token])
+        _assert_one_whole_stream([e for e in r2 if not e.get("keepalive")], num_tokens=2)
+        assert not any(e.get("keepalive") for e in replies.events("r3"))
+        _assert_one_whole_stream(replies.events("r3"), num_tokens=2)
     finally:
         await replica.stop()
