@@ -15,6 +15,29 @@ from registry.models import (
 from registry.services import routing_changed
 
 
+class MovesRoutingRevision(admin.ModelAdmin):
+    """For rows a gateway routes a model by (its table, an alias, its scaling bounds): gateways keep a
+    model's routing until its revision moves, so every save or deletion here moves it, as the services
+    do for every other routing edit. The row's `model` names the model."""
+
+    def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]
+        with transaction.atomic():
+            super().save_model(request, obj, form, change)
+            routing_changed(model=obj.model)
+
+    def delete_model(self, request, obj):  # type: ignore[no-untyped-def]
+        with transaction.atomic():
+            super().delete_model(request, obj)
+            routing_changed(model=obj.model)
+
+    def delete_queryset(self, request, queryset):  # type: ignore[no-untyped-def]
+        with transaction.atomic():
+            models = {row.model for row in queryset.select_related("model")}
+            super().delete_queryset(request, queryset)
+            for model in models:
+                routing_changed(model=model)
+
+
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
     list_display = ("name", "kind", "owner", "created_at")
@@ -42,24 +65,10 @@ class AliasEventInline(admin.TabularInline):
 
 
 @admin.register(Alias)
-class AliasAdmin(admin.ModelAdmin):
+class AliasAdmin(MovesRoutingRevision):
     list_display = ("__str__", "version", "updated_at")
     readonly_fields = ("model", "name", "version")
     inlines = [AliasEventInline]
-
-    # Gateways keep a model's routing, its aliases included, until its revision moves: a deletion here
-    # must move it as registry.services does for every other routing edit.
-    def delete_model(self, request, obj):  # type: ignore[no-untyped-def]
-        with transaction.atomic():
-            super().delete_model(request, obj)
-            routing_changed(model=obj.model)
-
-    def delete_queryset(self, request, queryset):  # type: ignore[no-untyped-def]
-        with transaction.atomic():
-            models = {alias.model for alias in queryset.select_related("model")}
-            super().delete_queryset(request, queryset)
-            for model in models:
-                routing_changed(model=model)
 
 
 class RoutingEntryInline(admin.TabularInline):
@@ -70,7 +79,7 @@ class RoutingEntryInline(admin.TabularInline):
 
 
 @admin.register(RoutingTable)
-class RoutingTableAdmin(admin.ModelAdmin):
+class RoutingTableAdmin(MovesRoutingRevision):  # its mirror (a shadow deployment's) is editable
     list_display = ("model", "revision", "updated_at")
     readonly_fields = ("model", "revision")
     inlines = [RoutingEntryInline]

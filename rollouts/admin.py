@@ -1,5 +1,6 @@
 from django.contrib import admin
 
+from registry.admin import MovesRoutingRevision
 from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
 
 
@@ -51,5 +52,5 @@ class ScaleTargetAdmin(admin.ModelAdmin):
 
 
 @admin.register(ScalingBounds)
-class ScalingBoundsAdmin(admin.ModelAdmin):
+class ScalingBoundsAdmin(MovesRoutingRevision):  # gateways route by them (whether a model scales to zero)
     list_display = ("model", "min_replicas", "max_replicas", "updated_at")

@@ -121,3 +121,45 @@ def test_an_alias_deleted_in_the_admin_stops_routing_at_the_caches_next_check(
     assert response.status_code == 302 and not Alias.objects.exists()
     assert RoutingTable.objects.get(model=model).revision > revision
     assert routing_cache.get("demo-chat", max_age_s=0).aliases == {}
+
+
+def test_scaling_bounds_and_a_mirror_changed_in_the_admin_reach_the_routing_caches_next_check(
+    registered_model,
+) -> None:
+    """A model set to scale to zero in the admin: a gateway that kept the old table would neither wait
+    for a replica to start nor ask for one, and answer 503s; a mirror cleared there would go on."""
+    from django.contrib.auth import get_user_model
+
+    from registry.models import RoutingTable
+    from rollouts.models import ScalingBounds
+
+    model = registered_model.model
+    bounds = ScalingBounds.objects.create(model=model, min_replicas=1, max_replicas=2)
+    assert routing_cache.get("demo-chat", max_age_s=0).scales_to_zero is False
+    client = Client()
+    client.force_login(get_user_model().objects.create_user("alice", is_staff=True, is_superuser=True))
+    response = client.post(
+        f"/admin/rollouts/scalingbounds/{bounds.pk}/change/",
+        {"model": model.pk, "min_replicas": 0, "max_replicas": 2},
+    )
+    assert response.status_code == 302, response.content
+    assert routing_cache.get("demo-chat", max_age_s=0).scales_to_zero is True
+
+    table = RoutingTable.objects.get(model=model)
+    table.mirror_version, table.mirror_pct = registered_model, 20
+    table.save()  # as a shadow deployment leaves it, then cleared by hand:
+    routing_table_revision = RoutingTable.objects.get(model=model).revision
+    response = client.post(
+        f"/admin/registry/routingtable/{table.pk}/change/",
+        {
+            "mirror_version": "",
+            "mirror_pct": 0,
+            # the read-only inline of its entries, as the page sends it back
+            "entries-TOTAL_FORMS": table.entries.count(),
+            "entries-INITIAL_FORMS": table.entries.count(),
+            **{f"entries-{i}-id": entry.pk for i, entry in enumerate(table.entries.order_by("pk"))},
+            **{f"entries-{i}-table": table.pk for i in range(table.entries.count())},
+        },
+    )
+    assert response.status_code == 302, response.content
+    assert RoutingTable.objects.get(model=model).revision > routing_table_revision
