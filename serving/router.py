@@ -33,6 +33,8 @@ class _CacheEntry:
 # A table used this recently is revalidated ahead of time by the runtime's refresher (due_for_refresh), so
 # a request finds it fresh and routes without a database read or a thread hop.
 REFRESH_WHILE_USED_S = 30.0
+# Past this many cached names, those of no model are dropped before another is added.
+MAX_ENTRIES = 1000
 
 
 class RoutingCache:
@@ -80,9 +82,10 @@ class RoutingCache:
             snapshot = routing_snapshot(model_name=model_name)
         except Exception as exc:
             if entry is not None and entry.snapshot is not None:
-                # Tried again a period later, not by every request meanwhile: a database that hangs
-                # would otherwise gather every worker thread in the connect.
-                entry.checked_at = now
+                # Tried again a period after the failure, not by every request meanwhile: a database
+                # that hangs would otherwise gather every worker thread in the connect (stamped with the
+                # start, a failure that took longer than the period would be due again at once).
+                entry.checked_at = time.monotonic()
                 logger.warning(
                     "routing table for %s unreadable (%s); using revision %s",
                     model_name,
@@ -92,6 +95,11 @@ class RoutingCache:
                 return entry.snapshot
             raise GatewayError(503, "routing table unavailable", retry_after_s=1) from exc
         with self._lock:
+            if snapshot is None and len(self._entries) >= MAX_ENTRIES:
+                # Names of no model, which any client may send (each a 404): they take no place a real
+                # model's table needs.
+                for name in [n for n, e in self._entries.items() if e.snapshot is None]:
+                    del self._entries[name]
             self._entries[model_name] = _CacheEntry(snapshot, now, entry.used_at if entry else now)
         return snapshot
 
@@ -103,7 +111,8 @@ class RoutingCache:
             return [
                 name
                 for name, entry in self._entries.items()
-                if now - entry.used_at < REFRESH_WHILE_USED_S
+                if entry.snapshot is not None  # a name of no model is read again when next asked for
+                and now - entry.used_at < REFRESH_WHILE_USED_S
                 and now - entry.checked_at >= self._revalidate_s / 2
             ]
 

@@ -130,3 +130,42 @@ def test_tables_in_use_are_revalidated_ahead_so_requests_route_from_memory(
     assert is_fresh and snapshot is not None and snapshot.weights == {"v1": 10, "v2": 90}
     clock[0] += router.REFRESH_WHILE_USED_S  # nobody asked for it since: no background reads
     assert cache.due_for_refresh() == []
+
+
+@pytest.mark.django_db
+def test_a_database_that_hangs_past_the_period_is_not_asked_again_by_the_next_request(
+    registered_model, monkeypatch
+) -> None:
+    """The failure took 0.7 s (a connect that hangs, then fails): the last good table serves for a period
+    from the failure, not from its start, which would make every request wait out the hang in turn."""
+    clock, cache = _cache_on_a_clock(monkeypatch)
+    tries = []
+
+    def hangs_then_fails(**kwargs: object) -> None:
+        tries.append(clock[0])
+        clock[0] += 0.7
+        raise ConnectionError("database unreachable")
+
+    monkeypatch.setattr("serving.router.routing_revision", hangs_then_fails)
+    monkeypatch.setattr("serving.router.routing_snapshot", hangs_then_fails)
+    clock[0] = 1000.6
+    assert cache.get("demo-chat").weights == {"v1": 100}  # type: ignore[union-attr]
+    clock[0] += 0.05
+    assert cache.get_fresh("demo-chat") == (True, cache.get("demo-chat"))
+    assert len(tries) == 1
+
+
+@pytest.mark.django_db
+def test_names_of_no_model_take_no_lasting_place_in_the_cache(registered_model, monkeypatch) -> None:
+    """Any client may ask for any name (a 404 each): they are not revalidated in the background, and
+    past MAX_ENTRIES they make way, while the real model's table stays."""
+    from serving import router
+
+    monkeypatch.setattr(router, "MAX_ENTRIES", 50)
+    clock, cache = _cache_on_a_clock(monkeypatch)
+    for i in range(200):
+        assert cache.get(f"nope-{i}") is None
+    clock[0] += 0.3  # past half the period: what is in use is due for an early read
+    assert cache.due_for_refresh() == ["demo-chat"]
+    assert len(cache._entries) <= 50
+    assert cache.get_fresh("demo-chat")[1] is not None
