@@ -71,7 +71,12 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(float(value))  # type: ignore[arg-type]
+    if not (_is_int(value) or isinstance(value, float)):
+        return False
+    try:
+        return math.isfinite(float(value))  # type: ignore[arg-type]
+    except OverflowError:  # an integer of hundreds of digits, which JSON allows
+        return False
 
 
 def validate_steps(steps: object) -> list[dict[str, int]]:
@@ -704,7 +709,13 @@ def deployment_rollback(*, deployment: Deployment, actor: str, reason: str = "")
     deployment = _locked(deployment)
     _refuse_unless_in_flight(deployment, "roll back")
     _rollback(
-        deployment, actor=actor, reason=reason or f"rollback requested by {actor}", figures={}, now=decided_at
+        # The default names no one: the event's actor says who, as each reader may know it (a tenant
+        # sharing a platform model sees neither another tenant's name nor a staff login).
+        deployment,
+        actor=actor,
+        reason=reason or "rollback requested",
+        figures={},
+        now=decided_at,
     )
     return deployment
 
@@ -726,7 +737,7 @@ def deployment_promote(*, deployment: Deployment, actor: str, reason: str = "") 
         _promote(
             deployment,
             actor=actor,
-            reason=reason or f"promotion requested by {actor}",
+            reason=reason or "promotion requested",  # as a rollback's: the actor says who
             figures={},
             now=timezone.now(),
         )

@@ -227,6 +227,28 @@ def test_a_second_deployment_for_a_model_with_one_in_flight_is_409_and_changes_n
     assert everything(chat) == before
 
 
+@pytest.mark.parametrize("end", ["rollback", "promote"])
+def test_the_default_reasons_name_no_one_another_tenant_may_not_know(client, chat, make_tenant, end) -> None:
+    """Without a reason of its own, an event's reason said who asked ("rollback requested by staff:alice"):
+    beside an actor shown to acme as "another tenant" or "staff", it named them."""
+    acme = make_tenant("acme", may_deploy=True, allowed_models=[chat], deployable_models=[chat])
+    globex = make_tenant("globex", may_deploy=True, allowed_models=[chat], deployable_models=[chat])
+    deployment_id = post(client, "/v1/deployments", BODY, **acme.auth).json()["deployment_id"]
+    deployment = Deployment.objects.get(pk=deployment_id)
+    services.deployment_judge(deployment=deployment, read_window=FakeMetrics())  # ramping: promotable
+    response = post(client, f"/v1/deployments/{deployment_id}/{end}", **globex.auth)
+    assert response.status_code == 202, response.content
+    events = client.get(f"/v1/deployments/{deployment_id}", headers=acme.auth).json()["events"]
+    assert any(e["actor"] == "another tenant" for e in events)
+    assert not any("globex" in (e["reason"] or "") for e in events)
+
+
+def test_a_threshold_too_large_for_a_float_is_a_400(staff_client, chat) -> None:
+    response = post(staff_client, "/v1/deployments", {**BODY, "thresholds": {"ttft_sla_ms": 10**400}})
+    assert response.status_code == 400, response.content
+    assert "ttft_sla_ms" in response.json()["error"]["message"]
+
+
 def test_versions_endpoint_reports_state_from_deployments(staff_client, chat) -> None:
     deployment_id = post(staff_client, "/v1/deployments", BODY).json()["deployment_id"]
     services.deployment_judge(deployment=Deployment.objects.get(pk=deployment_id), read_window=FakeMetrics())
