@@ -84,6 +84,18 @@ class RoutingTableAdmin(MovesRoutingRevision):  # its mirror (a shadow deploymen
     readonly_fields = ("model", "revision")
     inlines = [RoutingEntryInline]
 
+    def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]
+        if change:
+            # Not the revision read with the form: a routing edit committed meanwhile moved it, and
+            # writing it back would let the bump after this save land on a revision gateways hold.
+            fields = [f for f in form.changed_data if f != "revision"]
+            with transaction.atomic():
+                if fields:
+                    obj.save(update_fields=[*fields, "updated_at"])
+                routing_changed(model=obj.model)
+        else:
+            super().save_model(request, obj, form, change)
+
 
 class QuotaInline(admin.StackedInline):
     model = Quota
