@@ -52,7 +52,9 @@ def _authorize(request: Request, model: Model | None = None) -> None:
         raise PermissionDenied(f"tenant {context.tenant_name!r} may not deploy")
     if model is None or context.may_deploy_to(model.name, owner_id=model.owner_id):
         return
-    if context.is_hidden(model.name, owner_id=model.owner_id):
+    if not context.may_use(model.name, owner_id=model.owner_id):
+        # As the registry answers for it: a model this tenant may not use does not exist for it (a 403
+        # would name a platform model its quota keeps from it, and by deployment id, every one).
         raise NotFound(f"model {model.name!r} not found")
     raise PermissionDenied(
         f"tenant {context.tenant_name!r} may not deploy {model.name!r}: a tenant deploys its own models "

@@ -117,7 +117,7 @@ def test_callers_without_the_right_get_403_and_change_nothing(client, chat, make
     deployment = services.deployment_create(model=chat, version="v2", created_by="staff:alice")
     before = everything(chat)
 
-    for tenant in (viewer, elsewhere, user, named, granted_elsewhere):
+    for tenant in (viewer, user, named, granted_elsewhere):
         for method, path in (
             ("post", "/v1/deployments"),
             ("get", f"/v1/deployments/{deployment.pk}"),
@@ -130,6 +130,17 @@ def test_callers_without_the_right_get_403_and_change_nothing(client, chat, make
                 response = post(client, path, {**BODY, "version": "v3"}, **tenant.auth)
             assert response.status_code == 403, (tenant.tenant, path, response.content)
             assert response.json()["error"]["type"] == "permission_error"
+
+    # Allowed to deploy, but not to use chat at all: as the registry answers it, chat does not exist.
+    for response in (
+        post(client, "/v1/deployments", {**BODY, "version": "v3"}, **elsewhere.auth),
+        client.get(f"/v1/deployments/{deployment.pk}", headers=elsewhere.auth),
+        post(client, f"/v1/deployments/{deployment.pk}/rollback", **elsewhere.auth),
+    ):
+        assert response.status_code == 404, response.content
+    assert "chat" not in response.json()["error"]["message"]
+    assert client.get("/v1/models/chat/versions", headers=elsewhere.auth).status_code == 404
+    assert everything(chat) == before
 
     plain = get_user_model().objects.create_user("bob", is_staff=False)
     client.force_login(plain)
