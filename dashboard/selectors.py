@@ -101,9 +101,17 @@ def _charted_versions(rows: Sequence[dict[str, Any]], points: dict[str, list[dic
 
 
 def _last_minute(*, model_name: str, versions: Iterable[str], now: datetime) -> dict[str, dict[str, Any]]:
+    figures = _last_minute_of(versions=[(model_name, v) for v in versions], now=now)
+    return {version: summary for (_, version), summary in figures.items()}
+
+
+def _last_minute_of(
+    *, versions: Iterable[tuple[str, str]], now: datetime
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """The "now" figures of (model name, version) pairs, of as many models as asked, in one read."""
     end = charts.data_end(now)
-    windows = version_windows(versions=[(model_name, v) for v in versions], start=end - RATE_WINDOW, end=end)
-    return {version: charts.window_summary(window) for (_, version), window in windows.items()}
+    windows = version_windows(versions=versions, start=end - RATE_WINDOW, end=end)
+    return {pair: charts.window_summary(window) for pair, window in windows.items()}
 
 
 # --- replicas (the data plane's runtime) -----------------------------------------------------------------
@@ -174,16 +182,13 @@ def overview(*, replicas: Sequence[ReplicaHandle], now: datetime | None = None) 
         )
         shown_of[model.pk] = [v for v in versions if _is_active(v)] or versions[-1:]
         num_versions[model.pk] = len(versions)
-    end = charts.data_end(now)
-    windows = version_windows(
-        versions=[(m.name, v["version"]) for m in all_models for v in shown_of[m.pk]],
-        start=end - RATE_WINDOW,
-        end=end,
+    figures = _last_minute_of(
+        versions=[(m.name, v["version"]) for m in all_models for v in shown_of[m.pk]], now=now
     )
     models = []
     for model in all_models:
         for row in shown_of[model.pk]:
-            row.update(charts.window_summary(windows[(model.name, row["version"])]))
+            row.update(figures[(model.name, row["version"])])
         deployment = in_flight.get(model.pk)
         models.append(
             {

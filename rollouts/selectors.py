@@ -55,11 +55,7 @@ def deployment_ids_to_judge() -> list[int]:
 
 
 def deployment_in_flight(*, model: Model) -> Deployment | None:
-    return (
-        Deployment.objects.filter(model=model, state__in=Deployment.IN_FLIGHT_STATES)
-        .select_related("candidate", "incumbent")
-        .first()
-    )
+    return deployments_in_flight([model]).get(model.pk)
 
 
 def _actor_as_seen_by(actor: str, viewer: str | None) -> str:

@@ -166,7 +166,9 @@ def _rows(
         )
 
 
-def _by_resolution(base: QuerySet[MetricWindow], start: datetime, end: datetime, now: datetime) -> list[Any]:
+def _by_resolution(
+    base: QuerySet[MetricWindow], start: datetime, end: datetime, now: datetime
+) -> list[QuerySet[MetricWindow]]:
     """`base`'s rows in [start, end) as _rows reads them: one query per resolution the range needs."""
     cutoff = floor_time(now - MetricWindow.FINE_RETENTION, MetricWindow.COARSE_RESOLUTION_S) + timedelta(
         seconds=MetricWindow.COARSE_RESOLUTION_S
@@ -225,18 +227,15 @@ def _minute_rows(
 
 def version_window(*, model_name: str, version: str, start: datetime, end: datetime) -> VersionWindow:
     """A version's metrics over [start, end), merged over replicas. Unknown versions read as empty."""
-    _check_range(start, end)
-    window = MetricsWindow()
-    for _, histograms, counters, gauges in _rows(model_name, version, start, end, timezone.now()):
-        window.merge(MetricsWindow.from_json(histograms, counters, gauges))
-    return _version_window(model_name, version, start, end, window)
+    return version_windows(versions=[(model_name, version)], start=start, end=end)[(model_name, version)]
 
 
 def version_windows(
     *, versions: Iterable[tuple[str, str]], start: datetime, end: datetime
 ) -> dict[tuple[str, str], VersionWindow]:
-    """version_window of several (model name, version) pairs, keyed by the pair, in one query per
-    resolution however many pairs: the dashboard's overview asks for every model's versions each push."""
+    """Each (model name, version) pair's metrics over [start, end), merged over replicas, keyed by the
+    pair, in one query per resolution however many pairs: the dashboard's overview asks for every
+    model's versions each push. Unknown versions read as empty."""
     _check_range(start, end)
     pairs = list(dict.fromkeys(versions))
     merged = {pair: MetricsWindow() for pair in pairs}
