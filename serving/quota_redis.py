@@ -134,18 +134,13 @@ end
 return renewed
 """
 
-# KEYS[1] tenant hash; ARGV: tokens to give back (charged less used), ticket id. A lease that already
-# expired is gone: its release frees no one else's slot, but still settles the tokens its request used.
+# KEYS[1] tenant hash; ARGV: tokens to give back (charged less used), ticket id, '1' to settle only a
+# lease still held. A lease that already expired is gone: its release frees no one else's slot, but still
+# settles the tokens its request used. Only if held: an admission whose outcome is unknown (its reply
+# lost) is given back only if the script ran and admitted it; otherwise it was never charged.
 _RELEASE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HDEL', KEYS[1], 'l:' .. ARGV[2])
-redis.call('HINCRBYFLOAT', KEYS[1], 'tt', ARGV[1])
-return 1
-"""
-# The same for an admission whose outcome is unknown (its reply lost): given back only if it holds its
-# lease, i.e. the script ran and admitted it; otherwise it was never charged.
-_GIVE_BACK_IF_HELD = """
-if redis.call('HDEL', KEYS[1], 'l:' .. ARGV[2]) == 0 then return 0 end
+local held = redis.call('HDEL', KEYS[1], 'l:' .. ARGV[2]) == 1
+if not held and (ARGV[3] == '1' or redis.call('EXISTS', KEYS[1]) == 0) then return 0 end
 redis.call('HINCRBYFLOAT', KEYS[1], 'tt', ARGV[1])
 return 1
 """
@@ -186,7 +181,6 @@ class _LoopClient:
         self.admit = self.redis.register_script(_ADMIT)
         self.admit_and_send = self.redis.register_script(_ADMIT_AND_SEND)
         self.release = self.redis.register_script(_RELEASE)
-        self.give_back_if_held = self.redis.register_script(_GIVE_BACK_IF_HELD)
         self.renew = self.redis.register_script(_RENEW)
 
 
@@ -303,10 +297,12 @@ class RedisQuotaStore:
         with contextlib.suppress(redis.RedisError):
             await self._loop_client().renew(keys=keys, args=args)
 
-    def _release_args(self, ticket: Ticket, used_tokens: int) -> dict[str, list[object]]:
+    def _release_args(
+        self, ticket: Ticket, used_tokens: int, *, only_if_held: bool = False
+    ) -> dict[str, list[object]]:
         return {
             "keys": [self._key(ticket.tenant_id)],
-            "args": [ticket.charged_tokens - used_tokens, ticket.ticket_id],
+            "args": [ticket.charged_tokens - used_tokens, ticket.ticket_id, "1" if only_if_held else "0"],
         }
 
     def _loop_client(self) -> _LoopClient:
@@ -404,7 +400,7 @@ class RedisQuotaStore:
             # admitted is given back (nothing, if it did not run), and the caller aborts what it may have
             # sent.
             with contextlib.suppress(redis.RedisError):
-                await self._loop_client().give_back_if_held(**self._release_args(ticket, 0))
+                await self._loop_client().release(**self._release_args(ticket, 0, only_if_held=True))
             raise MaybeSent(503, f"quota store unavailable: {type(exc).__name__}", retry_after_s=1) from exc
         if int(admitted) == -1:
             raise ChannelFull()
