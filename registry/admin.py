@@ -22,8 +22,11 @@ class MovesRoutingRevision(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]
         with transaction.atomic():
-            super().save_model(request, obj, form, change)
+            self.save_row(request, obj, form, change)
             routing_changed(model=obj.model)
+
+    def save_row(self, request, obj, form, change):  # type: ignore[no-untyped-def]
+        super().save_model(request, obj, form, change)
 
     def delete_model(self, request, obj):  # type: ignore[no-untyped-def]
         with transaction.atomic():
@@ -84,17 +87,15 @@ class RoutingTableAdmin(MovesRoutingRevision):  # its mirror (a shadow deploymen
     readonly_fields = ("model", "revision")
     inlines = [RoutingEntryInline]
 
-    def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]
-        if change:
-            # Not the revision read with the form: a routing edit committed meanwhile moved it, and
-            # writing it back would let the bump after this save land on a revision gateways hold.
-            fields = [f for f in form.changed_data if f != "revision"]
-            with transaction.atomic():
-                if fields:
-                    obj.save(update_fields=[*fields, "updated_at"])
-                routing_changed(model=obj.model)
-        else:
-            super().save_model(request, obj, form, change)
+    def save_row(self, request, obj, form, change):  # type: ignore[no-untyped-def]
+        if not change:
+            super().save_row(request, obj, form, change)
+            return
+        # Not the revision read with the form: a routing edit committed meanwhile moved it, and writing
+        # it back would let the bump after this save land on a revision gateways hold.
+        fields = [f for f in form.changed_data if f != "revision"]
+        if fields:
+            obj.save(update_fields=[*fields, "updated_at"])
 
 
 class QuotaInline(admin.StackedInline):
