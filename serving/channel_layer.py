@@ -40,6 +40,8 @@ from channels_redis.core import RedisChannelLayer
 from channels_redis.pubsub import RedisPubSubChannelLayer
 from channels_redis.utils import _consistent_hash, decode_hosts
 
+from serving.cancelling import raise_if_cancelling
+
 logger = logging.getLogger(__name__)
 
 # Lua functions, so that the quota store's admission script can run a send too (serving/quota_redis.py):
@@ -115,7 +117,12 @@ class OneTripRedisChannelLayer(RedisChannelLayer):  # type: ignore[misc]
         connection = self.connection(next(self._receive_index_generator))
         while True:
             popped = await connection.bzpopmin(self.prefix + channel, timeout=self.brpop_timeout)
-            if popped is not None:
+            if popped is None:
+                # The client may have lost a cancellation that came with its timeout reply; without this
+                # the loop would block again, and whoever cancelled would wait for ever. A message in
+                # hand is returned first: the next timeout ends the loop.
+                raise_if_cancelling()
+            else:
                 _, member, _ = popped
                 message: dict[str, Any] = self.deserialize(member)
                 message.pop("__asgi_channel__", None)  # set by a group send; the core layer drops it too

@@ -60,6 +60,7 @@ from registry import artifacts
 from registry.models import Model
 from registry.selectors import VersionRef
 from serving import metrics as m
+from serving.cancelling import cancel_and_wait
 from serving.faults import INJECTED_FAULT, Faults, check_fault_injection_allowed, configured_faults
 from serving.metrics import MetricsRecorder, RequestSample, StepSample, register_recorder, unregister_recorder
 from serving.replica_directory import HEARTBEAT_INTERVAL_S, Heartbeat, HeartbeatPublisher, RecentSteps
@@ -422,11 +423,10 @@ class Replica:
 
     async def stop(self) -> None:
         self.state = ReplicaState.STOPPED
-        for task in self._tasks:
-            task.cancel()
         # A task that had ended with an error must not end the stop here: the heartbeat would never be
-        # withdrawn, nor the model thread stopped.
-        outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
+        # withdrawn, nor the model thread stopped. Nor may one that a Redis client let run on (the
+        # listener in BZPOPMIN, the heartbeat): cancel_and_wait cancels it again.
+        outcomes = await cancel_and_wait(self._tasks)
         for task, outcome in zip(self._tasks, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 logger.error("replica %s: %s had failed", self.replica_id, task.get_name(), exc_info=outcome)

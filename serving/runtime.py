@@ -22,6 +22,7 @@ from django.conf import settings
 from registry.selectors import VersionRef, versions_with_traffic
 from serving import gateway
 from serving.breaker import breaker
+from serving.cancelling import cancel_and_wait
 from serving.gateway_failures import GatewayFailures
 from serving.replica import Replica, ReplicaState
 from serving.replica_directory import Heartbeat, ReplicaDirectory
@@ -142,11 +143,14 @@ class Runtime:
         for cold in self._cold_starts.values():
             cold.poller.cancel()
         self._cold_starts.clear()
-        for task in (self._supervisor, self._route_refresher, self._failure_flusher, self._lease_renewer):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        loops = [
+            task
+            for task in (self._supervisor, self._route_refresher, self._failure_flusher, self._lease_renewer)
+            if task is not None
+        ]
+        for task, outcome in zip(loops, await cancel_and_wait(loops), strict=True):
+            if outcome is not None and not isinstance(outcome, asyncio.CancelledError):
+                logger.error("%s had failed", task.get_name(), exc_info=outcome)
         for replica in [*self.replicas.values(), *self._draining.values()]:
             await replica.stop()
         self.replicas.clear()

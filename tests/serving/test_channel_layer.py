@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import uuid
 
 import pytest
 import redis
 from channels.exceptions import ChannelFull
 
-from serving.channel_layer import BlockingPublisher, StepPubSubChannelLayer
+from serving.channel_layer import BlockingPublisher, OneTripRedisChannelLayer, StepPubSubChannelLayer
 from tests.serving.conftest import one_trip_layer, record_commands
 
 
@@ -29,6 +30,30 @@ async def test_messages_arrive_in_order_on_plain_and_process_local_channels(redi
             "type": "replica.step",
             "items": [{"request_id": "r", "events": []}],
         }
+    finally:
+        await layer.flush()
+
+
+@pytest.mark.redis
+async def test_a_cancelled_receive_ends_though_the_client_lost_the_cancellation(redis_url: str) -> None:
+    """With a socket timeout (redis-py's default is 5 s), redis-py can lose a cancellation that lands
+    as a blocking pop's timeout reply comes (serving/cancelling.py). The receive must end all the same:
+    a replica's stop cancels its listener and waits for it."""
+    layer = OneTripRedisChannelLayer(
+        hosts=[{"address": redis_url, "socket_timeout": 5}],
+        prefix=f"test-{uuid.uuid4().hex[:8]}",
+        serializer_format="json",
+    )
+    layer.brpop_timeout = 0.02  # many timeout replies, so that cancellations often land with one
+    rng = random.Random(2028)
+    try:
+        for _ in range(150):
+            receiving = asyncio.create_task(layer.receive("switchyard.replica.quiet"))
+            await asyncio.sleep(rng.uniform(0, 0.04))
+            receiving.cancel()
+            done, _ = await asyncio.wait({receiving}, timeout=2.0)
+            assert done, "a cancelled receive went on waiting"
+            assert receiving.cancelled()
     finally:
         await layer.flush()
 

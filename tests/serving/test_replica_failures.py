@@ -39,6 +39,24 @@ class FlakyLayer(InMemoryChannelLayer):  # type: ignore[misc]
         return await super().receive(channel)  # type: ignore[no-any-return]
 
 
+class CancelLosingLayer(InMemoryChannelLayer):  # type: ignore[misc]
+    """An in-memory layer whose receive loses its first cancellation, as redis-py's blocking pop can
+    (redis/redis-py#2028): the receive goes on waiting as if it had timed out and started again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = asyncio.Event()
+
+    async def receive(self, channel: str) -> dict[str, Any]:
+        while True:
+            try:
+                return await super().receive(channel)  # type: ignore[no-any-return]
+            except asyncio.CancelledError:
+                if self.lost.is_set():
+                    raise
+                self.lost.set()
+
+
 class FakePublisher:
     """A heartbeat publisher that keeps what it was told."""
 
@@ -51,6 +69,24 @@ class FakePublisher:
 
     async def withdraw(self, beat: Heartbeat) -> None:
         self.withdrawn.append(beat.replica_id)
+
+
+class CancelLosingPublisher(FakePublisher):
+    """A publisher whose beat, cancelled the first time, returns as if it had not been: as redis-py's
+    calls can on Python 3.11 (serving/cancelling.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = asyncio.Event()
+
+    async def publish(self, beat: Heartbeat) -> None:
+        await super().publish(beat)
+        if self.lost.is_set():
+            return
+        try:
+            await asyncio.Event().wait()  # a round trip that is under way when the stop comes
+        except asyncio.CancelledError:
+            self.lost.set()
 
 
 class WatchedReplies(HeldReplies):
@@ -110,6 +146,16 @@ async def test_a_task_that_failed_does_not_cut_the_stop_short(registered_model, 
     with pytest.raises(RuntimeError):
         await failed
     await asyncio.wait_for(replica.stop(), timeout=30)
+    assert publisher.withdrawn == [replica.replica_id]
+    assert replica._engine_run is not None and replica._engine_run.done()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_stop_ends_though_its_tasks_lost_their_cancellations(registered_model) -> None:
+    layer, publisher = CancelLosingLayer(), CancelLosingPublisher()
+    replica = await _replica(layer, WatchedReplies(), publisher=publisher)
+    await asyncio.wait_for(replica.stop(), timeout=30)
+    assert layer.lost.is_set() and publisher.lost.is_set()
     assert publisher.withdrawn == [replica.replica_id]
     assert replica._engine_run is not None and replica._engine_run.done()
 
