@@ -92,6 +92,8 @@ PROBE_AFTER_FAILED_STEPS = 3
 # Well under the gateway's inactivity timeout (dispatch.INACTIVITY_TIMEOUT_S), which ends a request it
 # has heard nothing of as lost.
 KEEPALIVE_S = 15.0
+# How long a stop waits for the metrics store before it goes on without it.
+STOP_FLUSH_TIMEOUT_S = 5.0
 SUBMIT = "replica.submit"
 ABORT = "replica.abort"
 
@@ -433,11 +435,20 @@ class Replica:
         with self._inbox:
             self._stopping = True  # the model thread returns once its step, if it is in one, ends
             self._inbox.notify()
-        await self.flush_metrics()
-        unregister_recorder(self.metrics)
+        # Withdrawn first: gateways stop choosing the replica now, whatever the metrics store does.
         if self._publisher is not None:
             with contextlib.suppress(Exception):
                 await self._publisher.withdraw(self.heartbeat())
+        try:
+            # Bounded: a database that does not answer must not hold the process (a drained replica that
+            # never exits is killed, and its metrics lost, by whatever supervises it).
+            async with asyncio.timeout(STOP_FLUSH_TIMEOUT_S):
+                await self.flush_metrics()
+        except TimeoutError:
+            logger.warning(
+                "replica %s: metrics not flushed at stop: the store did not answer", self.replica_id
+            )
+        unregister_recorder(self.metrics)
         # A load or step already running in the model thread cannot be interrupted: wait for it, so that
         # nothing of this replica (a half-built model, transformers' global loading state) outlives stop.
         # The same for a preparation under way; those not started are dropped (nothing would serve them).

@@ -15,6 +15,7 @@ from channels.layers import InMemoryChannelLayer
 
 from serving import replica as replica_module
 from serving import runtime as runtime_module
+from serving.cancelling import cancel_and_wait
 from serving.replica import ABORT, Replica, ReplicaState
 from serving.replica_directory import Heartbeat, HeartbeatPublisher, ReplicaDirectory
 from tests.serving.test_replica_pipeline import (
@@ -286,3 +287,27 @@ async def test_a_directory_that_cannot_be_read_ends_no_stream() -> None:
     runtime.directory = Unreadable()  # type: ignore[assignment]
     far = ReplicaHandle("far", "m", "v1", "switchyard.replica.far", "ready", 0, 0.0, True, False)
     assert await runtime.is_alive(far)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_stop_withdraws_the_heartbeat_and_ends_though_the_metrics_store_does_not_answer(
+    registered_model, monkeypatch
+) -> None:
+    publisher = FakePublisher()
+    replica = await _replica(InMemoryChannelLayer(), WatchedReplies(), publisher=publisher)
+    flushing = asyncio.Event()
+
+    async def hung_flush() -> int:
+        flushing.set()
+        await asyncio.Event().wait()  # a database that does not answer
+        return 0
+
+    monkeypatch.setattr(replica_module, "STOP_FLUSH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(replica, "flush_metrics", hung_flush)
+    stopping = asyncio.create_task(replica.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=10)
+    if not done:
+        await cancel_and_wait([stopping])
+    assert flushing.is_set()
+    assert done, "the stop waited for the metrics store"
+    assert publisher.withdrawn == [replica.replica_id]
