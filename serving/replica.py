@@ -802,6 +802,12 @@ class Replica:
             if self._routes.pop(request_id, None) is not None:
                 engine.abort(request_id)
                 ended.append(RequestSample("abort"))
+        if ended:
+            # Counted now, before their events go out: a forward pass that fails below replaces this
+            # step's result with its failures, and these would be lost from the counts.
+            with _logged_failure("replica %s: could not record a step's metrics", self.replica_id):
+                self.metrics.record(requests=ended)
+            ended = []
         if result.events_by_inbox:
             # One more message per inbox, and only for steps that admit something: sent during the
             # forward pass (not by this thread, which has the pass to start), and the gateway then

@@ -486,6 +486,37 @@ async def test_a_failed_forward_pass_fails_its_batch_and_the_waiting_request_run
         await replica.stop()
 
 
+async def test_an_abort_taken_in_a_step_whose_forward_pass_fails_is_still_counted(
+    registered_model, settings
+) -> None:
+    """The dashboard's and the rollout judge's abort counts must not depend on what the forward pass
+    after the abort did."""
+    settings.REPLICA_MAX_NUM_SEQS = 1
+    replica, layer, replies = await _replica_sending_at_once()
+    runner = replica.engine.runner
+    execute = runner.execute
+    failures: list[str] = []
+
+    def fails_once_r1_has_gone(batch: Any) -> Any:
+        if not failures and "r1" not in replica._routes:  # the step that took r1's abort runs r2
+            failures.append("r2")
+            raise RuntimeError("out of memory")
+        return execute(batch)
+
+    runner.execute = fails_once_r1_has_gone
+    aborted_before = replica.metrics.snapshot().totals.counters.get("aborted", 0)
+    try:
+        await _submit(layer, replica, "r1", max_tokens=1000)
+        await _submit(layer, replica, "r2", max_tokens=4)
+        await layer.send(replica.channel_name, {"type": ABORT, "request_id": "r1"})
+        await asyncio.wait_for(replica.wait_idle(), timeout=30)
+        assert failures == ["r2"]
+        assert replies.events("r2")[-1]["error"]["message"] == "out of memory"
+        assert replica.metrics.snapshot().totals.counters.get("aborted", 0) == aborted_before + 1
+    finally:
+        await replica.stop()
+
+
 def break_the_engine_thread(replica: Any) -> None:
     """Its next step raises, and so does the step's own failure handling: the model thread dies."""
 
