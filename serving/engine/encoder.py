@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from serving.engine.batcher import Batch, BatcherConfig, BatchItem, DynamicBatcher
-from serving.engine.engine import EngineStats, probe_device
+from serving.engine.engine import EngineStats, StepFailed, probe_device
 from serving.engine.loading import (
     ModelLoadError,
     load_classifier,
@@ -343,7 +343,9 @@ class EncoderEngine:
     # --- the step ----------------------------------------------------------------------------------
 
     def step(self) -> list[EncoderOutput]:
-        """Run the batch that is due, if one is; return the requests it finished."""
+        """Run the batch that is due, if one is; return the requests it finished. Raises StepFailed, as
+        Engine.step does, naming the requests of a batch whose forward pass failed: the caller ends
+        those (abort drops any of their inputs still queued); the others stay queued."""
         now = time.monotonic()
         batch = self.batcher.take(now)
         if batch is None:
@@ -355,7 +357,10 @@ class EncoderEngine:
             request = self._requests[request_id]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        vectors = self._forward([item.payload for item in batch.items])
+        try:
+            vectors = self._forward([item.payload for item in batch.items])
+        except Exception as exc:
+            raise StepFailed(list(dict.fromkeys(request_id for request_id, _ in keys)), exc) from exc
         finished_time = time.monotonic()
         outputs = []
         for (request_id, index), vector in zip(keys, vectors, strict=True):

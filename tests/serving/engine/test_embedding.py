@@ -12,6 +12,7 @@ import torch
 
 from serving.engine.batcher import CloseReason
 from serving.engine.encoder import EncoderConfig, EncoderEngine, Pooling, read_pooling
+from serving.engine.engine import StepFailed
 from serving.engine.loading import ModelLoadError
 
 TEXTS = [
@@ -96,6 +97,33 @@ def test_an_aborted_request_leaves_nothing_queued(engine: EncoderEngine) -> None
     assert engine.abort("gone") and not engine.abort("gone")
     assert not engine.has_unfinished() and engine.seconds_until_ready() is None
     assert engine.stats().num_waiting == 0
+
+
+def test_a_failed_forward_pass_names_its_batch_and_the_inputs_behind_it_run_on(
+    demo_embedding_model_dir: Path,
+) -> None:
+    """The replica fails the requests a StepFailed names, and only those: a batch that ran out of memory
+    must not take the queue behind it down too."""
+    engine = EncoderEngine(demo_embedding_model_dir, config=EncoderConfig(max_batch_size=2, max_wait_s=0))
+    forward = engine._forward
+    calls: list[int] = []
+
+    def fails_first(inputs: list[list[int]]) -> torch.Tensor:
+        calls.append(len(inputs))
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        return forward(inputs)
+
+    engine._forward = fails_first  # type: ignore[method-assign]
+    # A batch and a half; the batch is chosen by length, and the long one behind is left out of it.
+    engine.add_request("three", [engine.encode(t) for t in (TEXTS[0], TEXTS[2], TEXTS[3])])
+    engine.add_request("behind", [engine.encode(TEXTS[1])])
+    with pytest.raises(StepFailed, match="out of memory") as failed:
+        engine.step()
+    assert failed.value.request_ids == ["three"]
+    assert engine.abort("three") is True  # what the replica does: its third input goes too
+    outputs = _run(engine)
+    assert list(outputs) == ["behind"] and calls == [2, 1]
 
 
 @pytest.mark.parametrize(
