@@ -7,7 +7,6 @@ replicas finish the step they are in and release what they hold."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -18,6 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    from serving.cancelling import cancel_and_wait
     from serving.runtime import get_runtime, shutdown_runtime
 
     started: list[asyncio.Task[Any] | None] = []
@@ -29,11 +29,9 @@ async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
             started.append(import_string(settings.EMBEDDED_SCHEDULER_STARTER)())  # None with Redis
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
-            for task in started:
-                if task is not None and not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+            # Re-cancelled if need be (a runtime starting on Redis may lose one cancellation), and a
+            # task that had failed does not keep the runtime from being stopped.
+            await cancel_and_wait(task for task in started if task is not None)
             try:
                 await shutdown_runtime()
             except Exception:

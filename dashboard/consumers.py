@@ -25,6 +25,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.core.serializers.json import DjangoJSONEncoder
 
 from dashboard import charts, selectors
+from serving.cancelling import cancel_and_wait, raise_if_cancelling
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,7 @@ class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
 
     async def disconnect(self, code: int) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])  # a Redis read may lose one cancellation
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         pass  # the feed only pushes
@@ -82,6 +81,7 @@ class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         loop = asyncio.get_running_loop()
         checked_at = loop.time()
         while True:
+            raise_if_cancelling()  # one lost in a Redis read must not leave the feed running for ever
             if loop.time() - checked_at >= STAFF_RECHECK_S:
                 checked_at = loop.time()
                 with contextlib.suppress(Exception):  # a database hiccup is no verdict: the next check

@@ -23,6 +23,7 @@ from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
 from serving import gateway, prompt_log, shadow
 from serving.breaker import breaker
+from serving.cancelling import raise_if_cancelling
 from serving.gateway import GatewayError, MaybeSent, Ticket
 from serving.gateway_failures import GATEWAY_COUNTED, NO_READY_REPLICA, REPLICA_LOST, REPLICA_TIMEOUT
 from serving.replica import ABORT, SUBMIT, ReplicaState
@@ -282,7 +283,9 @@ class Dispatch:
                 async with asyncio.timeout(LIVENESS_CHECK_S):
                     return await self._queue.get()
             except TimeoutError:
-                if not await self._runtime.is_alive(self.replica):
+                is_alive = await self._runtime.is_alive(self.replica)
+                raise_if_cancelling()  # the client left during the check: the Redis read may have lost it
+                if not is_alive:
                     self._gave_up = True
                     return _error_event(REPLICA_LOST, "the replica serving this request stopped")
                 if time.monotonic() > deadline:

@@ -22,7 +22,7 @@ from django.conf import settings
 from registry.selectors import VersionRef, versions_with_traffic
 from serving import gateway
 from serving.breaker import breaker
-from serving.cancelling import cancel_and_wait
+from serving.cancelling import cancel_and_wait, raise_if_cancelling
 from serving.gateway_failures import GatewayFailures
 from serving.replica import Replica, ReplicaState
 from serving.replica_directory import Heartbeat, ReplicaDirectory
@@ -243,6 +243,9 @@ class Runtime:
         assert self.directory is not None
         told_at = -math.inf
         while True:
+            # Cancelled once, when its last waiter leaves; a cancellation lost in a Redis call would
+            # leave it recording demand for a version nobody waits for, for ever.
+            raise_if_cancelling()
             try:
                 if time.monotonic() - told_at >= DEMAND_EVERY_S:
                     await self.directory.record_demand(model_name, version)

@@ -233,3 +233,47 @@ async def test_an_open_feed_is_closed_once_its_user_is_no_longer_staff(
         if message["type"] == "websocket.close":
             break
     assert message == {"type": "websocket.close", "code": consumers.CLOSE_FORBIDDEN}
+
+
+async def test_a_closed_feed_ends_though_a_read_lost_its_cancellation(
+    make_user: Any, chat_with_traffic: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push reads the replica directory in Redis, whose client can lose a cancellation
+    (serving/cancelling.py). A closed tab's feed must end all the same, not read on every 1.5 s for ever
+    with its connection never finished."""
+    import asyncio
+
+    from dashboard.consumers import LiveFeedConsumer
+
+    pushing, lost = asyncio.Event(), asyncio.Event()
+    feeds: list[asyncio.Task[Any]] = []
+
+    async def push_losing_the_cancellation(self: Any) -> None:
+        feeds.append(asyncio.current_task())  # type: ignore[arg-type]
+        pushing.set()
+        if lost.is_set():
+            return
+        try:
+            await asyncio.sleep(3600)  # the Redis read
+        except asyncio.CancelledError:
+            lost.set()
+
+    returned = asyncio.Event()
+    disconnect = LiveFeedConsumer.disconnect
+
+    async def disconnect_watched(self: Any, code: int) -> None:
+        await disconnect(self, code)
+        returned.set()
+
+    monkeypatch.setattr(LiveFeedConsumer, "push", push_losing_the_cancellation)
+    monkeypatch.setattr(LiveFeedConsumer, "disconnect", disconnect_watched)
+    ws = await _communicator(await sync_to_async(make_user)("admin"))
+    connected, _ = await ws.connect()
+    assert connected
+    await asyncio.wait_for(pushing.wait(), timeout=10)
+    # Not ws.disconnect's own timeout: at the end of it the communicator cancels the consumer, and that
+    # second cancellation would end the feed whatever the consumer does.
+    closing = asyncio.create_task(ws.disconnect(timeout=30))
+    await asyncio.wait_for(returned.wait(), timeout=5)  # the consumer's disconnect() came back by itself
+    await closing
+    assert lost.is_set() and feeds[0].done()

@@ -63,3 +63,37 @@ async def test_a_gateway_runtime_stops_though_one_of_its_loops_lost_its_cancella
         await cancel_and_wait([stopping])
     assert done, "the runtime's stop waited for a loop that had lost its cancellation"
     assert lost.is_set()
+
+
+async def test_a_cold_start_poller_ends_when_its_last_waiter_leaves_though_a_read_lost_the_cancellation(
+    settings: Any,
+) -> None:
+    """Left running, it would record demand for a version nobody waits for, and the autoscaler would
+    keep starting replicas of it."""
+    settings.REDIS_URL = ""
+    runtime = Runtime(InMemoryChannelLayer())
+    recording, lost = asyncio.Event(), asyncio.Event()
+
+    class Directory:  # Redis in production
+        async def record_demand(self, model_name: str, version: str) -> None:
+            recording.set()
+            if lost.is_set():
+                return
+            try:
+                await asyncio.sleep(3600)  # the round trip
+            except asyncio.CancelledError:
+                lost.set()
+
+        async def replicas(self, model_name: str, version: str, **_: bool) -> list[Any]:
+            return []
+
+    runtime.directory = Directory()  # type: ignore[assignment]
+    waiter = asyncio.create_task(runtime.wait_for_replica("m", "v1"))
+    await recording.wait()
+    (poller,) = [task for task in asyncio.all_tasks() if task.get_name() == "cold-start-m:v1"]
+    await cancel_and_wait([waiter])  # the request gave up: the poller is cancelled once
+    done, _ = await asyncio.wait({poller}, timeout=5)
+    if not done:
+        await cancel_and_wait([poller])
+    assert lost.is_set()
+    assert done, "the poller went on after its last waiter had left"

@@ -418,3 +418,43 @@ async def test_a_final_event_counting_tokens_that_never_came_is_an_error(
     # Its acceptance lost too: the quota still settles on the prompt the final event counts.
     handle, events = await _run_scripted(acme, monkeypatch, [token, final], max_tokens=2)
     assert events[-1]["error"]["type"] == "tokens_lost" and handle.num_prompt_tokens == 3
+
+
+async def test_a_stream_cancelled_during_a_liveness_check_ends_though_the_check_lost_it(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """The client leaves while the gateway reads its replica's heartbeat in Redis, and the read loses
+    the cancellation (serving/cancelling.py): the stream must end, not wait on for the replica's events
+    and hold the tenant's concurrency slot."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+
+    from serving import dispatch as dispatch_module
+
+    acme = await sync_to_async(make_tenant)("acme")
+    handle = await _hello(acme, max_tokens=2)
+    assert [event async for event in handle.events()][-1]["finish_reason"] == "length"
+    checking, lost = asyncio.Event(), asyncio.Event()
+
+    async def alive_losing_the_cancellation(replica):  # type: ignore[no-untyped-def]
+        checking.set()
+        try:
+            await asyncio.sleep(3600)  # the Redis read
+        except asyncio.CancelledError:
+            if lost.is_set():
+                raise
+            lost.set()
+        return True
+
+    monkeypatch.setattr(dispatch_module, "LIVENESS_CHECK_S", 0.01)
+    monkeypatch.setattr(runtime, "is_alive", alive_losing_the_cancellation)
+    waiting = asyncio.create_task(handle._next_event(timeout_s=60))  # nothing more will come
+    await checking.wait()
+    waiting.cancel()
+    done, _ = await asyncio.wait({waiting}, timeout=5)
+    if not done:
+        waiting.cancel()
+    assert lost.is_set()
+    assert done and waiting.cancelled(), "the stream waited on after its client had left"
+    await handle.close()
