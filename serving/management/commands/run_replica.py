@@ -30,8 +30,7 @@ def engine_config_from_options(options: dict[str, object]) -> Any:
 class Command(BaseCommand):
     help = (
         "Run one replica of a model version as its own process, on the Redis channel layer: load (digest "
-        "checked), warm up, heartbeat, serve; SIGTERM drains (admits nothing new, finishes what it holds), "
-        "and a second SIGTERM stops without waiting for the drain to end."
+        "checked), warm up, heartbeat, serve; SIGTERM drains (admits nothing new, finishes what it holds)."
     )
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: object) -> CommandParser:
@@ -129,16 +128,12 @@ class Command(BaseCommand):
             faults=faults,  # type: ignore[arg-type]
             torch_threads=settings.REPLICA_TORCH_THREADS,  # None: every core; the process is the replica's
         )
-        stop_requested, hurry = asyncio.Event(), asyncio.Event()
-
-        def on_signal() -> None:  # the first drains; a second stops without waiting for the drain to end
-            (hurry if stop_requested.is_set() else stop_requested).set()
-
+        stop_requested = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
+            loop.add_signal_handler(sig, stop_requested.set)
         try:
-            code = await self._run(replica, stop_requested, hurry)
+            code = await self._run(replica, stop_requested)
         finally:
             await replica.stop()  # withdraws its heartbeat, whatever it said last
             await publisher.close()
@@ -147,9 +142,8 @@ class Command(BaseCommand):
             self.stdout.flush()
         return code
 
-    async def _run(self, replica: Any, stop_requested: asyncio.Event, hurry: asyncio.Event) -> int:
-        """Load, serve until SIGTERM and drain until idle or `hurry` (a second signal: an operator who
-        will not wait for the longest request), or end early: 1 if the load failed or the engine thread
+    async def _run(self, replica: Any, stop_requested: asyncio.Event) -> int:
+        """Load, serve until SIGTERM and drain, or end early: 1 if the load failed or the engine thread
         died. The caller stops the replica either way."""
         await replica.start()
         if not replica.is_ready:
@@ -172,28 +166,14 @@ class Command(BaseCommand):
         replica.drain()  # the heartbeat now says draining: gateways stop choosing this replica
         self.stdout.write("draining")
         self.stdout.flush()
-        idle = asyncio.ensure_future(replica.wait_idle())
-        hurried = asyncio.ensure_future(hurry.wait())
-        try:
-            while not (idle.done() or hurried.done()):  # a long drain says, now and then, what it holds
-                done, _ = await asyncio.wait(
-                    {idle, hurried}, timeout=DRAIN_REPORT_INTERVAL_S, return_when=asyncio.FIRST_COMPLETED
-                )
-                if not done:
-                    beat = replica.heartbeat()
-                    self.stdout.write(f"draining: {beat.num_running} running, {beat.num_waiting} waiting")
-                    self.stdout.flush()
-        finally:
-            idle.cancel()
-            hurried.cancel()
-        if idle.done() and not idle.cancelled():
-            self.stdout.write("drained; stopping")
-        else:
-            # Their gateways see the heartbeat withdrawn: a request with no token yet is retried on
-            # another replica, the others end with an error event.
-            beat = replica.heartbeat()
-            self.stdout.write(
-                f"stopping before the drain ended: {beat.num_running} running, {beat.num_waiting} waiting"
-            )
+        while True:  # a drain that takes long says, now and then, what it still holds
+            try:
+                await asyncio.wait_for(replica.wait_idle(), DRAIN_REPORT_INTERVAL_S)
+                break
+            except TimeoutError:
+                beat = replica.heartbeat()
+                self.stdout.write(f"draining: {beat.num_running} running, {beat.num_waiting} waiting")
+                self.stdout.flush()
+        self.stdout.write("drained; stopping")
         self.stdout.flush()
         return 0
