@@ -15,8 +15,6 @@ from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.http import HttpRequest
 from django.urls import set_script_prefix
 
-from serving.cancelling import cancel_and_wait
-
 # Key-authenticated JSON/SSE endpoints only; /v1/models and the deployments API accept staff sessions.
 INFERENCE_PATHS = re.compile(r"^/v1/(?:models/[^/]+/infer|completions|chat/completions|embeddings)$")
 INFERENCE_MIDDLEWARE = ["serving.middleware.InferenceSecurityMiddleware"]
@@ -71,11 +69,11 @@ class InferenceHandler(ASGIHandler):
         try:
             await asyncio.wait((disconnected, responded), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            # Re-cancelled if need be: a Redis read in the stream may lose one cancellation.
-            outcomes = await cancel_and_wait((disconnected, responded))
-            for outcome in outcomes:  # re-raises what the view raised, as Django's handler does
-                if outcome is not None and not isinstance(outcome, (asyncio.CancelledError, RequestAborted)):
-                    raise outcome
+            for task in (disconnected, responded):
+                if not task.done():
+                    task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, RequestAborted):
+                    await task  # re-raises what the view raised, as Django's handler does
 
     def load_middleware(self, is_async: bool = False) -> None:
         # BaseHandler builds the chain from settings.MIDDLEWARE. inference_or() builds this handler

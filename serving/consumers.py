@@ -23,7 +23,6 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from registry.errors import error_body
 from registry.selectors import TenantContext
-from serving.cancelling import cancel_and_wait
 from serving.dispatch import SLOW_READER, SLOW_READER_MESSAGE, Dispatch, authenticate, close_all, dispatch
 from serving.gateway import GatewayError
 from serving.requests import InferRequest, loads_json, parse_infer
@@ -196,11 +195,9 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
 
     async def _cancel(self) -> None:
         if self.task is not None and not self.task.done():
-            # Re-cancelled if need be: a liveness read in Redis may lose one cancellation, and the
-            # generation would then run to its end with this socket waiting here.
-            (outcome,) = await cancel_and_wait([self.task])
-            if outcome is not None and not isinstance(outcome, asyncio.CancelledError):
-                raise outcome
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
 
     async def disconnect(self, code: int) -> None:
         await self._cancel()

@@ -443,7 +443,7 @@ class Replica:
             # Bounded: a database that does not answer must not hold the process (a drained replica that
             # never exits is killed, and its metrics lost, by whatever supervises it).
             async with asyncio.timeout(STOP_FLUSH_TIMEOUT_S):
-                await self.flush_metrics()
+                await self._last_flush()
         except TimeoutError:
             logger.warning(
                 "replica %s: metrics not flushed at stop: the store did not answer", self.replica_id
@@ -496,6 +496,32 @@ class Replica:
         except Exception:
             logger.warning("replica %s: metrics flush failed; will retry", self.replica_id, exc_info=True)
             return 0
+
+    async def _last_flush(self) -> None:
+        """flush_metrics on a daemon thread of its own. A flush left hanging on a pool thread (the
+        default executor's, where flush_metrics runs) would hold the process at exit: asyncio.run and
+        the interpreter join those threads, and with no timeout on Python 3.11."""
+        loop = asyncio.get_running_loop()
+        flushed: asyncio.Future[None] = loop.create_future()
+
+        def settle() -> None:
+            if not flushed.done():
+                flushed.set_result(None)
+
+        def flush() -> None:
+            from django.db import connections
+
+            try:
+                self.metrics.flush()
+            except Exception:
+                logger.warning("replica %s: metrics flush failed at stop", self.replica_id, exc_info=True)
+            finally:
+                connections.close_all()  # this thread's own; nothing else would close them
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                    loop.call_soon_threadsafe(settle)
+
+        threading.Thread(target=flush, name=f"replica-{self.replica_id}-last-flush", daemon=True).start()
+        await flushed
 
     async def _flush_periodically(self) -> None:
         while True:

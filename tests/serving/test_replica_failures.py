@@ -5,6 +5,7 @@ out only once started, to every caller that waits for it."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -295,19 +296,25 @@ async def test_a_stop_withdraws_the_heartbeat_and_ends_though_the_metrics_store_
 ) -> None:
     publisher = FakePublisher()
     replica = await _replica(InMemoryChannelLayer(), WatchedReplies(), publisher=publisher)
-    flushing = asyncio.Event()
+    answer = threading.Event()
+    flushed_on: list[threading.Thread] = []
 
-    async def hung_flush() -> int:
-        flushing.set()
-        await asyncio.Event().wait()  # a database that does not answer
+    def hung_flush() -> int:
+        flushed_on.append(threading.current_thread())
+        answer.wait(30)  # a database that does not answer
         return 0
 
     monkeypatch.setattr(replica_module, "STOP_FLUSH_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(replica, "flush_metrics", hung_flush)
+    monkeypatch.setattr(replica.metrics, "flush", hung_flush)
     stopping = asyncio.create_task(replica.stop())
-    done, _ = await asyncio.wait({stopping}, timeout=10)
-    if not done:
-        await cancel_and_wait([stopping])
-    assert flushing.is_set()
-    assert done, "the stop waited for the metrics store"
-    assert publisher.withdrawn == [replica.replica_id]
+    try:
+        done, _ = await asyncio.wait({stopping}, timeout=10)
+        if not done:
+            await cancel_and_wait([stopping])
+        assert done, "the stop waited for the metrics store"
+        assert publisher.withdrawn == [replica.replica_id]
+        # Still hanging, on a thread that the interpreter's exit does not wait for.
+        (thread,) = flushed_on
+        assert thread.daemon and thread.is_alive()
+    finally:
+        answer.set()
