@@ -69,6 +69,9 @@ class InferenceHandler(ASGIHandler):
         try:
             await asyncio.wait((disconnected, responded), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            # Cancelled once, not again: what the task does after its cancellation (closing its
+            # dispatches: an abort to the replica, the quota settled) must run to its end. A cancellation
+            # lost in a Redis read is caught where the stream reads (Dispatch._next_event).
             for task in (disconnected, responded):
                 if not task.done():
                     task.cancel()

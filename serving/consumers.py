@@ -195,6 +195,8 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
 
     async def _cancel(self) -> None:
         if self.task is not None and not self.task.done():
+            # Once, as config/inference.py does: the task's own cleanup (its done message, its close)
+            # must not be cut short by a second cancellation.
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
