@@ -29,9 +29,11 @@ async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
             started.append(import_string(settings.EMBEDDED_SCHEDULER_STARTER)())  # None with Redis
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
-            # Re-cancelled if need be (a runtime starting on Redis may lose one cancellation), and a
-            # task that had failed does not keep the runtime from being stopped.
-            await cancel_and_wait(task for task in started if task is not None)
+            # A task that had failed does not keep the runtime from being stopped; it is logged.
+            tasks = [task for task in started if task is not None]
+            for task, outcome in zip(tasks, await cancel_and_wait(tasks), strict=True):
+                if outcome is not None and not isinstance(outcome, asyncio.CancelledError):
+                    logger.error("%s had failed", task.get_name(), exc_info=outcome)
             try:
                 await shutdown_runtime()
             except Exception:

@@ -72,7 +72,10 @@ class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
 
     async def disconnect(self, code: int) -> None:
         if self._task is not None:
-            await cancel_and_wait([self._task])  # a Redis read may lose one cancellation
+            # Cancelled again if a Redis read lost the first cancellation; the feed has nothing to clean up.
+            (outcome,) = await cancel_and_wait([self._task])
+            if outcome is not None and not isinstance(outcome, asyncio.CancelledError):
+                logger.error("dashboard live feed %s had failed", self.scope.get("path"), exc_info=outcome)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         pass  # the feed only pushes

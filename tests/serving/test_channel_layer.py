@@ -47,7 +47,7 @@ async def test_a_cancelled_receive_ends_though_the_client_lost_the_cancellation(
     layer.brpop_timeout = 0.02  # many timeout replies, so that cancellations often land with one
     rng = random.Random(2028)
     try:
-        for _ in range(150):
+        for _ in range(300):  # 8 of 300 lost here: all 300 kept by chance about once in 3,000 runs
             receiving = asyncio.create_task(layer.receive("switchyard.replica.quiet"))
             await asyncio.sleep(rng.uniform(0, 0.04))
             receiving.cancel()
