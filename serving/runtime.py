@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -359,6 +360,9 @@ class Runtime:
 
 _runtimes: dict[asyncio.AbstractEventLoop, Runtime] = {}  # started
 _starting: dict[asyncio.AbstractEventLoop, asyncio.Task[Runtime]] = {}
+# Loops whose runtime was shut down (the server is stopping): a request or a live feed still running
+# there must not start a new one, which nobody would stop (its replicas, its Redis subscription).
+_shut_down: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
 
 def live_runtimes() -> list[Runtime]:
@@ -375,6 +379,8 @@ async def get_runtime() -> Runtime:
     runtime = _runtimes.get(loop)
     if runtime is not None:
         return runtime
+    if loop in _shut_down:
+        raise gateway.GatewayError(503, "the server is shutting down", retry_after_s=1)
     starting = _starting.get(loop)
     if starting is None:
         for stale_loop in [lp for lp in (*_runtimes, *_starting) if lp.is_closed()]:
@@ -415,6 +421,7 @@ async def shutdown_runtime() -> None:
     from serving import shadow
 
     loop = asyncio.get_running_loop()
+    _shut_down.add(loop)
     starting = _starting.pop(loop, None)
     if starting is not None:  # a start in progress stops what it started itself
         starting.cancel()

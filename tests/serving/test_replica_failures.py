@@ -318,3 +318,18 @@ async def test_a_stop_withdraws_the_heartbeat_and_ends_though_the_metrics_store_
         assert thread.daemon and thread.is_alive()
     finally:
         answer.set()
+
+
+async def test_after_the_runtime_is_shut_down_no_new_one_starts_on_its_loop(settings) -> None:
+    """A request or a live feed still running when the server stops would start a runtime that nobody
+    stops: replicas loading during the exit, a Redis subscription left open. It gets a 503 instead."""
+    from serving.gateway import GatewayError
+
+    settings.EMBEDDED_REPLICAS = False
+    first = await runtime_module.get_runtime()
+    await runtime_module.shutdown_runtime()
+    with pytest.raises(GatewayError) as refused:
+        await runtime_module.get_runtime()
+    assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
+    assert asyncio.get_running_loop() not in runtime_module._runtimes
+    assert first.hub.channel_name is not None  # it had started
