@@ -190,7 +190,10 @@ class Dispatch:
                 self.replica = None
                 raise GatewayError(503, "the replica's queue is full", retry_after_s=1) from exc
             except Exception as exc:  # the channel layer's server failed mid-send
-                logger.warning("request %s: could not be sent to its replica (%r)", self.request_id, exc)
+                # The type only: an encoder's error can quote the message, the client's prompt with it.
+                logger.warning(
+                    "request %s: could not be sent to its replica (%s)", self.request_id, type(exc).__name__
+                )
                 raise MaybeSent(503, "the request could not be sent to its replica", retry_after_s=1) from exc
             first = await self._next_event(timeout_s=ACCEPT_TIMEOUT_S)
             if first.get("finish_reason") == "error":

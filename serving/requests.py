@@ -50,14 +50,28 @@ class InferRequest:
         return params
 
 
+# A \uD800-\uDFFF escape: the only way JSON can carry a lone surrogate, which json.loads lets through.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def loads_json(data: str | bytes) -> Any:
     """json.loads with every way a client's bytes can fail it raised as ValueError: besides malformed
     JSON and invalid UTF-8, Python 3.11 refuses an integer of over 4,300 digits with a plain ValueError,
-    and a few thousand bytes of nested brackets exhaust the recursion limit."""
+    a few thousand bytes of nested brackets exhaust the recursion limit, and an escaped lone surrogate
+    is no Unicode text (unrefused, it failed later: the Redis layer's encoder, a tokenizer, a key's
+    hash)."""
     try:
-        return json.loads(data)
+        value = json.loads(data)
     except RecursionError:
         raise ValueError("it is nested too deeply") from None
+    pattern = _SURROGATE_ESCAPE_BYTES if isinstance(data, bytes) else _SURROGATE_ESCAPE
+    if pattern.search(data):  # type: ignore[arg-type]
+        try:  # json.loads joins a valid pair into one character; only a lone half fails here
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a string holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)") from None
+    return value
 
 
 def parse_json_body(request: HttpRequest) -> dict[str, Any]:

@@ -99,8 +99,9 @@ async def test_a_wrongly_typed_version_pin_is_a_json_error_not_a_crash(acme) -> 
         ({"text_data": "{not json"}, 1007),
         ({"text_data": "[" * 5000 + "]" * 5000}, 1007),
         ({"bytes_data": b'{"type": "infer"}'}, 1003),
+        ({"text_data": '{"type": "auth", "api_key": "\\ud800"}'}, 1007),
     ],
-    ids=["text that is not JSON", "JSON nested too deeply", "a binary frame"],
+    ids=["text that is not JSON", "JSON nested too deeply", "a binary frame", "a lone surrogate escaped"],
 )
 async def test_a_frame_that_is_not_a_json_text_message_gets_an_error_and_a_close_code(
     acme, frame: dict[str, object], code: int

@@ -236,3 +236,26 @@ async def test_an_alias_other_than_stable_chooses_a_version_as_a_pin_does(make_t
     for tenant, alias in ((user, "stable"), (pinner, "canary"), (pinner, "stable")):
         served = await _post(client, body, tenant.auth, url=f"/v1/models/demo-chat@{alias}/infer")
         assert served.status_code == 200 and served["X-Served-Version"] == "v1", (tenant, alias)
+
+
+@pytest.mark.parametrize(
+    ("url", "body"),
+    [
+        (URL, b'{"input": "my number is 123-45-6789 \\ud800"}'),
+        (
+            "/v1/chat/completions",
+            b'{"model": "demo-chat", "messages": [{"role": "user", "content": "\\udc00"}]}',
+        ),
+    ],
+    ids=["infer", "chat"],
+)
+async def test_an_escaped_lone_surrogate_is_a_400_before_anything_is_sent(acme, url, body, caplog) -> None:
+    """JSON lets a string hold half a UTF-16 pair, which is no text: on the Redis layer its encoder
+    failed with the whole prompt in the error, logged, and the client got a 503 to retry for ever."""
+    response = await _post(AsyncClient(), None, acme.auth, url=url, raw=body)
+    assert response.status_code == 400, response.content
+    assert "surrogate" in response.json()["error"]["message"]
+    assert "123-45-6789" not in caplog.text
+    # A whole pair is one character, and welcome.
+    pair = body.replace(b"\\ud800", b"\\ud83d\\ude00").replace(b"\\udc00", b"\\ud83d\\ude00")
+    assert (await _post(AsyncClient(), None, acme.auth, url=url, raw=pair)).status_code == 200
