@@ -8,9 +8,15 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 
 NAME_VALIDATOR = RegexValidator(
-    r"^[a-z0-9][a-z0-9._-]{0,62}$",
+    r"^[a-z0-9][a-z0-9._-]{0,62}\Z",  # \Z, not $: $ also matches before a final newline
     "Use 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit.",
 )
+
+
+def is_valid_name(value: str) -> bool:
+    """Whether a model, version or tenant could have this name. Checked before a lookup by a name from a
+    URL or a body: no row can match one that is not, and Postgres refuses a NUL in a query (a 500)."""
+    return NAME_VALIDATOR.regex.fullmatch(value) is not None
 
 
 class Model(models.Model):

@@ -145,6 +145,13 @@ def test_tenant_names_are_unique() -> None:
         tenant_create(name="acme")
 
 
+def test_a_name_ending_in_a_newline_is_refused() -> None:
+    """A regex's $ matches before a final newline: "acme\\n" was a valid name, and a model so named was
+    registered (a directory of that name in the artifact store) that the gateway could never serve."""
+    with pytest.raises(RegistryError, match="invalid tenant name"):
+        tenant_create(name="acme\n")
+
+
 def test_loading_refuses_an_artifact_whose_files_changed(registered_model: ModelVersion) -> None:
     path = Path(registered_model.artifact_uri)
     artifacts.verify(path, expected_files=registered_model.files, expected_sha256=registered_model.sha256)
