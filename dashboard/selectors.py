@@ -17,7 +17,7 @@ from django.db.models import Prefetch
 from django.utils import timezone
 
 from dashboard import charts, verdicts
-from registry.models import ApiKey, Model, Quota, Tenant
+from registry.models import ApiKey, Model, Quota, Tenant, is_valid_name
 from registry.selectors import model_versions_overview
 from rollouts import selectors as rollout_selectors
 from rollouts.models import Deployment
@@ -45,7 +45,7 @@ def _models() -> Any:
 
 
 def model_get(*, name: str) -> Model | None:
-    return _models().filter(name=name).first()
+    return _models().filter(name=name).first() if is_valid_name(name) else None
 
 
 def model_versions(*, model: Model) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from registry import selectors
-from registry.models import Model
+from registry.models import Model, is_valid_name
 from registry.selectors import TenantContext
 
 
@@ -28,7 +28,11 @@ def _caller_context(request: Request) -> TenantContext | None:
 
 def _visible_model(request: Request, name: str) -> Model:
     context = _caller_context(request)
-    model = Model.objects.filter(name=name).select_related("routing_table").first()
+    model = (
+        Model.objects.filter(name=name).select_related("routing_table").first()
+        if is_valid_name(name)
+        else None
+    )
     # A model the caller may not use is reported exactly like one that does not exist.
     if model is None or (context is not None and not context.may_use(name, owner_id=model.owner_id)):
         raise NotFound(f"model {name!r} not found")

@@ -19,7 +19,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from registry import api as registry_api
-from registry.models import Model
+from registry.models import Model, is_valid_name
 from registry.selectors import TenantContext
 from rollouts import selectors, services
 from rollouts.models import Deployment
@@ -119,7 +119,7 @@ class DeploymentListView(APIView):
         for name in ("model", "version"):
             if not isinstance(body.get(name), str) or not body[name]:
                 raise Refused(400, f"{name} is required (a string)")
-        model = Model.objects.filter(name=body["model"]).first()
+        model = Model.objects.filter(name=body["model"]).first() if is_valid_name(body["model"]) else None
         if model is None:
             raise NotFound(f"model {body['model']!r} not found")
         _authorize(request, model)

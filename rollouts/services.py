@@ -20,7 +20,7 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from registry.models import Alias, Model, ModelVersion, RoutingTable
+from registry.models import Alias, Model, ModelVersion, RoutingTable, is_valid_name
 from registry.selectors import versions_with_traffic
 from registry.services import (
     STABLE_ALIAS,
@@ -330,7 +330,9 @@ def deployment_create(
     resolved_thresholds = resolve_thresholds(thresholds)
 
     model = Model.objects.select_for_update().get(pk=model.pk)  # serializes creates for this model
-    candidate = ModelVersion.objects.filter(model=model, version=version).first()
+    candidate = (
+        ModelVersion.objects.filter(model=model, version=version).first() if is_valid_name(version) else None
+    )
     if candidate is None:
         # Naming the models that do have such a version would show other tenants' models to the caller.
         raise DeploymentError(f"model {model.name!r} has no version {version!r}")

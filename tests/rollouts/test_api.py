@@ -176,13 +176,20 @@ def test_a_tenant_deploys_its_own_model_without_naming_it(client, chat, make_mod
 def test_unknown_deployment_or_model_is_404(staff_client, chat) -> None:
     assert staff_client.get("/v1/deployments/999").status_code == 404
     assert post(staff_client, "/v1/deployments/999/rollback").status_code == 404
-    response = post(staff_client, "/v1/deployments", {**BODY, "model": "nope"})
-    assert response.status_code == 404
-    assert response.json()["error"]["type"] == "not_found_error"
+    for name in ("nope", "chat\x00"):  # a NUL: no model has it, and Postgres refuses it in a query
+        response = post(staff_client, "/v1/deployments", {**BODY, "model": name})
+        assert response.status_code == 404
+        assert response.json()["error"]["type"] == "not_found_error"
+    for path in ("/v1/models/chat%00x", "/v1/models/chat%00x/versions"):
+        response = staff_client.get(path)
+        assert response.status_code == 404, response.content
+        assert response.json()["error"]["type"] == "not_found_error"
+    assert staff_client.get("/dashboard/models/chat%00x/").status_code == 404
 
 
 BAD_INPUT = [
     ({"version": "v9"}, 400, "has no version 'v9'"),
+    ({"version": "v\x00"}, 400, "has no version 'v\\x00'"),  # Postgres refuses a NUL in a query
     ({"version": "only-elsewhere"}, 400, "model 'chat' has no version 'only-elsewhere'"),
     ({"steps": [{"pct": 5}, {"pct": 5}, {"pct": 100}]}, 400, "strictly increasing"),
     ({"steps": [{"pct": 25}, {"pct": 5}, {"pct": 100}]}, 400, "strictly increasing"),
