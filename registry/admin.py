@@ -1,3 +1,4 @@
+from django import forms
 from django.contrib import admin
 from django.db import transaction
 
@@ -73,6 +74,11 @@ class AliasAdmin(MovesRoutingRevision):
     readonly_fields = ("model", "name", "version")
     inlines = [AliasEventInline]
 
+    def has_add_permission(self, request):  # type: ignore[no-untyped-def]
+        # Every field is read-only here, so an add form could only fail (a 500 on its empty row); aliases
+        # are set by registration and by rollouts, each move with its event logged.
+        return False
+
 
 class RoutingEntryInline(admin.TabularInline):
     model = RoutingEntry
@@ -81,8 +87,23 @@ class RoutingEntryInline(admin.TabularInline):
     can_delete = False
 
 
+class RoutingTableForm(forms.ModelForm):  # type: ignore[type-arg]
+    class Meta:
+        model = RoutingTable
+        fields = ("mirror_version", "mirror_pct")  # the rest is read-only (RoutingTableAdmin)
+
+    def clean_mirror_version(self):  # type: ignore[no-untyped-def]
+        # As routing_mirror_set checks: gateways keep only the version's name, so another model's "v2"
+        # would mirror to this model's "v2", while replicas were started for the other's.
+        version = self.cleaned_data.get("mirror_version")
+        if version is not None and version.model_id != self.instance.model_id:
+            raise forms.ValidationError("The mirror must be a version of this model.")
+        return version
+
+
 @admin.register(RoutingTable)
 class RoutingTableAdmin(MovesRoutingRevision):  # its mirror (a shadow deployment's) is editable
+    form = RoutingTableForm
     list_display = ("model", "revision", "updated_at")
     readonly_fields = ("model", "revision")
     inlines = [RoutingEntryInline]

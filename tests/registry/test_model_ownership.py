@@ -164,3 +164,34 @@ def test_scaling_bounds_and_a_mirror_changed_in_the_admin_reach_the_routing_cach
     assert response.status_code == 302, response.content
     table.refresh_from_db()
     assert table.revision > routing_table_revision and (table.mirror_version, table.mirror_pct) == (None, 0)
+
+
+def test_the_admin_refuses_another_models_version_as_a_mirror_and_an_alias_it_cannot_fill() -> None:
+    """Gateways keep only the mirror's version name: another model's "v2" would be mirrored to this
+    model's "v2" while replicas were started for the other's. An alias's admin page has every field
+    read-only, so its add form could only fail."""
+    from django.contrib.auth import get_user_model
+
+    from registry.models import ModelVersion, RoutingTable
+    from tests.conftest import model_rows
+
+    chat, other = model_rows("chat", ("v1", "v2")), model_rows("other", ("v1", "v2"))
+    table = RoutingTable.objects.get(model=chat)
+    revision = table.revision
+    client = Client()
+    client.force_login(get_user_model().objects.create_user("alice", is_staff=True, is_superuser=True))
+    response = client.post(
+        f"/admin/registry/routingtable/{table.pk}/change/",
+        {
+            "mirror_version": ModelVersion.objects.get(model=other, version="v2").pk,
+            "mirror_pct": 20,
+            "entries-TOTAL_FORMS": table.entries.count(),
+            "entries-INITIAL_FORMS": table.entries.count(),
+            **{f"entries-{i}-id": entry.pk for i, entry in enumerate(table.entries.order_by("pk"))},
+            **{f"entries-{i}-table": table.pk for i in range(table.entries.count())},
+        },
+    )
+    assert response.status_code == 200 and b"must be a version of this model" in response.content
+    table.refresh_from_db()
+    assert (table.mirror_version, table.mirror_pct, table.revision) == (None, 0, revision)
+    assert client.get("/admin/registry/alias/add/").status_code == 403
