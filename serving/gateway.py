@@ -50,8 +50,8 @@ class MaybeSent(GatewayError):
 _AUTH_CACHE_TTL_S = 5.0
 # While the database cannot be read, a key that passed within settings.AUTH_STALE_S still does: the data
 # plane keeps serving the tenants it has seen through a control-plane outage (as routing keeps its last
-# good table). The price: a key revoked in the seconds before the outage works until the database
-# answers again.
+# good table). The price: during an outage a key revoked, or a tenant deactivated, since that key last
+# passed on this process (up to AUTH_STALE_S ago, an hour by default) works until the database answers.
 _auth_cache: dict[str, tuple[float, TenantContext]] = {}  # key hash -> (checked at, monotonic; context)
 _auth_cache_lock = threading.Lock()
 _stale_warned_at = -math.inf  # one warning per 10 s of an outage, not one per request
