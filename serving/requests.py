@@ -12,6 +12,7 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest
 
+from registry.parsers import refuse_lone_surrogates
 from serving.engine.sequence import MAX_LOGIT_BIAS
 from serving.gateway import GatewayError
 
@@ -52,7 +53,6 @@ class InferRequest:
 
 # A \uD800-\uDFFF escape: the only way JSON can carry a lone surrogate, which json.loads lets through.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def loads_json(data: str | bytes) -> Any:
@@ -61,16 +61,16 @@ def loads_json(data: str | bytes) -> Any:
     a few thousand bytes of nested brackets exhaust the recursion limit, and an escaped lone surrogate
     is no Unicode text (unrefused, it failed later: the Redis layer's encoder, a tokenizer, a key's
     hash)."""
+    if isinstance(data, bytes):
+        # Strictly, before json.loads: it would take UTF-16 and UTF-32 too, and UTF-8's surrogate
+        # sequences (surrogatepass). A BOM is let through, as json.loads lets it.
+        data = data.decode("utf-8-sig")
     try:
         value = json.loads(data)
     except RecursionError:
         raise ValueError("it is nested too deeply") from None
-    pattern = _SURROGATE_ESCAPE_BYTES if isinstance(data, bytes) else _SURROGATE_ESCAPE
-    if pattern.search(data):  # type: ignore[arg-type]
-        try:  # json.loads joins a valid pair into one character; only a lone half fails here
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("a string holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)") from None
+    if _SURROGATE_ESCAPE.search(data):
+        refuse_lone_surrogates(value)
     return value
 
 

@@ -203,6 +203,7 @@ BAD_INPUT = [
     ({"bake_seconds": 10**9}, 400, "up to 604800"),
     ({"bake_seconds": "soon"}, 400, "non-negative integer"),
     ({"thresholds": {"p999_ms": 5}}, 400, "unknown threshold(s): p999_ms"),
+    ({"thresholds": {"\ud800": 5}}, 400, "unpaired UTF-16 surrogate"),  # the renderer failed on it: a 500
     ({"thresholds": {"alpha": 0}}, 400, "alpha"),
     ({"thresholds": {"min_samples": 0}}, 400, "positive integer"),
     ({"thresholds": {"latency_ratio": True}}, 400, "must be a number"),

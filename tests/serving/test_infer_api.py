@@ -256,6 +256,15 @@ async def test_an_escaped_lone_surrogate_is_a_400_before_anything_is_sent(acme, 
     assert response.status_code == 400, response.content
     assert "surrogate" in response.json()["error"]["message"]
     assert "123-45-6789" not in caplog.text
+    # Nor unescaped: UTF-8's encoding of a surrogate (which json.loads would decode, surrogatepass), or
+    # a body in UTF-16 (JSON on the wire is UTF-8).
+    for other in (
+        body.replace(b"\\ud800", b"\xed\xa0\x80").replace(b"\\udc00", b"\xed\xb0\x80"),
+        body.decode().encode("utf-16"),
+    ):
+        response = await _post(AsyncClient(), None, acme.auth, url=url, raw=other)
+        assert response.status_code == 400, response.content
+        assert "not valid JSON" in response.json()["error"]["message"]  # at the edge, not by a replica
     # A whole pair is one character, and welcome.
     pair = body.replace(b"\\ud800", b"\\ud83d\\ude00").replace(b"\\udc00", b"\\ud83d\\ude00")
     assert (await _post(AsyncClient(), None, acme.auth, url=url, raw=pair)).status_code == 200
