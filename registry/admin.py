@@ -105,6 +105,10 @@ class RoutingTableForm(forms.ModelForm):  # type: ignore[type-arg]
 class RoutingTableAdmin(MovesRoutingRevision):  # its mirror (a shadow deployment's) is editable
     form = RoutingTableForm
     list_display = ("model", "revision", "updated_at")
+
+    def has_add_permission(self, request):  # type: ignore[no-untyped-def]
+        return False  # a model's table comes with the model (its model field is read-only here)
+
     readonly_fields = ("model", "revision")
     inlines = [RoutingEntryInline]
 

@@ -195,3 +195,4 @@ def test_the_admin_refuses_another_models_version_as_a_mirror_and_an_alias_it_ca
     table.refresh_from_db()
     assert (table.mirror_version, table.mirror_pct, table.revision) == (None, 0, revision)
     assert client.get("/admin/registry/alias/add/").status_code == 403
+    assert client.get("/admin/registry/routingtable/add/").status_code == 403  # it comes with its model
