@@ -82,8 +82,8 @@ def _check_references(root: Path, files: list[Path]) -> None:
     """Files that name other files must name them inside the artifact: transformers joins a sharded
     checkpoint's weight_map entries, and the encoder a sentence-transformers modules.json's paths, onto
     the directory, so `../other/model.safetensors` would load weights no digest covered. Nor may they
-    name a hidden file or directory (a dot first), which the manifest leaves out: one put in the store
-    after registration would load, past verify()."""
+    name a hidden file (a dot first), which the manifest leaves out: one put in the store after
+    registration would load, past verify()."""
     inside = root.resolve()
     for path in files:
         data = _json(path) if path.name.endswith(".index.json") or path.name == "modules.json" else None
@@ -97,7 +97,7 @@ def _check_references(root: Path, files: list[Path]) -> None:
             target = (root / str(name)).resolve()
             if not isinstance(name, str) or Path(name).is_absolute() or not target.is_relative_to(inside):
                 raise ArtifactError(f"{path.name} names {name!r}, outside the artifact; refusing it")
-            if any(part.startswith(".") for part in target.relative_to(inside).parts):
+            if target.name.startswith("."):
                 raise ArtifactError(
                     f"{path.name} names {name!r}, a hidden file no digest covers; refusing it"
                 )

@@ -168,7 +168,7 @@ def test_loading_refuses_an_artifact_whose_files_changed(registered_model: Model
         ("model.safetensors.index.json", {"weight_map": {"lm_head.weight": "/srv/models/x.safetensors"}}),
         ("modules.json", [{"idx": 0, "name": "1", "path": "../../pooling", "type": "x"}]),
         ("model.safetensors.index.json", {"weight_map": {"lm_head.weight": ".model-2.safetensors"}}),
-        ("modules.json", [{"idx": 0, "name": "1", "path": ".hidden/pooling", "type": "x"}]),
+        ("modules.json", [{"idx": 0, "name": "1", "path": "./.pooling", "type": "x"}]),
     ],
 )
 def test_a_file_naming_another_outside_the_artifact_is_refused(
