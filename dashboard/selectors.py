@@ -347,7 +347,7 @@ def deployment_page(*, deployment_id: int) -> dict[str, Any] | None:
     deployment = rollout_selectors.deployment_get(deployment_id=deployment_id)
     if deployment is None:
         return None
-    model = model_get(name=deployment.model.name)
+    model = _models().filter(pk=deployment.model_id).first()
     assert model is not None  # a deployment's model is protected from deletion
     detail = rollout_selectors.deployment_detail(deployment=deployment)
     events = [
