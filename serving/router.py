@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from registry.models import NAME_VALIDATOR
+from registry.models import is_valid_name
 from registry.selectors import RoutingSnapshot, routing_revision, routing_snapshot
 from serving.gateway import GatewayError
 
@@ -46,7 +46,7 @@ class RoutingCache:
     def get_fresh(self, model_name: str) -> tuple[bool, RoutingSnapshot | None]:
         """(True, snapshot) when the cached entry needs no revalidation yet; (False, None) otherwise.
         No database access, so async callers can skip the thread hop while the entry is fresh."""
-        if NAME_VALIDATOR.regex.fullmatch(model_name) is None:
+        if not is_valid_name(model_name):
             return True, None  # no model is named so (get)
         now = time.monotonic()
         with self._lock:
@@ -60,7 +60,7 @@ class RoutingCache:
     def get(self, model_name: str, *, max_age_s: float | None = None) -> RoutingSnapshot | None:
         """Blocking (database); call from a thread in async code. Revalidates an entry older than
         `max_age_s` (default: the revalidation period)."""
-        if NAME_VALIDATOR.regex.fullmatch(model_name) is None:
+        if not is_valid_name(model_name):
             # No model has such a name, and nothing a client put in it reaches the database (a NUL, which
             # Postgres refuses, read as the table being unavailable) or takes a place in the cache.
             return None
