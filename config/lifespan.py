@@ -30,10 +30,7 @@ async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             # A task that had failed does not keep the runtime from being stopped; it is logged.
-            tasks = [task for task in started if task is not None]
-            for task, outcome in zip(tasks, await cancel_and_wait(tasks), strict=True):
-                if outcome is not None and not isinstance(outcome, asyncio.CancelledError):
-                    logger.error("%s had failed", task.get_name(), exc_info=outcome)
+            await cancel_and_wait(task for task in started if task is not None)
             try:
                 await shutdown_runtime()
             except Exception:

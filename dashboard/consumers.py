@@ -64,7 +64,9 @@ class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             await self.close(code=CLOSE_NOT_FOUND)
             return
         await self.accept()
-        self._task = asyncio.get_running_loop().create_task(self._push_forever())
+        self._task = asyncio.get_running_loop().create_task(
+            self._push_forever(), name=f"dashboard live feed {self.scope.get('path')}"
+        )
 
     async def prepare(self) -> bool:
         """Read the handshake's parameters; False when what the feed follows does not exist."""
@@ -73,9 +75,7 @@ class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     async def disconnect(self, code: int) -> None:
         if self._task is not None:
             # Cancelled again if a Redis read lost the first cancellation; the feed has nothing to clean up.
-            (outcome,) = await cancel_and_wait([self._task])
-            if outcome is not None and not isinstance(outcome, asyncio.CancelledError):
-                logger.error("dashboard live feed %s had failed", self.scope.get("path"), exc_info=outcome)
+            await cancel_and_wait([self._task])  # logs it, had it failed
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         pass  # the feed only pushes

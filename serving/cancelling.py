@@ -27,7 +27,8 @@ async def cancel_and_wait(
 ) -> list[BaseException | None]:
     """Cancel `tasks` and wait until every one has ended, cancelling again those still running after
     `recancel_after_s`. Each task's outcome, in order: the exception it ended with (CancelledError for
-    one that obeyed), or None for one that returned. Never raises for a task's own failure.
+    one that obeyed), or None for one that returned. Never raises for a task's own failure: it logs it,
+    by the task's name, so that a stop neither ends early on it nor loses it.
 
     Cancelled itself, it stops waiting and raises; the tasks have been cancelled at least once."""
     tasks = list(tasks)
@@ -44,7 +45,12 @@ async def cancel_and_wait(
                 recancel_after_s,
             )
             task.cancel()
-    return [_outcome(task) for task in tasks]
+    outcomes = [_outcome(task) for task in tasks]
+    for task, outcome in zip(tasks, outcomes, strict=True):
+        if outcome is not None and not isinstance(outcome, asyncio.CancelledError):
+            name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
+            logger.error("%s had failed", name, exc_info=outcome)
+    return outcomes
 
 
 def _outcome(task: asyncio.Future[Any]) -> BaseException | None:

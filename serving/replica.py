@@ -428,10 +428,7 @@ class Replica:
         # A task that had ended with an error must not end the stop here: the heartbeat would never be
         # withdrawn, nor the model thread stopped. Nor may one that a Redis client let run on (the
         # listener in BZPOPMIN, the heartbeat): cancel_and_wait cancels it again.
-        outcomes = await cancel_and_wait(self._tasks)
-        for task, outcome in zip(self._tasks, outcomes, strict=True):
-            if isinstance(outcome, Exception):
-                logger.error("replica %s: %s had failed", self.replica_id, task.get_name(), exc_info=outcome)
+        await cancel_and_wait(self._tasks)  # logs those that had failed, by name (the replica's id in it)
         with self._inbox:
             self._stopping = True  # the model thread returns once its step, if it is in one, ends
             self._inbox.notify()

@@ -149,9 +149,7 @@ class Runtime:
             for task in (self._supervisor, self._route_refresher, self._failure_flusher, self._lease_renewer)
             if task is not None
         ]
-        for task, outcome in zip(loops, await cancel_and_wait(loops), strict=True):
-            if outcome is not None and not isinstance(outcome, asyncio.CancelledError):
-                logger.error("%s had failed", task.get_name(), exc_info=outcome)
+        await cancel_and_wait(loops)  # logs those that had failed
         for replica in [*self.replicas.values(), *self._draining.values()]:
             await replica.stop()
         self.replicas.clear()
