@@ -22,6 +22,8 @@ import threading
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from serving.cancelling import cancel_and_wait
+
 if TYPE_CHECKING:
     from serving.dispatch import Dispatch
     from serving.runtime import Runtime
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 32
 PRIMARY_WAIT_S = 300.0  # how long a finished mirror waits for its primary's text before giving up
+CANCEL_WAIT_S = 5.0  # how long a shutdown waits for its mirrors to end
 SHADOW_RESULT = "replica.shadow_result"
 
 _in_flight: set[asyncio.Task[None]] = set()
@@ -128,10 +131,15 @@ async def wait_idle() -> None:
 
 async def cancel_all() -> None:
     """Cancel every mirror of this loop and wait for them to end (runtime shutdown): each aborts its
-    copy on the candidate as it closes."""
+    copy on the candidate as it closes. A mirror whose cancellation a Redis call lost is cancelled
+    again (serving/cancelling.py); one still running after CANCEL_WAIT_S is left, and logged."""
     loop = asyncio.get_running_loop()
     tasks = [t for t in _in_flight if t.get_loop() is loop]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=5.0)
+    if not tasks:
+        return
+    try:
+        async with asyncio.timeout(CANCEL_WAIT_S):
+            await cancel_and_wait(tasks)
+    except TimeoutError:
+        running = sorted(t.get_name() for t in tasks if not t.done())
+        logger.warning("shadow copies still running at shutdown: %s", ", ".join(running))

@@ -155,3 +155,29 @@ async def test_copies_the_candidate_cannot_serve_count_as_its_errors(
     windows = await _windows(runtime, started)
     assert (windows["v2"].num_requests, windows["v2"].num_errors) == (3, 3)
     assert (windows["v1"].num_requests, windows["v1"].num_errors) == (3, 0)
+
+
+async def test_a_shutdown_ends_a_mirror_whose_cancellation_was_lost() -> None:
+    """A mirror's Redis calls can lose a cancellation (serving/cancelling.py); the runtime's shutdown
+    must still end it, not leave it running against replicas that have stopped."""
+    import asyncio
+
+    from serving import shadow
+
+    lost = asyncio.Event()
+
+    async def mirror_losing_one_cancellation() -> None:
+        try:
+            await asyncio.Event().wait()  # a round trip under way when the shutdown comes
+        except asyncio.CancelledError:
+            lost.set()
+        await asyncio.Event().wait()  # goes on as if its call had returned
+
+    task = asyncio.get_running_loop().create_task(mirror_losing_one_cancellation(), name="mirror-test")
+    shadow._in_flight.add(task)
+    task.add_done_callback(shadow._in_flight.discard)
+    await asyncio.sleep(0)  # it starts its call
+    await shadow.cancel_all()
+    assert lost.is_set()
+    assert task.cancelled()
+    assert task not in shadow._in_flight
