@@ -253,10 +253,11 @@ class Engine:
         # An id no caller holds: the KV cache keys its blocks by request id, and a caller's request named
         # like the probe would lose its blocks when the probe frees its own.
         seq = Sequence(request_id=f"probe-{uuid.uuid4().hex}", prompt_token_ids=[0])
-        if not self.kv_cache.can_allocate(seq, 1):  # every block held: the device alone is checked
+        # An empty block only: taking a cached one would evict a prefix that requests could still use,
+        # and allocate() would count the probe among the prefix cache's queries.
+        if not self.kv_cache.lend_empty_block(seq):  # none empty: the device alone is checked
             probe_device(self.runner.device)
             return
-        self.kv_cache.allocate(seq, 1)
         try:
             self.runner.execute(self.runner.build_batch([seq], [1])).cpu()
         finally:

@@ -112,6 +112,11 @@ class KVCacheManager:
         return len(self._free_block_ids) + len(self._evictable_block_ids)
 
     @property
+    def num_empty_blocks(self) -> int:
+        """Free blocks without cached contents: taking one evicts nothing."""
+        return len(self._free_block_ids)
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
@@ -264,6 +269,21 @@ class KVCacheManager:
         if num_added:
             tenant = seq.tenant_id
             self._num_blocks_by_tenant[tenant] = self._num_blocks_by_tenant.get(tenant, 0) + num_added
+
+    def lend_empty_block(self, seq: Sequence) -> bool:
+        """Give `seq`, which holds nothing, one block without contents, outside the prefix cache: no
+        cached block is evicted for it and the cache's hit statistics do not see it (the engine's
+        device probe). False, with nothing taken, when no block is empty. `free(seq)` returns it."""
+        if seq.block_table or seq.request_id in self._request_to_chain:
+            raise ValueError(f"{seq.request_id}: a lent block needs a sequence that holds no blocks")
+        if not self._free_block_ids:
+            return False
+        block_id = self._free_block_ids.popleft()
+        self._ref_counts[block_id] = 1
+        seq.block_table.append(block_id)
+        tenant = seq.tenant_id
+        self._num_blocks_by_tenant[tenant] = self._num_blocks_by_tenant.get(tenant, 0) + 1
+        return True
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. A block returns to the pool only when its last user ends; one with

@@ -935,3 +935,29 @@ def test_a_probe_between_steps_leaves_every_request_as_it_was(demo_dir: Path, de
     results = run(engine, arrivals, after_step=lambda e: e.probe())
     assert_greedy_matches(demo_ref, arrivals, results)
     assert kv_snapshot(engine) == baseline
+
+
+def test_a_probe_keeps_the_prefix_cache_as_it_was(demo_dir: Path, demo_ref: Reference) -> None:
+    """With every block holding a cached prefix, a probe checks the device without evicting one (the
+    next request that shares the prefix still skips it) and without counting in the cache's hit rate."""
+    engine = make_engine(demo_dir, kv_cache_bytes=4 * BLOCK_SIZE * 512)  # 4 blocks: 512 bytes a token
+    assert engine.kv_cache.num_blocks == 4
+
+    def serve(request_id: str, prompt: list[int]) -> Result:
+        return run(engine, [Arrival(0, request_id, prompt, greedy(1))])[request_id]
+
+    story = demo_ref.prompt(3 * BLOCK_SIZE)
+    serve("story", story)
+    again = serve("story-again", story)
+    assert again.final.num_cached_prompt_tokens == 2 * BLOCK_SIZE  # a hit, so the rate is above 0
+    serve("other", demo_ref.prompt(BLOCK_SIZE, start=60))  # the last empty block now caches this
+    assert engine.kv_cache.num_cached_blocks == 4
+    hit_rate = engine.stats().prefix_cache_hit_rate
+    assert hit_rate > 0
+
+    engine.probe()
+
+    assert engine.stats().prefix_cache_hit_rate == hit_rate
+    assert engine.kv_cache.num_cached_blocks == 4
+    longer = serve("story-longer", [*story, *demo_ref.prompt(1, start=70)])
+    assert longer.final.num_cached_prompt_tokens == 3 * BLOCK_SIZE

@@ -296,6 +296,21 @@ class KVCacheMachine(RuleBasedStateMachine):
             # A shared block survives until its last user ends.
             assert (self.kv.ref_count(block_id) > 0) == (block_id in still_held)
 
+    @rule(tenant=st.sampled_from(["a", "b"]))
+    def lend_for_a_probe(self, tenant: str) -> None:
+        """The engine's device probe borrows an empty block: the prefix cache loses nothing and its
+        statistics do not see it."""
+        kv = self.kv
+        before = (kv.num_cached_blocks, kv.num_prefix_cache_queries, kv.num_prefix_cache_query_tokens)
+        num_empty = kv.num_empty_blocks
+        probe = make_seq(f"probe{self.num_added}", [0], tenant, None)
+        lent = kv.lend_empty_block(probe)
+        assert lent == (num_empty > 0)
+        assert len(probe.block_table) == int(lent)
+        kv.check_invariants([*self.live.values(), probe])
+        kv.free(probe)
+        assert (kv.num_cached_blocks, kv.num_prefix_cache_queries, kv.num_prefix_cache_query_tokens) == before
+
     @rule()
     def free_all(self) -> None:
         for seq in self.live.values():
