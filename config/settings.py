@@ -233,6 +233,11 @@ if AUTH_STALE_S < 0:
 # The embedded runtime: in-process replicas supervised from the server's event loop.
 EMBEDDED_REPLICAS = _env_bool("SWITCHYARD_EMBEDDED_REPLICAS", not REDIS_URL)
 REPLICA_SYNC_INTERVAL_S = float(os.environ.get("SWITCHYARD_REPLICA_SYNC_INTERVAL_S", "2"))
+# How long run_replica's drain may run after SIGTERM before it ends what it still holds with an error
+# (a gateway retries a request with no token yet elsewhere) and exits: under both supervisors' kill at
+# 600 s (the provisioner's drain_timeout_s, the Kubernetes grace period), so the streams end cleanly and
+# the metrics are flushed. 0: no deadline. Override per process with --drain-timeout.
+REPLICA_DRAIN_TIMEOUT_S = float(os.environ.get("SWITCHYARD_DRAIN_TIMEOUT_S", "570"))
 # Engine sizing per replica (override per process with run_replica's flags).
 REPLICA_MAX_NUM_SEQS = int(os.environ.get("SWITCHYARD_MAX_NUM_SEQS", "64"))
 REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_TOKENS", "512"))

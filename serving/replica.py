@@ -251,6 +251,10 @@ class Replica:
         self._num_queued = 0  # arrivals ever counted in (the model thread counts those it takes)
         self._last_request_at = 0.0  # monotonic: ready, or its last submission (the heartbeat's idle_s)
         self._stopping = False  # tells the model thread to return
+        # Set by end_drain(): the model thread ends every request it holds with this message, and any it
+        # admits later (those being prepared when the drain began). _is_end_pending wakes it for that.
+        self._drain_ended: str | None = None
+        self._is_end_pending = False
         self._engine_run: asyncio.Future[None] | None = None
         self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()  # model thread -> loop, in step order
         self._unsent = threading.Semaphore(MAX_UNSENT)
@@ -422,6 +426,17 @@ class Replica:
         """Admit nothing new; requests already accepted run to their end."""
         if self.state is ReplicaState.READY:
             self.state = ReplicaState.DRAINING
+
+    def end_drain(self, message: str) -> None:
+        """A drain has run past its deadline: end every request the replica still holds with a
+        replica_unavailable error, as a replica that goes away does (a gateway retries one that has no
+        token yet on another replica), so that it goes idle and stops with its streams ended, its metrics
+        flushed and its heartbeat withdrawn, before its supervisor kills it."""
+        self.drain()
+        with self._inbox:
+            self._drain_ended = message
+            self._is_end_pending = True
+            self._inbox.notify()
 
     async def stop(self) -> None:
         self.state = ReplicaState.STOPPED
@@ -746,7 +761,7 @@ class Replica:
         num_failed_in_a_row = 0
         while True:
             with self._inbox:
-                while not (self._stopping or self._submissions or self._aborts):
+                while not (self._stopping or self._submissions or self._aborts or self._is_end_pending):
                     # A generative engine is due whenever it holds work; an encoder engine's batch when
                     # it is full or its oldest input has waited its delay. A new arrival wakes this wait.
                     due_s = engine.seconds_until_ready()
@@ -763,8 +778,11 @@ class Replica:
                     return
                 submissions, self._submissions = self._submissions, []
                 aborts, self._aborts = self._aborts, []
+                self._is_end_pending = False
                 num_taken += len(submissions) + len(aborts)
             broken: Exception | None = None  # the device's failure, which the probe confirmed
+            # Before the step: no forward pass for requests that are ending.
+            ended = self._end_drained()
             try:
                 result = self._step(submissions, aborts)
                 if result.model_time_s is not None:  # a forward pass ran, not only admissions or aborts
@@ -778,6 +796,8 @@ class Replica:
                 if num_failed_in_a_row >= PROBE_AFTER_FAILED_STEPS:
                     num_failed_in_a_row = 0
                     broken = self._probe()
+            if ended is not None:
+                result.merge_events(ended)
             if broken is not None:
                 # The replica's failure, not the requests': a gateway retries those that have no token
                 # yet on another replica, and its breaker counts it (dispatch.REPLICA_FAILURES).
@@ -798,6 +818,18 @@ class Replica:
                 self._emit(_StepResult(), is_engine_empty=True, num_taken=num_taken)
             if broken is not None:  # its requests have their errors: the thread ends, and the replica fails
                 raise DeviceFailed(f"its device failed a probe after failed steps: {broken!r}") from broken
+
+    def _end_drained(self) -> _StepResult | None:
+        """end_drain() on the model thread: every request held ends with its message."""
+        if not self._routes or self._drain_ended is None:
+            return None
+        logger.warning(
+            "replica %s: %s; ending the %d requests it still holds",
+            self.replica_id,
+            self._drain_ended,
+            len(self._routes),
+        )
+        return self._fail_all(self._drain_ended, error_type="replica_unavailable")
 
     def _probe(self) -> Exception | None:
         """Engine.probe on the model thread: None when the device works, else what it raised."""
@@ -929,6 +961,10 @@ class Replica:
     def _admit(self, arrival: _Arrival, result: _StepResult, ended: list[RequestSample]) -> None:
         engine = self._engine
         request_id, route = arrival.request_id, arrival.route
+        if self._drain_ended is not None:  # prepared while the drain ran out: the replica is going away
+            result.add(route, request_id, _error_event("replica_unavailable", self._drain_ended))
+            ended.append(RequestSample("error", error_type="replica_unavailable"))
+            return
         if arrival.error is not None:
             result.add(route, request_id, arrival.error)
             ended.append(RequestSample("error", error_type=arrival.error["error"]["type"]))

@@ -105,8 +105,12 @@ class WatchedReplies(HeldReplies):
             self._sent.notify_all()
 
     async def ended(self, request_id: str) -> list[dict[str, Any]]:
+        return await self.until(request_id, "finish_reason")
+
+    async def until(self, request_id: str, field: str) -> list[dict[str, Any]]:
+        """The request's events once one of them has `field`."""
         async with asyncio.timeout(30), self._sent:
-            await self._sent.wait_for(lambda: any("finish_reason" in e for e in self.events(request_id)))
+            await self._sent.wait_for(lambda: any(field in e for e in self.events(request_id)))
         return self.events(request_id)
 
 
@@ -333,3 +337,78 @@ async def test_after_the_runtime_is_shut_down_no_new_one_starts_on_its_loop(sett
     assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
     assert asyncio.get_running_loop() not in runtime_module._runtimes
     assert first.hub.channel_name is not None  # it had started
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_drain_past_its_deadline_ends_what_it_holds_and_goes_idle(registered_model, settings) -> None:
+    """end_drain (run_replica's --drain-timeout): a stream already under way ends with one
+    replica_unavailable error, as at a replica's loss, and every block comes back."""
+    from serving.faults import Faults
+
+    settings.ALLOW_FAULT_INJECTION = True
+
+    layer, replies = InMemoryChannelLayer(), WatchedReplies()
+    replica = await _replica(layer, replies, faults=Faults(step_delay_ms=20))  # 500 tokens: ~10 s
+    baseline = replica.engine.kv_cache.num_free_blocks
+    try:
+        await _submit(layer, replica, "long", max_tokens=500)
+        await replies.until("long", "token")
+        replica.drain()
+        reason = "the replica stopped: its drain ran past 1 s"
+        replica.end_drain(reason)
+        events = await replies.ended("long")
+        await asyncio.wait_for(replica.wait_idle(), timeout=10)
+        assert [e for e in events if "finish_reason" in e] == [events[-1]]
+        assert events[-1] == {
+            "finish_reason": "error",
+            "error": {"type": "replica_unavailable", "message": reason},
+        }
+        assert len([e for e in events if "token" in e]) < 500
+        assert replica.engine.kv_cache.num_free_blocks == baseline
+        assert replica._routes == {}
+    finally:
+        await replica.stop()
+
+
+class _DrainingReplica:
+    """What run_replica's loop sees of a replica whose drain never ends by itself."""
+
+    replica_id, ref = "r-1", type("Ref", (), {"model_name": "m", "version": "v1"})()
+    is_ready, error = True, None
+
+    def __init__(self) -> None:
+        self.idle = asyncio.Event()
+        self.ended_with: str | None = None
+
+    async def start(self) -> None:
+        pass
+
+    async def wait_engine_ended(self) -> None:
+        await asyncio.Event().wait()
+
+    def drain(self) -> None:
+        pass
+
+    async def wait_idle(self) -> None:
+        await self.idle.wait()
+
+    def heartbeat(self) -> Heartbeat:
+        return type("Beat", (), {"num_running": 2, "num_waiting": 0})()  # type: ignore[return-value]
+
+    def end_drain(self, message: str) -> None:
+        self.ended_with = message
+        self.idle.set()
+
+
+async def test_run_replica_ends_a_drain_at_its_deadline() -> None:
+    import io
+
+    from serving.management.commands.run_replica import Command
+
+    replica, stopped, err = _DrainingReplica(), asyncio.Event(), io.StringIO()
+    stopped.set()  # SIGTERM came
+    command = Command(stdout=io.StringIO(), stderr=err)
+    code = await asyncio.wait_for(command._run(replica, stopped, drain_timeout_s=0.2), timeout=10)
+    assert code == 0
+    assert replica.ended_with == "the replica stopped: its drain ran past 0.2 s"
+    assert "drain deadline (0.2 s) passed: ending 2 running, 0 waiting" in err.getvalue()

@@ -1,5 +1,6 @@
 import asyncio
 import dataclasses
+import math
 import signal
 from typing import Any
 
@@ -54,6 +55,13 @@ class Command(BaseCommand):
         )
         parser.add_argument("--compile", action="store_true", default=settings.REPLICA_COMPILE)
         parser.add_argument(
+            "--drain-timeout",
+            type=float,
+            default=settings.REPLICA_DRAIN_TIMEOUT_S,
+            help="seconds a drain may take before the requests still held end with an error and the "
+            "replica exits (default: SWITCHYARD_DRAIN_TIMEOUT_S, 570; 0: none)",
+        )
+        parser.add_argument(
             "--metrics-port",
             type=int,
             default=None,
@@ -88,6 +96,9 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         if not settings.REDIS_URL:
             raise CommandError("run_replica needs REDIS_URL; without it the server hosts its replicas itself")
+        drain_timeout_s = float(options["drain_timeout"])  # type: ignore[arg-type]
+        if not drain_timeout_s >= 0:  # NaN too
+            raise CommandError("--drain-timeout must be 0 (none) or a number of seconds")
         if options["metrics_port"] is not None and not settings.METRICS_TOKEN:
             raise CommandError("--metrics-port needs SWITCHYARD_METRICS_TOKEN: scrapers authenticate with it")
         ref = version_ref(model_name=str(options["model"]), version=str(options["version"]))
@@ -100,13 +111,20 @@ class Command(BaseCommand):
                 faults if faults.is_active else None,
                 options["metrics_port"],
                 str(options["metrics_addr"]),
+                drain_timeout_s,
             )
         )
         if code:
             raise CommandError(f"replica of {ref.model_name}:{ref.version} failed (see above)")
 
     async def _serve(
-        self, ref: object, config: object, faults: object, metrics_port: object, metrics_addr: str
+        self,
+        ref: object,
+        config: object,
+        faults: object,
+        metrics_port: object,
+        metrics_addr: str,
+        drain_timeout_s: float,
     ) -> int:
         from channels.layers import get_channel_layer
 
@@ -133,7 +151,7 @@ class Command(BaseCommand):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop_requested.set)
         try:
-            code = await self._run(replica, stop_requested)
+            code = await self._run(replica, stop_requested, drain_timeout_s)
         finally:
             await replica.stop()  # withdraws its heartbeat, whatever it said last
             await publisher.close()
@@ -142,9 +160,10 @@ class Command(BaseCommand):
             self.stdout.flush()
         return code
 
-    async def _run(self, replica: Any, stop_requested: asyncio.Event) -> int:
+    async def _run(self, replica: Any, stop_requested: asyncio.Event, drain_timeout_s: float = 0.0) -> int:
         """Load, serve until SIGTERM and drain, or end early: 1 if the load failed or the engine thread
-        died. The caller stops the replica either way."""
+        died. A drain still running after `drain_timeout_s` (0: none) ends what it holds with an error.
+        The caller stops the replica either way."""
         await replica.start()
         if not replica.is_ready:
             self.stderr.write(f"load failed: {replica.error}")
@@ -166,13 +185,23 @@ class Command(BaseCommand):
         replica.drain()  # the heartbeat now says draining: gateways stop choosing this replica
         self.stdout.write("draining")
         self.stdout.flush()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout_s if drain_timeout_s > 0 else math.inf
         while True:  # a drain that takes long says, now and then, what it still holds
             try:
-                await asyncio.wait_for(replica.wait_idle(), DRAIN_REPORT_INTERVAL_S)
+                await asyncio.wait_for(
+                    replica.wait_idle(), max(0.0, min(DRAIN_REPORT_INTERVAL_S, deadline - loop.time()))
+                )
                 break
             except TimeoutError:
                 beat = replica.heartbeat()
-                self.stdout.write(f"draining: {beat.num_running} running, {beat.num_waiting} waiting")
+                held = f"{beat.num_running} running, {beat.num_waiting} waiting"
+                if loop.time() < deadline:
+                    self.stdout.write(f"draining: {held}")
+                else:
+                    self.stderr.write(f"drain deadline ({drain_timeout_s:g} s) passed: ending {held}")
+                    replica.end_drain(f"the replica stopped: its drain ran past {drain_timeout_s:g} s")
+                    deadline = math.inf  # they end at the model thread's next pass; idle follows
                 self.stdout.flush()
         self.stdout.write("drained; stopping")
         self.stdout.flush()
