@@ -337,8 +337,10 @@ class Dispatch:
                         await self._retry()
                         continue
                     except GatewayError as exc:
-                        # A retry that may have reached its replica is aborted there when this closes.
-                        self._gave_up = isinstance(exc, MaybeSent)
+                        # A retry that may have reached its replica is aborted there when this closes:
+                        # one sent with no answer (MaybeSent), or one whose replica went silent after
+                        # it was sent (_next_event gave up on it).
+                        self._gave_up = self._gave_up or isinstance(exc, MaybeSent)
                         event = _error_event("replica_unavailable", exc.message)
                 self.count_failure()
             if "finish_reason" in event and not self.num_prompt_tokens:

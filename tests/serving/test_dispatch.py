@@ -458,3 +458,64 @@ async def test_a_stream_cancelled_during_a_liveness_check_ends_though_the_check_
     assert lost.is_set()
     assert done and waiting.cancelled(), "the stream waited on after its client had left"
     await handle.close()
+
+
+async def test_a_retry_whose_replica_went_silent_is_aborted_there_when_the_stream_ends(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """Accepted, then its replica dies before the first token: the retry goes to a replica alive by its
+    heartbeat that never accepts. The stream ends in an error, and the try left there is aborted; or it
+    would run to max_tokens for nobody, on the one replica already too slow."""
+    from asgiref.sync import sync_to_async
+
+    from serving import dispatch as dispatch_module
+    from serving.breaker import breaker
+    from serving.dispatch import Dispatch
+    from serving.replica import ABORT
+
+    acme = await sync_to_async(make_tenant)("acme")
+    (good,) = await runtime.candidates("demo-chat", "v1")
+    dead, slow = (
+        dataclasses.replace(good, replica_id=rid, channel_name=f"switchyard.replica.{rid}")
+        for rid in ("dead-replica", "slow-replica")
+    )
+    real_candidates, real_next_event, send = runtime.candidates, Dispatch._next_event, runtime.layer.send
+
+    async def candidates(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        return [dead, slow, *await real_candidates(model_name, version)]
+
+    async def alive(handle) -> bool:  # type: ignore[no-untyped-def]
+        return handle.replica_id != dead.replica_id
+
+    async def next_event(self, *, timeout_s: float) -> dict:  # type: ignore[no-untyped-def, type-arg]
+        if self.replica.replica_id != dead.replica_id:
+            return await real_next_event(self, timeout_s=timeout_s)
+        if not self.num_prompt_tokens:
+            return {"accepted": True, "num_prompt_tokens": 1}
+        self._gave_up = True  # as the liveness check leaves it
+        return {"finish_reason": "error", "error": {"type": "replica_lost", "message": "it stopped"}}
+
+    sent: list[tuple[str, str, str]] = []
+
+    async def watched_send(channel: str, message: dict) -> None:  # type: ignore[type-arg]
+        if channel.startswith("switchyard.replica."):
+            sent.append((channel, message["type"], message["request_id"]))
+        await send(channel, message)
+
+    monkeypatch.setattr(dispatch_module, "choose_replica", lambda replicas, rng: replicas[0])
+    monkeypatch.setattr(dispatch_module, "ACCEPT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(dispatch_module, "LIVENESS_CHECK_S", 0.05)
+    monkeypatch.setattr(runtime, "candidates", candidates)
+    monkeypatch.setattr(runtime, "is_alive", alive)
+    monkeypatch.setattr(runtime.layer, "send", watched_send)
+    monkeypatch.setattr(Dispatch, "_next_event", next_event)
+    try:
+        handle = await _hello(acme, max_tokens=2)
+        events = [event async for event in handle.events()]
+        await handle.close()
+    finally:
+        for replica in (dead, slow):  # failures were recorded; leave no state for other tests
+            breaker.record_success(replica.replica_id)
+    assert handle.num_retries == 1 and handle.replica.replica_id == slow.replica_id
+    assert events[-1]["finish_reason"] == "error"
+    assert (slow.channel_name, ABORT, f"{handle.request_id}-1") in sent
