@@ -417,14 +417,23 @@ class Dispatch:
         self._is_closed = True
         self._settle_text(None)  # no-op when it finished normally
         self._runtime.hub.close(self._wire_id)
+        num_unread = self._num_unread_tokens()
         try:
             if (not self.is_finished or self._gave_up) and self.replica is not None:
                 await self._abort_on(self.replica)
         finally:  # a cancellation during the abort must not keep the slot (its lease renewed for ever)
             ticket, self._ticket = self._ticket, None
             if ticket is not None:
-                used = self.num_prompt_tokens + self.num_completion_tokens
+                used = self.num_prompt_tokens + self.num_completion_tokens + num_unread
                 await gateway.quota_store().arelease(ticket, used_tokens=used)
+
+    def _num_unread_tokens(self) -> int:
+        """Tokens that reached this request but not its client (it stopped reading, or left): generated
+        all the same, so charged. Those the replica makes before the abort reaches it are not counted."""
+        unread = [] if self._first_event is None else [self._first_event]
+        while not self._queue.empty():
+            unread.append(self._queue.get_nowait())
+        return sum("token" in event for event in unread)
 
     async def _abort_on(self, replica: ReplicaHandle) -> None:
         """Abort the current try on `replica`: frees its blocks if it is still there, a no-op if not."""

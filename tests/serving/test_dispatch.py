@@ -519,3 +519,38 @@ async def test_a_retry_whose_replica_went_silent_is_aborted_there_when_the_strea
     assert handle.num_retries == 1 and handle.replica.replica_id == slow.replica_id
     assert events[-1]["finish_reason"] == "error"
     assert (slow.channel_name, ABORT, f"{handle.request_id}-1") in sent
+
+
+async def test_tokens_that_came_but_were_never_read_are_charged(make_tenant, runtime, monkeypatch) -> None:
+    """A client that stops reading (cut off as a slow reader, or gone) is charged for every token its
+    replica generated and sent, not only those it read: else unread tokens would be free."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+
+    from serving import gateway
+
+    acme = await sync_to_async(make_tenant)("acme")
+    all_sent, deliver = asyncio.Event(), runtime.hub.deliver
+    settled: list[int] = []
+    release = gateway.quota_store().arelease
+
+    def watched_deliver(message: dict) -> None:  # type: ignore[type-arg]
+        deliver(message)
+        if any("finish_reason" in e for item in message.get("items", ()) for e in item["events"]):
+            all_sent.set()
+
+    async def watched_release(ticket, *, used_tokens: int) -> None:  # type: ignore[no-untyped-def]
+        settled.append(used_tokens)
+        await release(ticket, used_tokens=used_tokens)
+
+    monkeypatch.setattr(runtime.hub, "deliver", watched_deliver)
+    monkeypatch.setattr(gateway.quota_store(), "arelease", watched_release)
+    handle = await _hello(acme, max_tokens=12)
+    events = handle.events()
+    assert "token" in await events.__anext__()  # the client reads one token, then nothing more
+    await asyncio.wait_for(all_sent.wait(), timeout=30)
+    await events.aclose()
+    await handle.close()
+    assert handle.num_prompt_tokens > 0
+    assert settled == [handle.num_prompt_tokens + 12]
