@@ -5,10 +5,13 @@ through (half-open), and its outcome closes the breaker or opens it again.
 
 Choosing a replica asks `allows` of every candidate and `claim`s only the one chosen, so a half-open
 replica that was a candidate but not the choice still has its trial to come. The trial ends when the
-replica accepts the request (`record_accepted`, closed) or fails it (`record_failure`, open again); a
-trial that ends without a verdict (refused by quota before it was sent, a full queue, a request-level
-error, a client gone before the acceptance) is `release`d, and the next request is the trial. A claim
-nobody settles (a bug) stops counting after `trial_timeout_s`.
+replica accepts the request (`record_accepted(is_trial=True)`, closed) or fails it
+(`record_failure(is_trial=True)`, open again); a trial that ends without a verdict (refused by quota
+before it was sent, a full queue, a request-level error, a client gone before the acceptance) is
+`release`d, and the next request is the trial. A claim nobody settles (a bug) stops counting after
+`trial_timeout_s`. Only the trial closes an open breaker: a request sent before it opened that then
+ends well, or is accepted late, says nothing of the replica now; one that fails keeps it open longer
+but leaves a trial under way to its verdict.
 
 Replica ids are new at every start, so the states of replicas that died would pile up for the gateway's
 life: a state nothing has touched for `forget_after_s` is dropped (checked at most once a minute, when a
@@ -83,12 +86,13 @@ class CircuitBreaker:
             if state is not None:
                 state.trial_started_at = None
 
-    def record_accepted(self, replica_id: str) -> None:
-        """The replica took a request: a half-open breaker closes. A closed one keeps its count, so that
-        failures after acceptance (a replica that dies mid-stream) still add up."""
+    def record_accepted(self, replica_id: str, *, is_trial: bool = False) -> None:
+        """The replica took a request: the trial's acceptance closes a half-open breaker. A closed one
+        keeps its count, so that failures after acceptance (a replica that dies mid-stream) still add
+        up."""
         with self._lock:
             state = self._states.get(replica_id)
-            if state is not None and state.opened_at is not None:
+            if is_trial and state is not None and state.opened_at is not None:
                 del self._states[replica_id]
 
     def is_open(self, replica_id: str) -> bool:
@@ -97,20 +101,25 @@ class CircuitBreaker:
             return state is not None and state.opened_at is not None
 
     def record_success(self, replica_id: str) -> None:
+        """A request ended well: a closed breaker's count starts again. An open one waits for its trial."""
         with self._lock:
-            self._states.pop(replica_id, None)
+            state = self._states.get(replica_id)
+            if state is not None and state.opened_at is None:
+                del self._states[replica_id]
 
     def trip(self, replica_id: str) -> None:
-        """Open now, whatever the count: the replica's heartbeats stopped."""
+        """Open now, whatever the count: the replica's heartbeats stopped. A trial under way keeps its
+        claim: its verdict comes, or the claim runs out."""
         with self._lock:
             state = self._touched(replica_id)
-            state.opened_at, state.trial_started_at = state.touched_at, None
+            state.opened_at = state.touched_at
 
-    def record_failure(self, replica_id: str) -> None:
+    def record_failure(self, replica_id: str, *, is_trial: bool = False) -> None:
         with self._lock:
             state = self._touched(replica_id)
             state.num_failures += 1
-            state.trial_started_at = None
+            if is_trial:
+                state.trial_started_at = None
             if state.opened_at is not None or state.num_failures >= self._failure_threshold:
                 state.opened_at = state.touched_at
 

@@ -199,7 +199,7 @@ class Dispatch:
             if first.get("finish_reason") == "error":
                 error = first["error"]
                 if error.get("type") == "invalid_request_error":
-                    breaker.record_accepted(replica.replica_id)  # it answered: alive
+                    breaker.record_accepted(replica.replica_id, is_trial=is_trial)  # it answered: alive
                     has_verdict = True
                     self.is_finished = True
                     raise GatewayError(400, error.get("message", "invalid request"))
@@ -207,7 +207,7 @@ class Dispatch:
                     self._first_event = first  # a request-level failure: the client sees it as a stream error
                     return
                 self._note_failure(error.get("type"))
-                breaker.record_failure(replica.replica_id)
+                breaker.record_failure(replica.replica_id, is_trial=is_trial)
                 has_verdict = True
                 if self.num_retries == 0:
                     await self._retry()
@@ -215,7 +215,7 @@ class Dispatch:
                 raise GatewayError(
                     503, error.get("message", "the replica refused the request"), retry_after_s=2
                 )
-            breaker.record_accepted(replica.replica_id)  # it took the request: a half-open trial passed
+            breaker.record_accepted(replica.replica_id, is_trial=is_trial)  # a half-open trial passed
             has_verdict = True
         finally:
             if is_trial and not has_verdict:  # it says nothing of the replica: the next request may try

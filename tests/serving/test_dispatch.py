@@ -99,11 +99,11 @@ def test_breaker_opens_after_consecutive_failures_then_lets_one_trial_through() 
     assert breaker.allows("r1") and breaker.allows("r1")  # half-open; asking claims nothing
     assert breaker.claim("r1")  # the one trial
     assert not breaker.allows("r1") and not breaker.claim("r1")  # and only one
-    breaker.record_failure("r1")  # the trial failed: open again
+    breaker.record_failure("r1", is_trial=True)  # the trial failed: open again
     assert not breaker.allows("r1")
     clock.now = 10.2
     assert breaker.claim("r1")
-    breaker.record_success("r1")
+    breaker.record_accepted("r1", is_trial=True)
     assert breaker.claim("r1") and breaker.claim("r1")
 
 
@@ -123,7 +123,7 @@ def test_a_half_open_replica_keeps_its_trial_until_one_is_sent_and_the_trial_the
     assert not breaker.allows("r1")
     clock.now = 36.1
     assert breaker.claim("r1")
-    breaker.record_accepted("r1")  # the replica took the trial: closed
+    breaker.record_accepted("r1", is_trial=True)  # the replica took the trial: closed
     assert not breaker.is_open("r1") and breaker.claim("r1") and breaker.claim("r1")
 
 
@@ -137,6 +137,26 @@ def test_the_states_of_replicas_nothing_has_heard_of_for_long_are_dropped() -> N
     breaker.record_failure("still-failing")  # touched 350 s ago: kept; the dead one (650 s) is dropped
     assert set(breaker._states) == {"still-failing"}
     assert breaker.allows("died-long-ago") and not breaker.is_open("died-long-ago")
+
+
+def test_only_its_trial_closes_an_open_breaker() -> None:
+    """Work sent before the breaker opened (a stream that then ends well, an acceptance that comes late)
+    says nothing of the replica now; nor may its failure, or a missed heartbeat, hand out a second
+    trial while the first is under way."""
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=1, open_s=5.0, trial_timeout_s=60.0, clock=clock)
+    breaker.record_failure("r1")
+    breaker.record_success("r1")  # an older stream ends well
+    breaker.record_accepted("r1")  # an older request's acceptance comes late
+    assert breaker.is_open("r1") and not breaker.allows("r1")
+    clock.now = 5.1
+    assert breaker.claim("r1")  # the trial
+    breaker.record_failure("r1")  # an older stream fails meanwhile: open 5 s more, the trial still on
+    breaker.trip("r1")  # and a heartbeat is missed
+    clock.now = 10.2
+    assert not breaker.claim("r1")  # one trial at a time
+    breaker.record_accepted("r1", is_trial=True)
+    assert not breaker.is_open("r1") and breaker.claim("r1") and breaker.claim("r1")
 
 
 def test_an_acceptance_keeps_a_closed_breakers_count_of_failures() -> None:
