@@ -40,6 +40,7 @@ MAX_ENTRIES = 1000
 class RoutingCache:
     def __init__(self, *, revalidate_s: float = REVALIDATE_S) -> None:
         self._entries: dict[str, _CacheEntry] = {}
+        self._reading: set[str] = set()  # names whose table a thread is reading from the database now
         self._lock = threading.Lock()
         self._revalidate_s = revalidate_s
 
@@ -68,8 +69,21 @@ class RoutingCache:
         now = time.monotonic()
         with self._lock:
             entry = self._entries.get(model_name)
-        if entry is not None and now - entry.checked_at < max_age_s:
-            return entry.snapshot
+            if entry is not None and now - entry.checked_at < max_age_s:
+                return entry.snapshot
+            if entry is not None and entry.snapshot is not None and model_name in self._reading:
+                # One revalidation at a time: the others route on the table it is checking. A database
+                # that hangs (a partition: no refusal, no error) then holds one worker thread, not every
+                # request's, and the last good table serves meanwhile instead of after the hang.
+                return entry.snapshot
+            self._reading.add(model_name)
+        try:
+            return self._read(model_name, entry, now)
+        finally:
+            with self._lock:
+                self._reading.discard(model_name)
+
+    def _read(self, model_name: str, entry: _CacheEntry | None, now: float) -> RoutingSnapshot | None:
         try:
             if (
                 entry is not None

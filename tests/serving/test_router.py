@@ -156,6 +156,40 @@ def test_a_database_that_hangs_past_the_period_is_not_asked_again_by_the_next_re
 
 
 @pytest.mark.django_db
+def test_while_one_read_of_a_table_hangs_the_other_requests_route_on_the_last_good_table(
+    registered_model, monkeypatch
+) -> None:
+    """A database that hangs without an error (a network partition) holds the one thread revalidating
+    the table; every other request routes at once on the table it is checking, instead of joining it in
+    the hang until the worker threads run out."""
+    import threading
+
+    clock, cache = _cache_on_a_clock(monkeypatch)
+    entered, release = threading.Event(), threading.Event()
+    reads = []
+
+    def hangs(**kwargs: object) -> None:
+        reads.append(threading.current_thread().name)
+        entered.set()
+        assert release.wait(30)
+        raise ConnectionError("database unreachable")
+
+    monkeypatch.setattr("serving.router.routing_revision", hangs)
+    monkeypatch.setattr("serving.router.routing_snapshot", hangs)
+    clock[0] = 1000.6  # stale: the next request revalidates
+    first = threading.Thread(target=cache.get, args=("demo-chat",), name="first")
+    first.start()
+    try:
+        assert entered.wait(30)
+        for _ in range(5):
+            assert cache.get("demo-chat").weights == {"v1": 100}  # type: ignore[union-attr]
+    finally:
+        release.set()
+        first.join(30)
+    assert reads == ["first"]
+
+
+@pytest.mark.django_db
 def test_names_of_no_model_take_no_lasting_place_in_the_cache(registered_model, monkeypatch) -> None:
     """Any client may ask for any name (a 404 each): they are not revalidated in the background, and
     past MAX_ENTRIES they make way, while the real model's table stays."""
