@@ -105,6 +105,16 @@ TEMPLATES = [
     },
 ]
 
+# libpq's: give up a connect after 5 s; drop a connection whose sent data goes unacknowledged for 10 s,
+# or whose peer stops answering keepalives (10 s idle, then 3 probes 2 s apart) while a reply is awaited.
+POSTGRES_CONNECTION_TIMEOUTS = {
+    "connect_timeout": 5,
+    "tcp_user_timeout": 10_000,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+}
 DATABASES = {
     "default": dj_database_url.parse(
         os.environ.get("DATABASE_URL") or f"sqlite:///{STATE_DIR / 'switchyard.sqlite3'}",
@@ -121,6 +131,11 @@ else:
     # Kept connections are checked before their first query after each request or worker-thread call,
     # so one the server dropped (restart, failover) is replaced instead of failing that query.
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    # A database that hangs rather than refusing (a partition drops packets) must fail a call in seconds,
+    # not after the kernel's TCP retries (~15 min), so that the gateway's fallbacks (the last good routing
+    # table, keys checked recently) take over. What DATABASE_URL's query string sets wins.
+    for _name, _value in POSTGRES_CONNECTION_TIMEOUTS.items():
+        DATABASES["default"].setdefault("OPTIONS", {}).setdefault(_name, _value)
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -36,3 +36,38 @@ def test_a_key_file_left_readable_by_others_is_tightened(tmp_path: Path) -> None
     key_file.chmod(0o644)
     assert _secret_key(tmp_path) == "k" * 50
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+
+
+def test_a_postgres_server_that_never_answers_fails_the_connect_within_seconds(tmp_path: Path) -> None:
+    """A database behind a partition accepts nothing and refuses nothing. Without libpq's timeouts a
+    connect to it waits for ever, and with it every request thread that needs the database; with them
+    the call fails, and the gateway's fallbacks (the last good routing table) take over."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel completes the handshake; nobody answers
+    try:
+        port = silent.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k not in ("SECRET_KEY", "DJANGO_SETTINGS_MODULE")}
+        env.update(
+            SWITCHYARD_STATE_DIR=str(tmp_path),
+            DATABASE_URL=f"postgres://postgres@127.0.0.1:{port}/switchyard",
+            DJANGO_SETTINGS_MODULE="config.settings",
+        )
+        code = (
+            "import time, django\n"
+            "django.setup()\n"
+            "from django.db import connection\n"
+            "started = time.monotonic()\n"
+            "try:\n"
+            "    connection.ensure_connection()\n"
+            "except Exception as exc:\n"
+            "    print(type(exc).__name__, round(time.monotonic() - started, 1))\n"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+    finally:
+        silent.close()
+    name, seconds = result.stdout.split()
+    assert name == "OperationalError", result.stderr
+    assert float(seconds) < 15
