@@ -251,6 +251,7 @@ class Replica:
         self._num_queued = 0  # arrivals ever counted in (the model thread counts those it takes)
         self._last_request_at = 0.0  # monotonic: ready, or its last submission (the heartbeat's idle_s)
         self._stopping = False  # tells the model thread to return
+        self._is_leaving = False  # announce_drain(): its beat says draining while it still admits
         # Set by end_drain(): the model thread ends every request it holds with this message, and any it
         # admits later (those being prepared when the drain began). _is_end_pending wakes it for that.
         self._drain_ended: str | None = None
@@ -422,6 +423,16 @@ class Replica:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(self._engine_run)
 
+    async def announce_drain(self) -> None:
+        """Beat "draining" now, so that gateways stop choosing the replica, while it still admits what
+        they sent before they saw it: drain() once those have come (ROUTED_AFTER_LEAVING_S)."""
+        self._is_leaving = True
+        if self._publisher is not None:
+            try:
+                await self._publisher.publish(self.heartbeat())
+            except Exception:  # the beat loop says it again within HEARTBEAT_INTERVAL_S
+                logger.warning("replica %s: heartbeat failed", self.replica_id, exc_info=True)
+
     def drain(self) -> None:
         """Admit nothing new; requests already accepted run to their end."""
         if self.state is ReplicaState.READY:
@@ -479,7 +490,7 @@ class Replica:
             model_name=self.ref.model_name,
             version=self.ref.version,
             channel_name=self.channel_name,
-            state=str(self.state),
+            state=str(ReplicaState.DRAINING if self._is_leaving and self.is_ready else self.state),
             num_waiting=self.num_waiting + self._num_preparing + len(self._submissions),
             num_running=self.num_running,
             kv_cache_usage=self.kv_cache_usage,

@@ -38,6 +38,10 @@ _SERVE_STALE_S = 1.0
 # A beat older than the stale limit plus the cache's age was missed, not merely read from a cache: the
 # runtime opens the replica's circuit breaker on it (serving/breaker.py).
 MISSED_AFTER_S = STALE_AFTER_S + _SERVE_STALE_S
+# How long after a replica's beat says it is draining a gateway may still send it requests: from a
+# directory cache up to _SERVE_STALE_S old, or a read of it that was under way. A replica process leaving
+# (SIGTERM) keeps admitting for this long, so that they are served rather than refused and retried.
+ROUTED_AFTER_LEAVING_S = _SERVE_STALE_S + 2 * _CACHE_S
 # A heartbeat's step_s is the mean over this many seconds of steps: the autoscaler's tick (5 s) sees
 # each step once, and one long prefill does not swing it.
 STEP_WINDOW_S = 5.0

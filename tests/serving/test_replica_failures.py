@@ -379,6 +379,7 @@ class _DrainingReplica:
     def __init__(self) -> None:
         self.idle = asyncio.Event()
         self.ended_with: str | None = None
+        self.calls: list[str] = []
 
     async def start(self) -> None:
         pass
@@ -386,8 +387,11 @@ class _DrainingReplica:
     async def wait_engine_ended(self) -> None:
         await asyncio.Event().wait()
 
+    async def announce_drain(self) -> None:
+        self.calls.append("announce_drain")
+
     def drain(self) -> None:
-        pass
+        self.calls.append("drain")
 
     async def wait_idle(self) -> None:
         await self.idle.wait()
@@ -400,15 +404,41 @@ class _DrainingReplica:
         self.idle.set()
 
 
-async def test_run_replica_ends_a_drain_at_its_deadline() -> None:
+async def test_run_replica_ends_a_drain_at_its_deadline(monkeypatch) -> None:
     import io
 
+    from serving.management.commands import run_replica
     from serving.management.commands.run_replica import Command
 
+    monkeypatch.setattr(run_replica, "ROUTED_AFTER_LEAVING_S", 0.0)
     replica, stopped, err = _DrainingReplica(), asyncio.Event(), io.StringIO()
     stopped.set()  # SIGTERM came
     command = Command(stdout=io.StringIO(), stderr=err)
     code = await asyncio.wait_for(command._run(replica, stopped, drain_timeout_s=0.2), timeout=10)
     assert code == 0
     assert replica.ended_with == "the replica stopped: its drain ran past 0.2 s"
+    assert replica.calls == ["announce_drain", "drain"]
     assert "drain deadline (0.2 s) passed: ending 2 running, 0 waiting" in err.getvalue()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_replica_leaving_beats_draining_at_once_and_serves_what_comes_meanwhile(
+    registered_model,
+) -> None:
+    """SIGTERM: gateways learn from its beat to stop choosing it, but those that read the directory
+    before that still send it requests for a moment; it serves them, rather than refusing them to be
+    retried (and, were two replicas leaving at once, fail)."""
+    layer, replies, publisher = InMemoryChannelLayer(), WatchedReplies(), FakePublisher()
+    replica = await _replica(layer, replies, publisher=publisher)
+    try:
+        await replica.announce_drain()
+        assert publisher.beats[-1].state == "draining"
+        assert replica.heartbeat().state == "draining"
+        await _submit(layer, replica, "late", max_tokens=3)
+        _assert_one_whole_stream(await replies.ended("late"), num_tokens=3)
+        replica.drain()
+        await _submit(layer, replica, "after", max_tokens=3)
+        (refusal,) = await replies.ended("after")
+        assert refusal["error"]["type"] == "replica_unavailable"
+    finally:
+        await replica.stop()

@@ -7,6 +7,8 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from serving.replica_directory import ROUTED_AFTER_LEAVING_S
+
 DRAIN_REPORT_INTERVAL_S = 5.0
 
 
@@ -182,9 +184,13 @@ class Command(BaseCommand):
             self.stderr.write(f"{replica.error or 'the engine thread ended'}; exiting")
             return 1
         engine_ended.cancel()
-        replica.drain()  # the heartbeat now says draining: gateways stop choosing this replica
+        await replica.announce_drain()  # the heartbeat now says draining: gateways stop choosing it
         self.stdout.write("draining")
         self.stdout.flush()
+        # Requests sent by gateways that had not yet seen it are served, not refused and retried; with
+        # two replicas leaving at once, a retry could land on the other and fail.
+        await asyncio.sleep(ROUTED_AFTER_LEAVING_S)
+        replica.drain()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_timeout_s if drain_timeout_s > 0 else math.inf
         while True:  # a drain that takes long says, now and then, what it still holds
