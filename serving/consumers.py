@@ -4,7 +4,8 @@ Auth by the `Authorization: Bearer` header of the handshake, or by a first messa
 `{"type": "auth", "api_key": "..."}`. Then `{"type": "infer", "input": ..., "max_tokens": ..., ...}` (the
 /infer body without `stream`) starts a generation; the server answers `{"type": "token", "token", "index"}`
 per token and `{"type": "done", "finish_reason", "usage", "timings", "version"}` at the end, or
-`{"type": "error", "error": {"type", "message"}}`; an error that ends a generation also carries
+`{"type": "error", "error": {"type", "message"}}`, with `"retry_after"` (whole seconds, as HTTP's
+Retry-After) on a refusal worth retrying (a 429, a 503); an error that ends a generation also carries
 `"finish_reason": "error"` and the version that served it. `{"type": "cancel"}` stops the generation in
 flight and frees its blocks on the replica. One generation at a time per connection. A client that
 stops reading is cut off (serving/streams.py): its generation is aborted, and once it reads again it
@@ -63,7 +64,10 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             await self.close(code=CLOSE_UNAUTHENTICATED)
 
     async def _error(self, exc: GatewayError) -> None:
-        await self.send_json({"type": "error", **error_body(exc.status, exc.message)})
+        message = {"type": "error", **error_body(exc.status, exc.message)}
+        if exc.retry_after is not None:  # a 429 or a 503: when to try again, as HTTP's Retry-After says it
+            message["retry_after"] = exc.retry_after
+        await self.send_json(message)
 
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any

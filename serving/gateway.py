@@ -34,10 +34,17 @@ class GatewayError(Exception):
         self.retry_after_s = retry_after_s
 
     @property
-    def headers(self) -> dict[str, str]:
+    def retry_after(self) -> int | None:
+        """The wait as a client is told it, in whole seconds (Retry-After over HTTP, `retry_after` in a
+        WebSocket error message): rounded up, at least 1. None: no wait given."""
         if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+            return None
+        return max(1, math.ceil(self.retry_after_s))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        retry_after = self.retry_after
+        return {} if retry_after is None else {"Retry-After": str(retry_after)}
 
 
 class MaybeSent(GatewayError):
@@ -371,6 +378,9 @@ class MemoryQuotaStore:
             return result
 
 
+_ZERO_QUOTA_RETRY_S = 60.0
+
+
 def _refusal(
     context: TenantContext,
     *,
@@ -384,8 +394,16 @@ def _refusal(
     the longest wait among them: a retry after the first one's wait alone would be refused again.
     `room_for`: admit only if `room_for` such requests would be (the first choice of an OpenAI n, whose
     others are admitted right after it), though only this one is charged."""
+    # A zero limit admits nothing until an operator raises it: a long Retry-After, or clients would retry
+    # every second for ever.
     if context.requests_per_second <= 0:
-        return GatewayError(429, "request rate quota is zero for this tenant", retry_after_s=60)
+        return GatewayError(
+            429, "request rate quota is zero for this tenant", retry_after_s=_ZERO_QUOTA_RETRY_S
+        )
+    if context.max_concurrent_requests <= 0:
+        return GatewayError(
+            429, "concurrent request quota is zero for this tenant", retry_after_s=_ZERO_QUOTA_RETRY_S
+        )
     binding: list[tuple[float, str]] = []  # (wait in seconds, what binds)
     if num_in_flight + room_for > context.max_concurrent_requests:
         # When one ends is unknown: 1 s, as a request rarely holds its slot for less.

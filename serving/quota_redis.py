@@ -41,19 +41,52 @@ from serving.gateway import (
 
 logger = logging.getLogger(__name__)
 
-# admit(tenant hash, refusal counts, rps, tokens/min, max concurrent, tokens asked, hash expiry (s),
-# tenant id, ticket id, lease (s), room for: how many such requests must fit for this one to be admitted
-# (serving.gateway._refusal)). A refusal is counted in the same script: no second round trip per 429.
-# Returns {admitted (0/1), request_tokens, token_tokens, in_flight} as strings (Lua numbers would be
-# truncated to integers on the way out).
+# admit(tenant hash, refusal counts, has_room, rps, tokens/min, max concurrent, tokens asked, hash expiry
+# (s), tenant id, ticket id, lease (s), room for: how many such requests must fit for this one to be
+# admitted (serving.gateway._refusal)). A refusal is counted in the same script: no second round trip per
+# 429. has_room: nil, or a function called only once the quota admits the request; false from it admits
+# nothing (no charge, no lease, no refusal counted) and returns {-1}. Returns {admitted (0/1),
+# request_tokens, token_tokens, in_flight} as strings (Lua numbers would be truncated to integers on the
+# way out).
 #
-# The tenant hash holds both buckets (rt, tt, refilled at ts) and one field per request in flight,
+# The tenant hash holds both buckets (rt, tt, refilled at ts), the tokens/min they were last refilled at
+# (tpm: the release script needs it) and one field per request in flight,
 # 'l:<ticket id>' = its lease's deadline on Redis's clock. A lease that was never released (its gateway
 # died, or the release could not reach Redis) stops counting at its deadline; a count that only expired
 # with an idle key never cleared for a tenant that kept sending. 'lx': no lease expires before it, so
 # until then the count is HLEN less the other fields, and only a lease past its deadline costs a scan.
 # Leases live in the tenant hash rather than a key of their own so each script keeps its keys.
-_ADMIT_FUNCTION = """
+#
+# An idle hash expires only once both its buckets are full again, as the in-memory store (which never
+# forgets) would have them: at least the hash expiry argument (which outlives the leases), and at least
+# the time both buckets need to refill from their levels, plus a second. A bucket below full whose rate is
+# zero never refills: its hash never expires.
+_EXPIRY_FUNCTIONS = """
+local function time_to_full(rt, burst, rps, tt, tpm)
+  local s = 0
+  if rt < burst then
+    if rps <= 0 then return nil end
+    s = (burst - rt) / rps
+  end
+  if tt < tpm then
+    if tpm <= 0 then return nil end
+    s = math.max(s, (tpm - tt) * 60 / tpm)
+  end
+  return s
+end
+local function expire_after(key, s)
+  if s == nil or s > 1e9 then redis.call('PERSIST', key)
+  else redis.call('EXPIRE', key, string.format('%d', math.ceil(s))) end
+end
+local function live_at_least(key, s)
+  if s == nil or s > 1e9 then redis.call('PERSIST', key) return end
+  local ms = redis.call('PTTL', key)
+  if ms >= 0 and ms < math.ceil(s) * 1000 then expire_after(key, s) end
+end
+"""
+_ADMIT_FUNCTION = (
+    _EXPIRY_FUNCTIONS
+    + """
 local function live_leases(key, now)
   local n, first = 0, nil
   local fields = redis.call('HGETALL', key)
@@ -69,25 +102,29 @@ local function live_leases(key, now)
   end
   return n, first
 end
-local function admit(key, refused_key, rps, tpm, max_c, tokens, ttl, tenant_id, ticket, lease, room)
+local function admit(key, refused_key, has_room, rps, tpm, max_c, tokens, ttl, tenant_id, ticket, lease,
+                      room)
   rps = tonumber(rps); tpm = tonumber(tpm); max_c = tonumber(max_c)
   tokens = tonumber(tokens); ttl = tonumber(ttl); lease = tonumber(lease); room = tonumber(room)
   local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
   local burst = math.max(1, rps)
-  local s = redis.call('HMGET', key, 'rt', 'tt', 'ts', 'lx', 'n')
+  local s = redis.call('HMGET', key, 'rt', 'tt', 'ts', 'lx', 'tpm', 'n')
   local rt = tonumber(s[1]) or burst; local tt = tonumber(s[2]) or tpm
   local ts = tonumber(s[3]) or now; local lx = tonumber(s[4])
   local n
-  if s[5] then redis.call('HDEL', key, 'n') end -- the count kept before leases: dropped, leaks and all
+  if s[6] then redis.call('HDEL', key, 'n') end -- the count kept before leases: dropped, leaks and all
   if lx == nil or now < lx then
     n = redis.call('HLEN', key)
-    for i = 1, 4 do if s[i] then n = n - 1 end end
+    for i = 1, 5 do if s[i] then n = n - 1 end end
   else
     n, lx = live_leases(key, now)
   end
   local el = math.max(0, now - ts)
   rt = math.min(burst, rt + el * rps); tt = math.min(tpm, tt + el * tpm / 60)
   local ok = rps > 0 and n + room <= max_c and rt >= room and tokens <= tpm and tt >= tokens * room
+  -- A full channel (has_room) is seen only once the quota admits: an over-quota request is a 429 whatever
+  -- its replica's queue holds.
+  if ok and has_room and not has_room() then return {-1} end
   local out_rt, out_tt, out_n = rt, tt, n
   if ok then
     rt = rt - 1; tt = tt - tokens
@@ -95,30 +132,37 @@ local function admit(key, refused_key, rps, tpm, max_c, tokens, ttl, tenant_id, 
     redis.call('HSET', key, 'l:' .. ticket, tostring(deadline))
     if lx == nil or deadline < lx then lx = deadline end
   else redis.call('HINCRBY', refused_key, tenant_id, 1) end
-  redis.call('HSET', key, 'rt', tostring(rt), 'tt', tostring(tt), 'ts', tostring(now))
+  redis.call('HSET', key, 'rt', tostring(rt), 'tt', tostring(tt), 'ts', tostring(now), 'tpm', tostring(tpm))
   if lx then redis.call('HSET', key, 'lx', tostring(lx)) else redis.call('HDEL', key, 'lx') end
-  redis.call('EXPIRE', key, ttl)
+  local full_in = time_to_full(rt, burst, rps, tt, tpm)
+  expire_after(key, full_in and math.max(ttl, full_in + 1))
   return {ok and 1 or 0, tostring(out_rt), tostring(out_tt), tostring(out_n)}
 end
 """
+)
 # KEYS[1] tenant hash, KEYS[2] the refusal counts; ARGV as admit() takes them after its two keys.
-_ADMIT = _ADMIT_FUNCTION + "return admit(KEYS[1], KEYS[2], unpack(ARGV))"
-# The same, then KEYS[3] the replica's channel and ARGV[10..14] the send's (serving.channel_layer). A full
-# channel admits nothing ({-1}); an admitted request is on its replica's channel when the reply arrives.
+_ADMIT = _ADMIT_FUNCTION + "return admit(KEYS[1], KEYS[2], nil, unpack(ARGV))"
+# The same, then KEYS[3] the replica's channel and ARGV[10..14] the send's (serving.channel_layer). The quota
+# decides first: over quota is the refusal ({0, ...}) whatever the channel holds; a request the quota admits
+# to a full channel is not admitted ({-1}, nothing charged); an admitted request is on its replica's channel
+# when the reply arrives.
 _ADMIT_AND_SEND = (
     _ADMIT_FUNCTION
     + SEND_FUNCTIONS
     + """
-if not channel_has_room(KEYS[3], ARGV[10], ARGV[11]) then return {-1} end
-local result = admit(KEYS[1], KEYS[2], unpack(ARGV, 1, 9))
+local function has_room() return channel_has_room(KEYS[3], ARGV[10], ARGV[11]) end
+local result = admit(KEYS[1], KEYS[2], has_room, unpack(ARGV, 1, 9))
 if result[1] == 1 then channel_add(KEYS[3], ARGV[12], ARGV[13], ARGV[14]) end
 return result
 """
 )
 
 # KEYS: tenant hashes; ARGV[1] the lease (s), ARGV[2] the hashes' expiry (s), ARGV[2 + i] the ticket ids
-# (comma-separated) of KEYS[i] to renew. A lease already released (or expired and dropped) stays gone.
-_RENEW = """
+# (comma-separated) of KEYS[i] to renew. A lease already released (or expired and dropped) stays gone. A
+# hash's expiry is extended, never shortened: a slow bucket or a debt may need it longer.
+_RENEW = (
+    _EXPIRY_FUNCTIONS
+    + """
 local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local deadline = tostring(now + tonumber(ARGV[1]))
 local renewed = 0
@@ -129,23 +173,39 @@ for i, key in ipairs(KEYS) do
       renewed = renewed + 1
     end
   end
-  if redis.call('EXISTS', key) == 1 then redis.call('EXPIRE', key, ARGV[2]) end
+  live_at_least(key, tonumber(ARGV[2]))
 end
 return renewed
 """
+)
 
 # KEYS[1] tenant hash; ARGV: tokens to give back (charged less used), ticket id, '1' to settle only a
 # lease still held. A lease that already expired is gone: its release frees no one else's slot, but still
 # settles the tokens its request used. Only if held: an admission whose outcome is unknown (its reply
-# lost) is given back only if the script ran and admitted it; otherwise it was never charged.
-_RELEASE = """
-local held = redis.call('HDEL', KEYS[1], 'l:' .. ARGV[2]) == 1
-if not held and (ARGV[3] == '1' or redis.call('EXISTS', KEYS[1]) == 0) then return 0 end
-redis.call('HINCRBYFLOAT', KEYS[1], 'tt', ARGV[1])
+# lost) is given back only if the script ran and admitted it; otherwise it was never charged. A request that
+# used more than its estimate leaves the token bucket further below full (in debt, below zero): the hash
+# then lives at least until the bucket is full again, as admission has it (_EXPIRY_FUNCTIONS).
+_RELEASE = (
+    _EXPIRY_FUNCTIONS
+    + """
+local key = KEYS[1]
+local held = redis.call('HDEL', key, 'l:' .. ARGV[2]) == 1
+if not held and (ARGV[3] == '1' or redis.call('EXISTS', key) == 0) then return 0 end
+local tt = tonumber(redis.call('HINCRBYFLOAT', key, 'tt', ARGV[1]))
+local s = redis.call('HMGET', key, 'ts', 'tpm')
+local ts, tpm = tonumber(s[1]), tonumber(s[2])
+if ts and tpm and tt < tpm then
+  local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+  local full_in = time_to_full(0, 0, 0, tt, tpm)
+  if full_in == nil then live_at_least(key, nil)
+  elseif full_in - (now - ts) > 0 then live_at_least(key, full_in - (now - ts) + 1) end
+end
 return 1
 """
+)
 
-# An idle tenant's hash expires (its buckets would be full again by then), but never before its leases.
+# An idle tenant's hash expires no sooner than this, nor before its leases, nor before both its buckets are
+# full again (_EXPIRY_FUNCTIONS).
 _IDLE_EXPIRY_S = 600
 # How long an admitted request counts against its tenant's concurrency unless its gateway renews it (every
 # LEASE_RENEW_EVERY_S while the request runs, serving.runtime): a gateway process that dies mid-request
@@ -348,6 +408,10 @@ class RedisQuotaStore:
                 client.admit(**self._admit_args(context, ticket, room_for)), ticket
             )
         except redis.RedisError as exc:
+            # Redis may have run the script before its reply was lost (a connection dropped): whatever it
+            # admitted (its lease, its tokens) is given back; nothing, if it did not run.
+            with contextlib.suppress(redis.RedisError):
+                await client.release(**self._release_args(ticket, 0, only_if_held=True))
             raise _unavailable(exc) from exc
         if not int(admitted):
             raise self._refused(context, tokens, room_for, rt, tt, n)

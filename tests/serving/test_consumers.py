@@ -202,6 +202,42 @@ async def test_a_dispatch_that_fails_unexpectedly_answers_503_and_the_socket_ser
     await ws.disconnect()
 
 
+async def test_a_refusal_says_when_to_retry_as_the_http_retry_after_does(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """A 429 or a 503 over HTTP carries Retry-After; over a WebSocket the error message carries
+    `retry_after`, the same whole seconds (rounded up, at least 1). An error with no wait has none."""
+    from asgiref.sync import sync_to_async
+
+    from serving import consumers
+    from serving.gateway import GatewayError
+
+    slow = await sync_to_async(make_tenant)("slow", requests_per_second=0.01)  # one request per 100 s
+    ws = await _connect([(b"authorization", f"Bearer {slow.key}".encode())])
+    await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1})
+    assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(2)] == ["token", "done"]
+    await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1})
+    refused = await ws.receive_json_from(timeout=10)
+    assert (refused["type"], refused["error"]["type"]) == ("error", "rate_limit_error")
+    assert isinstance(refused["retry_after"], int) and 95 <= refused["retry_after"] <= 100
+
+    real_dispatch = consumers.dispatch
+    for wait, expected in [(2.2, 3), (0.3, 1)]:
+
+        async def unavailable(wait: float = wait, **request):  # type: ignore[no-untyped-def]
+            raise GatewayError(503, "no ready replica", retry_after_s=wait)
+
+        monkeypatch.setattr(consumers, "dispatch", unavailable)
+        await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1})
+        error = await ws.receive_json_from(timeout=10)
+        assert error["error"]["type"] == "service_unavailable" and error["retry_after"] == expected
+        assert GatewayError(503, "", retry_after_s=wait).headers == {"Retry-After": str(expected)}
+    monkeypatch.setattr(consumers, "dispatch", real_dispatch)
+    await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 0})
+    assert "retry_after" not in await ws.receive_json_from(timeout=10)  # a 400: retrying will not help
+    await ws.disconnect()
+
+
 async def test_the_next_infer_sent_as_soon_as_done_arrives_is_served_not_refused(acme, monkeypatch) -> None:
     """The done message goes out before its request is closed (its quota given back: a Redis round trip
     in production, slowed here): a client that answers it at once is served, not told a generation is

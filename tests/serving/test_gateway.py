@@ -316,6 +316,42 @@ async def test_a_refused_request_is_never_sent_and_a_full_channel_admits_nothing
         store.clear()
 
 
+@pytest.mark.redis
+async def test_over_quota_with_its_replicas_queue_full_is_a_429_not_a_full_channel(redis_url: str) -> None:
+    """The quota decides first: a tenant over quota is refused (429, counted, and its next attempts admit
+    alone) whatever its replica's queue holds; only a request the quota admits can find the queue full."""
+    from channels.exceptions import ChannelFull
+
+    from serving.quota_redis import RedisQuotaStore
+
+    store = RedisQuotaStore(redis_url, key_prefix="test:quota8:")
+    store.clear()
+    layer = one_trip_layer(redis_url, capacity=1)
+    over = _context(27, requests_per_second=1000, max_concurrent_requests=1)
+    other = _context(28, requests_per_second=1000, max_concurrent_requests=1)
+    channel = "switchyard.replica.full"
+    try:
+        holder = await store.aadmit(over, tokens=1)  # its one slot taken
+        await layer.send(channel, {"type": "submit", "n": 0})  # the channel is now full
+        assert store.sends_with_admission(over)
+        with pytest.raises(GatewayError, match="concurrent") as refused:
+            await store.aadmit_and_send(over, tokens=1, layer=layer, channel=channel, message={"n": 1})
+        assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "1"}
+        assert store.refusals()[27] == 1 and not store.sends_with_admission(over)
+        assert store.usage([over])[27].num_in_flight == 1  # the holder's
+
+        with pytest.raises(ChannelFull):  # admitted by its quota, but the queue is full: nothing charged
+            await store.aadmit_and_send(other, tokens=1, layer=layer, channel=channel, message={"n": 2})
+        usage = store.usage([other])[28]
+        assert (usage.num_in_flight, usage.requests_drawn, usage.tokens_drawn) == (0, 0, 0)
+        assert not store.refusals().get(28)
+        assert await layer.receive(channel) == {"type": "submit", "n": 0}  # nothing else was sent
+        await store.arelease(holder, used_tokens=1)
+    finally:
+        await layer.flush()
+        store.clear()
+
+
 async def test_without_a_shared_redis_a_send_that_fails_gives_the_admission_back() -> None:
     """The in-memory store (and a Redis store whose layer is on another server) admits, then sends."""
     from channels.exceptions import ChannelFull

@@ -277,6 +277,37 @@ async def test_a_reply_lost_after_the_one_trip_script_ran_holds_nothing_and_says
         store.clear()
 
 
+@pytest.mark.redis
+async def test_a_reply_lost_after_the_admission_script_ran_holds_no_slot_and_no_tokens(
+    redis_url: str,
+) -> None:
+    """The connection drops after Redis admitted the request (aadmit, the two-key script): the caller
+    gets a 503 and no ticket, so the store gives the admission back, lease and tokens, rather than hold
+    the tenant's one slot until the lease runs out."""
+    import redis
+
+    store = _redis_store(redis_url)
+    context = _context(44, requests_per_second=1000, tokens_per_minute=60, max_concurrent_requests=1)
+    client = store._loop_client()
+    script = client.admit
+
+    async def ran_then_dropped(**kwargs: Any) -> Any:
+        await script(**kwargs)
+        raise redis.ConnectionError("Connection reset by peer")
+
+    client.admit = ran_then_dropped
+    try:
+        with pytest.raises(GatewayError) as failed:
+            await store.aadmit(context, tokens=50)
+        assert failed.value.status == 503 and failed.value.headers == {"Retry-After": "1"}
+        usage = store.usage([context])[44]
+        assert usage.num_in_flight == 0 and usage.tokens_drawn == pytest.approx(0, abs=1)
+        client.admit = script
+        await store.arelease(await store.aadmit(context, tokens=50), used_tokens=50)  # the slot is free
+    finally:
+        store.clear()
+
+
 # --- cancelled during admission ----------------------------------------------------------------------------
 
 
@@ -374,6 +405,72 @@ def test_concurrency_and_tokens_binding_together_wait_for_the_tokens(store: Any)
         store.admit(context, tokens=500)
     assert refused.value.retry_after_s == pytest.approx(20.0, abs=0.5)  # 200 tokens short, 10 a second
     assert "concurrent" in refused.value.message and "token rate" in refused.value.message
+
+
+def test_a_zero_concurrency_quota_is_refused_as_a_zero_rate_is_with_a_long_retry_after(store: Any) -> None:
+    """No slot will ever free up for a tenant allowed none: Retry-After: 1 had its clients retry every
+    second for ever. It is refused as a zero request rate is."""
+    no_rate = _context(45, requests_per_second=0, tokens_per_minute=600, max_concurrent_requests=5)
+    no_slots = _context(46, requests_per_second=1000, tokens_per_minute=600, max_concurrent_requests=0)
+    refusals = []
+    for context in (no_rate, no_slots):
+        with pytest.raises(GatewayError) as refused:
+            store.admit(context, tokens=1)
+        refusals.append(refused.value)
+    assert [(e.status, e.headers) for e in refusals] == [(429, {"Retry-After": "60"})] * 2
+    assert "concurrent request quota is zero" in refusals[1].message
+    assert store.refusals()[46] == 1
+
+
+@pytest.mark.parametrize("kind", ["memory", pytest.param("redis", marks=pytest.mark.redis)])
+async def test_a_slow_bucket_and_a_token_debt_outlive_the_idle_expiry_in_both_stores(
+    kind: str, request: pytest.FixtureRequest, monkeypatch: Any
+) -> None:
+    """Redis's tenant hash expired a fixed time after each admission (renewals set that time again) and
+    took its buckets with it: a bucket slower to refill than that, or a token debt (a request that used
+    more than its estimate, settled at release), came back full. The in-memory store never forgets; both
+    must refuse alike. The idle expiry is cut to 1 s here, as 600 s is in production."""
+    if kind == "memory":
+        store: Any = MemoryQuotaStore()
+    else:
+        from serving import quota_redis
+
+        monkeypatch.setattr(quota_redis, "_IDLE_EXPIRY_S", 1)
+        store = _redis_store(request.getfixturevalue("redis_url"), lease_s=0.5)  # hash expiry: 2 s
+    slow = _context(47, requests_per_second=0.2, tokens_per_minute=10**6, max_concurrent_requests=5)
+    indebted = _context(48, requests_per_second=1000, tokens_per_minute=6000, max_concurrent_requests=5)
+    try:
+        held = await store.aadmit(slow, tokens=1)  # its burst of 1 refills in 5 s
+        await store.arenew()  # renewing a lease must not shorten the hash's life
+        await store.arelease(held, used_tokens=1)
+        ticket = await store.aadmit(indebted, tokens=1)  # full again in 0.01 s, as admitted
+        await store.arelease(ticket, used_tokens=11_000)  # 5,000 tokens in debt: 110 s to refill
+        await asyncio.sleep(2.5)  # past the hash expiry, and past admission's own refill time
+        with pytest.raises(GatewayError, match="request rate") as refused:
+            await store.aadmit(slow, tokens=1)
+        assert refused.value.retry_after_s == pytest.approx(2.5, abs=0.3)  # 0.5 of 1 request refilled
+        with pytest.raises(GatewayError, match="token rate") as refused:
+            await store.aadmit(indebted, tokens=1)
+        assert refused.value.retry_after_s == pytest.approx(47.5, abs=0.5)  # 4,751 tokens at 100/s
+    finally:
+        if kind == "redis":
+            store.clear()
+
+
+@pytest.mark.redis
+def test_the_tenant_hash_lives_until_its_slowest_bucket_is_full(redis_url: str) -> None:
+    """With the production idle expiry: a tenant allowed a request every 1,000 s keeps its hash that
+    long, and a release that leaves a token debt extends it to the debt's refill."""
+    store = _redis_store(redis_url)
+    slow = _context(49, requests_per_second=0.001, tokens_per_minute=10**6, max_concurrent_requests=5)
+    indebted = _context(50, requests_per_second=1000, tokens_per_minute=60, max_concurrent_requests=5)
+    try:
+        store.release(store.admit(slow, tokens=1), used_tokens=1)
+        assert 1000 <= store._redis.ttl(store._key(49)) <= 1002
+        store.release(store.admit(indebted, tokens=1), used_tokens=1000)  # 940 below zero, 1/s: 1,000 s
+        assert 999 <= store._redis.ttl(store._key(50)) <= 1002
+    finally:
+        store.clear()
 
 
 async def test_room_for_several_admits_one_only_when_all_would_be_admitted(
