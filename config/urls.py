@@ -22,5 +22,6 @@ urlpatterns = [
 
 # Under /v1/ every answer is JSON in the one error shape (registry/errors.py), unknown paths and failures
 # included; the dashboard and the admin keep Django's pages.
+handler400 = "registry.errors.bad_request"  # a Host outside ALLOWED_HOSTS, say
 handler404 = "registry.errors.not_found"
 handler500 = "registry.errors.server_error"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import DisallowedHost
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.views import defaults
 from rest_framework import exceptions as drf_exceptions
@@ -62,6 +63,17 @@ def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpR
     if _is_api(request):
         return error_response(404, f"no such endpoint: {request.method} {request.path}")
     return defaults.page_not_found(request, exception or Http404())
+
+
+def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """Django's 400 handler, for what it refuses before any view runs: a Host outside ALLOWED_HOSTS and
+    its other SuspiciousOperations. Under /v1/ the API's error shape, without the exception's text (it
+    can name the settings to change; Django's own page shows none either); Django's page elsewhere."""
+    if not _is_api(request):
+        return defaults.bad_request(request, exception)
+    if isinstance(exception, DisallowedHost):
+        return error_response(400, "the Host header names no host this server answers for")
+    return error_response(400, "bad request")
 
 
 def server_error(request: HttpRequest) -> HttpResponse:

@@ -1,9 +1,10 @@
 """OpenAI-compatible endpoints, so the `openai` client works with base_url=http://host/v1.
 
 Features we do not implement (echo, tools, images, response formats other than text) are refused with
-a 400 rather than silently ignored; n is served up to MAX_CHOICES. Log probabilities are the model's
-own (before temperature and top-p), of each token decoded alone, as OpenAI's and vLLM's: completions'
-`logprobs` (0-5 alternatives), chat's `logprobs` and `top_logprobs` (0-20)."""
+a 400 rather than silently ignored (sent as null, they read as absent, as every parameter does); n is
+served up to MAX_CHOICES. Log probabilities are the model's own (before temperature and top-p), of each
+token decoded alone, as OpenAI's and vLLM's: completions' `logprobs` (0-5 alternatives), chat's
+`logprobs` and `top_logprobs` (0-20)."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ MAX_CHOICES = 16  # n: choices of one request, each a sequence of its own on the
 
 
 def _model(body: dict[str, Any], allowed: frozenset[str]) -> str:
-    """The body's model, after refusing fields the endpoint does not know."""
-    unknown = sorted(set(body) - allowed)
+    """The body's model, after refusing fields the endpoint does not know. One sent as null reads as
+    absent, as every parameter does (the openai client sends null for one passed as None)."""
+    unknown = sorted(name for name in set(body) - allowed if body[name] is not None)
     if unknown:
         raise GatewayError(400, f"unsupported field(s): {', '.join(unknown)}")
     model = body.get("model")
@@ -69,16 +71,29 @@ def _common(
         raise GatewayError(400, f"n must be an integer from 1 to {MAX_CHOICES}")
     if body.get("echo"):
         raise GatewayError(400, "echo is not supported")
-    options = body.get("stream_options")
-    if options is not None:  # as OpenAI: a client that asks for stream usage without a stream gets no usage
-        if not isinstance(options, dict):
-            raise GatewayError(400, "stream_options must be an object")
-        if body.get("stream") is not True:
-            raise GatewayError(400, "stream_options is only allowed when stream is true")
-    include_usage = bool((options or {}).get("include_usage"))
+    include_usage = _include_usage(body)
     sampling = parse_sampling(body, default_max_tokens=default_max_tokens)
     sampling["n"] = n or 1
     return model, sampling, include_usage
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    """stream_options.include_usage: an object whose one field (null is absent) is a boolean."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise GatewayError(400, "stream_options must be an object")
+    unknown = sorted(name for name, value in options.items() if name != "include_usage" and value is not None)
+    if unknown:
+        raise GatewayError(400, f"unsupported stream_options field(s): {', '.join(unknown)}")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise GatewayError(400, "stream_options.include_usage must be true or false")
+    # as OpenAI: a client that asks for stream usage without a stream gets no usage
+    if body.get("stream") is not True:
+        raise GatewayError(400, "stream_options is only allowed when stream is true")
+    return bool(include_usage)
 
 
 def _parse_completion(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, str]:
@@ -105,6 +120,15 @@ def _parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, list[d
         body = dict(body)
         max_completion_tokens = body.pop("max_completion_tokens")
         if max_completion_tokens is not None:
+            # Each checked before they are compared: true == 1 in Python, but true is no token count.
+            for name, value in (
+                ("max_tokens", body.get("max_tokens")),
+                ("max_completion_tokens", max_completion_tokens),
+            ):
+                if value is not None and (not is_int(value) or not 1 <= value <= settings.MAX_TOKENS_LIMIT):
+                    raise GatewayError(
+                        400, f"{name} must be an integer from 1 to {settings.MAX_TOKENS_LIMIT}"
+                    )
             if body.get("max_tokens") is not None and body["max_tokens"] != max_completion_tokens:
                 raise GatewayError(400, "max_tokens and max_completion_tokens differ: send one of them")
             body["max_tokens"] = max_completion_tokens
@@ -521,7 +545,9 @@ EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions",
 
 def _parse_embeddings(body: dict[str, Any]) -> tuple[str, list[str], str]:
     model = _model(body, EMBEDDING_FIELDS)
-    encoding = body.get("encoding_format") or "float"
+    encoding = body.get("encoding_format")
+    if encoding is None:  # absent or null; anything else is checked, false and "" included
+        encoding = "float"
     if encoding not in ("float", "base64"):
         raise GatewayError(400, 'encoding_format must be "float" or "base64"')
     if body.get("dimensions") is not None:

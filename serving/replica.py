@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from channels.db import database_sync_to_async
 from django.conf import settings
 
@@ -686,7 +687,9 @@ class Replica:
                     )
             arrival.tenant = message.get("tenant") or "default"
             arrival.cache_group = message.get("cache_group")
-        except (TypeError, ValueError, KeyError) as exc:
+        # A chat template's refusal (its raise_exception: roles that do not alternate, say) is the
+        # request's fault, as a ValueError is.
+        except (TypeError, ValueError, KeyError, jinja2.TemplateError) as exc:
             arrival.error = _error_event("invalid_request_error", str(exc))
         except Exception:
             logger.exception("replica %s: could not prepare request %s", self.replica_id, request_id)
@@ -832,7 +835,7 @@ class Replica:
 
     def _end_drained(self) -> _StepResult | None:
         """end_drain() on the model thread: every request held ends with its message."""
-        if not self._routes or self._drain_ended is None:
+        if self._drain_ended is None or not self._routes:
             return None
         logger.warning(
             "replica %s: %s; ending the %d requests it still holds",

@@ -3,6 +3,8 @@ parts, the "developer" role."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,6 +102,19 @@ async def test_text_parts_and_the_developer_role_read_as_a_string_and_the_system
         ({"messages": [{"role": {"name": "user"}, "content": "hi"}]}, "needs a role of"),
         ({"stream_options": {"include_usage": True}}, "only allowed when stream is true"),
         ({"stream": True, "stream_options": "usage"}, "stream_options must be an object"),
+        # "false" is no boolean: it used to turn usage on
+        (
+            {"stream": True, "stream_options": {"include_usage": "false"}},
+            "stream_options.include_usage must be true or false",
+        ),
+        (
+            {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+            "unsupported stream_options field(s): continuous_usage_stats",
+        ),
+        # true == 1 in Python: each is checked before they are compared
+        ({"max_tokens": True, "max_completion_tokens": 1}, "max_tokens must be an integer"),
+        ({"max_tokens": 1, "max_completion_tokens": True}, "max_completion_tokens must be an integer"),
+        ({"max_completion_tokens": "8"}, "max_completion_tokens must be an integer"),
     ],
 )
 async def test_bad_chat_bodies_get_the_json_error(
@@ -144,3 +159,85 @@ async def test_openai_parameters_as_its_clients_send_them(
     assert texts[0] == texts[1] == texts[2]  # -1 is 2**63 - 1 modulo 2**63: one seed, reproduced
     usage = nulls.json()["usage"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": usage["cached_prompt_tokens"]}
+
+
+async def test_unsupported_fields_sent_as_null_read_as_absent(
+    runtime: Any, make_tenant: Any, settings: Any
+) -> None:
+    """The README: a parameter sent as null reads as absent, those we do not implement included; any
+    other value of one is refused, as before."""
+    settings.ALLOWED_HOSTS = ["localhost"]
+    acme = await sync_to_async(make_tenant)("acme")
+    hello = [{"role": "user", "content": "hello"}]
+    completion = {"model": "demo-chat", "prompt": "hello", "max_tokens": 2}
+    async with asgi_client() as client:
+        chat_nulls = await _chat(client, acme.auth, hello, max_tokens=2, tools=None, tool_choice=None)
+        completion_nulls = await client.post(
+            "/v1/completions", json={**completion, "suffix": None, "best_of": None}, headers=acme.auth
+        )
+        chat_tools = await _chat(client, acme.auth, hello, max_tokens=2, tools=[], tool_choice=None)
+        completion_suffix = await client.post(
+            "/v1/completions", json={**completion, "suffix": "", "best_of": None}, headers=acme.auth
+        )
+    assert chat_nulls.status_code == 200, chat_nulls.text
+    assert chat_nulls.json()["usage"]["completion_tokens"] == 2
+    assert completion_nulls.status_code == 200, completion_nulls.text
+    assert completion_nulls.json()["usage"]["completion_tokens"] == 2
+    assert chat_tools.status_code == 400
+    assert chat_tools.json()["error"] == {
+        "type": "invalid_request_error",
+        "message": "unsupported field(s): tools",
+    }
+    assert completion_suffix.status_code == 400
+    assert completion_suffix.json()["error"]["message"] == "unsupported field(s): suffix"
+
+
+# As Mistral's template and others: two messages of one role in a row are refused with raise_exception.
+ALTERNATING_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture
+def alternating_model_dir(demo_model_dir: Path, tmp_path: Path) -> Path:
+    """The demo model with a chat template that refuses two user messages in a row."""
+    out = tmp_path / "alternating-model"
+    shutil.copytree(demo_model_dir, out)
+    (out / "chat_template.jinja").write_text(ALTERNATING_TEMPLATE)
+    return out
+
+
+async def test_a_conversation_the_chat_template_refuses_is_a_400_with_its_message(
+    db: None, alternating_model_dir: Path, make_tenant: Any, settings: Any
+) -> None:
+    """It was the replica's failure: "could not admit it", a 503 to retry (an error stream when
+    streamed), counted against the version."""
+    from registry.services import model_version_register
+    from serving.runtime import get_runtime
+
+    settings.ALLOWED_HOSTS = ["localhost"]
+    await sync_to_async(model_version_register)(
+        name="demo-chat", version="v1", source_dir=alternating_model_dir, created_by="test"
+    )
+    runtime = await get_runtime()
+    assert await runtime.wait_ready()
+    acme = await sync_to_async(make_tenant)("acme")
+    alternating = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    twice = [{"role": "user", "content": "hello"}, {"role": "user", "content": "are you there?"}]
+    async with asgi_client() as client:
+        served = await _chat(client, acme.auth, alternating, max_tokens=2)
+        refused = await _chat(client, acme.auth, twice, max_tokens=2)
+        refused_stream = await _chat(client, acme.auth, twice, max_tokens=2, stream=True)
+    assert served.status_code == 200, served.text
+    expected = {
+        "type": "invalid_request_error",
+        "message": "Conversation roles must alternate user/assistant/user/assistant/...",
+    }
+    for response in (refused, refused_stream):
+        assert response.status_code == 400, response.text
+        assert response.json()["error"] == expected
+        assert "Retry-After" not in response.headers

@@ -43,7 +43,13 @@ async def test_float_and_base64_encodings_give_the_same_normalized_vectors(acme,
             json={"model": "demo-embed", "input": TEXTS[:2], "encoding_format": "base64"},
             headers=acme.auth,
         )
+        as_null = await client.post(  # null reads as absent: the default, float
+            "/v1/embeddings",
+            json={"model": "demo-embed", "input": TEXTS[:2], "encoding_format": None},
+            headers=acme.auth,
+        )
     assert as_float.status_code == 200, as_float.text
+    assert as_null.status_code == 200 and as_null.json()["data"] == as_float.json()["data"]
     body = as_float.json()
     assert body["object"] == "list" and body["model"] == "demo-embed"
     assert [d["index"] for d in body["data"]] == [0, 1]
@@ -98,6 +104,11 @@ async def test_concurrent_requests_share_forward_passes_and_each_gets_its_own_ve
         ({"model": "demo-embed", "input": "x" * 40_000}, 413, "the limit is 32768"),
         ({"model": "demo-embed", "input": "hi", "dimensions": 8}, 400, "dimensions is not supported"),
         ({"model": "demo-embed", "input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
+        # only absent or null defaults to "float": these used to read as it
+        ({"model": "demo-embed", "input": "hi", "encoding_format": False}, 400, "encoding_format"),
+        ({"model": "demo-embed", "input": "hi", "encoding_format": 0}, 400, "encoding_format"),
+        ({"model": "demo-embed", "input": "hi", "encoding_format": ""}, 400, "encoding_format"),
+        ({"model": "demo-embed", "input": "hi", "encoding_format": []}, 400, "encoding_format"),
         ({"model": "demo-embed", "input": "hi", "temperature": 0}, 400, "unsupported field(s): temperature"),
         ({"input": "hi"}, 400, "model must be a non-empty string"),
         (

@@ -5,6 +5,8 @@ import json
 import pytest
 from django.test import AsyncClient
 
+from tests.serving.conftest import asgi_client
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 URL = "/v1/models/demo-chat/infer"
@@ -111,6 +113,32 @@ async def test_bad_bodies_get_the_json_error_before_any_model_work(acme, body, r
     error = response.json()["error"]
     assert fragment in error["message"]
     assert set(error) == {"type", "message"}
+
+
+@pytest.mark.parametrize(
+    ("method", "url"),
+    [
+        ("POST", "/v1/chat/completions"),  # the inference endpoints' own handler and middleware
+        ("POST", URL),
+        ("GET", "/v1/models"),  # the control plane's, under Django's full middleware
+    ],
+)
+async def test_a_host_outside_allowed_hosts_gets_the_json_error_under_v1(settings, method, url) -> None:
+    """Django's 400 handler answered with its HTML page, "Bad Request (400)", which no API client reads."""
+    settings.ALLOWED_HOSTS = ["localhost"]
+    async with asgi_client() as client:
+        response = await client.request(method, url, json={}, headers={"Host": "evil.example"})
+        page = await client.get("/dashboard/", headers={"Host": "evil.example"})
+    assert response.status_code == 400, response.text
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.json() == {
+        "error": {
+            "type": "invalid_request_error",
+            "message": "the Host header names no host this server answers for",
+        }
+    }
+    # Outside /v1/ (the dashboard, the admin), Django's page as before.
+    assert page.status_code == 400 and page.headers["Content-Type"].startswith("text/html")
 
 
 async def test_an_oversized_body_is_413(acme, settings) -> None:
