@@ -33,6 +33,7 @@ CLOSE_UNAUTHENTICATED = 4401
 CLOSE_SLOW_READER = 4408
 CLOSE_UNSUPPORTED_DATA = 1003
 CLOSE_INVALID_PAYLOAD = 1007
+CLOSE_TRY_AGAIN_LATER = 1013
 
 
 class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
@@ -42,6 +43,16 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     # The task's generation has sent its final message: what is left of the task is closing its request
     # (the quota's release, a Redis round trip), which a client's next infer waits out, not a 409.
     has_ended: bool = False
+    is_closing: bool = False  # this side closed the socket: messages still queued behind that are dropped
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # However the consumer ended: a handler that raised (a send to a socket the client had just
+            # dropped) ends it before disconnect() runs, and the generation would run on, holding its
+            # blocks and its quota slot.
+            await self._cancel()
 
     def _header(self, name: bytes) -> str | None:
         for key, value in self.scope.get("headers", ()):
@@ -61,26 +72,35 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             self.authorization = authorization
         except GatewayError as exc:
             await self._error(exc)
-            await self.close(code=CLOSE_UNAUTHENTICATED)
+            # A key that could not be checked (the database down, for a key not seen lately) is no bad
+            # key: 1013 tells the client to come back, where 4401 tells it to stop.
+            await self._close(CLOSE_UNAUTHENTICATED if exc.status == 401 else CLOSE_TRY_AGAIN_LATER)
+
+    async def _close(self, code: int) -> None:
+        self.is_closing = True
+        await self.close(code=code)
 
     async def _error(self, exc: GatewayError) -> None:
         message = {"type": "error", **error_body(exc.status, exc.message)}
         if exc.retry_after is not None:  # a 429 or a 503: when to try again, as HTTP's Retry-After says it
             message["retry_after"] = exc.retry_after
-        await self.send_json(message)
+        with contextlib.suppress(Exception):  # the client gone (or this side closing): nothing to tell
+            await self.send_json(message)
 
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
     ) -> None:
+        if self.is_closing:
+            return
         if text_data is None:
             await self._error(GatewayError(400, "send JSON messages in text frames, not binary ones"))
-            await self.close(code=CLOSE_UNSUPPORTED_DATA)
+            await self._close(CLOSE_UNSUPPORTED_DATA)
             return
         try:
             content = loads_json(text_data)
         except ValueError:
             await self._error(GatewayError(400, "the message is not JSON"))
-            await self.close(code=CLOSE_INVALID_PAYLOAD)
+            await self._close(CLOSE_INVALID_PAYLOAD)
             return
         await self.receive_json(content)
 
@@ -160,7 +180,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             if exc.status != 401:
                 raise
             await self._error(exc)
-            await self.close(code=CLOSE_UNAUTHENTICATED)
+            await self._close(CLOSE_UNAUTHENTICATED)
             return None
 
     async def _forward(self, handle: Dispatch) -> None:
@@ -190,7 +210,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                 if handle.is_cut_off:
                     error = {"type": SLOW_READER, "message": SLOW_READER_MESSAGE}
                     await self.send_json(_final_error(handle, error))
-                    await self.close(code=CLOSE_SLOW_READER)
+                    await self._close(CLOSE_SLOW_READER)
                 else:
                     await self.send_json(_aborted(handle.version, handle.num_completion_tokens))
             raise
@@ -200,8 +220,10 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     async def _cancel(self) -> None:
         if self.task is not None and not self.task.done():
             # Once, as config/inference.py does: the task's own cleanup (its done message, its close)
-            # must not be cut short by a second cancellation.
-            self.task.cancel()
+            # must not be cut short by a second cancellation. A task cut off as a slow reader is
+            # cancelled already, and is sending its last message.
+            if not self.task.cancelling():
+                self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
 

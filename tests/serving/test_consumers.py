@@ -282,3 +282,46 @@ async def test_a_stream_that_fails_unexpectedly_ends_with_an_error_message(acme,
         "internal_error",
     )
     await ws.disconnect()
+
+
+async def test_a_key_that_cannot_be_checked_now_closes_with_try_again_later_not_unauthenticated(
+    registered_model, monkeypatch
+) -> None:
+    """The database down and the key not seen lately: a 503 with its wait, and close code 1013, which
+    tells a client to come back; 4401 would tell it its key is bad."""
+    from serving import consumers
+    from serving.gateway import GatewayError
+
+    async def database_down(authorization: str):  # type: ignore[no-untyped-def]
+        raise GatewayError(503, "the API key could not be checked right now", retry_after_s=2)
+
+    monkeypatch.setattr(consumers, "authenticate", database_down)
+    ws = await _connect([(b"authorization", b"Bearer sy-whatever")])
+    error = await ws.receive_json_from()
+    assert error["error"]["type"] == "service_unavailable" and error["retry_after"] == 2
+    assert (await ws.receive_output())["code"] == consumers.CLOSE_TRY_AGAIN_LATER
+
+
+async def test_a_consumer_that_fails_mid_generation_does_not_leave_it_running(
+    acme, runtime, monkeypatch
+) -> None:
+    """A handler that raises (as a send does to a socket the client has just dropped) ends the consumer
+    before disconnect() could run: its generation is cancelled all the same, freeing its blocks, rather
+    than run to max_tokens for nobody."""
+    from serving import consumers
+
+    async def broken(self, content, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("Unexpected ASGI message 'websocket.send', after sending 'websocket.close'")
+
+    (replica,) = runtime.replicas.values()
+    steps_before = replica.engine.stats().num_steps
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2000, "temperature": 0})
+    assert (await ws.receive_json_from(timeout=10))["type"] == "token"
+    monkeypatch.setattr(consumers.InferenceStreamConsumer, "receive_json", broken)
+    await ws.send_json_to({"type": "infer", "input": "again"})
+    with pytest.raises(RuntimeError):
+        await ws.wait(timeout=10)
+    await replica.wait_idle()
+    assert replica.load == 0
+    assert replica.engine.stats().num_steps - steps_before < 2000  # aborted, not run out

@@ -203,3 +203,55 @@ async def test_a_client_gone_before_the_first_chunk_gives_its_quota_back(
     async with asyncio.timeout(60):  # admitted, so its response starts (and it leaves as well)
         await application(_scope("http", path, one_at_a_time.key), again.receive, again.send)
     assert again.status == 200
+
+
+class StalledClientThatCancels(StalledClient):
+    """A StalledClient that also sends a cancel once told to (its reader stopped, its writer not)."""
+
+    def __init__(self, incoming: list[dict[str, Any]]) -> None:
+        super().__init__(incoming)
+        self.send_cancel = asyncio.Event()
+
+    async def receive(self) -> dict[str, Any]:
+        if self.incoming:
+            return self.incoming.pop(0)
+        await self.send_cancel.wait()
+        self.send_cancel = asyncio.Event()  # one cancel
+        return {"type": "websocket.receive", "text": json.dumps({"type": "cancel"})}
+
+
+async def test_a_cancel_after_a_slow_reader_cut_off_still_gets_the_cut_offs_message_and_close(
+    acme, runtime, monkeypatch
+) -> None:
+    """The cut-off has cancelled the generation, which waits to send its last message: a cancel then
+    must not cancel it again, or the client gets no final message and the socket never closes."""
+    from config.asgi import application
+    from serving.consumers import CLOSE_SLOW_READER, InferenceStreamConsumer
+
+    cancelling = asyncio.Event()
+    cancel = InferenceStreamConsumer._cancel
+
+    async def watched_cancel(self: InferenceStreamConsumer) -> None:
+        cancelling.set()  # nothing yields between this and the cancel's own decision
+        await cancel(self)
+
+    monkeypatch.setattr(InferenceStreamConsumer, "_cancel", watched_cancel)
+    infer = {"type": "infer", "input": "hello", "max_tokens": MAX_TOKENS, "temperature": 0}
+    client = StalledClientThatCancels(
+        [{"type": "websocket.connect"}, {"type": "websocket.receive", "text": json.dumps(infer)}]
+    )
+    scope = _scope("websocket", "/v1/models/demo-chat/stream", acme.key)
+    connection = asyncio.create_task(application(scope, client.receive, client.send))
+    try:
+        async with asyncio.timeout(30):
+            await client.stalled.wait()
+            await _replica_is_empty(runtime)  # cut off and aborted
+            client.send_cancel.set()
+            await cancelling.wait()
+            client.resume()
+            await client.closed.wait()
+    finally:
+        connection.cancel()
+    messages = [json.loads(m["text"]) for m in client.sent if m["type"] == "websocket.send"]
+    assert messages[-1]["error"]["type"] == "slow_reader"
+    assert client.sent[-1] == {"type": "websocket.close", "code": CLOSE_SLOW_READER}
