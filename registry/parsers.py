@@ -31,3 +31,5 @@ def refuse_lone_surrogates(value: Any) -> None:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError("a string holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)") from None
+    except RecursionError:  # dumps takes a frame more than loads did: a value nested just short of the limit
+        raise ValueError("it is nested too deeply") from None

@@ -296,3 +296,17 @@ async def test_an_escaped_lone_surrogate_is_a_400_before_anything_is_sent(acme, 
     # A whole pair is one character, and welcome.
     pair = body.replace(b"\\ud800", b"\\ud83d\\ude00").replace(b"\\udc00", b"\\ud83d\\ude00")
     assert (await _post(AsyncClient(), None, acme.auth, url=url, raw=pair)).status_code == 200
+
+
+@pytest.mark.parametrize("escape", ['"\\ud800"', '"a"'])
+def test_json_nested_to_any_depth_parses_or_is_a_value_error(escape: str) -> None:
+    """Near the recursion limit a body can parse and then fail the lone-surrogate check, which nests one
+    call deeper: still the 400's ValueError, never a RecursionError (a 500, or a WebSocket dropped
+    without its error message)."""
+    import contextlib
+
+    from serving.requests import loads_json
+
+    for depth in range(1, 1500):
+        with contextlib.suppress(ValueError):
+            loads_json("[" * depth + escape + "]" * depth)
