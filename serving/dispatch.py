@@ -319,6 +319,9 @@ class Dispatch:
         if self._reader is None:
             self._reader = asyncio.current_task()
         while not self.is_finished:
+            # A disconnect that a Redis call on the way here lost (serving/cancelling.py) would let a
+            # stream whose tokens keep coming run to max_tokens: _next_event checks only when idle.
+            raise_if_cancelling()
             if self.is_cut_off:
                 yield _error_event(SLOW_READER, SLOW_READER_MESSAGE)
                 return

@@ -574,3 +574,46 @@ async def test_tokens_that_came_but_were_never_read_are_charged(make_tenant, run
     await handle.close()
     assert handle.num_prompt_tokens > 0
     assert settled == [handle.num_prompt_tokens + 12]
+
+
+async def test_a_stream_whose_tokens_keep_coming_ends_though_a_call_lost_its_cancellation(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """The client leaves while a Redis call on the stream's way loses the cancellation (as redis-py can
+    on Python 3.11): with tokens arriving back to back no idle wait ever notices, so the stream itself
+    must, or it runs to max_tokens with the tenant's slot held."""
+    import asyncio
+    import contextlib
+
+    from asgiref.sync import sync_to_async
+
+    from serving.dispatch import Dispatch
+
+    acme = await sync_to_async(make_tenant)("acme")
+    handle = await _hello(acme, max_tokens=100)
+    calls, in_call = iter(range(1000)), asyncio.Event()
+
+    async def next_event(self, *, timeout_s: float) -> dict:  # type: ignore[no-untyped-def, type-arg]
+        index = next(calls)
+        if index == 0:
+            in_call.set()
+            with contextlib.suppress(asyncio.CancelledError):  # lost, by the call the disconnect lands on
+                await asyncio.sleep(3600)
+        if index < 100:
+            return {"token": "x", "index": index}
+        return {"finish_reason": "length", "usage": {"prompt_tokens": 1, "completion_tokens": 100}}
+
+    monkeypatch.setattr(Dispatch, "_next_event", next_event)
+    received: list[dict] = []  # type: ignore[type-arg]
+
+    async def read() -> None:
+        async for event in handle.events():
+            received.append(event)
+
+    reader = asyncio.create_task(read())
+    await in_call.wait()
+    reader.cancel()
+    await asyncio.wait({reader}, timeout=10)
+    await handle.close()
+    assert reader.cancelled()
+    assert len(received) < 100
