@@ -17,7 +17,7 @@ import json
 import ssl
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -38,22 +38,33 @@ class Response:
     _client: HttpClient
     _connection: Connection
     _is_done: bool = False
-    _sse_buffer: bytes = field(default=b"")
 
     async def read(self) -> bytes:
         """The whole body."""
         return b"".join([chunk async for chunk, _ in self._chunks()])
 
     async def sse_data(self) -> AsyncIterator[tuple[bytes, float]]:
-        """Each server-sent event's data (the bytes after "data: "), with the perf_counter time at which
-        the bytes that completed the event were read."""
+        """Each server-sent event's data, with the perf_counter time at which the bytes that completed
+        the event were read. Lines may end in LF, CRLF or CR; an event's `data` lines (a space after
+        "data:" or none) are joined with LF, and comment lines and other fields are skipped. An event
+        the body ends in, before its blank line, is dropped, as the SSE spec has it: it may be cut."""
+        buffer = b""
+        skip_lf = False  # the last chunk ended in CR: an LF starting the next one ends the same line
         async for chunk, read_at in self._chunks():
-            self._sse_buffer += chunk
-            while b"\n\n" in self._sse_buffer:
-                event, self._sse_buffer = self._sse_buffer.split(b"\n\n", 1)
-                for line in event.split(b"\n"):
-                    if line.startswith(b"data: "):
-                        yield line[6:], read_at
+            if skip_lf and chunk:
+                chunk = chunk[1:] if chunk[:1] == b"\n" else chunk
+                skip_lf = False
+            if b"\r" in chunk:
+                skip_lf = chunk.endswith(b"\r")
+                chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            buffer += chunk
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                # The platform's events: one "data: " line each.
+                if event.startswith(b"data: ") and b"\n" not in event:
+                    yield event[6:], read_at
+                elif (data := _event_data(event)) is not None:
+                    yield data, read_at
 
     async def _chunks(self) -> AsyncIterator[tuple[bytes, float]]:
         reader = self._connection[0]
@@ -95,6 +106,18 @@ class Response:
         if not self._is_done:
             self._is_done = True
             self._client._release(self._connection, keep=False)
+
+
+def _event_data(event: bytes) -> bytes | None:
+    """The data of one event's lines (LF-separated): its `data` fields joined with LF; None without any."""
+    data = []
+    for line in event.split(b"\n"):
+        if not line or line.startswith(b":"):  # a comment
+            continue
+        name, _, value = line.partition(b":")
+        if name == b"data":
+            data.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(data) if data else None
 
 
 async def _read_line(reader: asyncio.StreamReader) -> bytes:

@@ -86,6 +86,13 @@ class LoadSpec:
     # With a rate: every request that arrives in the first duration_s seconds, instead of num_requests.
     duration_s: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.rate_per_s is not None and not self.rate_per_s > 0:  # NaN too
+            raise ValueError(
+                f"--rate must be a positive number of requests/s, got {self.rate_per_s} "
+                "(leave it out to send every request at once)"
+            )
+
 
 def make_text_workload(spec: LoadSpec, count_tokens: Callable[[str], int] | None = None) -> list[TextRequest]:
     if spec.duration_s is not None and not (spec.rate_per_s and 0 < spec.duration_s < math.inf):
@@ -95,10 +102,13 @@ def make_text_workload(spec: LoadSpec, count_tokens: Callable[[str], int] | None
             f"prompt lengths must be 1 <= low <= high, got {spec.min_prompt_len}-{spec.max_prompt_len}"
         )
     rng = random.Random(spec.seed)
+    # Arrivals draw from their own stream, so the same seed gives the same prompts and lengths at any
+    # rate, and all at once.
+    arrival_rng = random.Random(f"arrivals-{spec.seed}")
     requests, arrival_s, index = [], 0.0, 0
     while spec.duration_s is not None or index < spec.num_requests:
         if spec.rate_per_s and index:
-            arrival_s += rng.expovariate(spec.rate_per_s)
+            arrival_s += arrival_rng.expovariate(spec.rate_per_s)
         if spec.duration_s is not None and arrival_s >= spec.duration_s:
             break
         length = rng.randint(spec.min_prompt_len, spec.max_prompt_len)
@@ -138,10 +148,14 @@ def _fit_to_tokens(words: list[str], num_tokens: int, count_tokens: Callable[[st
 
 @dataclass(slots=True)
 class HttpRun:
-    records: list[RequestRecord]
-    inter_token_s: list[float]
+    records: list[RequestRecord]  # one per request sent, whatever its outcome; complete ones were "200"
+    inter_token_s: list[float]  # the gaps between tokens of complete requests
+    # One outcome per request: "200" for a complete stream; otherwise the status refused, the exception
+    # that ended it, "stream_error" (a final event with finish_reason "error"), or why a 200 stream
+    # ended incomplete (stream_outcome).
     statuses: Counter[str] = field(default_factory=Counter)
-    wall_s: float = 0.0
+    # (sent, ended) per request, whatever its outcome, in seconds since the run's start.
+    spans_s: list[tuple[float, float]] = field(default_factory=list)
     # The replica's own TTFT per request id (from the gateway's submission to the first token), which
     # the final event's timings carry.
     replica_ttft_s: dict[str, float] = field(default_factory=dict)
@@ -150,6 +164,34 @@ class HttpRun:
     send_lateness_s: list[float] = field(default_factory=list)  # sent - scheduled arrival, per request
     prompt_tokens: list[int] = field(default_factory=list)  # as the final event's usage counts them
     num_ended_early: int = 0  # streams the model ended (EOS, a stop string) before their max_tokens
+
+    @property
+    def duration_s(self) -> float:
+        """The run's duration, which every throughput divides by: from the first send to the end of the
+        last request to end, whatever its outcome."""
+        if not self.spans_s:
+            return 0.0
+        return max(end for _, end in self.spans_s) - min(sent for sent, _ in self.spans_s)
+
+
+def stream_outcome(record: RequestRecord, finish_reason: str | None, *, is_sse: bool = True) -> str:
+    """A 200 stream's outcome once read to its end: "200" when it completed, or why it did not. A stream
+    the model ended ("stop": EOS or a stop string) before its max_tokens completes at the length it
+    reached (record.max_tokens becomes that), so that its latencies count rather than only the longest
+    streams'; a stream cut by the context's end ("length") or aborted does not."""
+    if finish_reason is None:
+        return "incomplete_no_final_event" if is_sse else "incomplete_not_sse"
+    if finish_reason == "error":
+        return "stream_error"
+    if finish_reason == "stop" and 0 < record.num_output_tokens < record.max_tokens:
+        record.max_tokens = record.num_output_tokens
+    if record.is_complete:
+        return "200"
+    if record.num_output_tokens < record.max_tokens:
+        return f"incomplete_finished_{finish_reason}"  # before its max_tokens
+    if record.num_output_tokens > record.max_tokens:
+        return "incomplete_too_many_tokens"
+    return "incomplete_out_of_order"  # the final event before a token
 
 
 async def _one(
@@ -161,50 +203,54 @@ async def _one(
     sent_s = time.perf_counter() - t0
     run.send_lateness_s.append(sent_s - request.arrival_s)
     record = RequestRecord(request.request_id, sent_s, request.max_tokens)
+    run.records.append(record)
     body = {"input": request.text, "max_tokens": request.max_tokens, "stream": True, "temperature": 0}
     last_token_at: float | None = None
+    gaps: list[float] = []  # between this request's tokens: kept only if it completes
+    finish_reason: str | None = None
     try:
         async with asyncio.timeout(REQUEST_TIMEOUT_S):
             async with client.post(path, body, {"Authorization": f"Bearer {key}"}) as resp:
-                run.statuses[str(resp.status)] += 1
                 if resp.status != 200:
                     await resp.read()
-                    return
-                async for data, read_at in resp.sse_data():
-                    now = read_at - t0
-                    event = json.loads(data)
-                    if "token" in event:
-                        record.num_output_tokens += 1
-                        if record.first_token_s is None:
-                            record.first_token_s = now
-                        elif last_token_at is not None:
-                            run.inter_token_s.append(now - last_token_at)
-                        last_token_at = now
-                    elif "finish_reason" in event:
-                        record.finished_s = now
-                        timings = event.get("timings") or {}
-                        for name, by_id in (("ttft_s", run.replica_ttft_s), ("queue_s", run.replica_queue_s)):
-                            if isinstance(timings.get(name), (int, float)):
-                                by_id[request.request_id] = float(timings[name])
-                        prompt_tokens = (event.get("usage") or {}).get("prompt_tokens")
-                        if isinstance(prompt_tokens, int):
-                            run.prompt_tokens.append(prompt_tokens)
-                        if event["finish_reason"] == "error":
-                            run.statuses["stream_error"] += 1
-                        elif (
-                            event["finish_reason"] == "stop"
-                            and 0 < record.num_output_tokens < record.max_tokens
-                        ):
-                            # The model ended it (EOS or a stop string): complete at the length it
-                            # reached, so that its latencies count rather than only the longest streams'.
-                            # Not a stream cut by the context's end ("length") or aborted.
-                            record.max_tokens = record.num_output_tokens
-                            run.num_ended_early += 1
+                    outcome = str(resp.status)
+                else:
+                    async for data, read_at in resp.sse_data():
+                        now = read_at - t0
+                        event = json.loads(data)
+                        if "token" in event:
+                            record.num_output_tokens += 1
+                            if record.first_token_s is None:
+                                record.first_token_s = now
+                            elif last_token_at is not None:
+                                gaps.append(now - last_token_at)
+                            last_token_at = now
+                        elif "finish_reason" in event:
+                            record.finished_s = now
+                            finish_reason = str(event["finish_reason"])
+                            timings = event.get("timings") or {}
+                            for name, by_id in (
+                                ("ttft_s", run.replica_ttft_s),
+                                ("queue_s", run.replica_queue_s),
+                            ):
+                                if isinstance(timings.get(name), (int, float)):
+                                    by_id[request.request_id] = float(timings[name])
+                            prompt_tokens = (event.get("usage") or {}).get("prompt_tokens")
+                            if isinstance(prompt_tokens, int):
+                                run.prompt_tokens.append(prompt_tokens)
+                    is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+                    outcome = stream_outcome(record, finish_reason, is_sse=is_sse)
     # ValueError: an event that is not JSON.
     except (OSError, asyncio.IncompleteReadError, HttpProtocolError, TimeoutError, ValueError) as exc:
-        run.statuses[type(exc).__name__] += 1
+        outcome = type(exc).__name__
+    run.spans_s.append((sent_s, time.perf_counter() - t0))
+    run.statuses[outcome] += 1  # once per request: a 200 whose stream then failed counts as its failure
+    if outcome != "200":
+        record.finished_s = None  # whatever it received, it did not complete
         return
-    run.records.append(record)
+    run.inter_token_s.extend(gaps)
+    if record.max_tokens < request.max_tokens:
+        run.num_ended_early += 1
 
 
 async def run_http_load(base_url: str, key: str, model: str, requests: Sequence[TextRequest]) -> HttpRun:
@@ -213,24 +259,35 @@ async def run_http_load(base_url: str, key: str, model: str, requests: Sequence[
         t0 = time.perf_counter()
         path = f"/v1/models/{model}/infer"
         await asyncio.gather(*(_one(client, path, key, r, t0, run) for r in requests))
-        run.wall_s = time.perf_counter() - t0
     return run
 
 
 def summarize(run: HttpRun, *, sla_ttft_s: float, sla_tpot_s: float) -> dict[str, float]:
+    """Latencies over the complete requests; every throughput (completed requests, their output tokens,
+    goodput: requests within both SLOs, as vLLM defines it) per second of run.duration_s; and the SLA's
+    p99s ("sla_p99_*") over every request sent, one that failed or did not complete missing both."""
     complete = [r for r in run.records if r.is_complete]
-    metrics = compute_metrics(complete) if complete else None
     good = [
         r for r in complete if r.ttft_s <= sla_ttft_s and (r.time_per_output_token_s or 0.0) <= sla_tpot_s
     ]
     ttfts = [r.ttft_s for r in complete]
     tpots = [t for r in complete if (t := r.time_per_output_token_s) is not None]
+    missed = [math.inf] * (len(run.records) - len(complete))
+    duration_s = run.duration_s
+
+    def per_s(count: float) -> float:
+        return count / duration_s if duration_s > 0 else 0.0
+
     out = {
         "requests": float(len(run.records)),
         "complete": float(len(complete)),
-        "req_per_s": len(complete) / run.wall_s if run.wall_s else 0.0,
-        "output_tok_per_s": metrics.output_tokens_per_s if metrics else 0.0,
-        "goodput_req_per_s": len(good) / run.wall_s if run.wall_s else 0.0,
+        "good": float(len(good)),
+        "duration_s": duration_s,
+        "req_per_s": per_s(len(complete)),
+        "output_tok_per_s": per_s(sum(r.num_output_tokens for r in complete)),
+        "goodput_req_per_s": per_s(len(good)),
+        "sla_p99_ttft_ms": percentile(ttfts + missed, 99) * 1000,
+        "sla_p99_tpot_ms": percentile(tpots + missed, 99) * 1000,
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", run.inter_token_s)):
         for q in (50, 90, 99):
@@ -366,7 +423,10 @@ def rounds_report(rounds: Sequence[CompareRound]) -> str:
     """A row per round, the median of each column, and the pooled figures."""
     rows = {f"seed {r.seed}{' API 1st' if r.api_first else ''}": r.figures() for r in rounds}
     names = list(next(iter(rows.values())))
-    medians = {name: percentile([row[name] for row in rows.values()], 50) for name in names}
+    # A figure a round lacks (NaN: no replica timings, say) is left out of its column's median.
+    medians = {
+        name: percentile([v for row in rows.values() if not math.isnan(v := row[name])], 50) for name in names
+    }
     lines = [f"{'(ms unless %)':<18}" + "".join(f"{name:>16}" for name in names)]
     for label, row in {**rows, "median": medians}.items():
         lines.append(
@@ -861,17 +921,22 @@ def _token_counter(tokenizer_dir: Path) -> Callable[[str], int]:
 
 
 def http_report(run: HttpRun, summary: dict[str, float], *, sla_ttft_s: float, sla_tpot_s: float) -> str:
-    """What `bench serve --url` prints: the latency table, whether the run met the SLA at p99, errors by
-    status, the prompts' lengths as the server counted them, and the path's share outside the replica."""
-    p99_ttft_ms, p99_tpot_ms = summary["p99_ttft_ms"], summary["p99_tpot_ms"]
+    """What `bench serve --url` prints: the latency table, whether the run met the SLA at p99 over every
+    request sent, each request's outcome, the prompts' lengths as the server counted them, and the path's
+    share outside the replica."""
+    p99_ttft_ms, p99_tpot_ms = summary["sla_p99_ttft_ms"], summary["sla_p99_tpot_ms"]
     met = p99_ttft_ms <= sla_ttft_s * 1000 and p99_tpot_ms <= sla_tpot_s * 1000  # False when NaN
-    within = summary["goodput_req_per_s"] / summary["req_per_s"] if summary["req_per_s"] else 0.0
+    sent, good = int(summary["requests"]), int(summary["good"])
     lines = [
         _table({"through the API": summary}),
-        f"SLA p99 TTFT <= {sla_ttft_s * 1000:.0f} ms and p99 TPOT <= {sla_tpot_s * 1000:.0f} ms: "
+        f"SLA p99 TTFT <= {sla_ttft_s * 1000:.0f} ms and p99 TPOT <= {sla_tpot_s * 1000:.0f} ms over all "
+        f"{sent} requests sent (one that failed or did not complete misses both): "
         f"{'met' if met else 'NOT met'} (p99 TTFT {p99_ttft_ms:.1f} ms, p99 TPOT {p99_tpot_ms:.1f} ms); "
-        f"{within:.0%} of completed requests within both (goodput {summary['goodput_req_per_s']:.2f} req/s)",
-        f"statuses: {dict(run.statuses)}",
+        f"{good}/{sent} ({good / sent if sent else 0.0:.0%}) within both "
+        f"(goodput {summary['goodput_req_per_s']:.2f} req/s)",
+        f"req/s, tok/s and goodput are per second of the run's {summary['duration_s']:.2f} s: from the "
+        "first send to the last request's end, whatever its outcome",
+        f"outcomes (one per request): {dict(run.statuses)}",
     ]
     if run.prompt_tokens:
         lines.append(
@@ -1033,15 +1098,15 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         platform.stop()
     statuses += sum((r.run.statuses for r in rounds), Counter())
     if interleaved:
-        lines = [interleaved_report(pairs), f"statuses: {dict(statuses)}"]
+        lines = [interleaved_report(pairs), f"outcomes (one per request): {dict(statuses)}"]
     elif num_rounds > 1:
-        lines = [rounds_report(rounds), f"statuses: {dict(statuses)}"]
+        lines = [rounds_report(rounds), f"outcomes (one per request): {dict(statuses)}"]
     else:
         (only,) = rounds
         figures = only.figures()
         lines = [
             _table({"engine alone": only.alone, f"API ({options['layer']})": only.through}),
-            f"statuses: {dict(statuses)}",
+            f"outcomes (one per request): {dict(statuses)}",
             f"throughput kept through the API: {figures['kept %'] / 100:.1%} of engine alone",
             f"p50 TTFT added by the API path: {figures['p50 TTFT added']:+.1f} ms "
             f"(median per-request difference: {figures['paired']:+.1f} ms)",

@@ -162,11 +162,14 @@ def compute_metrics(records: Iterable[RequestRecord]) -> RunMetrics:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); NaN for no values."""
+    """Linear interpolation between closest ranks (numpy's default); NaN for no values. Infinite values
+    (requests that missed an SLA) are taken: a rank at or between infinite ones is infinite."""
     if not values:
         return math.nan
     ordered = sorted(values)
     rank = (len(ordered) - 1) * q / 100
     low = int(rank)
     high = min(low + 1, len(ordered) - 1)
+    if rank == low or ordered[high] == ordered[low]:  # no 0 * inf, no inf - inf
+        return ordered[low]
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)

@@ -8,6 +8,7 @@ import math
 from collections import Counter
 from io import StringIO
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -24,6 +25,9 @@ from serving.benchmarks.workload import (
     make_workload,
 )
 from tests.serving.scripted_http import SSE_HEAD, ScriptedServer, chunk
+
+if TYPE_CHECKING:
+    from serving.benchmarks.serve_bench import CompareRound
 
 SMALL = WorkloadSpec(
     num_requests=4,
@@ -183,15 +187,23 @@ def test_paired_ttft_added_pairs_requests_by_id_and_ignores_incomplete_ones() ->
     assert path_ttft_ms(run) == pytest.approx(3.0, abs=1e-6)  # +2, +3, +3
 
 
-def test_repeated_rounds_pool_their_requests_into_one_figure() -> None:
-    from serving.benchmarks.serve_bench import CompareRound, HttpRun, pooled_ttft_added_ms, rounds_report
+def round_of(
+    seed: int, alone_ttft_s: dict[str, float], api_ttft_s: dict[str, float], *, queue: bool = True
+) -> CompareRound:
+    """A round whose replica waited `seed` ms before each request's first forward pass (no such timings
+    without `queue`)."""
+    from serving.benchmarks.serve_bench import CompareRound, HttpRun
 
-    def round_of(seed: int, alone_ttft_s: dict[str, float], api_ttft_s: dict[str, float]) -> CompareRound:
-        records = [_record(i, 0.0, t) for i, t in api_ttft_s.items()]
-        run = HttpRun(records=records, inter_token_s=[], replica_ttft_s=dict(alone_ttft_s))
+    records = [_record(i, 0.0, t) for i, t in api_ttft_s.items()]
+    run = HttpRun(records=records, inter_token_s=[], replica_ttft_s=dict(alone_ttft_s))
+    if queue:
         run.replica_queue_s.update({i: 0.001 * seed for i in api_ttft_s})
-        summary = {"p50_ttft_ms": 0.0, "p50_tpot_ms": 0.0, "output_tok_per_s": 1.0, "busy_pct": 50.0}
-        return CompareRound(seed, summary, alone_ttft_s, run, summary)
+    summary = {"p50_ttft_ms": 0.0, "p50_tpot_ms": 0.0, "output_tok_per_s": 1.0, "busy_pct": 50.0}
+    return CompareRound(seed, summary, alone_ttft_s, run, summary)
+
+
+def test_repeated_rounds_pool_their_requests_into_one_figure() -> None:
+    from serving.benchmarks.serve_bench import pooled_ttft_added_ms, rounds_report
 
     # Request ids repeat between rounds (each round's workload numbers its own): pairing stays per round.
     rounds = [
@@ -211,6 +223,20 @@ def test_repeated_rounds_pool_their_requests_into_one_figure() -> None:
     header, *rows = report.splitlines()
     end = header.index("queue_s") + len("queue_s")  # the columns are right-aligned, 16 wide
     assert [row[end - 16 : end].strip() for row in rows[:3]] == ["+1.00", "+2.00", "+1.50"]
+
+
+def test_a_figure_a_round_lacks_is_left_out_of_its_median() -> None:
+    from serving.benchmarks.serve_bench import rounds_report
+
+    # The first round's replica sent no queue_s: its column is NaN there, and the median is the others'.
+    rounds = [
+        round_of(1, {"req-0": 0.010}, {"req-0": 0.012}, queue=False),
+        round_of(2, {"req-0": 0.010}, {"req-0": 0.012}),
+        round_of(3, {"req-0": 0.010}, {"req-0": 0.012}),
+    ]
+    header, *rows = rounds_report(rounds).splitlines()
+    end = header.index("queue_s") + len("queue_s")
+    assert [row[end - 16 : end].strip() for row in rows[:4]] == ["+nan", "+2.00", "+3.00", "+2.50"]
 
 
 @pytest.mark.skipif(not HAS_ENGINE, reason="needs the engine")
@@ -465,7 +491,9 @@ def test_bench_serve_options_that_contradict_each_other_are_refused() -> None:
 
 
 async def test_a_stream_the_model_ends_early_counts_at_its_length() -> None:
-    from serving.benchmarks.serve_bench import TextRequest, http_report, run_http_load, summarize
+    from serving.benchmarks.serve_bench import HttpRun, TextRequest, http_report, run_http_load, summarize
+
+    sla = {"sla_ttft_s": 60.0, "sla_tpot_s": 60.0}
 
     def reply(num_tokens: int, finish_reason: str) -> list[bytes]:
         events = b'data: {"token": "a"}\n\n' * num_tokens
@@ -488,15 +516,167 @@ async def test_a_stream_the_model_ends_early_counts_at_its_length() -> None:
     ]
     assert run.num_ended_early == 1  # the EOS one: its latencies count
     assert run.prompt_tokens == [7, 7, 7]
+    assert run.statuses == Counter({"200": 2, "incomplete_finished_length": 1})
     summary = summarize(run, sla_ttft_s=60.0, sla_tpot_s=60.0)
     assert summary["complete"] == 2
     report = http_report(run, summary, sla_ttft_s=60.0, sla_tpot_s=60.0)
-    assert "and p99 TPOT <= 60000 ms: met" in report
-    assert "100% of completed requests within both" in report
+    # The cut stream misses the SLA: one of three is far more than 1%.
+    assert "and p99 TPOT <= 60000 ms over all 3 requests sent (one that failed" in report
+    assert ": NOT met (p99 TTFT inf ms, p99 TPOT inf ms); 2/3 (67%) within both" in report
     assert "prompt tokens (the server's count): min 7, p50 7, max 7" in report
     assert "1 streams ended (EOS or a stop string) before their max_tokens" in report
-    strict = summarize(run, sla_ttft_s=0.0, sla_tpot_s=60.0)
-    assert ": NOT met (" in http_report(run, strict, sla_ttft_s=0.0, sla_tpot_s=60.0)
+    two = HttpRun([r for r in run.records if r.is_complete], [])
+    assert ": met (" in http_report(two, summarize(two, sla_ttft_s=60.0, sla_tpot_s=60.0), **sla)
+    strict = summarize(two, sla_ttft_s=0.0, sla_tpot_s=60.0)
+    assert ": NOT met (" in http_report(two, strict, sla_ttft_s=0.0, sla_tpot_s=60.0)
+
+
+def _failed(request_id: str, sent_s: float) -> RequestRecord:
+    """A request that got no token (a 503, a timeout): its record as the load client keeps it."""
+    return RequestRecord(request_id, sent_s, max_tokens=2)
+
+
+def test_requests_that_failed_count_against_the_sla() -> None:
+    from serving.benchmarks.serve_bench import HttpRun, http_report, summarize
+
+    sla = {"sla_ttft_s": 1.0, "sla_tpot_s": 1.0}
+    # 60 fast requests and 40 that failed (503, 429, timeouts): far from meeting the SLA at p99.
+    fast = [_record(f"ok-{i}", float(i), i + 0.01) for i in range(60)]
+    run = HttpRun(fast + [_failed(f"failed-{i}", 60.0 + i) for i in range(40)], [])
+    run.statuses.update({"200": 60, "503": 30, "429": 5, "TimeoutError": 5})
+    summary = summarize(run, **sla)
+    assert (summary["requests"], summary["complete"], summary["good"]) == (100, 60, 60)
+    assert summary["p99_ttft_ms"] == pytest.approx(10.0)  # the completed requests' own latencies
+    assert summary["sla_p99_ttft_ms"] == math.inf
+    report = http_report(run, summary, **sla)
+    assert "over all 100 requests sent (one that failed or did not complete misses both): NOT met" in report
+    assert "60/100 (60%) within both" in report
+    assert "outcomes (one per request): {'200': 60, '503': 30, '429': 5, 'TimeoutError': 5}" in report
+    # One failure in 200 is within the 1% that p99 leaves over.
+    many = [_record(f"ok-{i}", float(i), i + 0.01) for i in range(199)]
+    one_failed = HttpRun([*many, _failed("failed", 199.0)], [])
+    summary = summarize(one_failed, **sla)
+    assert summary["sla_p99_ttft_ms"] == pytest.approx(10.0)
+    assert ": met (p99 TTFT 10.0 ms, p99 TPOT 100.0 ms); 199/200 (100%) within both" in http_report(
+        one_failed, summary, **sla
+    )
+
+
+def test_every_throughput_divides_by_one_run_duration() -> None:
+    from serving.benchmarks.serve_bench import HttpRun, http_report, summarize
+
+    # Sent at 0.5 s and 1.0 s: the first completes at 4.1 s (2 tokens), the second times out at 10.5 s.
+    run = HttpRun([_record("ok", 0.5, 4.0), _failed("late", 1.0)], [], spans_s=[(0.5, 4.1), (1.0, 10.5)])
+    summary = summarize(run, sla_ttft_s=10.0, sla_tpot_s=1.0)
+    assert run.duration_s == summary["duration_s"] == pytest.approx(10.0)
+    assert summary["req_per_s"] == pytest.approx(0.1)
+    assert summary["goodput_req_per_s"] == pytest.approx(0.1)
+    assert summary["output_tok_per_s"] == pytest.approx(0.2)
+    report = http_report(run, summary, sla_ttft_s=10.0, sla_tpot_s=1.0)
+    assert "per second of the run's 10.00 s: from the first send to the last request's end" in report
+
+
+def _stream(*pieces: bytes) -> list[bytes]:
+    """A 200 event stream, each piece in a chunk of its own (a read of its own at the client)."""
+    return [SSE_HEAD, *(chunk(piece) for piece in pieces), b"0\r\n\r\n"]
+
+
+TOKEN = b'data: {"token": "a"}\n\n'
+DONE = b'data: {"finish_reason": "length"}\n\n'
+
+
+async def test_a_stream_that_ends_incomplete_is_counted_by_why() -> None:
+    from serving.benchmarks.serve_bench import TextRequest, run_http_load
+
+    requests = [TextRequest(f"req-{i}", 0.0, "x", 2) for i in range(4)]
+    replies = [
+        _stream(TOKEN, TOKEN, DONE),  # complete
+        _stream(TOKEN, TOKEN),  # a clean end, but no final event
+        _stream(TOKEN, DONE),  # finished ("length") one token short
+        [b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"],
+    ]
+    server = ScriptedServer(replies)
+    async with server.running():
+        run = await run_http_load(server.url, "k", "m", requests)
+    assert run.statuses == Counter(
+        {
+            "200": 1,
+            "incomplete_no_final_event": 1,
+            "incomplete_finished_length": 1,
+            "incomplete_not_sse": 1,
+        }
+    )
+    assert sum(r.is_complete for r in run.records) == 1
+    assert len(run.records) == len(run.spans_s) == 4 and run.duration_s > 0
+
+
+async def test_each_request_counts_once_under_its_outcome() -> None:
+    from serving.benchmarks.serve_bench import TextRequest, run_http_load
+
+    requests = [TextRequest(f"req-{i}", 0.0, "x", 1) for i in range(4)]
+    replies = [
+        _stream(TOKEN, DONE),
+        _stream(TOKEN, b'data: {"finish_reason": "error"}\n\n'),  # a 200 that failed after all
+        _stream(b"data: not json\n\n"),
+        [b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\n\r\n", b"{}"],
+    ]
+    server = ScriptedServer(replies)
+    async with server.running():
+        run = await run_http_load(server.url, "k", "m", requests)
+    assert run.statuses == Counter({"200": 1, "stream_error": 1, "JSONDecodeError": 1, "503": 1})
+    # The errored stream received every token and its final event, but it is not complete.
+    assert sum(r.is_complete for r in run.records) == 1
+
+
+async def test_inter_token_gaps_count_only_for_requests_that_complete() -> None:
+    from serving.benchmarks.serve_bench import TextRequest, run_http_load
+
+    requests = [TextRequest("complete", 0.0, "x", 3), TextRequest("cut", 0.0, "y", 3)]
+    # Two gaps between tokens in each stream; the second ends without its final event.
+    replies = [
+        _stream(TOKEN, TOKEN, TOKEN, DONE),
+        _stream(TOKEN, TOKEN, TOKEN),
+    ]
+    server = ScriptedServer(replies)
+    async with server.running():
+        run = await run_http_load(server.url, "k", "m", requests)
+    assert run.statuses == Counter({"200": 1, "incomplete_no_final_event": 1})
+    assert len(run.inter_token_s) == 2
+
+
+def test_the_seed_fixes_prompts_and_lengths_at_any_rate() -> None:
+    from serving.benchmarks.serve_bench import LoadSpec, make_text_workload
+
+    def drawn(rate: float | None) -> list[tuple[str, int]]:
+        requests = make_text_workload(LoadSpec(num_requests=20, rate_per_s=rate, seed=4))
+        return [(r.text, r.max_tokens) for r in requests]
+
+    assert drawn(None) == drawn(2.0) == drawn(50.0)
+    arrivals = [r.arrival_s for r in make_text_workload(LoadSpec(num_requests=20, rate_per_s=2.0, seed=4))]
+    assert arrivals[0] == 0.0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
+
+
+def test_a_rate_that_is_not_positive_is_refused() -> None:
+    from serving.benchmarks.serve_bench import LoadSpec, make_text_workload, run_serve_from_options
+
+    for rate in (0.0, -2.0, math.nan):
+        with pytest.raises(ValueError, match="--rate must be a positive number"):
+            LoadSpec(rate_per_s=rate)
+    options: dict[str, object] = {
+        "url": "http://127.0.0.1:9",
+        "key": "k",
+        "model": "m",
+        "output_len": "2-4",
+        "rate": 0.0,
+        "seed": 0,
+        "sla_ttft_ms": 1000.0,
+        "sla_tpot_ms": 100.0,
+        "compare": False,
+    }
+    with pytest.raises(ValueError, match="leave it out to send every request at once"):
+        run_serve_from_options(options, default_model_dir=Path("unused"))
+    # Left out, it still means every request at once.
+    assert {r.arrival_s for r in make_text_workload(LoadSpec(num_requests=5))} == {0.0}
 
 
 def test_the_embed_bench_runs_both_systems_and_batches_a_burst(demo_embedding_model_dir: Path) -> None:

@@ -34,6 +34,27 @@ async def test_events_split_across_chunks_arrive_whole_in_order_and_the_connecti
     assert b"\r\nAuthorization: Bearer k\r\n" in first and first.endswith(b'{"input":"hi"}')
 
 
+async def test_events_in_every_line_ending_and_field_form_arrive_and_one_left_open_is_dropped() -> None:
+    stream = [
+        SSE_HEAD,
+        chunk(b'data: {"i": 1}\r\n\r\n'),  # CRLF line endings
+        chunk(b'data:{"i": 2}\r'),  # no space after "data:", a CRLF split across two reads
+        chunk(b"\n\r\n"),
+        chunk(b': a comment\ndata: {"i":\ndata: 3}\nid: 7\n\n'),  # two data lines, a comment, an id
+        chunk(b'data: {"i": 4}\r\rdata: {"i": 5}\r\r'),  # CR line endings
+        chunk(b'data: {"i": 6'),  # cut: no blank line before the body ends
+        b"0\r\n\r\n",
+    ]
+    # A body the connection's end delimits, whose last event has one line end and no blank line.
+    open_ended = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n", b'data: {"i": 7}\n']
+    async with ScriptedServer([stream, open_ended]).running() as server, HttpClient(server.url) as client:
+        async with client.post("/", {}) as response:
+            events = [data async for data, _ in response.sse_data()]
+        assert events == [b'{"i": 1}', b'{"i": 2}', b'{"i":\n3}', b'{"i": 4}', b'{"i": 5}']
+        async with client.post("/", {}) as response:
+            assert [data async for data, _ in response.sse_data()] == []
+
+
 async def test_each_event_is_timed_when_its_bytes_were_read_not_when_it_was_consumed() -> None:
     two_events = b'data: {"i": 1}\n\ndata: {"i": 2}\n\n'
     stream = [SSE_HEAD, chunk(two_events), b"0\r\n\r\n"]
