@@ -687,13 +687,17 @@ class Replica:
                     )
             arrival.tenant = message.get("tenant") or "default"
             arrival.cache_group = message.get("cache_group")
-        # A chat template's refusal (its raise_exception: roles that do not alternate, say) is the
-        # request's fault, as a ValueError is.
-        except (TypeError, ValueError, KeyError, jinja2.TemplateError) as exc:
+        except (TypeError, ValueError, KeyError) as exc:
             arrival.error = _error_event("invalid_request_error", str(exc))
-        except Exception:
-            logger.exception("replica %s: could not prepare request %s", self.replica_id, request_id)
-            arrival.error = _error_event("internal_error", "the replica could not admit it")
+        except Exception as exc:
+            if type(exc) is jinja2.TemplateError:
+                # The template's raise_exception refused the conversation (roles that do not alternate,
+                # say): the request's fault. Its subclasses (a template that does not parse, an undefined
+                # name) are the version's.
+                arrival.error = _error_event("invalid_request_error", str(exc))
+            else:
+                logger.exception("replica %s: could not prepare request %s", self.replica_id, request_id)
+                arrival.error = _error_event("internal_error", "the replica could not admit it")
         return arrival
 
     async def _send(self, inbox: str, items: dict[str, list[dict[str, Any]]]) -> None:

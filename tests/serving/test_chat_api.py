@@ -241,3 +241,28 @@ async def test_a_conversation_the_chat_template_refuses_is_a_400_with_its_messag
         assert response.status_code == 400, response.text
         assert response.json()["error"] == expected
         assert "Retry-After" not in response.headers
+
+
+async def test_a_chat_template_that_is_broken_is_the_versions_failure_not_the_clients(
+    db: None, demo_model_dir: Path, tmp_path: Path, make_tenant: Any, settings: Any
+) -> None:
+    """Only the template's own refusal (raise_exception) is the request's fault. A template that does not
+    compile fails every chat, whatever it holds: a 503, counted against the version, so that a rollout's
+    judge sees a canary registered with it fail rather than its clients err."""
+    from registry.services import model_version_register
+    from serving.runtime import get_runtime
+
+    settings.ALLOWED_HOSTS = ["localhost"]
+    broken = tmp_path / "broken-template-model"
+    shutil.copytree(demo_model_dir, broken)
+    (broken / "chat_template.jinja").write_text("{{ messages[0]['content'] | no_such_filter }}")
+    await sync_to_async(model_version_register)(
+        name="demo-chat", version="v1", source_dir=broken, created_by="test"
+    )
+    runtime = await get_runtime()
+    assert await runtime.wait_ready()
+    acme = await sync_to_async(make_tenant)("acme")
+    async with asgi_client() as client:
+        response = await _chat(client, acme.auth, [{"role": "user", "content": "hello"}], max_tokens=2)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["message"] == "the replica could not admit it"
