@@ -253,6 +253,9 @@ class Replica:
         self._last_request_at = 0.0  # monotonic: ready, or its last submission (the heartbeat's idle_s)
         self._stopping = False  # tells the model thread to return
         self._is_leaving = False  # announce_drain(): its beat says draining while it still admits
+        # A beat is built and published under it: one built before announce_drain() ("ready") must not
+        # be written after the "draining" one.
+        self._beat_lock = asyncio.Lock()
         # Set by end_drain(): the model thread ends every request it holds with this message, and any it
         # admits later (those being prepared when the drain began). _is_end_pending wakes it for that.
         self._drain_ended: str | None = None
@@ -430,7 +433,8 @@ class Replica:
         self._is_leaving = True
         if self._publisher is not None:
             try:
-                await self._publisher.publish(self.heartbeat())
+                async with self._beat_lock:
+                    await self._publisher.publish(self.heartbeat())
             except Exception:  # the beat loop says it again within HEARTBEAT_INTERVAL_S
                 logger.warning("replica %s: heartbeat failed", self.replica_id, exc_info=True)
 
@@ -508,7 +512,8 @@ class Replica:
         assert self._publisher is not None
         while True:
             try:
-                await self._publisher.publish(self.heartbeat())
+                async with self._beat_lock:
+                    await self._publisher.publish(self.heartbeat())
             except Exception:
                 logger.warning("replica %s: heartbeat failed", self.replica_id, exc_info=True)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)

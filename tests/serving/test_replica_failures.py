@@ -442,3 +442,35 @@ async def test_a_replica_leaving_beats_draining_at_once_and_serves_what_comes_me
         assert refusal["error"]["type"] == "replica_unavailable"
     finally:
         await replica.stop()
+
+
+class GatedPublisher(FakePublisher):
+    """A publisher whose first beat waits for `gate`, as a Redis round trip under way does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.waiting = asyncio.Event(), asyncio.Event()
+
+    async def publish(self, beat: Heartbeat) -> None:
+        if not self.waiting.is_set():
+            self.waiting.set()
+            await self.gate.wait()
+        await super().publish(beat)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_beat_under_way_when_the_replica_leaves_is_not_written_after_its_draining_one(
+    registered_model,
+) -> None:
+    publisher = GatedPublisher()
+    replica = await _replica(InMemoryChannelLayer(), WatchedReplies(), publisher=publisher)
+    try:
+        await publisher.waiting.wait()  # a beat built before the replica left, its write under way
+        announcing = asyncio.create_task(replica.announce_drain())
+        await asyncio.sleep(0)  # the announcement starts while that write is under way
+        publisher.gate.set()
+        await asyncio.wait_for(announcing, timeout=10)
+        states = [beat.state for beat in publisher.beats]
+        assert states[-1] == "draining" and "draining" not in states[:-1], states
+    finally:
+        await replica.stop()
