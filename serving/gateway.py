@@ -160,6 +160,9 @@ class Ticket:
     ticket_id: str
     tenant_id: int
     charged_tokens: int
+    # The tenant's tokens/min at admission: the Redis store's release needs it to keep a tenant's hash
+    # until a debt is paid back (serving/quota_redis.py).
+    tokens_per_minute: float = 0.0
 
 
 class QuotaLimits(Protocol):

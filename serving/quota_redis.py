@@ -49,8 +49,7 @@ logger = logging.getLogger(__name__)
 # request_tokens, token_tokens, in_flight} as strings (Lua numbers would be truncated to integers on the
 # way out).
 #
-# The tenant hash holds both buckets (rt, tt, refilled at ts), the tokens/min they were last refilled at
-# (tpm: the release script needs it) and one field per request in flight,
+# The tenant hash holds both buckets (rt, tt, refilled at ts) and one field per request in flight,
 # 'l:<ticket id>' = its lease's deadline on Redis's clock. A lease that was never released (its gateway
 # died, or the release could not reach Redis) stops counting at its deadline; a count that only expired
 # with an idle key never cleared for a tenant that kept sending. 'lx': no lease expires before it, so
@@ -108,14 +107,14 @@ local function admit(key, refused_key, has_room, rps, tpm, max_c, tokens, ttl, t
   tokens = tonumber(tokens); ttl = tonumber(ttl); lease = tonumber(lease); room = tonumber(room)
   local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
   local burst = math.max(1, rps)
-  local s = redis.call('HMGET', key, 'rt', 'tt', 'ts', 'lx', 'tpm', 'n')
+  local s = redis.call('HMGET', key, 'rt', 'tt', 'ts', 'lx', 'n')
   local rt = tonumber(s[1]) or burst; local tt = tonumber(s[2]) or tpm
   local ts = tonumber(s[3]) or now; local lx = tonumber(s[4])
   local n
-  if s[6] then redis.call('HDEL', key, 'n') end -- the count kept before leases: dropped, leaks and all
+  if s[5] then redis.call('HDEL', key, 'n') end -- the count kept before leases: dropped, leaks and all
   if lx == nil or now < lx then
     n = redis.call('HLEN', key)
-    for i = 1, 5 do if s[i] then n = n - 1 end end
+    for i = 1, 4 do if s[i] then n = n - 1 end end
   else
     n, lx = live_leases(key, now)
   end
@@ -132,7 +131,7 @@ local function admit(key, refused_key, has_room, rps, tpm, max_c, tokens, ttl, t
     redis.call('HSET', key, 'l:' .. ticket, tostring(deadline))
     if lx == nil or deadline < lx then lx = deadline end
   else redis.call('HINCRBY', refused_key, tenant_id, 1) end
-  redis.call('HSET', key, 'rt', tostring(rt), 'tt', tostring(tt), 'ts', tostring(now), 'tpm', tostring(tpm))
+  redis.call('HSET', key, 'rt', tostring(rt), 'tt', tostring(tt), 'ts', tostring(now))
   if lx then redis.call('HSET', key, 'lx', tostring(lx)) else redis.call('HDEL', key, 'lx') end
   local full_in = time_to_full(rt, burst, rps, tt, tpm)
   expire_after(key, full_in and math.max(ttl, full_in + 1))
@@ -192,9 +191,8 @@ local key = KEYS[1]
 local held = redis.call('HDEL', key, 'l:' .. ARGV[2]) == 1
 if not held and (ARGV[3] == '1' or redis.call('EXISTS', key) == 0) then return 0 end
 local tt = tonumber(redis.call('HINCRBYFLOAT', key, 'tt', ARGV[1]))
-local s = redis.call('HMGET', key, 'ts', 'tpm')
-local ts, tpm = tonumber(s[1]), tonumber(s[2])
-if ts and tpm and tt < tpm then
+local ts, tpm = tonumber(redis.call('HGET', key, 'ts')), tonumber(ARGV[4])
+if ts and tt < tpm then
   local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
   local full_in = time_to_full(0, 0, 0, tt, tpm)
   if full_in == nil then live_at_least(key, nil)
@@ -294,7 +292,7 @@ class RedisQuotaStore:
         """Checked (a 400 for a request no wait would admit) and named before the script runs, which
         takes the ticket id as its lease's name."""
         check_fits_quota(context, tokens)
-        return Ticket(uuid.uuid4().hex, context.tenant_id, tokens)
+        return Ticket(uuid.uuid4().hex, context.tenant_id, tokens, context.tokens_per_minute)
 
     @staticmethod
     def _refusal(
@@ -362,7 +360,12 @@ class RedisQuotaStore:
     ) -> dict[str, list[object]]:
         return {
             "keys": [self._key(ticket.tenant_id)],
-            "args": [ticket.charged_tokens - used_tokens, ticket.ticket_id, "1" if only_if_held else "0"],
+            "args": [
+                ticket.charged_tokens - used_tokens,
+                ticket.ticket_id,
+                "1" if only_if_held else "0",
+                ticket.tokens_per_minute,
+            ],
         }
 
     def _loop_client(self) -> _LoopClient:

@@ -571,3 +571,21 @@ async def test_an_inference_request_over_the_whole_token_quota_is_a_400(
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert "50 tokens/min" in error["message"] and "max_tokens" in error["message"]
+
+
+@pytest.mark.redis
+def test_the_tenant_hash_holds_only_fields_every_gateway_version_knows(redis_url: str) -> None:
+    """Gateways count a tenant's requests in flight as the hash's fields less those they know (rt, tt,
+    ts, lx): a field one version added would read, in an older gateway of the same fleet (a rolling
+    upgrade), as a request in flight, and a tenant allowed one at a time would get only 429s there."""
+    store = _redis_store(redis_url)
+    context = _context(51, requests_per_second=1000, tokens_per_minute=60, max_concurrent_requests=1)
+    try:
+        ticket = store.admit(context, tokens=1)
+        fields = {name.decode() for name in store._redis.hkeys(store._key(51))}
+        assert fields == {"rt", "tt", "ts", "lx", f"l:{ticket.ticket_id}"}
+        store.release(ticket, used_tokens=1000)  # a debt: the release still knows the tenant's rate
+        assert {name.decode() for name in store._redis.hkeys(store._key(51))} == {"rt", "tt", "ts", "lx"}
+        assert 999 <= store._redis.ttl(store._key(51)) <= 1002  # 940 below zero at 1/s, past the 600 s
+    finally:
+        store.clear()
