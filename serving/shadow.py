@@ -105,7 +105,9 @@ async def _run(
         logger.exception("shadow copy to %s:%s failed", model_name, version)
         return
     finally:
-        await handle.close()
+        # Shielded: a shutdown's second cancellation (cancel_all) must not cut its abort to the
+        # candidate short, or the copy would run on there for nobody.
+        await asyncio.shield(handle.close())
     if primary_text is None or final.get("finish_reason") == "error" or handle.replica is None:
         return
     try:

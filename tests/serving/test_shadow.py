@@ -181,3 +181,37 @@ async def test_a_shutdown_ends_a_mirror_whose_cancellation_was_lost() -> None:
     assert lost.is_set()
     assert task.cancelled()
     assert task not in shadow._in_flight
+
+
+async def test_a_shutdown_lets_a_mirror_finish_aborting_its_copy(monkeypatch) -> None:
+    """cancel_all cancels again a mirror still running a second on; one that is closing (its abort to the
+    candidate on its way) must not have that cut short, or the copy runs on there for nobody."""
+    import asyncio
+
+    from serving import dispatch as dispatch_module
+    from serving import shadow
+
+    closed, submitted = asyncio.Event(), asyncio.Event()
+
+    class SlowToClose:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        async def submit(self) -> None:
+            submitted.set()
+            await asyncio.Event().wait()
+
+        async def close(self) -> None:
+            await asyncio.sleep(1.5)  # the abort's round trip to a slow Redis, past the re-cancel at 1 s
+            closed.set()
+
+    monkeypatch.setattr(dispatch_module, "Dispatch", SlowToClose)
+    task = asyncio.get_running_loop().create_task(
+        shadow._run(None, "demo-chat", "v2", {}, None),
+        name="mirror-slow-close",  # type: ignore[arg-type]
+    )
+    shadow._in_flight.add(task)
+    task.add_done_callback(shadow._in_flight.discard)
+    await submitted.wait()
+    await shadow.cancel_all()
+    await asyncio.wait_for(closed.wait(), timeout=10)
