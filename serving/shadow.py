@@ -88,7 +88,7 @@ async def _run(
     submission: dict[str, Any],
     primary_text: asyncio.Future[str | None] | None,
 ) -> None:
-    from serving.dispatch import Dispatch
+    from serving.dispatch import Dispatch, close_all
     from serving.gateway import GatewayError
 
     # Counted as the primaries are: in a shadow deployment the judge reads only these.
@@ -105,9 +105,9 @@ async def _run(
         logger.exception("shadow copy to %s:%s failed", model_name, version)
         return
     finally:
-        # Shielded: a shutdown's second cancellation (cancel_all) must not cut its abort to the
-        # candidate short, or the copy would run on there for nobody.
-        await asyncio.shield(handle.close())
+        # All the way through: a shutdown's second cancellation (cancel_all) must not cut its abort to
+        # the candidate short, or the copy would run on there for nobody.
+        await close_all([handle])
     if primary_text is None or final.get("finish_reason") == "error" or handle.replica is None:
         return
     try:
