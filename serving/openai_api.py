@@ -27,7 +27,14 @@ from serving.api import failed_dispatch, sse_response
 from serving.dispatch import Dispatch, authenticate, charge_estimate, close_all, dispatch, prompt_usage
 from serving.engine.sequence import MAX_LOGPROBS
 from serving.gateway import GatewayError
-from serving.requests import SAMPLING_FIELDS, is_int, parse_json_body, parse_sampling, parse_text_inputs
+from serving.requests import (
+    SAMPLING_FIELDS,
+    check_max_tokens,
+    is_int,
+    parse_json_body,
+    parse_sampling,
+    parse_text_inputs,
+)
 from serving.vectors import decode_vector
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
@@ -50,12 +57,17 @@ MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions; chat's top_logprobs go t
 MAX_CHOICES = 16  # n: choices of one request, each a sequence of its own on the replica
 
 
-def _model(body: dict[str, Any], allowed: frozenset[str]) -> str:
-    """The body's model, after refusing fields the endpoint does not know. One sent as null reads as
-    absent, as every parameter does (the openai client sends null for one passed as None)."""
-    unknown = sorted(name for name in set(body) - allowed if body[name] is not None)
+def _refuse_unsupported(fields: dict[str, Any], allowed: frozenset[str], what: str = "field(s)") -> None:
+    """GatewayError(400) naming the fields outside `allowed`. One sent as null reads as absent, as every
+    parameter does (the openai client sends null for one passed as None)."""
+    unknown = sorted(name for name, value in fields.items() if name not in allowed and value is not None)
     if unknown:
-        raise GatewayError(400, f"unsupported field(s): {', '.join(unknown)}")
+        raise GatewayError(400, f"unsupported {what}: {', '.join(unknown)}")
+
+
+def _model(body: dict[str, Any], allowed: frozenset[str]) -> str:
+    """The body's model, after refusing fields the endpoint does not know."""
+    _refuse_unsupported(body, allowed)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise GatewayError(400, "model must be a non-empty string")
@@ -84,9 +96,7 @@ def _include_usage(body: dict[str, Any]) -> bool:
         return False
     if not isinstance(options, dict):
         raise GatewayError(400, "stream_options must be an object")
-    unknown = sorted(name for name, value in options.items() if name != "include_usage" and value is not None)
-    if unknown:
-        raise GatewayError(400, f"unsupported stream_options field(s): {', '.join(unknown)}")
+    _refuse_unsupported(options, frozenset({"include_usage"}), "stream_options field(s)")
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise GatewayError(400, "stream_options.include_usage must be true or false")
@@ -121,14 +131,9 @@ def _parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, list[d
         max_completion_tokens = body.pop("max_completion_tokens")
         if max_completion_tokens is not None:
             # Each checked before they are compared: true == 1 in Python, but true is no token count.
-            for name, value in (
-                ("max_tokens", body.get("max_tokens")),
-                ("max_completion_tokens", max_completion_tokens),
-            ):
-                if value is not None and (not is_int(value) or not 1 <= value <= settings.MAX_TOKENS_LIMIT):
-                    raise GatewayError(
-                        400, f"{name} must be an integer from 1 to {settings.MAX_TOKENS_LIMIT}"
-                    )
+            if body.get("max_tokens") is not None:
+                check_max_tokens(body["max_tokens"])
+            check_max_tokens(max_completion_tokens, "max_completion_tokens")
             if body.get("max_tokens") is not None and body["max_tokens"] != max_completion_tokens:
                 raise GatewayError(400, "max_tokens and max_completion_tokens differ: send one of them")
             body["max_tokens"] = max_completion_tokens

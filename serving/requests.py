@@ -119,6 +119,12 @@ def _or_default(body: dict[str, Any], name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def check_max_tokens(value: Any, name: str = "max_tokens") -> None:
+    """GatewayError(400) unless `value` is a token count this server takes (a bool is none)."""
+    if not is_int(value) or not 1 <= value <= settings.MAX_TOKENS_LIMIT:
+        raise GatewayError(400, f"{name} must be an integer from 1 to {settings.MAX_TOKENS_LIMIT}")
+
+
 def parse_sampling(body: dict[str, Any], *, default_max_tokens: int | None = 16) -> dict[str, Any]:
     """The sampling fields shared by /infer and the OpenAI-shaped endpoints. `default_max_tokens` None
     (chat completions, as OpenAI's): without max_tokens the replica generates until the model ends its
@@ -127,8 +133,8 @@ def parse_sampling(body: dict[str, Any], *, default_max_tokens: int | None = 16)
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = default_max_tokens
-    elif not is_int(max_tokens) or not 1 <= max_tokens <= settings.MAX_TOKENS_LIMIT:
-        raise GatewayError(400, f"max_tokens must be an integer from 1 to {settings.MAX_TOKENS_LIMIT}")
+    else:
+        check_max_tokens(max_tokens)
     out["max_tokens"] = max_tokens
     # null is absent, as in OpenAI's schema (its client sends null for a parameter passed as None)
     stream = _or_default(body, "stream", False)
