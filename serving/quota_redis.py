@@ -61,17 +61,15 @@ logger = logging.getLogger(__name__)
 # the time both buckets need to refill from their levels, plus a second. A bucket below full whose rate is
 # zero never refills: its hash never expires.
 _EXPIRY_FUNCTIONS = """
+local function refill_s(level, cap, per_s) -- a bucket's seconds to full; nil: never
+  if level >= cap then return 0 end
+  if per_s <= 0 then return nil end
+  return (cap - level) / per_s
+end
 local function time_to_full(rt, burst, rps, tt, tpm)
-  local s = 0
-  if rt < burst then
-    if rps <= 0 then return nil end
-    s = (burst - rt) / rps
-  end
-  if tt < tpm then
-    if tpm <= 0 then return nil end
-    s = math.max(s, (tpm - tt) * 60 / tpm)
-  end
-  return s
+  local r, t = refill_s(rt, burst, rps), refill_s(tt, tpm, tpm / 60)
+  if r == nil or t == nil then return nil end
+  return math.max(r, t)
 end
 local function expire_after(key, s)
   if s == nil or s > 1e9 then redis.call('PERSIST', key)
@@ -194,7 +192,7 @@ local tt = tonumber(redis.call('HINCRBYFLOAT', key, 'tt', ARGV[1]))
 local ts, tpm = tonumber(redis.call('HGET', key, 'ts')), tonumber(ARGV[4])
 if ts and tt < tpm then
   local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-  local full_in = time_to_full(0, 0, 0, tt, tpm)
+  local full_in = refill_s(tt, tpm, tpm / 60)
   if full_in == nil then live_at_least(key, nil)
   elseif full_in - (now - ts) > 0 then live_at_least(key, full_in - (now - ts) + 1) end
 end
