@@ -542,7 +542,7 @@ async def dispatch(
     if sum(payload is not None for payload in (text, messages, inputs)) != 1:
         raise ValueError("dispatch needs exactly one of text, messages or inputs")
     model_name, alias = split_model_name(path_model)
-    pin = pin.strip() if pin else None
+    pin = (pin.strip() or None) if pin else None  # an empty header names no version
     if snapshot is None:  # not already read by the caller (model_snapshot)
         snapshot = await _snapshot(model_name)
     if snapshot is None:

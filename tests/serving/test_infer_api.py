@@ -75,6 +75,17 @@ async def test_pinning_without_permission_is_403(acme) -> None:
     assert "may not pin" in response.json()["error"]["message"]
 
 
+async def test_an_empty_or_blank_version_pin_header_is_no_pin(acme) -> None:
+    """A proxy or a client library can send the header with nothing in it: that names no version, so a
+    tenant without the right to pin is served by the traffic split rather than refused."""
+    for blank in ("", "   "):
+        response = await _post(
+            AsyncClient(), {"input": "hi", "max_tokens": 1}, {**acme.auth, "X-Version-Pin": blank}
+        )
+        assert response.status_code == 200, (blank, response.content)
+        assert response["X-Served-Version"] == "v1"
+
+
 @pytest.mark.parametrize(
     ("body", "raw", "status", "fragment"),
     [
