@@ -11,7 +11,9 @@ flight and frees its blocks on the replica. One generation at a time per connect
 stops reading is cut off (serving/streams.py): its generation is aborted, and once it reads again it
 gets an error of type "slow_reader" and the connection closes with code 4408. A frame that is not a
 JSON text message gets an error and the connection closes: 1003 for a binary frame, 1007 for text that
-is not JSON (RFC 6455's codes for data the endpoint cannot take)."""
+is not JSON (RFC 6455's codes for data the endpoint cannot take). A message over MAX_REQUEST_BYTES (the
+limit on an HTTP body) gets an error of type "request_too_large" and the close code 1009; the server
+itself closes with 1009 alone on a frame over four times that, which it will not buffer."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import logging
 from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 
 from registry.errors import error_body
 from registry.selectors import TenantContext
@@ -33,6 +36,7 @@ CLOSE_UNAUTHENTICATED = 4401
 CLOSE_SLOW_READER = 4408
 CLOSE_UNSUPPORTED_DATA = 1003
 CLOSE_INVALID_PAYLOAD = 1007
+CLOSE_MESSAGE_TOO_BIG = 1009
 CLOSE_TRY_AGAIN_LATER = 1013
 
 
@@ -95,6 +99,14 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         if text_data is None:
             await self._error(GatewayError(400, "send JSON messages in text frames, not binary ones"))
             await self._close(CLOSE_UNSUPPORTED_DATA)
+            return
+        # A UTF-8 character is at most 4 bytes: only a message that long can be over, and only it is encoded.
+        if (
+            len(text_data) * 4 > settings.MAX_REQUEST_BYTES
+            and _utf8_size(text_data) > settings.MAX_REQUEST_BYTES
+        ):
+            await self._error(GatewayError(413, f"message over {settings.MAX_REQUEST_BYTES} bytes"))
+            await self._close(CLOSE_MESSAGE_TOO_BIG)
             return
         try:
             content = loads_json(text_data)
@@ -244,3 +256,8 @@ def _aborted(version: str | None, num_completion_tokens: int) -> dict[str, Any]:
 def _final_error(handle: Dispatch, error: dict[str, Any]) -> dict[str, Any]:
     """The error that ends a generation: it says so, as a done message would, and which version served it."""
     return {"type": "error", "finish_reason": "error", "version": handle.version, "error": error}
+
+
+def _utf8_size(text: str) -> int:
+    # surrogatepass: a lone surrogate is refused later, as not JSON, rather than raising here
+    return len(text.encode("utf-8", "surrogatepass"))

@@ -25,6 +25,29 @@ def test_a_real_websocket_client_streams_and_cancels(platform_server) -> None:
         assert message["finish_reason"] == "abort"
 
 
+def test_the_real_server_answers_a_message_over_the_size_limit_with_an_error_and_1009(
+    platform_server,
+) -> None:
+    from django.conf import settings
+    from websockets.exceptions import ConnectionClosedError
+
+    url = platform_server.url.replace("http://", "ws://") + "/v1/models/demo-chat/stream"
+    headers = {"Authorization": f"Bearer {platform_server.key}"}
+    over = json.dumps({"type": "infer", "input": "x" * settings.MAX_REQUEST_BYTES})
+    with ws_client.connect(url, additional_headers=headers, max_size=None) as ws:
+        ws.send(over)
+        assert json.loads(ws.recv(timeout=10))["error"]["type"] == "request_too_large"
+        with pytest.raises(ConnectionClosedError):
+            ws.recv(timeout=10)
+        assert ws.protocol.close_rcvd.code == 1009
+    # far over: the server closes without buffering it, and so without a message
+    with ws_client.connect(url, additional_headers=headers, max_size=None) as ws:
+        ws.send("x" * (5 * settings.MAX_REQUEST_BYTES))
+        with pytest.raises(ConnectionClosedError):
+            ws.recv(timeout=10)
+        assert ws.protocol.close_rcvd.code == 1009
+
+
 def _staff_session_cookie(server) -> str:  # type: ignore[no-untyped-def]
     import re
 

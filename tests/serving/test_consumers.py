@@ -1,5 +1,7 @@
 """WebSocket streaming through Channels' communicator, against an in-process replica."""
 
+import json
+
 import pytest
 from channels.testing import WebsocketCommunicator
 from django.utils import timezone
@@ -110,6 +112,16 @@ async def test_a_frame_that_is_not_a_json_text_message_gets_an_error_and_a_close
     await ws.send_to(**frame)
     assert (await ws.receive_json_from())["error"]["type"] == "invalid_request_error"
     assert await ws.receive_output() == {"type": "websocket.close", "code": code}
+
+
+async def test_a_message_over_the_request_size_limit_gets_an_error_and_1009(acme, settings) -> None:
+    settings.MAX_REQUEST_BYTES = 1000
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
+    # 330 characters of three bytes each, in about 360: a count of characters would let it through
+    await ws.send_to(text_data=json.dumps({"type": "infer", "input": "\u20ac" * 330}, ensure_ascii=False))
+    error = await ws.receive_json_from()
+    assert error["error"] == {"type": "request_too_large", "message": "message over 1000 bytes"}
+    assert await ws.receive_output() == {"type": "websocket.close", "code": 1009}
 
 
 async def test_a_handshake_from_another_sites_page_is_refused_and_clients_without_an_origin_are_not(

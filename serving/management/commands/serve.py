@@ -7,6 +7,7 @@ from django.core.management.base import BaseCommand, CommandParser
 
 # How long a stop (SIGTERM, Ctrl-C) waits for responses in flight before it closes their connections.
 GRACEFUL_SHUTDOWN_S = 8
+WS_FRAME_GUARD = 4
 
 
 class Command(BaseCommand):
@@ -30,7 +31,9 @@ class Command(BaseCommand):
             loop="asyncio",
             http="httptools",
             ws="websockets-sansio",
-            ws_max_size=settings.MAX_REQUEST_BYTES,
+            # Above the consumer's limit (MAX_REQUEST_BYTES), so that a message a little over it gets the
+            # JSON error there before the close; a frame past this is not even buffered, and closes 1009.
+            ws_max_size=WS_FRAME_GUARD * settings.MAX_REQUEST_BYTES,
             lifespan="on",  # config/asgi.py starts the runtime (and embedded replicas) on startup
             log_config=None,  # Django's LOGGING stays in charge
             access_log=False,
