@@ -134,7 +134,9 @@ class _Arrival:
 
     request_id: str
     route: _Route
-    prompt_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] | list[list[int]] = field(default_factory=list)  # an encoder's: one per input
+    # The tokens the request is charged for: the gateway settles the tenant's tokens/min quota with it.
+    num_prompt_tokens: int = 0
     params: Any = None  # the engine's SamplingParams
     tenant: str = "default"
     cache_group: str | None = None
@@ -676,7 +678,8 @@ class Replica:
             if inputs is not None:
                 if not isinstance(inputs, list) or not all(isinstance(t, str) for t in inputs):
                     raise ValueError("inputs must be a list of strings")
-                arrival.prompt_ids = [self._engine.encode(t) for t in inputs]
+                encoded = [self._engine.encode(t) for t in inputs]
+                arrival.prompt_ids, arrival.num_prompt_tokens = encoded, sum(map(len, encoded))
             else:
                 text = message.get("input")
                 if text is None:
@@ -685,8 +688,9 @@ class Replica:
                     )
                 else:
                     arrival.prompt_ids = self._engine.encode(text)
+                arrival.num_prompt_tokens = len(arrival.prompt_ids)
                 if to_context:  # as far as the context goes, and as far as the KV cache could hold
-                    room = self._engine.max_output_tokens(len(arrival.prompt_ids))
+                    room = self._engine.max_output_tokens(arrival.num_prompt_tokens)
                     arrival.params = dataclasses.replace(
                         arrival.params, max_tokens=max(1, min(settings.MAX_TOKENS_LIMIT, room))
                     )
@@ -1014,7 +1018,7 @@ class Replica:
             result.add(route, request_id, _error_event("internal_error", "the replica could not admit it"))
             ended.append(RequestSample("error", error_type="internal_error"))
             return
-        num_prompt_tokens = len(arrival.prompt_ids)
+        num_prompt_tokens = arrival.num_prompt_tokens
         result.add(route, request_id, {"accepted": True, "num_prompt_tokens": num_prompt_tokens})
         if self._fault_rng is not None and self._fault_rng.random() < self._error_rate:
             engine.abort(request_id)

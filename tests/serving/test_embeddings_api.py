@@ -172,3 +172,24 @@ async def test_over_quota_is_a_429_while_another_tenant_is_served(
     assert statuses == [200, 429, 429]  # a burst of one request
     assert refused.status_code == 429 and "Retry-After" in refused.headers
     assert served.status_code == 200
+
+
+async def test_the_tokens_per_minute_quota_is_charged_every_inputs_tokens(
+    make_tenant, embedding_runtime
+) -> None:
+    """The replica's acceptance counts the tokens the gateway settles the quota with: an encoder's
+    request is charged the tokens of all its inputs, as its usage reports them, not one per input."""
+    from serving.gateway import quota_store
+
+    tenant = await sync_to_async(make_tenant)("counted", tokens_per_minute=1200)  # refills 20 a second
+    texts = [" ".join(TEXTS) * 3, TEXTS[2] * 2]
+    async with asgi_client() as client:
+        response = await client.post(
+            "/v1/embeddings", json={"model": "demo-embed", "input": texts}, headers=tenant.auth
+        )
+    assert response.status_code == 200, response.text
+    used = quota_store().usage([tenant.context])[tenant.context.tenant_id]
+    num_tokens = response.json()["usage"]["prompt_tokens"]
+    assert num_tokens > 60
+    assert used.num_in_flight == 0
+    assert num_tokens - 20 < used.tokens_drawn <= num_tokens  # what refilled in the second since
