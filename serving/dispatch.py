@@ -7,7 +7,6 @@ client gets a terminal error event instead (a retry would repeat text it has alr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -35,6 +34,8 @@ logger = logging.getLogger(__name__)
 ACCEPT_TIMEOUT_S = 30.0
 INACTIVITY_TIMEOUT_S = 60.0  # of silence, keepalives aside (replica.KEEPALIVE_S): the request is lost
 LIVENESS_CHECK_S = 0.5
+ABORT_RETRY_FIRST_S = 0.005  # an abort that finds its replica's channel full is sent again after this,
+ABORT_RETRY_S = 5.0  # doubling, for up to this long
 _rng = random.Random()
 
 # Failures of the replica, not of the request: retried elsewhere (before the first token) and counted by
@@ -439,9 +440,26 @@ class Dispatch:
         return sum("token" in event for event in unread)
 
     async def _abort_on(self, replica: ReplicaHandle) -> None:
-        """Abort the current try on `replica`: frees its blocks if it is still there, a no-op if not."""
-        with contextlib.suppress(Exception):
-            await self._runtime.layer.send(replica.channel_name, {"type": ABORT, "request_id": self._wire_id})
+        """Abort the current try on `replica`: frees its blocks if it is still there, a no-op if not. A
+        channel full for a moment (many clients leaving at once send their aborts in one turn of the
+        loop, past its capacity) is waited out, within ABORT_RETRY_S: an abort lost there would leave
+        its sequence running to max_tokens for nobody."""
+        message = {"type": ABORT, "request_id": self._wire_id}
+        delay_s, deadline = ABORT_RETRY_FIRST_S, time.monotonic() + ABORT_RETRY_S
+        while True:
+            try:
+                await self._runtime.layer.send(replica.channel_name, message)
+                return
+            except ChannelFull:
+                if time.monotonic() + delay_s > deadline:
+                    logger.warning(
+                        "request %s: its replica's channel stayed full; abort not sent", self.request_id
+                    )
+                    return
+                await asyncio.sleep(delay_s)  # the replica takes a message a turn: let it take some
+                delay_s = min(2 * delay_s, 0.5)
+            except Exception:  # the replica gone with its channel, or the layer's server: nothing to free
+                return
 
 
 async def close_all(handles: list[Dispatch]) -> None:

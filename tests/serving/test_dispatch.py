@@ -1,5 +1,6 @@
 """Replica failure handling in the gateway: circuit breaker and the one retry before the first token."""
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -617,3 +618,37 @@ async def test_a_stream_whose_tokens_keep_coming_ends_though_a_call_lost_its_can
     await handle.close()
     assert reader.cancelled()
     assert len(received) < 100
+
+
+async def test_aborts_that_find_the_replicas_channel_full_are_sent_again(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """Clients leaving all at once (a load balancer's reset) send their aborts in one turn of the loop,
+    past what the replica's channel holds: one lost there would leave its sequence running to
+    max_tokens, holding its blocks, for nobody."""
+    from asgiref.sync import sync_to_async
+    from channels.exceptions import ChannelFull
+
+    from serving.dispatch import close_all
+    from serving.replica import ABORT
+
+    acme = await sync_to_async(make_tenant)("acme")
+    (replica,) = runtime.replicas.values()
+    aborted_before = replica.metrics.snapshot().totals.counters.get("aborted", 0)
+    handles = [await _hello(acme, max_tokens=2000) for _ in range(3)]
+    for handle in handles:  # each has a token: running on the replica
+        assert "token" in await handle.events().__anext__()
+    refused, send = [], runtime.layer.send
+
+    async def full_at_first(channel, message):  # type: ignore[no-untyped-def]
+        if message["type"] == ABORT and message["request_id"] not in refused:
+            refused.append(message["request_id"])
+            raise ChannelFull(channel)
+        await send(channel, message)
+
+    monkeypatch.setattr(runtime.layer, "send", full_at_first)
+    await close_all(handles)
+    assert sorted(refused) == sorted(h.request_id for h in handles)
+    await asyncio.wait_for(replica.wait_idle(), timeout=10)
+    assert replica.metrics.snapshot().totals.counters.get("aborted", 0) - aborted_before == 3
+    assert replica.engine.stats().kv_cache_usage == 0.0
