@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,8 @@ from serving.requests import parse_classify, parse_infer, parse_json_body
 from serving.router import split_model_name
 from serving.runtime import get_runtime
 from serving.vectors import decode_vector
+
+logger = logging.getLogger(__name__)
 
 
 def _gateway_error(exc: GatewayError) -> JsonResponse:
@@ -169,7 +172,12 @@ def _database_ok() -> bool:
 async def readyz(request: HttpRequest) -> JsonResponse:
     database_ok = await sync_to_async(_database_ok, thread_sensitive=False)()
     runtime = await get_runtime()
-    handles = await runtime.all_replicas()
+    directory_ok = True
+    try:
+        handles = await runtime.all_replicas()
+    except Exception as exc:  # the replica directory (Redis) unreachable: this process's own, and say so
+        logger.warning("/readyz: the replica directory could not be read (%s)", type(exc).__name__)
+        handles, directory_ok = runtime.local_replicas(), False
     replicas = [
         {
             "model": h.model_name,
@@ -197,6 +205,10 @@ async def readyz(request: HttpRequest) -> JsonResponse:
         # load balancer, which would leave the clients with refused connections instead.
         is_ready = database_ok
     body: dict[str, Any] = {"ready": is_ready, "database": database_ok, "num_ready_replicas": num_ready}
+    if not directory_ok:
+        # Still ready: every gateway shares the directory, and a load balancer that took them all out
+        # would leave clients refused connections instead of the 503s each request gets meanwhile.
+        body["replica_directory"] = False
     # The list names every model served, tenants' own included, and its load: for those who may read
     # /metrics, not for whoever can reach a load balancer's health check.
     if await _may_read_metrics(request):

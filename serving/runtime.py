@@ -271,12 +271,16 @@ class Runtime:
             logger.warning("replica directory unreadable; %s taken for alive", handle.replica_id)
             return True
 
-    async def all_replicas(self) -> list[ReplicaHandle]:
-        """Every replica: this process's, draining ones included (for /readyz and the dashboard), and
-        with Redis the fresh heartbeats of the others."""
-        handles = [
+    def local_replicas(self) -> list[ReplicaHandle]:
+        """This process's replicas, draining ones included."""
+        return [
             _local_handle(r, with_step_time=True) for r in (*self.replicas.values(), *self._draining.values())
         ]
+
+    async def all_replicas(self) -> list[ReplicaHandle]:
+        """Every replica: this process's (for /readyz and the dashboard), and with Redis the fresh
+        heartbeats of the others. Raises what the directory's read raises (Redis unreachable)."""
+        handles = self.local_replicas()
         if self.directory is not None:
             local_ids = {h.replica_id for h in handles}
             for beat in await self.directory.all_replicas():

@@ -87,13 +87,41 @@ async def test_the_replica_list_is_for_the_metrics_token_or_staff_not_a_load_bal
     assert [r["model"] for r in scraper.json()["replicas"]] == ["acme-private-ft"]
 
 
-async def _readyz(monkeypatch, settings, handles: list, headers: dict | None = None) -> httpx.Response:  # type: ignore[no-untyped-def]
+async def test_a_replica_directory_it_cannot_read_is_said_in_json_not_a_500(monkeypatch, settings) -> None:
+    """Redis down: a load balancer's probe gets the JSON it always gets, and the gateway stays ready (every
+    gateway shares the directory; taking them all out would refuse connections instead of 503s)."""
+    import redis.exceptions
+
+    settings.EMBEDDED_REPLICAS = False
+    unreachable = redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379")
+    response = await _readyz(monkeypatch, settings, [], directory_error=unreachable)
+    assert response.status_code == 200
+    assert response.json() == {
+        "ready": True,
+        "database": True,
+        "num_ready_replicas": 0,
+        "replica_directory": False,
+    }
+
+
+async def _readyz(  # type: ignore[no-untyped-def]
+    monkeypatch,
+    settings,
+    handles: list,
+    headers: dict | None = None,
+    directory_error: Exception | None = None,
+) -> httpx.Response:
     from config.asgi import application
     from serving import api
 
     class Runtime:
         async def all_replicas(self) -> list[ReplicaHandle]:
+            if directory_error is not None:
+                raise directory_error
             return handles
+
+        def local_replicas(self) -> list[ReplicaHandle]:
+            return [h for h in handles if h.is_local]
 
     async def get_runtime() -> Runtime:
         return Runtime()
