@@ -88,6 +88,8 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         message = {"type": "error", **error_body(exc.status, exc.message)}
         if exc.retry_after is not None:  # a 429 or a 503: when to try again, as HTTP's Retry-After says it
             message["retry_after"] = exc.retry_after
+        if "X-Served-Version" in exc.served_by:  # a replica refused it: which version did
+            message["version"] = exc.served_by["X-Served-Version"]
         with contextlib.suppress(Exception):  # the client gone (or this side closing): nothing to tell
             await self.send_json(message)
 

@@ -203,7 +203,9 @@ class Dispatch:
                     breaker.record_accepted(replica.replica_id, is_trial=is_trial)  # it answered: alive
                     has_verdict = True
                     self.is_finished = True
-                    raise GatewayError(400, error.get("message", "invalid request"))
+                    raise GatewayError(
+                        400, error.get("message", "invalid request"), served_by=self.response_headers()
+                    )
                 if error.get("type") not in REPLICA_FAILURES:
                     self._first_event = first  # a request-level failure: the client sees it as a stream error
                     return

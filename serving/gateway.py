@@ -27,11 +27,21 @@ logger = logging.getLogger(__name__)
 
 
 class GatewayError(Exception):
-    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        served_by: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after_s = retry_after_s
+        # A refusal by a replica (a prompt too long for its version's model): the response's headers that
+        # say which version and replica refused it (Dispatch.response_headers), as a served response's do.
+        self.served_by = served_by or {}
 
     @property
     def retry_after(self) -> int | None:
@@ -44,7 +54,7 @@ class GatewayError(Exception):
     @property
     def headers(self) -> dict[str, str]:
         retry_after = self.retry_after
-        return {} if retry_after is None else {"Retry-After": str(retry_after)}
+        return self.served_by if retry_after is None else {**self.served_by, "Retry-After": str(retry_after)}
 
 
 class MaybeSent(GatewayError):

@@ -75,6 +75,10 @@ async def test_bad_requests_get_the_json_error_and_the_socket_stays_usable(acme)
     ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
     await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 0})
     assert (await ws.receive_json_from())["error"]["type"] == "invalid_request_error"
+    # refused by the replica (a token id past the vocabulary): the error names the version that refused it
+    await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1, "logit_bias": {"99999999": 1}})
+    refused = await ws.receive_json_from(timeout=10)
+    assert refused["error"]["type"] == "invalid_request_error" and refused["version"] == "v1", refused
     await ws.send_json_to({"type": "dance"})
     assert "message type" in (await ws.receive_json_from())["error"]["message"]
     await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1})

@@ -75,6 +75,17 @@ async def test_pinning_without_permission_is_403(acme) -> None:
     assert "may not pin" in response.json()["error"]["message"]
 
 
+async def test_a_request_its_replica_refuses_says_which_version_refused_it(acme) -> None:
+    """A token id past the model's vocabulary is the replica's to refuse (the gateway does not know the
+    vocabulary): with a split over versions of different vocabularies, the client must be able to tell
+    which refused it, as a served response says which version served it."""
+    body = {"input": "hi", "max_tokens": 1, "logit_bias": {"99999999": 1}}
+    response = await _post(AsyncClient(), body, acme.auth)
+    assert response.status_code == 400, response.content
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert response["X-Served-Version"] == "v1" and response["X-Request-Id"]
+
+
 async def test_an_empty_or_blank_version_pin_header_is_no_pin(acme) -> None:
     """A proxy or a client library can send the header with nothing in it: that names no version, so a
     tenant without the right to pin is served by the traffic split rather than refused."""
