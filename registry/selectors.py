@@ -105,7 +105,9 @@ class RoutingSnapshot:
 def tenant_context_for_api_key(raw_key: str) -> TenantContext | None:
     """Resolve a presented key. Candidates are found by their visible prefix; the hashes are then
     compared in constant time, so response timing says nothing about how much of a key matched."""
-    if not raw_key or len(raw_key) > 256:
+    # A NUL is in no key, and Postgres refuses it in a query (a DataError, which the gateway would take
+    # for the database being down, and answer "try again" to a bad key).
+    if not raw_key or len(raw_key) > 256 or "\x00" in raw_key:
         return None
     presented_hash = hash_api_key(raw_key)
     candidates = ApiKey.objects.filter(

@@ -411,6 +411,19 @@ async def test_a_tenant_just_refused_is_admitted_alone_so_refusals_carry_no_prom
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("key", ["\x00", "sy-\x00abc", "sy-abcdefgh\x00"])
+def test_a_key_with_a_nul_is_a_bad_key_not_a_database_outage(make_tenant, key: str) -> None:
+    """Postgres refuses a NUL in a query: read as an outage, a WebSocket client sending one in its auth
+    message was told to come back later (1013) instead of that its key is wrong (4401)."""
+    from serving import gateway
+
+    make_tenant("acme")
+    with pytest.raises(GatewayError) as refused:
+        gateway.authenticate(f"Bearer {key}")
+    assert refused.value.status == 401
+
+
+@pytest.mark.django_db
 def test_while_the_database_is_down_keys_seen_in_the_last_hour_still_pass(
     make_tenant, monkeypatch, settings
 ) -> None:
