@@ -53,7 +53,7 @@ async def _sse_events(handle: Dispatch) -> AsyncIterator[bytes]:
 async def infer(request: HttpRequest, model: str) -> HttpResponse:
     """A generative model's text (JSON or SSE), or a classifier's scores: each kind's own body."""
     if request.method != "POST":
-        return error_response(405, "use POST")
+        return error_response(405, "use POST", headers={"Allow": "POST"})
     try:
         context = await authenticate(request.headers.get("Authorization"))
         snapshot = await model_snapshot(context, model)

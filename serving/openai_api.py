@@ -383,7 +383,7 @@ async def _serve(
 ) -> HttpResponse:
     """The shared body of both endpoints: parse, dispatch, then stream chunks or answer once."""
     if request.method != "POST":
-        return error_response(405, "use POST")
+        return error_response(405, "use POST", headers={"Allow": "POST"})
     try:
         context = await authenticate(request.headers.get("Authorization"))
         model, sampling, include_usage, payload = parse(parse_json_body(request))
@@ -568,7 +568,7 @@ def _embedding_vector(encoded: str, encoding: str) -> str | list[float]:
 @csrf_exempt
 async def embeddings(request: HttpRequest) -> HttpResponse:
     if request.method != "POST":
-        return error_response(405, "use POST")
+        return error_response(405, "use POST", headers={"Allow": "POST"})
     try:
         context = await authenticate(request.headers.get("Authorization"))
         model, inputs, encoding = _parse_embeddings(parse_json_body(request))

@@ -144,6 +144,7 @@ async def test_bodies_that_are_not_json_and_other_methods_are_refused(acme, embe
         401,
     )
     assert "valid JSON" in not_json.json()["error"]["message"]
+    assert get.headers["Allow"] == "POST"  # as HTTP requires of a 405
 
 
 async def test_an_embedding_model_is_refused_by_the_generative_endpoints(acme, embedding_runtime) -> None:

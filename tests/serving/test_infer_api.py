@@ -86,6 +86,13 @@ async def test_a_request_its_replica_refuses_says_which_version_refused_it(acme)
     assert response["X-Served-Version"] == "v1" and response["X-Request-Id"]
 
 
+@pytest.mark.parametrize("url", [URL, "/v1/completions", "/v1/chat/completions"])
+async def test_another_method_is_a_405_that_names_post(acme, url: str) -> None:
+    response = await AsyncClient().get(url, headers=acme.auth)
+    assert response.status_code == 405 and response["Allow"] == "POST"
+    assert response.json()["error"]["type"] == "method_not_allowed"
+
+
 async def test_an_empty_or_blank_version_pin_header_is_no_pin(acme) -> None:
     """A proxy or a client library can send the header with nothing in it: that names no version, so a
     tenant without the right to pin is served by the traffic split rather than refused."""
