@@ -144,6 +144,7 @@ class Dispatch:
                 )
                 charge = None
             replicas = await self._cold_start()
+        self._raise_if_closed()  # while the directory was read, or a replica started
         candidates = [
             r for r in replicas if r.is_ready and r.replica_id not in exclude and breaker.allows(r.replica_id)
         ]
@@ -229,6 +230,13 @@ class Dispatch:
             self._first_event = first
         self.num_prompt_tokens = int(first.get("num_prompt_tokens", 0))
 
+    def _raise_if_closed(self) -> None:
+        """Before a retry sends anything: another task may have closed this request while it waited (the
+        end of an n-choice stream closes every choice, one perhaps in its retry). Its close aborted what
+        it knew of; a try sent after it would run to max_tokens for nobody."""
+        if self._is_closed:
+            raise GatewayError(503, "the request was closed before its retry was sent")
+
     def _note_failure(self, error_type: str) -> None:
         # A replica that refused (replica_unavailable: draining, not ready) counts that itself, as a
         # rejection; what the request then met (no other replica, a lost one) is the gateway's to count.
@@ -271,6 +279,7 @@ class Dispatch:
         failed = self.replica.replica_id
         # A replica that went silent may be alive and slow: the try it holds would run on beside the retry.
         await self._abort_on(self.replica)
+        self._raise_if_closed()
         self._gave_up = False
         self.num_retries += 1
         self._runtime.hub.close(self._wire_id)

@@ -652,3 +652,45 @@ async def test_aborts_that_find_the_replicas_channel_full_are_sent_again(
     await asyncio.wait_for(replica.wait_idle(), timeout=10)
     assert replica.metrics.snapshot().totals.counters.get("aborted", 0) - aborted_before == 3
     assert replica.engine.stats().kv_cache_usage == 0.0
+
+
+async def test_a_request_closed_while_its_retry_looks_for_a_replica_sends_nothing_more(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """The end of an n-choice stream closes every choice from its own task, one perhaps in the middle of
+    its retry: what the retry then sent, nothing would abort."""
+    from asgiref.sync import sync_to_async
+
+    from serving.dispatch import REPLICA_LOST, Dispatch
+    from serving.replica import SUBMIT
+
+    acme = await sync_to_async(make_tenant)("acme")
+    script = [
+        {"accepted": True, "num_prompt_tokens": 1},
+        {"finish_reason": "error", "error": {"type": REPLICA_LOST, "message": "gone"}},
+    ]
+
+    async def next_event(self, *, timeout_s: float) -> dict:  # type: ignore[no-untyped-def, type-arg]
+        return script.pop(0) if script else {"finish_reason": "length", "usage": {"completion_tokens": 0}}
+
+    monkeypatch.setattr(Dispatch, "_next_event", next_event)
+    # Two replicas: the first try goes to one (scripted to die), the retry would go to the other.
+    await _a_replica_chosen_first(runtime, monkeypatch, "extra", is_alive=True)
+    handle = await _hello(acme, max_tokens=4)
+    assert handle.replica.replica_id == "extra"
+    real_candidates, sent, send = runtime.candidates, [], runtime.layer.send
+
+    async def closed_meanwhile(model_name: str, version: str):  # type: ignore[no-untyped-def]
+        await handle.close()  # as the stream's end does, from another task
+        return await real_candidates(model_name, version)
+
+    async def recorded_send(channel, message):  # type: ignore[no-untyped-def]
+        sent.append((message["type"], message["request_id"]))
+        await send(channel, message)
+
+    monkeypatch.setattr(runtime, "candidates", closed_meanwhile)
+    monkeypatch.setattr(runtime.layer, "send", recorded_send)
+    events = [event async for event in handle.events()]
+    assert not any(kind == SUBMIT for kind, _ in sent), sent  # no retry reached a replica
+    assert events[-1]["finish_reason"] == "error"
+    assert not [wire for wire in runtime.hub._queues if wire.startswith(handle.request_id)]
