@@ -422,6 +422,41 @@ async def test_run_replica_ends_a_drain_at_its_deadline(monkeypatch) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+async def test_run_replica_stopped_while_it_loads_never_goes_ready(registered_model, monkeypatch) -> None:
+    """SIGTERM during a long load (a canary rolled back just after its replica was started): the process
+    stops once the load is over, without beating ready, announcing a drain and waiting out its 1.5 s."""
+    import io
+    import threading
+
+    from registry.selectors import version_ref
+    from serving.management.commands.run_replica import Command
+
+    loading, may_finish, real_load = threading.Event(), threading.Event(), Replica._load
+
+    def slow_load(self):  # type: ignore[no-untyped-def]
+        loading.set()
+        may_finish.wait(30)
+        return real_load(self)
+
+    monkeypatch.setattr(Replica, "_load", slow_load)
+    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
+    publisher = FakePublisher()
+    replica = Replica(ref, layer=InMemoryChannelLayer(), replies=WatchedReplies(), publisher=publisher)
+    stop_requested, out = asyncio.Event(), io.StringIO()
+    command = Command(stdout=out, stderr=io.StringIO())
+    running = asyncio.ensure_future(command._run(replica, stop_requested))
+    await asyncio.to_thread(loading.wait, 10)
+    stop_requested.set()  # SIGTERM
+    assert await asyncio.wait_for(running, timeout=5) == 0  # at once, not after the load
+    assert "stop requested while loading" in out.getvalue()
+    may_finish.set()
+    await asyncio.wait_for(replica.stop(), timeout=30)  # as run_replica's handle() does: waits the load out
+    assert not await asyncio.wait_for(replica.wait_loaded(), timeout=5)
+    assert {beat.state for beat in publisher.beats} <= {"loading"}
+    assert publisher.withdrawn == [replica.replica_id]
+
+
+@pytest.mark.django_db(transaction=True)
 async def test_a_replica_leaving_beats_draining_at_once_and_serves_what_comes_meanwhile(
     registered_model,
 ) -> None:

@@ -155,7 +155,8 @@ class Command(BaseCommand):
         try:
             code = await self._run(replica, stop_requested, drain_timeout_s)
         finally:
-            await replica.stop()  # withdraws its heartbeat, whatever it said last
+            await replica.stop()  # withdraws its heartbeat, whatever it said last; waits out a load
+            await replica.wait_loaded()  # start() ended too (stopped while it loaded)
             await publisher.close()
         if code == 0:
             self.stdout.write("stopped")
@@ -166,7 +167,16 @@ class Command(BaseCommand):
         """Load, serve until SIGTERM and drain, or end early: 1 if the load failed or the engine thread
         died. A drain still running after `drain_timeout_s` (0: none) ends what it holds with an error.
         The caller stops the replica either way."""
-        await replica.start()
+        starting = asyncio.ensure_future(replica.start())
+        stopping = asyncio.ensure_future(stop_requested.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            # A stop while the model loads (a canary rolled back just after its replica was started): it
+            # need not go ready only to drain. The load cannot be interrupted; the caller's replica.stop()
+            # waits it out, and start() then serves nothing.
+            self.stdout.write("stop requested while loading: stopping without serving")
+            self.stdout.flush()
+            return 0
         if not replica.is_ready:
             self.stderr.write(f"load failed: {replica.error}")
             return 1
@@ -174,7 +184,6 @@ class Command(BaseCommand):
             f"replica {replica.replica_id} of {replica.ref.model_name}:{replica.ref.version} ready"
         )
         self.stdout.flush()
-        stopping = asyncio.ensure_future(stop_requested.wait())
         engine_ended = asyncio.ensure_future(replica.wait_engine_ended())
         await asyncio.wait({stopping, engine_ended}, return_when=asyncio.FIRST_COMPLETED)
         if not stopping.done():
