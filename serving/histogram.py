@@ -138,17 +138,22 @@ class Histogram:
                 return min(self.max, max(self.min, bucket_value(index)))
         raise AssertionError("bucket counts add up to count")
 
-    def cumulative_counts(self, bounds: Sequence[float]) -> list[int]:
+    def cumulative_counts(self, bounds: Sequence[float], *, monotonic: bool = False) -> list[int]:
         """For each upper bound (ascending), how many samples are <= it, as well as buckets can tell
         (a bucket counts when its reported value, clamped to [min, max] as quantile() clamps it, is
-        <= the bound). For Prometheus `le` buckets and the judge's count of samples over a limit."""
+        <= the bound). For the judge's count of samples over a limit and the dashboard's bins.
+
+        `monotonic` (Prometheus `le` buckets, counters that must never go down): clamped to the min
+        only. A later, larger sample raises the max, which would lift a bucket reported just under a
+        bound over it, and the bound's count would fall; the min only ever falls, which can only move
+        a bucket under a bound."""
         result: list[int] = []
         items = sorted(self._counts.items())
+        high = math.inf if monotonic else self.max
         position = seen = 0
         for bound in bounds:
             while (
-                position < len(items)
-                and min(self.max, max(self.min, bucket_value(items[position][0]))) <= bound
+                position < len(items) and min(high, max(self.min, bucket_value(items[position][0]))) <= bound
             ):
                 seen += items[position][1]
                 position += 1

@@ -130,7 +130,7 @@ class SwitchyardCollector:
             les = [floatToGoString(bound) for bound in bounds]
             for snapshot in snapshots:
                 histogram = snapshot.totals.histograms.get(key) or Histogram()
-                counts = histogram.cumulative_counts(bounds)
+                counts = histogram.cumulative_counts(bounds, monotonic=True)
                 histograms.add_metric(
                     _labels(snapshot),
                     [*zip(les, counts, strict=True), ("+Inf", histogram.count)],

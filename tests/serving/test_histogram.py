@@ -127,6 +127,30 @@ def test_cumulative_counts_for_prometheus_buckets() -> None:
     assert histogram.cumulative_counts([0.001, 0.005, 0.025, 0.5, 10.0, 100.0]) == [0, 1, 3, 4, 5, 5]
 
 
+def test_a_prometheus_bucket_count_does_not_fall_when_a_larger_sample_comes() -> None:
+    """0.00998 sits in the bucket reported as 0.010044: clamped to the max it counts under le=0.01, and
+    a later 0.5, raising the max, lifted it over: Prometheus takes a counter that falls for a reset."""
+    histogram = Histogram.of([0.00998])
+    before = histogram.cumulative_counts([0.01], monotonic=True)
+    histogram.observe(0.5)
+    assert histogram.cumulative_counts([0.01], monotonic=True)[0] >= before[0]
+
+
+PROMETHEUS_BOUNDS = [0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(min_value=1e-4, max_value=20.0), min_size=1, max_size=40))
+def test_prometheus_bucket_counts_only_rise_as_samples_come(samples: list[float]) -> None:
+    histogram, last = Histogram(), [0] * len(PROMETHEUS_BOUNDS)
+    for sample in samples:
+        histogram.observe(sample)
+        counts = histogram.cumulative_counts(PROMETHEUS_BOUNDS, monotonic=True)
+        assert all(now >= then for now, then in zip(counts, last, strict=True)), (sample, last, counts)
+        assert counts == sorted(counts) and counts[-1] <= histogram.count
+        last = counts
+
+
 def test_count_above_agrees_with_the_reported_quantile() -> None:
     """A tight distribution inside one bucket: the p99 is clamped to the samples' min, and a sample
     counts as over a limit exactly when the reported value is."""
