@@ -4,7 +4,8 @@ Nothing a client sends or gets back is logged anywhere else. With settings.LOG_P
 0 (SWITCHYARD_LOG_PROMPTS_SAMPLE_RATE; 0 by default), that share of requests is written, once each
 request has ended, as one JSON line to the `switchyard.prompts` logger (route it where such records may
 go): its ids, tenant, model and version, the input and the output text. Both texts are redacted first
-(private keys, bearer and basic credentials, passwords in URLs and in `password=…`-style pairs, API
+(private keys, bearer and basic credentials, passwords in URLs, the values of `password=…`-style pairs
+whose name ends in a secret's word, quoted or not (`DB_PASSWORD=…`, `"api_key": "…"`, `?access_token=…`), API
 keys, runs of 24+ characters mixing letters and digits such as digests and base64 secrets, e-mail
 addresses, IPv4 and IPv6 addresses, runs of nine or more digits such as card, phone and account
 numbers) and then cut to LOGGED_CHARS. Redaction is pattern matching: it catches the common shapes,
@@ -41,10 +42,15 @@ _REDACTIONS: list[tuple[re.Pattern[str], str | Any]] = [
     (re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+"), r"\1 [SECRET]"),
     (re.compile(r"(?<=://)[^\s/:@]{1,256}:[^\s/@]{1,256}(?=@)"), "[SECRET]"),  # user:password@ in a URL
     (
+        # A key=value or key: value pair whose name ends in a secret's word, prefixed or not (DB_PASSWORD,
+        # PGPASSWORD, refresh_token, OPENAI_API_KEY), the name quoted or not (JSON, YAML, a query
+        # string); the value up to the next space, quote, & , ; or } (a quoted one whole).
         re.compile(
-            r"(?i)\b(password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key)(\s*[:=]\s*)\S{1,256}"
+            r"(?i)(?<![A-Za-z0-9])([A-Za-z0-9_.-]{0,40}?"
+            r"(?:password|passwd|passphrase|pwd|secret|token|api[_-]?key|access[_-]?key|private[_-]?key)"
+            r"[\"']?\s*[:=]\s*)(?:\"[^\"\n]{1,256}\"|'[^'\n]{1,256}'|[^\s\"'&,;}]{1,256})"
         ),
-        r"\1\2[SECRET]",
+        r"\1[SECRET]",
     ),
     (re.compile(r"\b(?:sy|sk|pk|rk)-[A-Za-z0-9_-]{8,}"), "[SECRET]"),
     (re.compile(r"\bAKIA[0-9A-Z]{16}\b"), "[SECRET]"),

@@ -44,6 +44,29 @@ def test_each_kind_of_secret_is_replaced(kind: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("set DB_PASSWORD=hunter2 now", "set DB_PASSWORD=[SECRET] now"),
+        ("PGPASSWORD=hunter2 psql", "PGPASSWORD=[SECRET] psql"),
+        ("export GITHUB_TOKEN=abc123", "export GITHUB_TOKEN=[SECRET]"),
+        ("OPENAI_API_KEY=sk-abc in .env", "OPENAI_API_KEY=[SECRET] in .env"),
+        (
+            "/cb?access_token=ya29abc&client_secret=hunter2",
+            "/cb?access_token=[SECRET]&client_secret=[SECRET]",
+        ),
+        ('{"password":"hunter2","user":"jo"}', '{"password":[SECRET],"user":"jo"}'),
+        ("{'api_key': 'abc123'}", "{'api_key': [SECRET]}"),
+        ('password: "correct horse battery" ok', "password: [SECRET] ok"),
+        ("max_tokens=5, tokens: 7, secretary: Bob", "max_tokens=5, tokens: 7, secretary: Bob"),
+    ],
+)
+def test_secret_pairs_with_prefixed_or_quoted_names_are_redacted(text: str, expected: str) -> None:
+    """Names as .env files, JSON, YAML and query strings write them; not names that only contain a
+    secret's word (max_tokens, secretary)."""
+    assert redact(text) == expected
+
+
+@pytest.mark.parametrize(
     "cut_after", [8, 14, 30]
 )  # characters of what follows the key that fit before the cut
 def test_a_secret_past_what_is_logged_leaves_no_fragment_in_it(cut_after: int) -> None:
