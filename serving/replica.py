@@ -97,6 +97,9 @@ KEEPALIVE_S = 15.0
 STOP_FLUSH_TIMEOUT_S = 5.0
 SUBMIT = "replica.submit"
 ABORT = "replica.abort"
+REPLICA_UNAVAILABLE = "replica_unavailable"  # the error type of a request the replica cannot serve
+# In the version's metrics, a request that met replica_unavailable once its stream had begun.
+REPLICA_FAILED = "replica_failed"
 
 
 class DeviceFailed(RuntimeError):
@@ -1036,14 +1039,21 @@ class Replica:
         self, message: str, request_ids: list[str] | None = None, *, error_type: str = "internal_error"
     ) -> _StepResult:
         """End `request_ids` (None: every request the replica holds) with an error of `error_type`."""
-        result = _StepResult()
+        result, samples = _StepResult(), []
         failed = list(self._routes) if request_ids is None else [r for r in request_ids if r in self._routes]
         for request_id in failed:
             route = self._routes.pop(request_id)
             result.add(route, request_id, _error_event(error_type, message))
             with contextlib.suppress(Exception):
                 self._engine.abort(request_id)
-        self.metrics.record(requests=[RequestSample("error", error_type=error_type) for _ in failed])
+            # replica_unavailable (the device failed, a drain ran out) is a rejection the metrics leave to
+            # the gateway while the request has no token: it retries it elsewhere. One whose stream it had
+            # begun ends in an error its client sees, which the version's error rate must count.
+            counted_as = (
+                REPLICA_FAILED if error_type == REPLICA_UNAVAILABLE and route.last_token_at else error_type
+            )
+            samples.append(RequestSample("error", error_type=counted_as))
+        self.metrics.record(requests=samples)
         return result
 
 

@@ -366,6 +366,11 @@ async def test_a_drain_past_its_deadline_ends_what_it_holds_and_goes_idle(regist
         assert len([e for e in events if "token" in e]) < 500
         assert replica.engine.kv_cache.num_free_blocks == baseline
         assert replica._routes == {}
+        # Its stream had begun: an error its client saw, in the error rate the rollout judge reads, not a
+        # refusal before any model work (the gateway retries only those).
+        counters = replica.metrics.snapshot().totals.counters
+        assert counters.get("errors") == 1 and counters.get("errors.replica_failed") == 1, counters
+        assert "rejected" not in counters
     finally:
         await replica.stop()
 
