@@ -10,13 +10,14 @@ layer, which queues them."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from channels.layers import get_channel_layer
 from django.conf import settings
+
+from serving.cancelling import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,9 @@ class ReplyHub:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Cancelled again if its receive (a Redis call) lost the first cancellation: awaited once, a
+            # server's shutdown would wait for ever (serving/cancelling.py).
+            await cancel_and_wait([self._task])
             self._task = None
 
     def open(self, request_id: str, on_backlog: Callable[[], None]) -> asyncio.Queue[dict[str, Any]]:

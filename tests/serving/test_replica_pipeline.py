@@ -869,3 +869,36 @@ async def test_requests_waiting_for_a_slot_get_keepalives_when_their_gateway_ask
         _assert_one_whole_stream(replies.events("r3"), num_tokens=2)
     finally:
         await replica.stop()
+
+
+async def test_the_reply_hub_stops_though_its_receive_lost_the_first_cancellation() -> None:
+    """A Redis receive can return as if a cancellation had not come (serving/cancelling.py): a hub
+    cancelled once would receive on, and a server's shutdown waiting for it would never end."""
+
+    class CancelLosingLayer:
+        def __init__(self) -> None:
+            self.lost = asyncio.Event()
+
+        async def new_channel(self, prefix: str) -> str:
+            return prefix + "x"
+
+        async def receive(self, channel: str) -> dict[str, Any]:
+            if not self.lost.is_set():
+                try:
+                    await asyncio.Event().wait()  # a receive under way when the stop comes
+                except asyncio.CancelledError:
+                    self.lost.set()  # ... and lost: it returns as if nothing had happened
+                    return {"type": "nothing"}
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+    layer = CancelLosingLayer()
+    hub = ReplyHub(layer)
+    await hub.start()
+    await asyncio.sleep(0)  # the receive is under way
+    stopping = asyncio.ensure_future(hub.stop())
+    # asyncio.wait, not wait_for: wait_for's own cancellation at its timeout would cancel the receive a
+    # second time, and the stop would seem to have ended by itself.
+    done, _ = await asyncio.wait({stopping}, timeout=5)
+    assert done == {stopping}, "the stop waits for ever on a receive that lost its cancellation"
+    assert layer.lost.is_set()
