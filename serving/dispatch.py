@@ -307,9 +307,14 @@ class Dispatch:
                     self._gave_up = True
                     return _error_event(REPLICA_TIMEOUT, "the replica stopped answering")
 
-    def _on_backlog(self) -> None:
+    def _on_backlog(self) -> bool:
         """The client has stopped reading: its reader is blocked in the server's send() while events pile
-        up. Cancelling the reader ends the stream, and its close() aborts the sequence on the replica."""
+        up. Cancelling the reader ends the stream, and its close() aborts the sequence on the replica.
+        True: cut off. False while nothing reads yet: the response has not begun (a stream's body, other
+        choices of an OpenAI `n` being dispatched), which is no client's doing; what waits is bounded by
+        max_tokens, and the reader, once it starts, is held to the cap from its first event on."""
+        if self._reader is None:
+            return False
         logger.warning(
             "request %s cut off: its client left over %d events unread",
             self.request_id,
@@ -320,6 +325,7 @@ class Dispatch:
             self._reader.cancel()
         else:
             self._cut_off_close = asyncio.get_running_loop().create_task(self.close())
+        return True
 
     def set_reader(self, reader: asyncio.Task[Any] | None) -> None:
         """The task that passes this request's events on to its client, cancelled when the client falls

@@ -34,7 +34,7 @@ def reply_layer() -> Any:
 class ReplyHub:
     def __init__(self, layer: Any) -> None:
         self._layer = layer
-        self._queues: dict[str, tuple[asyncio.Queue[dict[str, Any]], Callable[[], None]]] = {}
+        self._queues: dict[str, tuple[asyncio.Queue[dict[str, Any]], Callable[[], bool]]] = {}
         self.channel_name: str | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -50,9 +50,10 @@ class ReplyHub:
             await cancel_and_wait([self._task])
             self._task = None
 
-    def open(self, request_id: str, on_backlog: Callable[[], None]) -> asyncio.Queue[dict[str, Any]]:
-        """A queue for the request's events. `on_backlog` is called (once, on the loop) if its reader
-        falls more than the cap behind; the queue then gets nothing more."""
+    def open(self, request_id: str, on_backlog: Callable[[], bool]) -> asyncio.Queue[dict[str, Any]]:
+        """A queue for the request's events. `on_backlog` is called (on the loop) at each delivery that
+        leaves more than the cap waiting; once it returns True (the reader is cut off) the queue gets
+        nothing more."""
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._queues[request_id] = (queue, on_backlog)
         return queue
@@ -86,6 +87,5 @@ class ReplyHub:
             queue, on_backlog = entry
             for event in item.get("events", ()):
                 queue.put_nowait(event)
-            if queue.qsize() > settings.STREAM_MAX_BACKLOG_EVENTS:
+            if queue.qsize() > settings.STREAM_MAX_BACKLOG_EVENTS and on_backlog():
                 del self._queues[request_id]
-                on_backlog()

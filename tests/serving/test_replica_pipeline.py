@@ -185,7 +185,7 @@ async def _replica_with_a_local_hub(
     layer = InMemoryChannelLayer()
     hub = ReplyHub(layer)
     hub.channel_name = INBOX  # as start() would name it, without its receiving task
-    queue = hub.open("r1", on_backlog=lambda: None)
+    queue = hub.open("r1", on_backlog=lambda: False)
     ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v1")
     replica = Replica(ref, layer=layer, replies=replies, torch_threads=1, local_hub=hub)
     await replica.start()

@@ -108,6 +108,23 @@ async def test_an_sse_stream_whose_client_stops_reading_is_cut_off_and_its_seque
     await _replica_is_empty(runtime)
 
 
+async def test_events_that_pile_up_before_anything_reads_them_are_no_slow_reader(acme, runtime) -> None:
+    """Before its response begins (the view returning, an OpenAI `n`'s other choices being dispatched)
+    nobody reads a request's events; a replica fast enough to pass the cap meanwhile must not have it
+    cut off for a client that has not yet been sent a byte."""
+    from tests.serving.test_dispatch import _hello
+
+    (replica,) = runtime.replicas.values()
+    handle = await _hello(acme, max_tokens=12)  # 3 times the cap of 4
+    try:
+        await replica.wait_idle()  # all 12 generated, none read
+        events = [event async for event in handle.events()]
+    finally:
+        await handle.close()
+    assert [e["index"] for e in events if "token" in e] == list(range(12))
+    assert events[-1]["finish_reason"] == "length"
+
+
 async def test_a_websocket_client_that_stops_reading_is_cut_off_and_told_why_when_it_reads_again(
     acme, runtime
 ) -> None:
