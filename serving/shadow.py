@@ -9,7 +9,8 @@ that replica whether its text matched the primary's, and the replica counts it (
 shadow.matched in its metrics).
 
 A mirror never holds up or fails the primary: it is not charged to the tenant's quota, it is skipped
-when this process already has MAX_IN_FLIGHT mirrors running, and any failure is only logged. Skips
+when this process already has MAX_IN_FLIGHT copies running (not counting those done and waiting for
+their primary's text), and any failure is only logged. Skips
 bias the comparison (the candidate then sees less concurrency than the incumbent), so they are
 counted, per model and version, in /metrics (switchyard_shadow_copies_total{outcome="skipped"})."""
 
@@ -36,6 +37,10 @@ CANCEL_WAIT_S = 5.0  # how long a shutdown waits for its mirrors to end
 SHADOW_RESULT = "replica.shadow_result"
 
 _in_flight: set[asyncio.Task[None]] = set()
+# Those whose copy has ended and that only wait for their primary's text to compare: no slot of
+# MAX_IN_FLIGHT (a long or slowly read primary would otherwise keep new copies out, and leave the
+# candidate a sample of short requests).
+_waiting: set[asyncio.Task[None]] = set()
 _counts: Counter[tuple[str, str, str]] = Counter()  # (model, version, started | skipped)
 _counts_lock = threading.Lock()
 
@@ -63,7 +68,7 @@ def should_mirror(mirror: tuple[str, int] | None, served_version: str, rng: rand
 
 def start_mirror(primary: Dispatch, *, runtime: Runtime, version: str, submission: dict[str, Any]) -> bool:
     """Run a copy of `primary` on `version` in the background. False when skipped (too many running)."""
-    if len(_in_flight) >= MAX_IN_FLIGHT:
+    if len(_in_flight) - len(_waiting) >= MAX_IN_FLIGHT:
         _count(primary.model_name, version, "skipped")
         return False
     _count(primary.model_name, version, "started")
@@ -78,6 +83,7 @@ def start_mirror(primary: Dispatch, *, runtime: Runtime, version: str, submissio
     )
     _in_flight.add(task)
     task.add_done_callback(_in_flight.discard)
+    task.add_done_callback(_waiting.discard)
     return True
 
 
@@ -110,6 +116,9 @@ async def _run(
         await close_all([handle])
     if primary_text is None or final.get("finish_reason") == "error" or handle.replica is None:
         return
+    task = asyncio.current_task()
+    if task in _in_flight:
+        _waiting.add(task)
     try:
         async with asyncio.timeout(PRIMARY_WAIT_S):
             expected = await primary_text

@@ -133,6 +133,49 @@ async def test_copies_over_the_in_flight_cap_are_skipped_and_counted_in_metrics(
     assert 'switchyard_shadow_copies_total{model="demo-chat",outcome="skipped",version="v2"}' in text
 
 
+async def test_a_copy_that_only_waits_for_its_primarys_text_holds_no_slot(
+    make_tenant, registered_model, demo_model_dir, monkeypatch
+) -> None:
+    """A primary streaming to a slow client keeps its copy waiting, to compare, long after the copy has
+    ended: such copies must not keep the next requests' copies out."""
+    import asyncio
+
+    from serving import shadow
+
+    await sync_to_async(_mirror_to)(demo_model_dir, 100)
+    runtime, _ = await _start(make_tenant)
+    monkeypatch.setattr(shadow, "MAX_IN_FLIGHT", 1)
+
+    class StreamingPrimary:  # its text is not in yet
+        model_name = "demo-chat"
+
+        def __init__(self, request_id: str) -> None:
+            self.request_id = request_id
+            self.text: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+
+        def capture_text(self) -> asyncio.Future[str | None]:
+            return self.text
+
+    submission = {
+        "reply_to": runtime.hub.channel_name,
+        "input": "hello",
+        "messages": None,
+        "inputs": None,
+        "params": {"max_tokens": 4, "temperature": 0.0},
+        "tenant": "acme",
+        "cache_group": None,
+    }
+    first, second = StreamingPrimary("first"), StreamingPrimary("second")
+    assert shadow.start_mirror(first, runtime=runtime, version="v2", submission=submission)
+    async with asyncio.timeout(30):
+        while not shadow._waiting:  # the copy ran to its end on v2 and waits for the primary's text
+            await asyncio.sleep(0.01)
+    assert shadow.start_mirror(second, runtime=runtime, version="v2", submission=submission)
+    for primary in (first, second):
+        primary.text.set_result(None)
+    await shadow.wait_idle()
+
+
 async def test_copies_the_candidate_cannot_serve_count_as_its_errors(
     make_tenant, registered_model, demo_model_dir, monkeypatch
 ) -> None:
