@@ -171,13 +171,17 @@ def _database_ok() -> bool:
 
 async def readyz(request: HttpRequest) -> JsonResponse:
     database_ok = await sync_to_async(_database_ok, thread_sensitive=False)()
-    runtime = await get_runtime()
     directory_ok = True
     try:
-        handles = await runtime.all_replicas()
-    except Exception as exc:  # the replica directory (Redis) unreachable: this process's own, and say so
-        logger.warning("/readyz: the replica directory could not be read (%s)", type(exc).__name__)
-        handles, directory_ok = runtime.local_replicas(), False
+        runtime = await get_runtime()
+    except GatewayError:  # it could not start (Redis unreachable): get_runtime logged it
+        handles, directory_ok = [], False
+    else:
+        try:
+            handles = await runtime.all_replicas()
+        except Exception as exc:  # the replica directory (Redis) unreachable: this process's own, and say so
+            logger.warning("/readyz: the replica directory could not be read (%s)", type(exc).__name__)
+            handles, directory_ok = runtime.local_replicas(), False
     replicas = [
         {
             "model": h.model_name,

@@ -391,7 +391,27 @@ async def get_runtime() -> Runtime:
         starting = _starting[loop] = loop.create_task(_start_runtime(loop), name="runtime-start")
     # Shielded: a caller cancelled while it waits (a client that left) must not cancel the start the
     # other callers wait for.
-    return await asyncio.shield(starting)
+    try:
+        return await asyncio.shield(starting)
+    except Exception as exc:  # its channel layer unreachable (Redis down at start): the next caller retries
+        if isinstance(exc, gateway.GatewayError):
+            raise
+        _warn_start_failed(exc)
+        raise gateway.GatewayError(503, "the data plane is unavailable: try again", retry_after_s=1) from exc
+
+
+_start_failed_warned_at = -math.inf
+
+
+def _warn_start_failed(exc: Exception) -> None:
+    """Once per 10 s of an outage, not once per request."""
+    global _start_failed_warned_at
+    now = time.monotonic()
+    if now - _start_failed_warned_at >= 10.0:
+        _start_failed_warned_at = now
+        logger.warning(
+            "the data-plane runtime could not start (%s: %s); requests get 503", type(exc).__name__, exc
+        )
 
 
 async def _start_runtime(loop: asyncio.AbstractEventLoop) -> Runtime:
