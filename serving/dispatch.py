@@ -264,7 +264,7 @@ class Dispatch:
         logger.info("%s:%s has no replica: waiting for one to start", self.model_name, self.version)
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._runtime.wait_for_replica(self.model_name, self.version)
+                replicas = await self._runtime.wait_for_replica(self.model_name, self.version)
         except TimeoutError:
             self._note_failure(NO_READY_REPLICA)
             raise GatewayError(
@@ -273,6 +273,16 @@ class Dispatch:
                 "(it had none, and one is starting)",
                 retry_after_s=5,
             ) from None
+        if (
+            not replicas
+        ):  # the routing moved its traffic away while it waited: the split now sends it elsewhere
+            raise GatewayError(
+                503,
+                f"{self.model_name}:{self.version} takes no traffic any more (its routing changed while the "
+                "request waited for a replica to start): send it again",
+                retry_after_s=1,
+            )
+        return replicas
 
     async def _retry(self) -> None:
         assert self.replica is not None

@@ -221,7 +221,7 @@ class Runtime:
         """The version's replicas once one is ready, for a request that found none (its version scaled to
         zero). Meanwhile the autoscaler is told, through Redis, that a request waits for it. However many
         requests wait, one task per version polls for the replica; it stops when the last one leaves.
-        The caller bounds the wait (asyncio.timeout)."""
+        The caller bounds the wait (asyncio.timeout). [] when the version takes no traffic any more."""
         key = (model_name, version)
         cold = self._cold_starts.get(key)
         if cold is None:
@@ -246,6 +246,12 @@ class Runtime:
             # leave it recording demand for a version nobody waits for, for ever.
             raise_if_cancelling()
             try:
+                if not await _still_serves(model_name, version):
+                    # Its traffic moved away (a rollback): the autoscaler starts no replica for it now,
+                    # and one that comes up anyway is not to serve. Its requests get their 503 at once
+                    # (no replicas), to send again, rather than at the end of their wait.
+                    logger.info("cold start of %s:%s: it takes no traffic any more", model_name, version)
+                    return []
                 if time.monotonic() - told_at >= DEMAND_EVERY_S:
                     await self.directory.record_demand(model_name, version)
                     told_at = time.monotonic()
@@ -371,6 +377,14 @@ def live_runtimes() -> list[Runtime]:
     """This process's runtimes whose loops are still open. For other threads (the rollout judge, the
     autoscaler), which only read their replicas' state and never touch their loops."""
     return [rt for loop, rt in list(_runtimes.items()) if not loop.is_closed()]
+
+
+async def _still_serves(model_name: str, version: str) -> bool:
+    """Whether the version still must have replicas, as the routing cache has it (within a second)."""
+    is_fresh, snapshot = routing_cache.get_fresh(model_name)
+    if not is_fresh:
+        snapshot = await database_sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
+    return snapshot is not None and snapshot.serves(version)
 
 
 async def get_runtime() -> Runtime:

@@ -117,6 +117,36 @@ async def test_a_cold_start_past_its_timeout_is_a_503_and_without_scaling_to_zer
     await handle.close()
 
 
+async def test_a_request_waiting_for_a_version_its_routing_then_moves_away_from_gets_its_503_at_once(
+    registered_model: Any, remote_runtime: Any, redis_url: str, demo_model_dir: Any
+) -> None:
+    """A rollback while requests wait for the version's first replica: the autoscaler starts none for
+    it now, so they would wait out COLD_START_TIMEOUT_S (120 s), or be served by the version just rolled
+    back should its replica come up anyway."""
+    from asgiref.sync import sync_to_async
+
+    from registry.services import alias_set, model_version_register, routing_table_set
+    from serving.gateway import GatewayError
+
+    handle = _dispatch(remote_runtime, cold_start=True)
+    waiting = asyncio.create_task(handle.submit())
+    async with asyncio.timeout(10):
+        while await _demand(redis_url) is None:  # it waits, and has asked for a replica
+            await asyncio.sleep(0.05)
+
+    def roll_back_to_v2() -> None:
+        v2 = model_version_register(name="demo-chat", version="v2", source_dir=demo_model_dir, created_by="t")
+        alias_set(model=v2.model, name="stable", version=v2, actor="test")
+        routing_table_set(model=v2.model, weights={"v2": 100})
+
+    await sync_to_async(roll_back_to_v2)()
+    with pytest.raises(GatewayError, match="takes no traffic any more") as moved:
+        async with asyncio.timeout(5):  # within the routing cache's second, not the 120-s wait
+            await waiting
+    assert moved.value.status == 503 and moved.value.retry_after_s == 1
+    await handle.close()
+
+
 async def test_requests_waiting_for_one_version_share_one_poll_and_it_stops_when_they_leave(
     registered_model: Any, remote_runtime: Any, redis_url: str
 ) -> None:
