@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from serving.benchmarks.http_client import HttpClient, HttpProtocolError
-from serving.benchmarks.workload import BenchRequest, RequestRecord, compute_metrics, percentile
+from serving.benchmarks.workload import BenchRequest, RequestRecord, compute_metrics, nearest_rank, percentile
 
 # A fixed vocabulary of ordinary words, so prompt lengths in tokens vary little between runs.
 _WORDS = (
@@ -265,7 +265,8 @@ async def run_http_load(base_url: str, key: str, model: str, requests: Sequence[
 def summarize(run: HttpRun, *, sla_ttft_s: float, sla_tpot_s: float) -> dict[str, float]:
     """Latencies over the complete requests; every throughput (completed requests, their output tokens,
     goodput: requests within both SLOs, as vLLM defines it) per second of run.duration_s; and the SLA's
-    p99s ("sla_p99_*") over every request sent, one that failed or did not complete missing both."""
+    p99s ("sla_p99_*", nearest rank) over every request sent, one that failed or did not complete missing
+    both."""
     complete = [r for r in run.records if r.is_complete]
     good = [
         r for r in complete if r.ttft_s <= sla_ttft_s and (r.time_per_output_token_s or 0.0) <= sla_tpot_s
@@ -286,8 +287,8 @@ def summarize(run: HttpRun, *, sla_ttft_s: float, sla_tpot_s: float) -> dict[str
         "req_per_s": per_s(len(complete)),
         "output_tok_per_s": per_s(sum(r.num_output_tokens for r in complete)),
         "goodput_req_per_s": per_s(len(good)),
-        "sla_p99_ttft_ms": percentile(ttfts + missed, 99) * 1000,
-        "sla_p99_tpot_ms": percentile(tpots + missed, 99) * 1000,
+        "sla_p99_ttft_ms": nearest_rank(ttfts + missed, 99) * 1000,
+        "sla_p99_tpot_ms": nearest_rank(tpots + missed, 99) * 1000,
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", run.inter_token_s)):
         for q in (50, 90, 99):

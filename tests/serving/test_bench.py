@@ -560,6 +560,15 @@ def test_requests_that_failed_count_against_the_sla() -> None:
     assert ": met (p99 TTFT 10.0 ms, p99 TPOT 100.0 ms); 199/200 (100%) within both" in http_report(
         one_failed, summary, **sla
     )
+    # At 100 requests, a failure counts as a request 50 times over the bound does: each is the 1% that
+    # p99 leaves over (interpolated, the failure made the p99 infinite, the slow one barely moved it).
+    ninety_nine = [_record(f"ok-{i}", float(i), i + 0.01) for i in range(99)]
+    failed, slow = (
+        HttpRun([*ninety_nine, _failed("failed", 99.0)], []),
+        HttpRun([*ninety_nine, _record("slow", 99.0, 99.0 + 50.0)], []),
+    )
+    verdicts = [summarize(one, **sla)["sla_p99_ttft_ms"] for one in (failed, slow)]
+    assert verdicts == [pytest.approx(10.0), pytest.approx(10.0)]
 
 
 def test_every_throughput_divides_by_one_run_duration() -> None:
