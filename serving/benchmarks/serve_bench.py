@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -637,9 +638,16 @@ class Platform:
 
     def __init__(self, model_dir: Path, *, layer: str, engine_env: dict[str, str], redis_url: str) -> None:
         self.state = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
-        self.env = {**os.environ, **engine_env, "SWITCHYARD_STATE_DIR": str(self.state)}
-        for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY"):
-            self.env.pop(name, None)
+        # Nothing of the caller's own configuration: a SWITCHYARD_* setting of the shell (a per-tenant
+        # cap, compilation, embedded replicas beside Redis ones) would make the replica other than the
+        # engine alone it is compared with, whose configuration is engine_env's alone.
+        inherited = {
+            name: value
+            for name, value in os.environ.items()
+            if not name.startswith("SWITCHYARD_")
+            and name not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "ARTIFACT_ROOT"}
+        }
+        self.env = {**inherited, **engine_env, "SWITCHYARD_STATE_DIR": str(self.state)}
         if layer == "redis":
             self.env["REDIS_URL"] = redis_url
         self.layer = layer
@@ -647,6 +655,7 @@ class Platform:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.processes: list[subprocess.Popen[bytes]] = []
+        self._logs: list[Any] = []
         self.key = ""
 
     def _manage(self, *args: str) -> str:
@@ -661,6 +670,7 @@ class Platform:
 
     def _spawn(self, *args: str) -> None:
         log = (self.state / f"{args[0]}.log").open("wb")
+        self._logs.append(log)
         self.processes.append(
             subprocess.Popen(
                 [sys.executable, "manage.py", *args],
@@ -700,7 +710,9 @@ class Platform:
             time.sleep(0.5)
         raise RuntimeError(f"the platform did not become ready; logs in {self.state}")
 
-    def stop(self) -> None:
+    def stop(self, *, keep_state: bool = False) -> None:
+        """End every process started, ready or not; remove the state directory (a copy of the model,
+        ~90 MB) unless `keep_state` (a run that failed: its logs are there)."""
         for process in self.processes:
             process.terminate()
         for process in self.processes:
@@ -708,6 +720,13 @@ class Platform:
                 process.wait(30)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
+        for log in self._logs:
+            log.close()
+        if keep_state:
+            print(f"the platform's logs are in {self.state}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.state, ignore_errors=True)
 
 
 async def quota_flood(
@@ -1019,12 +1038,13 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         model_dir, layer=str(options["layer"]), engine_env=engine_env, redis_url=str(options["redis_url"])
     )
     log(f"starting a platform ({options['layer']}) in {platform.state} ...")
-    platform.start()
     rounds: list[CompareRound] = []
     pairs: list[Pair] = []
     statuses: Counter[str] = Counter()
     num_rounds = max(1, int(options.get("repeat") or 1))  # type: ignore[call-overload]
+    has_failed = True
     try:
+        platform.start()  # in the try: a start that fails (not ready in time) must not leave its processes
         asyncio.run(
             run_http_load(
                 platform.url,
@@ -1095,8 +1115,9 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
                     concurrency=8,
                 )
             )  # type: ignore[arg-type]
+        has_failed = False
     finally:
-        platform.stop()
+        platform.stop(keep_state=has_failed)
     statuses += sum((r.run.statuses for r in rounds), Counter())
     if interleaved:
         lines = [interleaved_report(pairs), f"outcomes (one per request): {dict(statuses)}"]

@@ -716,3 +716,31 @@ def test_the_embed_bench_runs_both_systems_and_batches_a_burst(demo_embedding_mo
     assert "dynamic / batch size 1: throughput x" in out.getvalue()
     with pytest.raises(CommandError, match="--rates must be positive"):
         call_command("bench", "embed", "--model-dir", str(demo_embedding_model_dir), "--rates", "0")
+
+
+def test_the_bench_platform_takes_none_of_the_shells_own_configuration_and_leaves_nothing(
+    tmp_path, monkeypatch
+) -> None:
+    """A per-tenant cap or compilation set in the shell would make the replica other than the engine alone
+    it is compared with; a platform that did not start must not leave its processes, nor one that ran
+    its copy of the model (~90 MB a run) in /tmp."""
+    import subprocess
+    import sys
+
+    from serving.benchmarks.serve_bench import Platform
+
+    monkeypatch.setenv("SWITCHYARD_MAX_RUNNING_PER_TENANT", "16")
+    monkeypatch.setenv("SWITCHYARD_COMPILE", "1")
+    monkeypatch.setenv("ARTIFACT_ROOT", str(tmp_path))
+    platform = Platform(tmp_path, layer="embedded", engine_env={"SWITCHYARD_KV_CACHE_MB": "64"}, redis_url="")
+    assert (
+        "SWITCHYARD_MAX_RUNNING_PER_TENANT" not in platform.env and "SWITCHYARD_COMPILE" not in platform.env
+    )
+    assert "ARTIFACT_ROOT" not in platform.env and platform.env["SWITCHYARD_KV_CACHE_MB"] == "64"
+    assert platform.env["SWITCHYARD_STATE_DIR"] == str(platform.state) and "PATH" in platform.env
+    # As if its start had spawned a process and then failed: stop ends it, and keeps the logs.
+    platform.processes.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    platform.stop(keep_state=True)
+    assert platform.processes[0].poll() is not None and platform.state.is_dir()
+    platform.stop()
+    assert not platform.state.exists()
