@@ -73,6 +73,9 @@ class TextRequest:
     max_tokens: int
 
 
+WARM_UP_PREFIX = "Warm-up. "  # before a warm-up request's text: no measured prompt begins so
+
+
 @dataclass(slots=True, frozen=True)
 class LoadSpec:
     num_requests: int = 64  # unless duration_s is set
@@ -501,7 +504,11 @@ async def run_interleaved(
     pairs = []
     async with HttpClient(base_url, max_connections=2) as client:
         if requests:  # untimed: the connection opens here rather than on the first pair's clock
-            warm_up = dataclasses.replace(requests[0], request_id="warm-up", arrival_s=0.0)
+            # Not requests[0]'s text: its prompt's blocks would then be in the replica's prefix cache
+            # when it is measured there, and not in the engine alone's.
+            warm_up = dataclasses.replace(
+                requests[0], request_id="warm-up", arrival_s=0.0, text=f"{WARM_UP_PREFIX}{requests[0].text}"
+            )
             await _one(client, path, key, warm_up, time.perf_counter(), HttpRun([], []))
         for start in range(0, len(requests), block):
             chunk = [dataclasses.replace(r, arrival_s=0.0) for r in requests[start : start + block]]
@@ -1050,9 +1057,12 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
                 platform.url,
                 platform.key,
                 "bench",
-                make_text_workload(
-                    LoadSpec(num_requests=4, min_output_tokens=4, max_output_tokens=4, seed=99)
-                ),
+                [  # texts no seed draws: none of its prompts' blocks in the prefix cache for the runs
+                    dataclasses.replace(r, text=f"{WARM_UP_PREFIX}{r.text}")
+                    for r in make_text_workload(
+                        LoadSpec(num_requests=4, min_output_tokens=4, max_output_tokens=4, seed=99)
+                    )
+                ],
             )
         )  # warm-up
         if interleaved:
