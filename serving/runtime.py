@@ -246,15 +246,15 @@ class Runtime:
             # leave it recording demand for a version nobody waits for, for ever.
             raise_if_cancelling()
             try:
+                if time.monotonic() - told_at >= DEMAND_EVERY_S:
+                    await self.directory.record_demand(model_name, version)
+                    told_at = time.monotonic()
                 if not await _still_serves(model_name, version):
                     # Its traffic moved away (a rollback): the autoscaler starts no replica for it now,
                     # and one that comes up anyway is not to serve. Its requests get their 503 at once
                     # (no replicas), to send again, rather than at the end of their wait.
                     logger.info("cold start of %s:%s: it takes no traffic any more", model_name, version)
                     return []
-                if time.monotonic() - told_at >= DEMAND_EVERY_S:
-                    await self.directory.record_demand(model_name, version)
-                    told_at = time.monotonic()
                 replicas = await self.candidates(model_name, version, refresh=True)
                 if any(r.is_ready for r in replicas):
                     return replicas
@@ -380,10 +380,14 @@ def live_runtimes() -> list[Runtime]:
 
 
 async def _still_serves(model_name: str, version: str) -> bool:
-    """Whether the version still must have replicas, as the routing cache has it (within a second)."""
+    """Whether the version still must have replicas, as the routing cache has it (within a second). A
+    table that cannot be read says nothing: the requests wait on, as they would have."""
     is_fresh, snapshot = routing_cache.get_fresh(model_name)
     if not is_fresh:
-        snapshot = await database_sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
+        try:
+            snapshot = await database_sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
+        except Exception:
+            return True
     return snapshot is not None and snapshot.serves(version)
 
 
