@@ -300,49 +300,48 @@ def summarize(run: HttpRun, *, sla_ttft_s: float, sla_tpot_s: float) -> dict[str
     return out
 
 
-def run_engine_alone(
-    model_dir: Path, requests: Sequence[TextRequest], engine_env: dict[str, str]
-) -> tuple[dict[str, float], dict[str, float]]:
-    """The summary, and each complete request's TTFT in seconds by request id."""
-    system, bench_requests = _warm_engine_alone(model_dir, requests, engine_env)
-    records = system.run(bench_requests)
-    metrics = compute_metrics(records)
-    summary = {
-        "output_tok_per_s": metrics.output_tokens_per_s,
-        "p50_ttft_ms": metrics.p50_ttft_s * 1000,
-        "p99_ttft_ms": metrics.p99_ttft_s * 1000,
-        "p50_tpot_ms": metrics.p50_tpot_s * 1000,
-        "busy_pct": system.last_run.busy_fraction * 100,
-    }
-    return summary, _ttft_s_by_id(records)
+class EngineAlone:
+    """The engine alone, configured as the platform's replica is (the same environment), built and
+    warmed up once (on the first few requests, as the platform is before its measured runs) and kept
+    for every round: rebuilt each round, it would run at a first run's speed against a replica that
+    had served every round before. Prompts are tokenized ahead (the engine alone is timed from its
+    add_request, so the replica's tokenizing is part of the path a comparison measures); each run is
+    a fresh tenant's (EngineSystem.run), so nothing of one run is in another's prefix cache."""
 
+    def __init__(self, model_dir: Path, engine_env: dict[str, str], warm_up: Sequence[TextRequest]) -> None:
+        from serving.benchmarks.engine_system import EngineSystem
+        from serving.engine.loading import load_tokenizer
 
-def _warm_engine_alone(
-    model_dir: Path, requests: Sequence[TextRequest], engine_env: dict[str, str]
-) -> tuple[Any, list[BenchRequest]]:
-    """The engine alone, configured as the platform's replica is (the same environment) and warmed up
-    on the first few requests, as the platform is before its measured runs; and the requests with
-    their prompts tokenized ahead (the engine alone is timed from its add_request, so the replica's
-    tokenizing is part of the path a comparison measures)."""
-    from serving.benchmarks.engine_system import EngineSystem
-    from serving.engine.loading import load_tokenizer
+        self._tokenizer = load_tokenizer(model_dir)
+        self.system = EngineSystem(
+            model_dir,
+            max_num_seqs=int(engine_env["SWITCHYARD_MAX_NUM_SEQS"]),
+            max_num_batched_tokens=int(engine_env["SWITCHYARD_MAX_NUM_BATCHED_TOKENS"]),
+            kv_cache_bytes=int(engine_env["SWITCHYARD_KV_CACHE_MB"]) * 1024 * 1024,
+            block_size=16,
+            compile=False,
+            pack_linear=engine_env["SWITCHYARD_PACK_LINEAR"] == "1",
+        )
+        self.system.run(self.tokenized(warm_up[:4]))
 
-    tokenizer = load_tokenizer(model_dir)
-    bench_requests = [
-        BenchRequest(r.request_id, r.arrival_s, tuple(tokenizer(r.text)["input_ids"]), r.max_tokens)
-        for r in requests
-    ]
-    system = EngineSystem(
-        model_dir,
-        max_num_seqs=int(engine_env["SWITCHYARD_MAX_NUM_SEQS"]),
-        max_num_batched_tokens=int(engine_env["SWITCHYARD_MAX_NUM_BATCHED_TOKENS"]),
-        kv_cache_bytes=int(engine_env["SWITCHYARD_KV_CACHE_MB"]) * 1024 * 1024,
-        block_size=16,
-        compile=False,
-        pack_linear=engine_env["SWITCHYARD_PACK_LINEAR"] == "1",
-    )
-    system.run(bench_requests[:4])
-    return system, bench_requests
+    def tokenized(self, requests: Sequence[TextRequest]) -> list[BenchRequest]:
+        return [
+            BenchRequest(r.request_id, r.arrival_s, tuple(self._tokenizer(r.text)["input_ids"]), r.max_tokens)
+            for r in requests
+        ]
+
+    def run(self, requests: Sequence[TextRequest]) -> tuple[dict[str, float], dict[str, float]]:
+        """The summary, and each complete request's TTFT in seconds by request id."""
+        records = self.system.run(self.tokenized(requests))
+        metrics = compute_metrics(records)
+        summary = {
+            "output_tok_per_s": metrics.output_tokens_per_s,
+            "p50_ttft_ms": metrics.p50_ttft_s * 1000,
+            "p99_ttft_ms": metrics.p99_ttft_s * 1000,
+            "p50_tpot_ms": metrics.p50_tpot_s * 1000,
+            "busy_pct": self.system.last_run.busy_fraction * 100,
+        }
+        return summary, _ttft_s_by_id(records)
 
 
 def _median_difference_ms(ttft_s: dict[str, float], baseline_ttft_s: dict[str, float]) -> float:
@@ -385,7 +384,7 @@ class CompareRound:
     """One workload run on the engine alone and through the API, in either order."""
 
     seed: int
-    alone: dict[str, float]  # run_engine_alone's summary
+    alone: dict[str, float]  # EngineAlone.run's summary
     alone_ttft_s: dict[str, float]  # by request id
     run: HttpRun  # through the API
     through: dict[str, float]  # summarize(run)
@@ -867,11 +866,11 @@ def _interleave(  # type: ignore[no-untyped-def]
     log=print,
 ) -> list[Pair]:
     """run_interleaved against the platform, with one engine alone kept warm for the whole run."""
-    system, bench_requests = _warm_engine_alone(model_dir, requests, engine_env)
-    by_id = {r.request_id: r for r in bench_requests}
+    engine_alone = EngineAlone(model_dir, engine_env, requests)
+    by_id = {r.request_id: r for r in engine_alone.tokenized(requests)}
 
     def alone(request: TextRequest) -> float:
-        (record,) = system.run([dataclasses.replace(by_id[request.request_id], arrival_s=0.0)])
+        (record,) = engine_alone.system.run([dataclasses.replace(by_id[request.request_id], arrival_s=0.0)])
         return float(record.ttft_s)
 
     log(f"{len(requests)} requests, one at a time, each on the engine alone and through the API in turn ...")
@@ -1073,6 +1072,7 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
             # The engine alone runs while the platform idles (heartbeats every 0.5 s), so that the rounds
             # alternate; and every second round runs the API first, so that a steady drift of the machine's
             # speed over the session falls on both sides alike rather than always on the second.
+            engine_alone = EngineAlone(model_dir, engine_env, requests)
             for index in range(num_rounds):
                 seed = spec.seed + index
                 workload = (
@@ -1087,7 +1087,7 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
                     log("through gateway + Channels + replica ...")
                     run = asyncio.run(run_http_load(platform.url, platform.key, "bench", workload))
                 log(f"engine alone ({threads} torch threads) ...")
-                alone, alone_ttft_s = run_engine_alone(model_dir, workload, engine_env)
+                alone, alone_ttft_s = engine_alone.run(workload)
                 if not api_first:
                     log("through gateway + Channels + replica ...")
                     run = asyncio.run(run_http_load(platform.url, platform.key, "bench", workload))
