@@ -22,6 +22,7 @@ from django.db import DatabaseError
 from registry.authentication import bearer_token
 from registry.selectors import RoutingSnapshot, TenantContext, tenant_context_for_api_key
 from registry.services import hash_api_key
+from serving.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ _AUTH_CACHE_TTL_S = 5.0
 # passed on this process (up to AUTH_STALE_S ago, an hour by default) works until the database answers.
 _auth_cache: dict[str, tuple[float, TenantContext]] = {}  # key hash -> (checked at, monotonic; context)
 _auth_cache_lock = threading.Lock()
-_stale_warned_at = -math.inf  # one warning per 10 s of an outage, not one per request
+_stale_warning = Throttle()  # one warning per 10 s of an outage, not one per request
 
 
 def authenticate_from_cache(authorization: str | None) -> TenantContext | None:
@@ -119,10 +120,7 @@ def authenticate(authorization: str | None) -> TenantContext:
 
 
 def _warn_stale(exc: Exception) -> None:
-    global _stale_warned_at
-    now = time.monotonic()
-    if now - _stale_warned_at >= 10.0:
-        _stale_warned_at = now
+    if _stale_warning.is_due():
         logger.warning(
             "API key lookup failed (%s); keys seen in the last %.0f s pass on their last check",
             type(exc).__name__,

@@ -29,6 +29,7 @@ from serving.replica import Replica, ReplicaState
 from serving.replica_directory import Heartbeat, ReplicaDirectory
 from serving.router import REVALIDATE_S, routing_cache
 from serving.streams import ReplyHub, reply_layer
+from serving.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -418,15 +419,11 @@ async def get_runtime() -> Runtime:
         raise gateway.GatewayError(503, "the data plane is unavailable: try again", retry_after_s=1) from exc
 
 
-_start_failed_warned_at = -math.inf
+_start_failed_warning = Throttle()
 
 
 def _warn_start_failed(exc: Exception) -> None:
-    """Once per 10 s of an outage, not once per request."""
-    global _start_failed_warned_at
-    now = time.monotonic()
-    if now - _start_failed_warned_at >= 10.0:
-        _start_failed_warned_at = now
+    if _start_failed_warning.is_due():  # once per 10 s of an outage, not once per request
         logger.warning(
             "the data-plane runtime could not start (%s: %s); requests get 503", type(exc).__name__, exc
         )
