@@ -273,9 +273,8 @@ class Dispatch:
                 "(it had none, and one is starting)",
                 retry_after_s=5,
             ) from None
-        if (
-            not replicas
-        ):  # the routing moved its traffic away while it waited: the split now sends it elsewhere
+        # None: the routing moved its traffic away while it waited, and the split now sends it elsewhere.
+        if not replicas:
             raise GatewayError(
                 503,
                 f"{self.model_name}:{self.version} takes no traffic any more (its routing changed while the "
