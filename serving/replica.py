@@ -1049,9 +1049,8 @@ class Replica:
             # replica_unavailable (the device failed, a drain ran out) is a rejection the metrics leave to
             # the gateway while the request has no token: it retries it elsewhere. One whose stream it had
             # begun ends in an error its client sees, which the version's error rate must count.
-            counted_as = (
-                REPLICA_FAILED if error_type == REPLICA_UNAVAILABLE and route.last_token_at else error_type
-            )
+            has_begun = route.last_token_at is not None
+            counted_as = REPLICA_FAILED if error_type == REPLICA_UNAVAILABLE and has_begun else error_type
             samples.append(RequestSample("error", error_type=counted_as))
         self.metrics.record(requests=samples)
         return result
