@@ -240,6 +240,8 @@ async def test_callers_that_come_while_the_runtime_starts_get_it_started(setting
 
 
 async def test_a_runtime_whose_start_failed_is_not_handed_out(settings, monkeypatch) -> None:
+    from serving.gateway import GatewayError
+
     settings.EMBEDDED_REPLICAS = False
     start = runtime_module.Runtime.start
 
@@ -247,8 +249,9 @@ async def test_a_runtime_whose_start_failed_is_not_handed_out(settings, monkeypa
         raise ConnectionError("Redis is restarting")
 
     monkeypatch.setattr(runtime_module.Runtime, "start", failing_start)
-    with pytest.raises(ConnectionError):
+    with pytest.raises(GatewayError) as refused:  # a 503 to the request that met it, not a 500
         await runtime_module.get_runtime()
+    assert refused.value.status == 503 and isinstance(refused.value.__cause__, ConnectionError)
     assert asyncio.get_running_loop() not in runtime_module._runtimes
     monkeypatch.setattr(runtime_module.Runtime, "start", start)
     runtime = await runtime_module.get_runtime()
