@@ -468,24 +468,41 @@ class Dispatch:
     async def _abort_on(self, replica: ReplicaHandle) -> None:
         """Abort the current try on `replica`: frees its blocks if it is still there, a no-op if not. A
         channel full for a moment (many clients leaving at once send their aborts in one turn of the
-        loop, past its capacity) is waited out, within ABORT_RETRY_S: an abort lost there would leave
-        its sequence running to max_tokens for nobody."""
+        loop, past its capacity) is waited out in the background, within ABORT_RETRY_S: an abort lost
+        there would leave its sequence running to max_tokens for nobody. Nothing waits for that: not a
+        retry on another replica, nor the quota's release, nor the response's end (the channel of a
+        replica that died stays full until it expires)."""
         message = {"type": ABORT, "request_id": self._wire_id}
-        delay_s, deadline = ABORT_RETRY_FIRST_S, time.monotonic() + ABORT_RETRY_S
-        while True:
-            try:
-                await self._runtime.layer.send(replica.channel_name, message)
-                return
-            except ChannelFull:
-                if time.monotonic() + delay_s > deadline:
-                    logger.warning(
-                        "request %s: its replica's channel stayed full; abort not sent", self.request_id
-                    )
-                    return
-                await asyncio.sleep(delay_s)  # the replica takes a message a turn: let it take some
-                delay_s = min(2 * delay_s, 0.5)
-            except Exception:  # the replica gone with its channel, or the layer's server: nothing to free
-                return
+        try:
+            await self._runtime.layer.send(replica.channel_name, message)
+        except ChannelFull:
+            task = asyncio.get_running_loop().create_task(
+                _send_when_there_is_room(self._runtime.layer, replica.channel_name, message, self.request_id),
+                name=f"abort-{self.request_id}",
+            )
+            _aborts_waiting.add(task)
+            task.add_done_callback(_aborts_waiting.discard)
+        except Exception:  # the replica gone with its channel, or the layer's server: nothing to free
+            pass
+
+
+_aborts_waiting: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references to tasks
+
+
+async def _send_when_there_is_room(
+    layer: Any, channel: str, message: dict[str, Any], request_id: str
+) -> None:
+    delay_s, deadline = ABORT_RETRY_FIRST_S, time.monotonic() + ABORT_RETRY_S
+    while time.monotonic() + delay_s <= deadline:
+        await asyncio.sleep(delay_s)  # the replica takes a message a turn: let it take some
+        try:
+            await layer.send(channel, message)
+            return
+        except ChannelFull:
+            delay_s = min(2 * delay_s, 0.5)
+        except Exception:
+            return
+    logger.warning("request %s: its replica's channel stayed full; abort not sent", request_id)
 
 
 async def close_all(handles: list[Dispatch]) -> None:

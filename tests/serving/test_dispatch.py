@@ -694,3 +694,36 @@ async def test_a_request_closed_while_its_retry_looks_for_a_replica_sends_nothin
     assert not any(kind == SUBMIT for kind, _ in sent), sent  # no retry reached a replica
     assert events[-1]["finish_reason"] == "error"
     assert not [wire for wire in runtime.hub._queues if wire.startswith(handle.request_id)]
+
+
+async def test_an_abort_waiting_for_room_holds_up_neither_the_close_nor_the_quota(
+    make_tenant, runtime, monkeypatch
+) -> None:
+    """The channel of a replica that died stays full until it expires: its requests' closes (and so
+    their responses' ends and their quota slots) must not wait out the abort's retries."""
+    from asgiref.sync import sync_to_async
+    from channels.exceptions import ChannelFull
+
+    from serving import dispatch as dispatch_module
+    from serving.gateway import quota_store
+    from serving.replica import ABORT
+
+    acme = await sync_to_async(make_tenant)("acme")
+    (replica,) = runtime.replicas.values()
+    handle = await _hello(acme, max_tokens=2000)
+    assert "token" in await handle.events().__anext__()
+    is_full, send = True, runtime.layer.send
+
+    async def full_for_aborts(channel, message):  # type: ignore[no-untyped-def]
+        if message["type"] == ABORT and is_full:
+            raise ChannelFull(channel)
+        await send(channel, message)
+
+    monkeypatch.setattr(runtime.layer, "send", full_for_aborts)
+    await asyncio.wait_for(handle.close(), timeout=1)  # not the 5 s the abort may retry for
+    assert quota_store().usage([acme.context])[acme.context.tenant_id].num_in_flight == 0
+    (waiting,) = dispatch_module._aborts_waiting
+    is_full = False  # room again: the abort goes through, and the sequence ends
+    await asyncio.wait_for(waiting, timeout=10)
+    await asyncio.wait_for(replica.wait_idle(), timeout=10)
+    assert replica.engine.stats().kv_cache_usage == 0.0
