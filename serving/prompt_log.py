@@ -44,11 +44,14 @@ _REDACTIONS: list[tuple[re.Pattern[str], str | Any]] = [
     (
         # A key=value or key: value pair whose name ends in a secret's word, prefixed or not (DB_PASSWORD,
         # PGPASSWORD, refresh_token, OPENAI_API_KEY), the name quoted or not (JSON, YAML, a query
-        # string); the value up to the next space, quote, & , ; or } (a quoted one whole).
+        # string). The value: a quoted one whole (escaped quotes too), else up to the next space or the
+        # & before a query string's next name= (a password holds any other character: & ; ' ,). Better
+        # a neighbour redacted with it than part of a secret left.
         re.compile(
             r"(?i)(?<![A-Za-z0-9])([A-Za-z0-9_.-]{0,40}?"
             r"(?:password|passwd|passphrase|pwd|secret|token|api[_-]?key|access[_-]?key|private[_-]?key)"
-            r"[\"']?\s*[:=]\s*)(?:\"[^\"\n]{1,256}\"|'[^'\n]{1,256}'|[^\s\"'&,;}]{1,256})"
+            r"[\"']?\s*[:=]\s*)"
+            r"(?:\"(?:[^\"\\\n]|\\.){1,256}\"|'(?:[^'\\\n]|\\.){1,256}'|(?:[^\s&]|&(?![\w.-]{1,40}=))+)"
         ),
         r"\1[SECRET]",
     ),

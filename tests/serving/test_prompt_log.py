@@ -58,6 +58,12 @@ def test_each_kind_of_secret_is_replaced(kind: str) -> None:
         ("{'api_key': 'abc123'}", "{'api_key': [SECRET]}"),
         ('password: "correct horse battery" ok', "password: [SECRET] ok"),
         ("max_tokens=5, tokens: 7, secretary: Bob", "max_tokens=5, tokens: 7, secretary: Bob"),
+        # a password holds any character but a space: & ; ' , are part of it, an escaped quote too
+        ("password: Tr0ub4dor&3horse x", "password: [SECRET] x"),
+        ("password=O'Brien1984 y", "password=[SECRET] y"),
+        ("DB_PASSWORD=P@ss;w0rd,! z", "DB_PASSWORD=[SECRET] z"),
+        ('"api_key": "ab\\"cd" next', '"api_key": [SECRET] next'),
+        ("token: " + "x" * 300 + " end", "token: [SECRET] end"),
     ],
 )
 def test_secret_pairs_with_prefixed_or_quoted_names_are_redacted(text: str, expected: str) -> None:
