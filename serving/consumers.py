@@ -5,8 +5,9 @@ Auth by the `Authorization: Bearer` header of the handshake, or by a first messa
 /infer body without `stream`) starts a generation; the server answers `{"type": "token", "token", "index"}`
 per token and `{"type": "done", "finish_reason", "usage", "timings", "version"}` at the end, or
 `{"type": "error", "error": {"type", "message"}}`, with `"retry_after"` (whole seconds, as HTTP's
-Retry-After) on a refusal worth retrying (a 429, a 503); an error that ends a generation also carries
-`"finish_reason": "error"` and the version that served it. `{"type": "cancel"}` stops the generation in
+Retry-After) on a refusal worth retrying (a 429, a 503), and `"version"` on a request a replica refused
+(a prompt too long for its model); an error that ends a generation also carries `"finish_reason":
+"error"` and the version that served it. `{"type": "cancel"}` stops the generation in
 flight and frees its blocks on the replica. One generation at a time per connection. A client that
 stops reading is cut off (serving/streams.py): its generation is aborted, and once it reads again it
 gets an error of type "slow_reader" and the connection closes with code 4408. A frame that is not a
@@ -167,7 +168,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             handle = await dispatch(
                 context=self.context,
                 path_model=self.scope["url_route"]["kwargs"]["model"],
-                pin=pin or self._header(b"x-version-pin"),
+                pin=(pin or "").strip() or self._header(b"x-version-pin"),  # a blank one names none
                 params=request.sampling_params(),
                 text=request.input,
             )

@@ -99,6 +99,15 @@ async def test_a_wrongly_typed_version_pin_is_a_json_error_not_a_crash(acme) -> 
     await ws.disconnect()
 
 
+async def test_a_blank_version_pin_in_a_message_leaves_the_handshakes_pin_in_force(acme) -> None:
+    """ " " names no version, as "" does: the pin the socket was opened with applies (acme may not pin)."""
+    ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode()), (b"x-version-pin", b"v1")])
+    for blank in ("", " "):
+        await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1, "version_pin": blank})
+        assert "may not pin" in (await ws.receive_json_from(timeout=10))["error"]["message"], repr(blank)
+    await ws.disconnect()
+
+
 @pytest.mark.parametrize(
     ("frame", "code"),
     [
