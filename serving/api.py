@@ -22,9 +22,11 @@ from serving.prometheus import has_metrics_token
 from serving.requests import parse_classify, parse_infer, parse_json_body
 from serving.router import split_model_name
 from serving.runtime import get_runtime
+from serving.throttle import Throttle
 from serving.vectors import decode_vector
 
 logger = logging.getLogger(__name__)
+_directory_warning = Throttle()
 
 
 def _gateway_error(exc: GatewayError) -> JsonResponse:
@@ -180,7 +182,8 @@ async def readyz(request: HttpRequest) -> JsonResponse:
         try:
             handles = await runtime.all_replicas()
         except Exception as exc:  # the replica directory (Redis) unreachable: this process's own, and say so
-            logger.warning("/readyz: the replica directory could not be read (%s)", type(exc).__name__)
+            if _directory_warning.is_due():  # once per 10 s of an outage, not once per probe
+                logger.warning("/readyz: the replica directory could not be read (%s)", type(exc).__name__)
             handles, directory_ok = runtime.local_replicas(), False
     replicas = [
         {
