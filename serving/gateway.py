@@ -55,7 +55,9 @@ class GatewayError(Exception):
     @property
     def headers(self) -> dict[str, str]:
         retry_after = self.retry_after
-        return self.served_by if retry_after is None else {**self.served_by, "Retry-After": str(retry_after)}
+        if retry_after is None:
+            return dict(self.served_by)
+        return {**self.served_by, "Retry-After": str(retry_after)}
 
 
 class MaybeSent(GatewayError):

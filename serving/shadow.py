@@ -10,9 +10,9 @@ shadow.matched in its metrics).
 
 A mirror never holds up or fails the primary: it is not charged to the tenant's quota, it is skipped
 when this process already has MAX_IN_FLIGHT copies running (not counting those done and waiting for
-their primary's text), and any failure is only logged. Skips
-bias the comparison (the candidate then sees less concurrency than the incumbent), so they are
-counted, per model and version, in /metrics (switchyard_shadow_copies_total{outcome="skipped"})."""
+their primary's text), and any failure is only logged. Skips bias the comparison (the candidate then
+sees less concurrency than the incumbent), so they are counted, per model and version, in /metrics
+(switchyard_shadow_copies_total{outcome="skipped"})."""
 
 from __future__ import annotations
 
