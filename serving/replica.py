@@ -468,6 +468,9 @@ class Replica:
         with self._inbox:
             self._stopping = True  # the model thread returns once its step, if it is in one, ends
             self._inbox.notify()
+        if self._engine_run is not None and not self._engine_run.done():
+            # The step under way records what it did when it ends: flushed before that, it would be lost.
+            await asyncio.wait({self._engine_run}, timeout=STOP_FLUSH_TIMEOUT_S)
         # Withdrawn first: gateways stop choosing the replica now, whatever the metrics store does.
         if self._publisher is not None:
             with contextlib.suppress(Exception):

@@ -343,6 +343,21 @@ async def test_after_the_runtime_is_shut_down_no_new_one_starts_on_its_loop(sett
 
 
 @pytest.mark.django_db(transaction=True)
+async def test_a_stop_during_a_step_flushes_what_that_step_recorded(registered_model, settings) -> None:
+    """A stop while the model thread is in a step (an embedded server's shutdown mid-stream): the step's
+    sample lands in the metrics when it ends, which must be before the last flush, not after it."""
+    from serving.faults import Faults
+
+    settings.ALLOW_FAULT_INJECTION = True
+    layer, replies = InMemoryChannelLayer(), WatchedReplies()
+    replica = await _replica(layer, replies, faults=Faults(step_delay_ms=1500))
+    await _submit(layer, replica, "long", max_tokens=100)
+    await replies.until("long", "token")  # the next step is under way
+    await asyncio.wait_for(replica.stop(), timeout=30)
+    assert replica.metrics._pending == {}, "recorded after the last flush: lost"
+
+
+@pytest.mark.django_db(transaction=True)
 async def test_a_drain_past_its_deadline_ends_what_it_holds_and_goes_idle(registered_model, settings) -> None:
     """end_drain (run_replica's --drain-timeout): a stream already under way ends with one
     replica_unavailable error, as at a replica's loss, and every block comes back."""
