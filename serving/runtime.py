@@ -151,8 +151,13 @@ class Runtime:
             if task is not None
         ]
         await cancel_and_wait(loops)  # logs those that had failed
-        for replica in [*self.replicas.values(), *self._draining.values()]:
-            await replica.stop()
+        # All at once: each waits out its step and a metrics flush bounded at 5 s, which one after another
+        # would add up past a supervisor's kill deadline; and one that fails stops none of the others.
+        stopping = [*self.replicas.values(), *self._draining.values()]
+        outcomes = await asyncio.gather(*(replica.stop() for replica in stopping), return_exceptions=True)
+        for replica, outcome in zip(stopping, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                logger.error("replica %s: its stop failed", replica.replica_id, exc_info=outcome)
         self.replicas.clear()
         self._draining.clear()
         try:

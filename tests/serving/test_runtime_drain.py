@@ -66,3 +66,39 @@ async def test_a_version_routed_again_within_the_grace_period_is_never_drained(m
     clock[0] += DRAIN_GRACE_S * 0.6
     await runtime._reconcile([])  # out again: the grace period starts over
     assert replica.state is ReplicaState.READY
+
+
+async def test_the_runtimes_stop_stops_its_replicas_together_and_past_one_that_fails() -> None:
+    """Each replica's stop waits out its step and a flush of up to 5 s: one after another they added up;
+    and one that raised left the rest running."""
+
+    class SlowReplica(FakeReplica):
+        def __init__(self, replica_id: str, gate: asyncio.Event) -> None:
+            super().__init__()
+            self.replica_id, self.gate = replica_id, gate
+
+        async def stop(self) -> None:
+            self.stopped.set()
+            await self.gate.wait()  # its flush: done only once every replica has begun to stop
+
+    class FailingReplica(FakeReplica):
+        replica_id = "r-broken"
+
+        async def stop(self) -> None:
+            raise RuntimeError("a bug in its stop")
+
+    gate = asyncio.Event()
+    runtime = Runtime(InMemoryChannelLayer())
+    slow = [SlowReplica(f"r-{i}", gate) for i in range(2)]
+    runtime.replicas[("m", "broken")] = FailingReplica()  # type: ignore[assignment]
+    for i, replica in enumerate(slow):
+        runtime.replicas[("m", f"v{i}")] = replica  # type: ignore[assignment]
+
+    async def open_when_all_stopping() -> None:
+        await asyncio.gather(*(replica.stopped.wait() for replica in slow))
+        gate.set()
+
+    opener = asyncio.ensure_future(open_when_all_stopping())
+    await asyncio.wait_for(runtime.stop(), timeout=10)  # one after another, the first would wait for ever
+    await opener
+    assert runtime.replicas == {}
