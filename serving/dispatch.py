@@ -530,20 +530,13 @@ async def authenticate(authorization: str | None) -> TenantContext:
     return await database_sync_to_async(gateway.authenticate, thread_sensitive=False)(authorization)
 
 
-async def _snapshot(model_name: str) -> RoutingSnapshot | None:
-    is_fresh, snapshot = routing_cache.get_fresh(model_name)
-    if not is_fresh:
-        snapshot = await database_sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
-    return snapshot
-
-
 async def model_snapshot(context: TenantContext, path_model: str) -> RoutingSnapshot | None:
     """The routing snapshot of the model a request names (`model` or `model@alias`), None if there is
     no such model; a 403 if the tenant may not use it, so that its kind tells a stranger nothing. From
     the routing cache, so it costs no database read while the entry is fresh. Give it to dispatch(),
     which then does not look it up again."""
     model_name = split_model_name(path_model)[0]
-    snapshot = await _snapshot(model_name)
+    snapshot = await routing_cache.aget(model_name)
     if snapshot is not None:
         gateway.authorize_model(context, snapshot, pinned_version=None)
     return snapshot
@@ -605,7 +598,7 @@ async def dispatch(
     model_name, alias = split_model_name(path_model)
     pin = (pin.strip() or None) if pin else None  # an empty header names no version
     if snapshot is None:  # not already read by the caller (model_snapshot)
-        snapshot = await _snapshot(model_name)
+        snapshot = await routing_cache.aget(model_name)
     if snapshot is None:
         raise GatewayError(404, f"model {model_name!r} not found")
     gateway.authorize_model(context, snapshot, pinned_version=pin, alias=alias)

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from channels.db import database_sync_to_async
+
 from registry.models import is_valid_name
 from registry.selectors import RoutingSnapshot, routing_revision, routing_snapshot
 from serving.gateway import GatewayError
@@ -57,6 +59,14 @@ class RoutingCache:
         if entry is not None and now - entry.checked_at < self._revalidate_s:
             return True, entry.snapshot
         return False, None
+
+    async def aget(self, model_name: str) -> RoutingSnapshot | None:
+        """get() for async code: from memory while the entry is fresh (no thread hop), else on a worker
+        thread."""
+        is_fresh, snapshot = self.get_fresh(model_name)
+        if not is_fresh:
+            snapshot = await database_sync_to_async(self.get, thread_sensitive=False)(model_name)
+        return snapshot
 
     def get(self, model_name: str, *, max_age_s: float | None = None) -> RoutingSnapshot | None:
         """Blocking (database); call from a thread in async code. Revalidates an entry older than

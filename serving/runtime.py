@@ -388,12 +388,10 @@ def live_runtimes() -> list[Runtime]:
 async def _still_serves(model_name: str, version: str) -> bool:
     """Whether the version still must have replicas, as the routing cache has it (within a second). A
     table that cannot be read says nothing: the requests wait on, as they would have."""
-    is_fresh, snapshot = routing_cache.get_fresh(model_name)
-    if not is_fresh:
-        try:
-            snapshot = await database_sync_to_async(routing_cache.get, thread_sensitive=False)(model_name)
-        except Exception:
-            return True
+    try:
+        snapshot = await routing_cache.aget(model_name)
+    except Exception:
+        return True
     return snapshot is not None and snapshot.serves(version)
 
 
