@@ -170,7 +170,8 @@ class Verdict:
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None else round(value, digits)
+    # The figures are saved as JSON, which has no infinity: a tick that tried to save one failed.
+    return None if value is None or not math.isfinite(value) else round(value, digits)
 
 
 def _normal_sf(z: float) -> float:

@@ -107,6 +107,16 @@ def validate_steps(steps: object) -> list[dict[str, int]]:
 
 _INT_THRESHOLDS = {"min_samples"}
 _PROBABILITY_THRESHOLDS = {"alpha", "min_rate_increase", "min_truncation_increase"}
+# A finite number can still overflow the judge: 1e308 x an incumbent's p99 is inf, which neither SQLite's
+# nor Postgres's JSON accepts, so every tick that saved its figures failed and the deployment never moved.
+# The bounds are far past any sensible setting.
+_UPPER_BOUNDS: dict[str, float] = {
+    "min_samples": 10_000_000,
+    "ttft_sla_ms": 3_600_000.0,  # an hour
+    "tpot_sla_ms": 600_000.0,
+    "latency_ratio": 1000.0,
+    "min_output_length_ratio": 1.0,  # the canary's mean output may be held to the incumbent's, not above
+}
 
 
 def resolve_thresholds(overrides: object) -> dict[str, Any]:
@@ -131,6 +141,8 @@ def resolve_thresholds(overrides: object) -> dict[str, Any]:
             raise DeploymentError(f"threshold {name} must be in [0, 1), got {value!r}")
         elif name not in _PROBABILITY_THRESHOLDS and value <= 0:
             raise DeploymentError(f"threshold {name} must be positive, got {value!r}")
+        if name in _UPPER_BOUNDS and value > _UPPER_BOUNDS[name]:
+            raise DeploymentError(f"threshold {name} may be at most {_UPPER_BOUNDS[name]:g}, got {value!r}")
     if overrides.get("alpha") == 0:
         raise DeploymentError("threshold alpha must be above 0")
     resolved = {**settings.ROLLOUT_THRESHOLDS, **overrides}

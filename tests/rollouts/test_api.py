@@ -207,6 +207,9 @@ BAD_INPUT = [
     ({"thresholds": {"alpha": 0}}, 400, "alpha"),
     ({"thresholds": {"min_samples": 0}}, 400, "positive integer"),
     ({"thresholds": {"latency_ratio": True}}, 400, "must be a number"),
+    ({"thresholds": {"latency_ratio": 1e308}}, 400, "latency_ratio may be at most 1000"),  # froze the judge
+    ({"thresholds": {"min_output_length_ratio": 2}}, 400, "at most 1"),
+    ({"thresholds": {"min_samples": 10**30}}, 400, "min_samples may be at most"),
     ({"strategy": "blue-green"}, 400, "strategy must be one of"),
     ({"replicas": 3}, 400, "unknown field(s): replicas"),
     ({"version": "v1"}, 409, "already the stable version"),

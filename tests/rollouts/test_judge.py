@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass, field, replace
@@ -66,6 +67,15 @@ def test_latency_limit_is_the_larger_of_the_sla_and_the_incumbent_times_the_rati
     over_both = judge(window(ttft_p99_ms=760.0), window(ttft_p99_ms=600.0), ttft_sla_ms=500)
     assert over_both.kind is VerdictKind.ROLLBACK
     assert "TTFT" in over_both.reason
+
+
+def test_figures_are_valid_json_even_when_a_limit_overflows() -> None:
+    """A deployment saved before thresholds had upper bounds may hold latency_ratio=1e308: its limit is
+    inf, and a figure of inf made every tick's save fail (JSON has no infinity), freezing the rollout."""
+    verdict = judge(window(ttft_p99_ms=240.0), window(ttft_p99_ms=120.0), latency_ratio=1e308)
+    assert verdict.kind is VerdictKind.ADVANCE
+    assert verdict.figures["ttft_limit_ms"] is None
+    json.dumps(verdict.figures, allow_nan=False)
 
 
 def test_an_erroring_canary_is_rolled_back_by_the_z_test() -> None:
