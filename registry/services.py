@@ -49,7 +49,6 @@ def hash_api_key(raw_key: str) -> str:
     return hashlib.sha256(raw_key.encode()).hexdigest()
 
 
-@transaction.atomic
 def model_version_register(
     *,
     name: str,
@@ -63,13 +62,6 @@ def model_version_register(
     """Copy a model directory into the artifact store and record it. The first version of a model
     becomes its `stable` alias with all of its traffic; later ones start at 0%. `owner`: the tenant
     whose model a new one is (it may deploy it); for a model that exists, it must be its owner."""
-    model = Model.objects.filter(name=name).first()
-    if model is not None and model.versions.filter(version=version).exists():
-        raise AlreadyExists(f"{name}:{version} is already registered")
-    if model is not None and model.kind != kind:
-        raise RegistryError(f"{name} is a {model.kind} model; cannot add a {kind} version")
-    if model is not None and owner is not None and model.owner_id != owner.pk:
-        raise RegistryError(f"{name} is not owned by tenant {owner.name!r}")
     for field, value in (("name", name), ("version", version)):
         try:
             Model._meta.get_field("name").run_validators(value)
@@ -77,44 +69,65 @@ def model_version_register(
             raise RegistryError(
                 f"invalid {field} {value!r}: {' '.join(getattr(exc, 'messages', []))}"
             ) from None
-
+    _check_registrable(name=name, version=version, kind=kind, owner=owner)
     root = Path(settings.ARTIFACT_ROOT)
     final_dir = root / name / version
     if final_dir.exists():
         raise AlreadyExists(f"{final_dir} already exists in the artifact store")
+    # The copy and its hashing take minutes for a large model, so they happen before the transaction:
+    # on SQLite a transaction holds the database's one write lock from its start, and every other
+    # writer (a rollback, the judge, the replicas' metrics) would wait for the copy and then fail.
     staging, manifest = artifacts.stage_copy(Path(source_dir), root)
     try:
-        if model is None:
-            model = Model.objects.create(name=name, kind=kind, owner=owner)
-        model_version = ModelVersion.objects.create(
-            model=model,
-            version=version,
-            artifact_uri=str(final_dir),
-            sha256=manifest.sha256,
-            format=ModelVersion.Format.SAFETENSORS,
-            size_bytes=manifest.size_bytes,
-            files=manifest.files,
-            parent=parent,
-            created_by=created_by,
-        )
-        table, _ = RoutingTable.objects.get_or_create(model=model)
-        is_first = not table.entries.exists()
-        RoutingEntry.objects.create(table=table, version=model_version, weight=100 if is_first else 0)
-        routing_changed(model=model)
-        if is_first:
-            alias_set(
+        with transaction.atomic():
+            model = _check_registrable(
+                name=name, version=version, kind=kind, owner=owner
+            )  # again: it took a while
+            if final_dir.exists():
+                raise AlreadyExists(f"{final_dir} already exists in the artifact store")
+            if model is None:
+                model = Model.objects.create(name=name, kind=kind, owner=owner)
+            model_version = ModelVersion.objects.create(
                 model=model,
-                name=STABLE_ALIAS,
-                version=model_version,
-                actor=created_by or "system",
-                reason="first version registered",
+                version=version,
+                artifact_uri=str(final_dir),
+                sha256=manifest.sha256,
+                format=ModelVersion.Format.SAFETENSORS,
+                size_bytes=manifest.size_bytes,
+                files=manifest.files,
+                parent=parent,
+                created_by=created_by,
             )
-        final_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging.rename(final_dir)
+            table, _ = RoutingTable.objects.get_or_create(model=model)
+            is_first = not table.entries.exists()
+            RoutingEntry.objects.create(table=table, version=model_version, weight=100 if is_first else 0)
+            routing_changed(model=model)
+            if is_first:
+                alias_set(
+                    model=model,
+                    name=STABLE_ALIAS,
+                    version=model_version,
+                    actor=created_by or "system",
+                    reason="first version registered",
+                )
+            final_dir.parent.mkdir(parents=True, exist_ok=True)
+            staging.rename(final_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return model_version
+
+
+def _check_registrable(*, name: str, version: str, kind: str, owner: Tenant | None) -> Model | None:
+    """The model `name` (None if new) when `version` may be added to it; else the registry's refusal."""
+    model = Model.objects.filter(name=name).first()
+    if model is not None and model.versions.filter(version=version).exists():
+        raise AlreadyExists(f"{name}:{version} is already registered")
+    if model is not None and model.kind != kind:
+        raise RegistryError(f"{name} is a {model.kind} model; cannot add a {kind} version")
+    if model is not None and owner is not None and model.owner_id != owner.pk:
+        raise RegistryError(f"{name} is not owned by tenant {owner.name!r}")
+    return model
 
 
 def routing_changed(*, model: Model) -> None:

@@ -269,3 +269,55 @@ def test_a_keys_use_is_recorded_off_the_lookups_way_at_most_once_a_minute(
     monkeypatch.setattr(type(services.ApiKey.objects.all()), "update", refused)
     written = services.api_key_mark_used(api_key=key, now=later)
     assert written is not None and written.result(timeout=10) is None
+
+
+@pytest.mark.django_db(transaction=True)  # the other write is another thread's, on its own connection
+def test_other_writes_go_through_while_a_registration_copies_its_artifact(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large model's copy and hashing take minutes. Inside the registration's transaction they held
+    SQLite's one write lock: a rollback or a judge tick meanwhile waited 20 s, then failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    from registry.models import Tenant
+
+    copy, written = artifacts.stage_copy, []
+
+    def slow_copy(source_dir: Path, root: Path) -> object:
+        def write() -> None:
+            try:
+                tenant_create(name="during-the-copy")
+            finally:
+                connection.close()
+
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(write).result(timeout=60)
+        written.append(True)
+        return copy(source_dir, root)
+
+    monkeypatch.setattr(artifacts, "stage_copy", slow_copy)
+    model_version_register(name="chat", version="v1", source_dir=demo_model_dir)
+    assert written and Tenant.objects.filter(name="during-the-copy").exists()
+    assert routing_snapshot(model_name="chat").weights == {"v1": 100}  # type: ignore[union-attr]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_version_registered_by_someone_else_during_the_copy_is_refused_and_leaves_no_files(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch, settings: object
+) -> None:
+    """The checks run again once the copy is done: it ran outside the transaction."""
+    copy = artifacts.stage_copy
+
+    def copy_while_another_registers(source_dir: Path, root: Path) -> object:
+        monkeypatch.setattr(artifacts, "stage_copy", copy)
+        model_version_register(name="chat", version="v1", source_dir=demo_model_dir, created_by="first")
+        return copy(source_dir, root)
+
+    monkeypatch.setattr(artifacts, "stage_copy", copy_while_another_registers)
+    with pytest.raises(AlreadyExists):
+        model_version_register(name="chat", version="v1", source_dir=demo_model_dir, created_by="second")
+    assert ModelVersion.objects.get(model__name="chat", version="v1").created_by == "first"
+    root = Path(settings.ARTIFACT_ROOT)  # type: ignore[attr-defined]
+    assert [p.name for p in root.iterdir() if p.name.startswith(".staging-")] == []
