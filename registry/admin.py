@@ -46,6 +46,12 @@ class MovesRoutingRevision(admin.ModelAdmin):
 class ModelAdmin(admin.ModelAdmin):
     list_display = ("name", "kind", "owner", "created_at")
 
+    def get_readonly_fields(self, request, obj=None):  # type: ignore[no-untyped-def]
+        # Metrics, heartbeats and replicas are keyed by the name, and gateways route by the kind they
+        # read with the model's routing: renamed, an in-flight judge read empty windows; a kind changed
+        # here skipped registration's one-kind-per-model rule and left gateways on the old one.
+        return ("name", "kind") if obj else ()
+
 
 @admin.register(ModelVersion)
 class ModelVersionAdmin(admin.ModelAdmin):
@@ -108,6 +114,11 @@ class RoutingTableAdmin(MovesRoutingRevision):  # its mirror (a shadow deploymen
 
     def has_add_permission(self, request):  # type: ignore[no-untyped-def]
         return False  # a model's table comes with the model (its model field is read-only here)
+
+    def has_delete_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+        # With its entries gone, gateways fall back to @stable, and the next version registered is taken
+        # for the model's first: all of the traffic and the stable alias, with no canary.
+        return False
 
     readonly_fields = ("model", "revision")
     inlines = [RoutingEntryInline]

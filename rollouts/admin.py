@@ -37,6 +37,11 @@ class DeploymentAdmin(admin.ModelAdmin):
     def has_add_permission(self, request):  # type: ignore[no-untyped-def]
         return False
 
+    def has_delete_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+        # Deleted in flight, its canary kept its alias and its share of the traffic with nothing left to
+        # judge it, and its events (the audit trail) went with it. Roll it back through the API.
+        return False
+
 
 @admin.register(ScaleTarget)
 class ScaleTargetAdmin(admin.ModelAdmin):

@@ -196,3 +196,38 @@ def test_the_admin_refuses_another_models_version_as_a_mirror_and_an_alias_it_ca
     assert (table.mirror_version, table.mirror_pct, table.revision) == (None, 0, revision)
     assert client.get("/admin/registry/alias/add/").status_code == 403
     assert client.get("/admin/registry/routingtable/add/").status_code == 403  # it comes with its model
+
+
+def test_the_admin_neither_deletes_a_deployment_or_routing_table_nor_renames_a_model(
+    registered_model, demo_model_dir
+) -> None:
+    """Deleting an in-flight deployment left its canary with its traffic and nothing to judge it; a
+    deleted table made the next version registered the model's first (all traffic, no canary); a
+    renamed model orphaned the metrics and replicas keyed by its name."""
+    from django.contrib.auth import get_user_model
+
+    from registry.models import Model, RoutingTable
+    from registry.services import model_version_register
+    from rollouts import services as rollouts
+    from rollouts.models import Deployment
+
+    model = registered_model.model
+    table = RoutingTable.objects.get(model=model)
+    model_version_register(name="demo-chat", version="v2", source_dir=demo_model_dir)
+    deployment = rollouts.deployment_create(model=model, version="v2", created_by="t")
+    client = Client()
+    client.force_login(get_user_model().objects.create_user("alice", is_staff=True, is_superuser=True))
+    for path in (
+        f"/admin/rollouts/deployment/{deployment.pk}/delete/",
+        f"/admin/registry/routingtable/{table.pk}/delete/",
+    ):
+        assert client.post(path, {"post": "yes"}).status_code == 403, path
+    assert Deployment.objects.filter(pk=deployment.pk).exists() and table.entries.exists()
+
+    response = client.post(
+        f"/admin/registry/model/{model.pk}/change/",
+        {"name": "renamed", "kind": "embedding", "description": "d", "owner": ""},
+    )
+    assert response.status_code == 302, response.content
+    model = Model.objects.get(pk=model.pk)
+    assert (model.name, model.kind, model.description) == ("demo-chat", "causal-lm", "d")
