@@ -653,12 +653,15 @@ def _rollback(
     deployment: Deployment, *, actor: str, reason: str, figures: dict[str, Any], now: dt.datetime
 ) -> None:
     decided_at = now
+    # Before its first step the candidate took no traffic: the table is still the operator's (a split
+    # between older versions, say), and routing it all to the incumbent would have dropped the rest.
+    took_traffic = deployment.state not in (State.PENDING, State.PROVISIONING)
     _transition(deployment, State.ROLLING_BACK, actor=actor, reason=reason, figures=figures, at=decided_at)
     # Aliases first, the routing edit last: all of it commits at once, and the revision recorded is then
     # the one gateways will see.
     _park_canary_alias(deployment, actor=actor, outcome="rolled back")
     edit: dict[str, Any] = {}
-    if deployment.strategy == Deployment.Strategy.CANARY:
+    if deployment.strategy == Deployment.Strategy.CANARY and took_traffic:
         stable = Alias.objects.filter(model=deployment.model, name=STABLE_ALIAS).first()
         if stable is not None and stable.version_id != deployment.incumbent_id:
             alias_set(
@@ -677,6 +680,8 @@ def _rollback(
         f"edit {edit['edit_ms']:.1f} ms)"
         if edit
         else "mirroring stopped; traffic was never moved"
+        if deployment.strategy == Deployment.Strategy.SHADOW
+        else "the candidate never took traffic; routing left as it was"
     )
     _transition(deployment, State.ROLLED_BACK, actor=actor, reason=what, figures=edit)
     deployment_id = deployment.pk

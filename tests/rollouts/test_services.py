@@ -115,6 +115,36 @@ def never_ready(deployment: Deployment) -> bool:
     return False
 
 
+@pytest.mark.parametrize("how", ["the provisioning timeout", "the API"])
+def test_rolling_back_before_the_first_step_leaves_the_operators_split_as_it_was(
+    make_model, settings, how
+) -> None:
+    """v1 stable with 80%, v3 kept at 20% by hand: a canary of v2 that never became ready took no traffic,
+    and its rollback had routed everything to v1, so v3's share vanished (and the autoscaler then took
+    its replicas)."""
+    from registry.services import routing_table_set
+
+    settings.ROLLOUT_READINESS_CHECK = "tests.rollouts.test_services.never_ready"
+    settings.ROLLOUT_PROVISION_TIMEOUT_S = 120
+    model = make_model()
+    routing_table_set(model=model, weights={"v1": 80, "v3": 20})
+    deployment = create(model)
+    deployment.provisioning_started_at = T0
+    deployment.save()
+    tick(deployment, 60, FakeMetrics())
+    assert deployment.state == State.PROVISIONING
+    if how == "the API":
+        services.deployment_rollback(deployment=deployment, actor="staff:alice")
+        deployment.refresh_from_db()
+    else:
+        tick(deployment, 121, FakeMetrics())
+    assert deployment.state == State.ROLLED_BACK
+    _, weights, aliases = routing_state(model)
+    assert weights == {"v1": 80, "v3": 20}
+    assert aliases["stable"] == "v1"
+    assert "never took traffic" in deployment.events.get(to_state="rolled_back").reason
+
+
 def test_the_judge_holds_while_healthy_then_advances_after_the_bake_window(ramping) -> None:
     model, deployment = ramping
     metrics = FakeMetrics({"v2": window(num_requests=80), "v1": window(num_requests=1500)})
