@@ -212,6 +212,9 @@ REST_FRAMEWORK = {
         "rest_framework.parsers.FormParser",
         "rest_framework.parsers.MultiPartParser",
     ],
+    # JSON only: with DRF's browsable API, a client that asked for text/html (a browser, a misconfigured
+    # SDK) got its errors as an HTML page, not the one JSON error shape every /v1/ answer has.
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "registry.errors.drf_exception_handler",
     "UNAUTHENTICATED_USER": None,

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.test import Client
 
 from registry.models import Alias, AliasEvent, RoutingEntry, RoutingTable
 from rollouts import services
@@ -307,3 +308,18 @@ def test_a_tenant_sees_neither_other_tenants_names_nor_staff_logins(client, chat
     seen_by_staff = client.get(f"/v1/deployments/{deployment_id}").json()
     assert seen_by_staff["created_by"] == "tenant:acme"
     assert "staff:alice" in {e["actor"] for e in seen_by_staff["events"]}
+
+
+def test_every_v1_answer_is_json_whatever_the_client_accepts_or_sends(staff_client, chat) -> None:
+    """DRF's browsable API answered a browser's Accept with an HTML page, errors included; a body of the
+    wrong media type got the error shape without a type of its own."""
+    html = {"HTTP_ACCEPT": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    anonymous = Client().get("/v1/models", **html)
+    assert anonymous.status_code == 401 and anonymous["Content-Type"] == "application/json"
+    assert anonymous.json()["error"]["type"] == "authentication_error"
+    assert staff_client.get("/v1/models", **html)["Content-Type"] == "application/json"
+    only_html = staff_client.get("/v1/models", HTTP_ACCEPT="text/html")
+    assert only_html.status_code == 406 and only_html.json()["error"]["type"] == "not_acceptable"
+    text = staff_client.post("/v1/deployments", data="model=chat", content_type="text/plain")
+    assert text.status_code == 415 and text.json()["error"]["type"] == "unsupported_media_type"
+    assert Deployment.objects.count() == 0
