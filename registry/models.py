@@ -46,7 +46,20 @@ class Model(models.Model):
 class ModelVersion(models.Model):
     """An immutable artifact: once created, the fields that say what was registered never change."""
 
-    IMMUTABLE_FIELDS = ("model_id", "version", "artifact_uri", "sha256", "format", "size_bytes", "files")
+    IMMUTABLE_FIELDS = (
+        "model_id",
+        "version",
+        "artifact_uri",
+        "sha256",
+        "format",
+        "size_bytes",
+        "files",
+        # Lineage and who registered it when (ARCHITECTURE.md). The parent may still become NULL when it
+        # is deleted (SET_NULL), which is an update, not a save.
+        "parent_id",
+        "created_by",
+        "created_at",
+    )
 
     class Format(models.TextChoices):
         SAFETENSORS = "safetensors", "safetensors"

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 STABLE_ALIAS = "stable"
 API_KEY_PREFIX = "sy-"
+WHOLE_KEY_LENGTH = len(API_KEY_PREFIX) + 43  # secrets.token_urlsafe(32): 32 bytes in unpadded base64
 
 
 class RegistryError(Exception):
@@ -233,15 +234,19 @@ def tenant_create(
 
 
 def api_key_revoke(*, key: str, tenant: Tenant | None = None) -> list[ApiKey]:
-    """Revoke a live key, given whole (only that key) or by its printed prefix (at least the stored
-    prefix's length). A prefix that matches keys of more than one tenant, or several keys, is refused
-    unless `tenant` narrows it to that tenant's keys: a typo must not revoke someone else's. Gateways
-    stop accepting a revoked key within their auth cache's few seconds. Returns the keys revoked."""
+    """Revoke a live key, given whole (only that key) or by its printed prefix (exactly the stored
+    prefix's length: only that much of a key is stored in the clear). A prefix that matches keys of more
+    than one tenant, or several keys, is refused unless `tenant` narrows it to that tenant's keys: a typo
+    must not revoke someone else's. Gateways stop accepting a revoked key within their auth cache's few
+    seconds. Returns the keys revoked."""
+    how = f"give the whole key or exactly its first {ApiKey.PREFIX_LENGTH} characters"
     if len(key) < ApiKey.PREFIX_LENGTH:
-        raise RegistryError(f"give the whole key or at least its first {ApiKey.PREFIX_LENGTH} characters")
+        raise RegistryError(how)
     live = ApiKey.objects.filter(revoked_at__isnull=True).select_related("tenant")
     if len(key) > ApiKey.PREFIX_LENGTH:
         keys = list(live.filter(key_hash=hash_api_key(key)))
+        if not keys and len(key) < WHOLE_KEY_LENGTH:  # a longer prefix, which was taken for a whole key
+            raise RegistryError(f"{key} is shorter than a whole key: {how}")
     else:
         keys = list(live.filter(prefix=key, **({"tenant": tenant} if tenant is not None else {})))
         if len(keys) > 1 and tenant is None:

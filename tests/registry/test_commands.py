@@ -125,6 +125,10 @@ def test_revoke_api_key_by_prefix_or_whole_key_and_the_gateway_refuses_it(make_t
     tenant = Tenant.objects.get(name="acme")
     _, second = api_key_create(tenant=tenant)
     assert tenant_context_for_api_key(acme.key) is not None
+    with pytest.raises(
+        CommandError, match="shorter than a whole key: give the whole key or exactly its first 8"
+    ):
+        _run("revoke_api_key", acme.key[:12])  # was taken for a whole key: "no live key matches"
     assert f"revoked {acme.key[:8]}… of tenant acme" in _run("revoke_api_key", acme.key[:8])
     assert tenant_context_for_api_key(acme.key) is None
     assert tenant_context_for_api_key(second) is not None  # another key of the tenant stays

@@ -41,6 +41,10 @@ def test_model_version_refuses_changes_to_its_artifact(registered_model: ModelVe
     registered_model.artifact_uri = "/elsewhere"
     with pytest.raises(ValidationError, match="artifact_uri"):
         registered_model.save()
+    registered_model.refresh_from_db()
+    registered_model.created_by = "someone else"  # who registered it is part of the record too
+    with pytest.raises(ValidationError, match="created_by"):
+        registered_model.save()
 
 
 def test_alias_moves_are_logged_with_who_from_and_to(demo_model_dir: Path) -> None:
