@@ -105,9 +105,13 @@ class Sampler:
         if has_top_p:
             top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
             # Keep token j iff the mass strictly before it is below top_p: the smallest prefix whose mass
-            # reaches top_p. The first token always stays (nothing before it).
+            # reaches top_p. The first token always stays: nothing is before it, and a top_p below float32's
+            # smallest (1e-50, say) rounds to 0, which its 0 would otherwise reach. With every token cut,
+            # the draw fell back to the last in the order: the least likely of the vocabulary.
             mass_before = probs.cumsum(dim=-1) - probs
-            probs.masked_fill_(mass_before >= top_ps[:, None], 0.0)
+            cut = mass_before >= top_ps[:, None]
+            cut[:, 0] = False
+            probs.masked_fill_(cut, 0.0)
         cdf = probs.cumsum(dim=-1)
         uniforms = self._uniforms(generators).to(device)
         targets = uniforms * cdf[:, -1]

@@ -81,9 +81,10 @@ def test_top_k_one_equals_greedy() -> None:
     assert Sampler(seed=0)(logits, params).tolist() == logits.argmax(-1).tolist()
 
 
-def test_tiny_top_p_equals_greedy() -> None:
+@pytest.mark.parametrize("top_p", [1e-6, 1e-50])  # 1e-50 is 0 in float32: it drew the least likely token
+def test_tiny_top_p_equals_greedy(top_p: float) -> None:
     logits = random_logits(16)
-    params = [SamplingParams(temperature=1.0, top_p=1e-6)] * 16
+    params = [SamplingParams(temperature=1.0, top_p=top_p)] * 16
     assert Sampler(seed=0)(logits, params).tolist() == logits.argmax(-1).tolist()
 
 
