@@ -120,7 +120,7 @@ def _parse_completion(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, 
         raise GatewayError(400, "prompt must be a non-empty string (one prompt per request)")
     if len(prompt) > settings.MAX_INPUT_CHARS:
         raise GatewayError(
-            413, f"prompt is {len(prompt)} characters; the limit is {settings.MAX_INPUT_CHARS}"
+            400, f"prompt is {len(prompt)} characters; the limit is {settings.MAX_INPUT_CHARS}"
         )
     return model, sampling, include_usage, prompt
 
@@ -164,7 +164,7 @@ def _parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, list[d
         # "developer" is what OpenAI's newer models call the system prompt; chat templates know "system".
         clean.append({"role": "system" if role == "developer" else role, "content": _text(message, i)})
     if sum(len(m["content"]) for m in clean) > settings.MAX_INPUT_CHARS:
-        raise GatewayError(413, f"messages are over the {settings.MAX_INPUT_CHARS}-character limit")
+        raise GatewayError(400, f"messages are over the {settings.MAX_INPUT_CHARS}-character limit")
     return model, sampling, include_usage, clean
 
 

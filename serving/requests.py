@@ -215,7 +215,7 @@ def parse_infer(body: dict[str, Any]) -> InferRequest:
     if not isinstance(text, str) or not text:
         raise GatewayError(400, "input must be a non-empty string")
     if len(text) > settings.MAX_INPUT_CHARS:
-        raise GatewayError(413, f"input is {len(text)} characters; the limit is {settings.MAX_INPUT_CHARS}")
+        raise GatewayError(400, f"input is {len(text)} characters; the limit is {settings.MAX_INPUT_CHARS}")
     return InferRequest(input=text, **parse_sampling(body))
 
 
@@ -236,7 +236,7 @@ def parse_text_inputs(raw: Any) -> list[str]:
             raise GatewayError(400, f"input[{i}] is empty")
         if len(text) > settings.MAX_INPUT_CHARS:
             raise GatewayError(
-                413, f"input[{i}] is {len(text)} characters; the limit is {settings.MAX_INPUT_CHARS}"
+                400, f"input[{i}] is {len(text)} characters; the limit is {settings.MAX_INPUT_CHARS}"
             )
     return inputs
 

@@ -203,6 +203,13 @@ def test_openai_errors_are_raised_as_typed_exceptions(client: openai.OpenAI, pla
         client.chat.completions.create(model="demo-chat", messages=chat, max_tokens=2, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="top_logprobs must be an integer from 0 to 20"):
         client.chat.completions.create(model="demo-chat", messages=chat, logprobs=True, top_logprobs=21)
+    # Too long in characters, as too long in tokens: a 400 (it was a 413, which the client has no class for)
+    with pytest.raises(openai.BadRequestError, match="the limit is 32768"):
+        client.completions.create(model="demo-chat", prompt="x" * 40_000, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="32768-character limit"):
+        client.chat.completions.create(
+            model="demo-chat", messages=[{"role": "user", "content": "x" * 40_000}]
+        )
     bad = openai.OpenAI(base_url=f"{platform_server.url}/v1", api_key="sy-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="demo-chat", messages=[{"role": "user", "content": "x"}])

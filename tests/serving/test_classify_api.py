@@ -97,7 +97,7 @@ async def test_concurrent_requests_share_forward_passes(acme, classifier_runtime
         (INFER, {"input": []}, 400, "non-empty list of strings"),
         (INFER, {"input": ["ok", ""]}, 400, "input[1] is empty"),
         (INFER, {"input": ["x"] * 2049}, 400, "the limit is 2048"),
-        (INFER, {"input": "x" * 40_000}, 413, "the limit is 32768"),
+        (INFER, {"input": "x" * 40_000}, 400, "the limit is 32768"),
         (INFER, {"input": "hi", "top_k": 0}, 400, "top_k must be a positive integer"),
         (INFER, {"input": "hi", "top_k": "2"}, 400, "top_k must be a positive integer"),
         (INFER, {"input": "hi", "stream": True}, 400, "unknown field(s) for a classifier: stream"),

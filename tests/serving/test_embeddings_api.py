@@ -101,7 +101,7 @@ async def test_concurrent_requests_share_forward_passes_and_each_gets_its_own_ve
         ({"model": "demo-embed", "input": [1, 2, 3]}, 400, "non-empty list of strings"),
         ({"model": "demo-embed", "input": ["ok", ""]}, 400, "input[1] is empty"),
         ({"model": "demo-embed", "input": ["x"] * 2049}, 400, "the limit is 2048"),
-        ({"model": "demo-embed", "input": "x" * 40_000}, 413, "the limit is 32768"),
+        ({"model": "demo-embed", "input": "x" * 40_000}, 400, "the limit is 32768"),
         ({"model": "demo-embed", "input": "hi", "dimensions": 8}, 400, "dimensions is not supported"),
         ({"model": "demo-embed", "input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
         # only absent or null defaults to "float": these used to read as it
