@@ -35,8 +35,11 @@ def test_a_traffic_change_is_obeyed_within_one_second(platform_server, demo_mode
     result = platform_server.manage("set_traffic", "demo-chat", "v1=0", "v2=100")
     changed_at = time.monotonic()
     assert result.returncode == 0, result.stderr
-    while _served_version(platform_server) != "v2":
-        assert time.monotonic() - changed_at < 1.0, "the gateway still routes to v1 a second after the change"
+    while True:
+        sent_at = time.monotonic()  # by when it was sent: a response slow to come back is no late routing
+        if _served_version(platform_server) == "v2":
+            break
+        assert sent_at - changed_at < 1.0, "the gateway still routes to v1 a second after the change"
     # Once obeyed, it stays obeyed.
     assert {_served_version(platform_server) for _ in range(10)} == {"v2"}
     assert platform_server.manage("set_traffic", "demo-chat", "v1=100").returncode == 0

@@ -223,7 +223,6 @@ async def _run_rollout(runtime: Any, model: Model, version: str) -> tuple[Deploy
 
 @pytest.mark.django_db(transaction=True)
 async def test_a_healthy_candidate_under_load_is_promoted_by_the_judge(embedded_platform) -> None:
-    started = time.monotonic()
     async with running_platform() as (runtime, load):
         deployment, events = await _run_rollout(runtime, embedded_platform, "v2")
 
@@ -241,8 +240,7 @@ async def test_a_healthy_candidate_under_load_is_promoted_by_the_judge(embedded_
         lambda: AliasEvent.objects.get(alias__name="stable", to_version__version="v2")
     )
     assert (moved.actor, moved.reason) == (services.JUDGE_ACTOR, f"deployment {deployment.pk} promoted")
-    assert load.num_by_version["v2"] > 0 and load.num_errors == 0
-    assert time.monotonic() - started < 30
+    assert load.num_by_version["v2"] > 0 and load.num_errors == 0  # in time: _run_rollout has a deadline
 
 
 @pytest.mark.django_db(transaction=True)

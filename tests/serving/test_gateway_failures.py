@@ -168,8 +168,8 @@ async def test_what_the_client_did_is_not_the_versions_error(make_tenant, runtim
 async def test_a_request_queued_behind_a_full_batch_longer_than_the_inactivity_timeout_is_served(
     make_tenant, registered_model, settings, monkeypatch
 ) -> None:
-    """One sequence at a time, two requests of ~1 s each: the second waits in the replica's queue longer
-    than the gateway's inactivity timeout (0.5 s here, 60 s by default). The replica's keepalives tell
+    """One sequence at a time, two requests of ~2.4 s each: the second waits in the replica's queue longer
+    than the gateway's inactivity timeout (1.5 s here, 60 s by default). The replica's keepalives tell
     the gateway it still holds the request: it is served, not given up as lost, and the replica is not
     blamed for it."""
     import asyncio
@@ -182,12 +182,13 @@ async def test_a_request_queued_behind_a_full_batch_longer_than_the_inactivity_t
     from serving.runtime import get_runtime
 
     settings.REPLICA_MAX_NUM_SEQS = 1
-    monkeypatch.setattr(dispatch, "INACTIVITY_TIMEOUT_S", 0.5)
+    # 15 keepalives to a timeout: a stall of the loaded machine must not pass for a lost request.
+    monkeypatch.setattr(dispatch, "INACTIVITY_TIMEOUT_S", 1.5)
     monkeypatch.setattr(replica, "KEEPALIVE_S", 0.1)
     runtime = await get_runtime()
     assert await runtime.wait_ready()
     (served,) = runtime.replicas.values()
-    served._step_delay_s = 0.03  # 30 tokens: ~1 s a request
+    served._step_delay_s = 0.08  # 30 tokens: ~2.4 s a request
     tenant = await sync_to_async(make_tenant)("acme")
     body = {"input": "hello", "max_tokens": 30, "temperature": 0}
 

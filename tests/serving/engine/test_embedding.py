@@ -74,7 +74,10 @@ def test_a_request_of_several_inputs_ends_once_all_are_embedded_in_their_order(
     assert out["many"].arrival_time <= out["many"].first_scheduled_time <= out["many"].finished_time
 
 
-def test_a_lone_request_waits_the_delay_for_company_and_not_longer(engine: EncoderEngine) -> None:
+def test_a_lone_request_waits_the_delay_for_company_and_not_longer(demo_embedding_model_dir: Path) -> None:
+    # A delay of its own: with the module's 2 ms, a pause of the machine between the request's arrival
+    # and the checks below made it due already, and the test failed.
+    engine = EncoderEngine(demo_embedding_model_dir, config=EncoderConfig(max_batch_size=4, max_wait_s=0.5))
     engine.add_request("lone", [engine.encode("hello")])
     assert 0 < engine.seconds_until_ready() <= engine.config.max_wait_s  # type: ignore[operator]
     assert engine.step() == []  # not due: no forward pass
