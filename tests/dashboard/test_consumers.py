@@ -43,11 +43,11 @@ async def _communicator(
 async def test_staff_get_updates_with_one_series_per_version(make_user: Any, chat_with_traffic: Any) -> None:
     staff = await sync_to_async(make_user)("admin")
     ws = await _communicator(staff)
-    connected, _ = await ws.connect()
+    connected, _ = await ws.connect(timeout=10)
     assert connected
     first = await ws.receive_json_from(timeout=10)
     second = await ws.receive_json_from(timeout=10)
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
     assert first["type"] == second["type"] == "update"
     assert first["charted"] == ["v1"]  # active versions; the page passes the others it drew (below)
@@ -67,9 +67,9 @@ async def test_versions_drawn_by_the_page_stay_separate_series(
 ) -> None:
     staff = await sync_to_async(make_user)("admin")
     ws = await _communicator(staff, path=PATH + "&versions=v1,v2,nope")
-    assert (await ws.connect())[0]
+    assert (await ws.connect(timeout=10))[0]
     update = await ws.receive_json_from(timeout=10)
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
     assert update["charted"] == ["v1", "v2"]  # an unknown version is dropped
     series = {v: [p for p in update["points"][v] if p["n"]] for v in ("v1", "v2")}
     assert [p["n"] for p in series["v1"]] == [20] and [p["n"] for p in series["v2"]] == [10]
@@ -80,40 +80,40 @@ async def test_versions_drawn_by_the_page_stay_separate_series(
 async def test_a_deployment_shows_up_in_the_feed(make_user: Any, deployment: Any) -> None:
     staff = await sync_to_async(make_user)("admin")
     ws = await _communicator(staff)
-    assert (await ws.connect())[0]
+    assert (await ws.connect(timeout=10))[0]
     update = await ws.receive_json_from(timeout=10)
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
     assert update["charted"] == ["v1", "v2"]  # the candidate holds the canary alias: active
     assert update["deployment"]["id"] == deployment.pk and update["deployment"]["state"] == "provisioning"
 
 
 async def test_anonymous_and_non_staff_are_refused(make_user: Any, chat: Any) -> None:
     ws = await _communicator(None)
-    assert await ws.connect() == (False, 4403)
+    assert await ws.connect(timeout=10) == (False, 4403)
     mallory = await sync_to_async(make_user)("mallory", is_staff=False)
     ws = await _communicator(mallory)
-    assert await ws.connect() == (False, 4403)
+    assert await ws.connect(timeout=10) == (False, 4403)
 
 
 async def test_an_unknown_model_is_refused(make_user: Any, chat: Any) -> None:
     staff = await sync_to_async(make_user)("admin")
     ws = await _communicator(staff, path="/dashboard/ws/models/nope/")
-    assert await ws.connect() == (False, 4404)
+    assert await ws.connect(timeout=10) == (False, 4404)
 
 
 async def test_another_sites_origin_is_refused(make_user: Any, chat: Any) -> None:
     staff = await sync_to_async(make_user)("admin")
     ws = await _communicator(staff, origin=b"https://evil.example")
-    connected, _ = await ws.connect()
+    connected, _ = await ws.connect(timeout=10)
     assert not connected
 
 
 async def test_the_rollout_pages_feed_carries_no_chart_points(make_user: Any, deployment: Any) -> None:
     staff = await sync_to_async(make_user)("admin")
     ws = await _communicator(staff, path="/dashboard/ws/models/chat/?points=0")
-    assert (await ws.connect())[0]
+    assert (await ws.connect(timeout=10))[0]
     update = await ws.receive_json_from(timeout=10)
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
     assert update["points"] == {} and update["last_minute"] == {}
     assert {v["version"]: v["traffic_pct"] for v in update["versions"]} == {"v1": 100, "v2": 0}
     assert update["deployment"]["state"] == "provisioning"
@@ -124,7 +124,7 @@ async def test_each_update_reads_traffic_afresh(make_user: Any, chat: Any) -> No
 
     staff = await sync_to_async(make_user)("admin")
     ws = await _communicator(staff, path="/dashboard/ws/models/chat/?points=0")
-    assert (await ws.connect())[0]
+    assert (await ws.connect(timeout=10))[0]
     first = await ws.receive_json_from(timeout=10)
     assert {v["version"]: v["traffic_pct"] for v in first["versions"]} == {"v1": 100, "v2": 0}
     await sync_to_async(routing_table_set)(model=chat, weights={"v1": 0, "v2": 100})
@@ -132,7 +132,7 @@ async def test_each_update_reads_traffic_afresh(make_user: Any, chat: Any) -> No
     while {v["version"]: v["traffic_pct"] for v in update["versions"]} != {"v1": 0, "v2": 100}:
         update = await ws.receive_json_from(timeout=10)  # at most one push was already on its way
     assert update["charted"] == ["v1", "v2"]  # v2 now has traffic: it gets its own series
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 # --- the overview's feed ---------------------------------------------------------------------------------
@@ -145,9 +145,9 @@ async def test_the_overview_feed_pushes_the_fleet_versions_and_replicas(
 ) -> None:
     staff = await sync_to_async(make_user)("admin")
     ws = await _communicator(staff, path=OVERVIEW)
-    assert (await ws.connect())[0]
+    assert (await ws.connect(timeout=10))[0]
     update = await ws.receive_json_from(timeout=10)
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
     assert update["type"] == "update"
     fleet = update["fleet"]
@@ -179,7 +179,7 @@ async def test_the_overview_feed_follows_replicas_and_traffic_without_reconnecti
 
     staff = await sync_to_async(make_user)("admin")
     ws = await _communicator(staff, path=OVERVIEW)
-    assert (await ws.connect())[0]
+    assert (await ws.connect(timeout=10))[0]
     first = await ws.receive_json_from(timeout=10)
     assert first["fleet"]["states"] == {"loading": 1, "ready": 1}
 
@@ -193,14 +193,14 @@ async def test_the_overview_feed_follows_replicas_and_traffic_without_reconnecti
     update = await ws.receive_json_from(timeout=10)
     while not caught_up(update):  # pushes read before the change may be queued; a stuck feed times out
         update = await ws.receive_json_from(timeout=10)
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
     assert update["fleet"]["kv_mean_pct"] == 50.0 and update["fleet"]["queue_depth"] == 1
 
 
 async def test_the_overview_feed_is_for_staff_only(make_user: Any, chat: Any) -> None:
-    assert await (await _communicator(None, path=OVERVIEW)).connect() == (False, 4403)
+    assert await (await _communicator(None, path=OVERVIEW)).connect(timeout=10) == (False, 4403)
     mallory = await sync_to_async(make_user)("mallory", is_staff=False)
-    assert await (await _communicator(mallory, path=OVERVIEW)).connect() == (False, 4403)
+    assert await (await _communicator(mallory, path=OVERVIEW)).connect(timeout=10) == (False, 4403)
 
 
 @pytest.mark.parametrize("change", ["no longer staff", "password reset", "logged out"])
@@ -213,7 +213,7 @@ async def test_an_open_feed_is_closed_once_its_user_is_no_longer_staff(
 
     staff = await sync_to_async(make_user)("admin")
     ws = await _communicator(staff)
-    assert (await ws.connect())[0]
+    assert (await ws.connect(timeout=10))[0]
     assert (await ws.receive_json_from(timeout=10))["type"] == "update"
     if change == "logged out":  # elsewhere: the session is gone from the store
         from django.contrib.sessions.models import Session
@@ -268,7 +268,7 @@ async def test_a_closed_feed_ends_though_a_read_lost_its_cancellation(
     monkeypatch.setattr(LiveFeedConsumer, "push", push_losing_the_cancellation)
     monkeypatch.setattr(LiveFeedConsumer, "disconnect", disconnect_watched)
     ws = await _communicator(await sync_to_async(make_user)("admin"))
-    connected, _ = await ws.connect()
+    connected, _ = await ws.connect(timeout=10)
     assert connected
     await asyncio.wait_for(pushing.wait(), timeout=10)
     # Not ws.disconnect's own timeout: at the end of it the communicator cancels the consumer, and that

@@ -21,7 +21,7 @@ async def acme(make_tenant, runtime):
 
 async def _connect(headers: list[tuple[bytes, bytes]] | None = None) -> WebsocketCommunicator:
     communicator = WebsocketCommunicator(application, PATH, headers=headers or [])
-    connected, _ = await communicator.connect()
+    connected, _ = await communicator.connect(timeout=10)
     assert connected
     return communicator
 
@@ -35,18 +35,18 @@ async def test_header_auth_then_one_message_per_token_and_a_done_message(acme) -
     assert messages[-1]["finish_reason"] == "length"
     assert messages[-1]["version"] == "v1"
     assert messages[-1]["usage"]["completion_tokens"] == 5
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 async def test_first_message_auth(acme) -> None:
     ws = await _connect()
     await ws.send_json_to({"type": "infer", "input": "hello"})
-    assert (await ws.receive_json_from())["error"]["type"] == "authentication_error"
+    assert (await ws.receive_json_from(timeout=10))["error"]["type"] == "authentication_error"
     await ws.send_json_to({"type": "auth", "api_key": acme.key})
     await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
     messages = [await ws.receive_json_from(timeout=10) for _ in range(3)]
     assert messages[-1]["type"] == "done"
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 async def test_a_key_revoked_while_its_socket_is_open_closes_it_at_the_next_request(acme) -> None:
@@ -67,36 +67,36 @@ async def test_a_key_revoked_while_its_socket_is_open_closes_it_at_the_next_requ
 
 async def test_a_bad_key_gets_an_error_and_the_socket_closes(registered_model) -> None:
     ws = await _connect([(b"authorization", b"Bearer sy-wrong")])
-    assert (await ws.receive_json_from())["error"]["type"] == "authentication_error"
-    assert (await ws.receive_output())["code"] == 4401
+    assert (await ws.receive_json_from(timeout=10))["error"]["type"] == "authentication_error"
+    assert (await ws.receive_output(timeout=10))["code"] == 4401
 
 
 async def test_bad_requests_get_the_json_error_and_the_socket_stays_usable(acme) -> None:
     ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
     await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 0})
-    assert (await ws.receive_json_from())["error"]["type"] == "invalid_request_error"
+    assert (await ws.receive_json_from(timeout=10))["error"]["type"] == "invalid_request_error"
     # refused by the replica (a token id past the vocabulary): the error names the version that refused it
     await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1, "logit_bias": {"99999999": 1}})
     refused = await ws.receive_json_from(timeout=10)
     assert refused["error"]["type"] == "invalid_request_error" and refused["version"] == "v1", refused
     await ws.send_json_to({"type": "dance"})
-    assert "message type" in (await ws.receive_json_from())["error"]["message"]
+    assert "message type" in (await ws.receive_json_from(timeout=10))["error"]["message"]
     await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1})
     assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(2)] == ["token", "done"]
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 async def test_a_wrongly_typed_version_pin_is_a_json_error_not_a_crash(acme) -> None:
     ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
     await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1, "version_pin": 5})
-    error = await ws.receive_json_from()
+    error = await ws.receive_json_from(timeout=10)
     assert error["error"] == {"type": "invalid_request_error", "message": "version_pin must be a string"}
     # A string reaches the gateway's pin check (acme may not pin), and the socket stays usable.
     await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1, "version_pin": "v1"})
-    assert "may not pin" in (await ws.receive_json_from())["error"]["message"]
+    assert "may not pin" in (await ws.receive_json_from(timeout=10))["error"]["message"]
     await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1})
     assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(2)] == ["token", "done"]
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 async def test_a_blank_version_pin_in_a_message_leaves_the_handshakes_pin_in_force(acme) -> None:
@@ -105,7 +105,7 @@ async def test_a_blank_version_pin_in_a_message_leaves_the_handshakes_pin_in_for
     for blank in ("", " "):
         await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1, "version_pin": blank})
         assert "may not pin" in (await ws.receive_json_from(timeout=10))["error"]["message"], repr(blank)
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 @pytest.mark.parametrize(
@@ -123,8 +123,8 @@ async def test_a_frame_that_is_not_a_json_text_message_gets_an_error_and_a_close
 ) -> None:
     ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
     await ws.send_to(**frame)
-    assert (await ws.receive_json_from())["error"]["type"] == "invalid_request_error"
-    assert await ws.receive_output() == {"type": "websocket.close", "code": code}
+    assert (await ws.receive_json_from(timeout=10))["error"]["type"] == "invalid_request_error"
+    assert await ws.receive_output(timeout=10) == {"type": "websocket.close", "code": code}
 
 
 async def test_a_message_over_the_request_size_limit_gets_an_error_and_1009(acme, settings) -> None:
@@ -132,9 +132,9 @@ async def test_a_message_over_the_request_size_limit_gets_an_error_and_1009(acme
     ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
     # 330 characters of three bytes each, in about 360: a count of characters would let it through
     await ws.send_to(text_data=json.dumps({"type": "infer", "input": "\u20ac" * 330}, ensure_ascii=False))
-    error = await ws.receive_json_from()
+    error = await ws.receive_json_from(timeout=10)
     assert error["error"] == {"type": "request_too_large", "message": "message over 1000 bytes"}
-    assert await ws.receive_output() == {"type": "websocket.close", "code": 1009}
+    assert await ws.receive_output(timeout=10) == {"type": "websocket.close", "code": 1009}
 
 
 async def test_a_handshake_from_another_sites_page_is_refused_and_clients_without_an_origin_are_not(
@@ -142,13 +142,13 @@ async def test_a_handshake_from_another_sites_page_is_refused_and_clients_withou
 ) -> None:
     auth = (b"authorization", f"Bearer {acme.key}".encode())
     foreign = WebsocketCommunicator(application, PATH, headers=[(b"origin", b"http://evil.example"), auth])
-    connected, _ = await foreign.connect()
+    connected, _ = await foreign.connect(timeout=10)
     assert not connected
     for headers in ([(b"origin", b"http://localhost:8000"), auth], [auth]):  # this site's page; a script
         ws = await _connect(headers)
         await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1})
         assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(2)] == ["token", "done"]
-        await ws.disconnect()
+        await ws.disconnect(timeout=10)
 
 
 async def test_cancel_stops_the_generation_and_frees_the_replica(acme, runtime) -> None:
@@ -169,7 +169,7 @@ async def test_cancel_stops_the_generation_and_frees_the_replica(acme, runtime) 
     (replica,) = runtime.replicas.values()
     await replica.wait_idle()
     assert replica.load == 0
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 async def test_cancel_reaches_a_request_still_waiting_to_be_dispatched(acme, monkeypatch) -> None:
@@ -202,7 +202,7 @@ async def test_cancel_reaches_a_request_still_waiting_to_be_dispatched(acme, mon
     monkeypatch.setattr(consumers, "dispatch", real_dispatch)
     await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
     assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(3)] == ["token", "token", "done"]
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 async def test_a_dispatch_that_fails_unexpectedly_answers_503_and_the_socket_serves_on(
@@ -224,7 +224,7 @@ async def test_a_dispatch_that_fails_unexpectedly_answers_503_and_the_socket_ser
     monkeypatch.setattr(consumers, "dispatch", real_dispatch)
     await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
     assert [(await ws.receive_json_from(timeout=10))["type"] for _ in range(3)] == ["token", "token", "done"]
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 async def test_a_refusal_says_when_to_retry_as_the_http_retry_after_does(
@@ -260,7 +260,7 @@ async def test_a_refusal_says_when_to_retry_as_the_http_retry_after_does(
     monkeypatch.setattr(consumers, "dispatch", real_dispatch)
     await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 0})
     assert "retry_after" not in await ws.receive_json_from(timeout=10)  # a 400: retrying will not help
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 async def test_the_next_infer_sent_as_soon_as_done_arrives_is_served_not_refused(acme, monkeypatch) -> None:
@@ -284,7 +284,7 @@ async def test_the_next_infer_sent_as_soon_as_done_arrives_is_served_not_refused
         await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
         messages = [await ws.receive_json_from(timeout=10) for _ in range(3)]
         assert [m["type"] for m in messages] == ["token", "token", "done"], messages
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 async def test_a_stream_that_fails_unexpectedly_ends_with_an_error_message(acme, monkeypatch) -> None:
@@ -306,7 +306,7 @@ async def test_a_stream_that_fails_unexpectedly_ends_with_an_error_message(acme,
         "error",
         "internal_error",
     )
-    await ws.disconnect()
+    await ws.disconnect(timeout=10)
 
 
 async def test_a_key_that_cannot_be_checked_now_closes_with_try_again_later_not_unauthenticated(
@@ -322,9 +322,9 @@ async def test_a_key_that_cannot_be_checked_now_closes_with_try_again_later_not_
 
     monkeypatch.setattr(consumers, "authenticate", database_down)
     ws = await _connect([(b"authorization", b"Bearer sy-whatever")])
-    error = await ws.receive_json_from()
+    error = await ws.receive_json_from(timeout=10)
     assert error["error"]["type"] == "service_unavailable" and error["retry_after"] == 2
-    assert (await ws.receive_output())["code"] == consumers.CLOSE_TRY_AGAIN_LATER
+    assert (await ws.receive_output(timeout=10))["code"] == consumers.CLOSE_TRY_AGAIN_LATER
 
 
 async def test_a_consumer_that_fails_mid_generation_does_not_leave_it_running(
