@@ -115,6 +115,9 @@ POSTGRES_CONNECTION_TIMEOUTS = {
     "keepalives_interval": 2,
     "keepalives_count": 3,
 }
+if not os.environ.get("DATABASE_URL"):
+    # The embedded database's folder: with SECRET_KEY set, nothing above has made it (sqlite cannot).
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
 DATABASES = {
     "default": dj_database_url.parse(
         os.environ.get("DATABASE_URL") or f"sqlite:///{STATE_DIR / 'switchyard.sqlite3'}",

@@ -71,3 +71,19 @@ def test_a_postgres_server_that_never_answers_fails_the_connect_within_seconds(t
     name, seconds = result.stdout.split()
     assert name == "OperationalError", result.stderr
     assert float(seconds) < 15
+
+
+def test_with_a_secret_key_of_its_own_the_embedded_database_still_opens_in_a_fresh_state_dir(
+    tmp_path: Path,
+) -> None:
+    """The state directory was made only where the key file is written: with SECRET_KEY set, sqlite
+    could not create its file ("unable to open database file")."""
+    state = tmp_path / "fresh"
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
+    env.update(SECRET_KEY="s" * 50, SWITCHYARD_STATE_DIR=str(state), DJANGO_SETTINGS_MODULE="config.settings")
+    code = "import django; django.setup(); from django.db import connection; connection.ensure_connection()"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert (state / "switchyard.sqlite3").exists()
