@@ -8,8 +8,8 @@ LIVE_INTERVAL_S (the client sends nothing):
   replica states, each version's traffic and last-minute rates, fleet KV-cache use.
 
 Mounted with config.routing.session_route (session auth + the allowed-hosts origin check). Anyone but
-staff is refused at the handshake (close code 4403; an unknown model 4404), and an open feed is closed
-with 4403 within STAFF_RECHECK_S of its user logging out or losing staff."""
+staff is closed with 4403 as soon as the handshake ends (an unknown model 4404), and an open feed is
+closed with 4403 within STAFF_RECHECK_S of its user logging out or losing staff."""
 
 from __future__ import annotations
 
@@ -56,6 +56,9 @@ class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     _task: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:
+        # Refusals are closes after the handshake: one before it is an HTTP 403 at the server (uvicorn),
+        # and the browser sees only 1006, which live.js takes for a dropped feed and retries for ever.
+        await self.accept()
         user = self.scope.get("user")
         if user is None or not (user.is_authenticated and user.is_active and user.is_staff):
             await self.close(code=CLOSE_FORBIDDEN)
@@ -63,7 +66,6 @@ class _PushingConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         if not await self.prepare():
             await self.close(code=CLOSE_NOT_FOUND)
             return
-        await self.accept()
         self._task = asyncio.get_running_loop().create_task(
             self._push_forever(), name=f"dashboard live feed {self.scope.get('path')}"
         )
@@ -119,6 +121,8 @@ class OverviewFeedConsumer(_PushingConsumer):
 
 
 class LiveFeedConsumer(_PushingConsumer):
+    _pushed = False
+
     async def prepare(self) -> bool:
         query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
         self.chart = charts.chart_range((query.get("range") or [None])[0])
@@ -139,6 +143,8 @@ class LiveFeedConsumer(_PushingConsumer):
             charted=self.charted,
             replicas=replicas,
             with_points=self.with_points,
+            whole_range=not self._pushed,  # what the page lacks since it loaded, or since its last feed
         )
         self.charted = update["charted"]
         await self.send_json(update)
+        self._pushed = True

@@ -9,6 +9,7 @@ Chart points are per version, always: a canary's series is never merged with the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -23,8 +24,11 @@ from rollouts import selectors as rollout_selectors
 from rollouts.models import Deployment
 from rollouts.services import JUDGE_ACTOR
 from serving.gateway import MemoryQuotaStore, QuotaUsage, quota_store
-from serving.runtime import ReplicaHandle, get_runtime
+from serving.runtime import ReplicaHandle, get_runtime, started_runtime
 from serving.selectors import version_series, version_windows
+from serving.throttle import Throttle
+
+logger = logging.getLogger(__name__)
 
 LIVE_INTERVAL_S = 1.5  # how often the live feed pushes
 RATE_WINDOW = timedelta(minutes=1)  # "now" figures (overview, the model page's table)
@@ -121,6 +125,22 @@ async def fleet_replicas() -> list[ReplicaHandle]:
     """Every replica this process knows: its own (embedded mode) and, with Redis, fresh heartbeats."""
     runtime = await get_runtime()
     return await runtime.all_replicas()
+
+
+_directory_unreadable = Throttle()
+
+
+async def page_replicas() -> tuple[list[ReplicaHandle], bool]:
+    """fleet_replicas for a page, and whether that is all of them. With the replica directory unreadable
+    (Redis down) the page still loads, with this process's replicas and a note: an outage is when staff
+    most need the dashboard. (A live feed skips that push instead, and keeps what it showed.)"""
+    try:
+        return await fleet_replicas(), True
+    except Exception:
+        if _directory_unreadable.is_due():
+            logger.warning("dashboard: the replica directory cannot be read", exc_info=True)
+    runtime = started_runtime()  # none: the data plane could not start (Redis down at this one's start)
+    return (runtime.local_replicas() if runtime is not None else []), False
 
 
 def _replica_row(handle: ReplicaHandle) -> dict[str, Any]:
@@ -275,10 +295,13 @@ def live_update(
     charted: Sequence[str],
     replicas: Sequence[ReplicaHandle],
     with_points: bool = True,
+    whole_range: bool = False,
     now: datetime | None = None,
 ) -> dict[str, Any]:
     """One push of the live feed: the last few steps of each charted version (the client replaces
     points it has), traffic and states, the last minute's figures and the replicas' gauges now.
+    `whole_range`: every step of the chart's range instead, for a feed's first push, since the page may
+    have missed minutes (a laptop asleep, a reconnect) that the few steps would leave as a straight line.
     Without points (the rollout page) only traffic, states, replicas and the deployment. The model is
     read afresh on every push: its traffic and aliases are what changes."""
     now = now or timezone.now()
@@ -294,7 +317,7 @@ def live_update(
         points = _version_points(
             model_name=model.name,
             versions=charted,
-            start=charts.live_start(chart, now),
+            start=charts.series_start(chart, now) if whole_range else charts.live_start(chart, now),
             end=charts.data_end(now),
             step_s=chart.step_s,
         )

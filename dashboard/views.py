@@ -80,16 +80,17 @@ def _plotly() -> dict[str, str]:
 
 @staff_required
 async def overview(request: HttpRequest) -> HttpResponse:
-    replicas = await selectors.fleet_replicas()
+    replicas, complete = await selectors.page_replicas()
     page = await sync_to_async(selectors.overview)(replicas=replicas)
     live = {
         "ws_path": "/dashboard/ws/overview/",
         "deployment_url": reverse("dashboard:deployment", args=[0]),  # the script puts the id in
     }
-    return await sync_to_async(render)(request, "dashboard/overview.html", {**page, "live": live})
+    context = {**page, "live": live, "replicas_incomplete": not complete}
+    return await sync_to_async(render)(request, "dashboard/overview.html", context)
 
 
-def _model_page(request: HttpRequest, model_name: str, replicas: list[Any]) -> HttpResponse:
+def _model_page(request: HttpRequest, model_name: str, replicas: list[Any], complete: bool) -> HttpResponse:
     model = selectors.model_get(name=model_name)
     if model is None:
         raise Http404(f"no model {model_name!r}")
@@ -108,6 +109,7 @@ def _model_page(request: HttpRequest, model_name: str, replicas: list[Any]) -> H
             "ws_path": f"/dashboard/ws/models/{model.name}/?"
             + urlencode({"range": chart.key, "versions": ",".join(page["charted"])}),
         },
+        "replicas_incomplete": not complete,
         **_plotly(),
     }
     return render(request, "dashboard/model.html", context)
@@ -115,8 +117,8 @@ def _model_page(request: HttpRequest, model_name: str, replicas: list[Any]) -> H
 
 @staff_required
 async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
-    replicas = await selectors.fleet_replicas()
-    return await sync_to_async(_model_page)(request, model, replicas)
+    replicas, complete = await selectors.page_replicas()
+    return await sync_to_async(_model_page)(request, model, replicas, complete)
 
 
 # --- rollouts ----------------------------------------------------------------------------------------

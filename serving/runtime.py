@@ -395,6 +395,11 @@ async def _still_serves(model_name: str, version: str) -> bool:
     return snapshot is not None and snapshot.serves(version)
 
 
+def started_runtime() -> Runtime | None:
+    """This loop's runtime if it has started; starts nothing."""
+    return _runtimes.get(asyncio.get_running_loop())
+
+
 async def get_runtime() -> Runtime:
     """This loop's runtime, started. Callers that come while it starts wait for the one start: on Redis
     the reply hub's SUBSCRIBE takes a round trip, and a runtime handed out before it ends has no inbox

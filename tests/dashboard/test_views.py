@@ -416,3 +416,20 @@ def test_model_page_shows_the_autoscalers_target_and_its_reason(staff_client: Cl
 
     rows = {r["version"]: r for r in model_versions(model=v1.model)}
     assert (rows["v1"]["target_replicas"], rows["v2"]["target_replicas"]) == (3, None)  # what the feed pushes
+
+
+@pytest.mark.parametrize("page", ["/dashboard/", "/dashboard/models/chat/"])
+def test_the_pages_load_when_the_replica_directory_cannot_be_read(
+    staff_client: Client, chat_with_traffic: Any, monkeypatch: Any, page: str
+) -> None:
+    """Redis down during an incident: the two pages staff need most were a 500."""
+    from dashboard import selectors
+
+    async def unreadable() -> list[Any]:
+        raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(selectors, "fleet_replicas", unreadable)
+    response = staff_client.get(page)
+    assert response.status_code == 200
+    assert b"The replica directory (Redis) cannot be read" in response.content
+    assert b"No replicas running." in response.content

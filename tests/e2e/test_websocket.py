@@ -82,3 +82,17 @@ def test_the_real_server_refuses_a_dashboard_handshake_from_another_site(platfor
     with pytest.raises(InvalidStatus) as refused:
         ws_client.connect(url, origin="http://evil.example", additional_headers=cookie, open_timeout=10)
     assert refused.value.response.status_code == 403
+
+
+def test_a_browser_without_a_staff_session_gets_the_feeds_final_close_code(platform_server) -> None:
+    """Refused before the handshake, the server answered HTTP 403 and a browser saw only 1006, which the
+    page retried for ever; 4403 tells it to stop and say why."""
+    from websockets.exceptions import ConnectionClosed
+
+    url = platform_server.url.replace("http://", "ws://") + "/dashboard/ws/overview/"
+    with (
+        ws_client.connect(url, origin=platform_server.url, open_timeout=10) as ws,
+        pytest.raises(ConnectionClosed) as closed,
+    ):
+        ws.recv(timeout=10)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 4403

@@ -63,6 +63,10 @@
   function renderReplicas(container, rows, showModel) {
     var body = container ? container.querySelector("tbody") : null;
     if (!body) { return; }
+    // A push lists every replica (a feed whose directory read fails skips it): the page's note that
+    // it could list only its own process's no longer holds.
+    var notice = container.querySelector(".notice");
+    if (notice) { notice.remove(); }
     var numColumns = showModel ? 9 : 8;
     body.textContent = "";
     if (!rows.length) {
