@@ -17,32 +17,42 @@
   var PLOT_CONFIG = { displaylogo: false, responsive: true,
     modeBarButtonsToRemove: ["select2d", "lasso2d", "autoScale2d", "toggleSpikelines"] };
 
-  var colors = {};
-  config.versions.forEach(function (v, i) { colors[v.version] = PALETTE[i % PALETTE.length]; });
-  function colorOf(version) {
-    if (!(version in colors)) {
-      colors[version] = PALETTE[Object.keys(colors).length % PALETTE.length];
-    }
-    return colors[version];
-  }
-
   // --- state --------------------------------------------------------------------------------------
   var charted = [];      // versions, in the order they are drawn
   var points = {};       // version -> Map(time -> point)
   var replicas = {};     // replica id -> {version, x: [], kv: [], queue: []}
 
+  // A version keeps its colour; no two charted versions share one (there are as many colours as charted
+  // versions at most). By position among all versions, v13 took v1's.
+  var colors = {};
+  function assignColor(version, others) {
+    var used = others.map(function (v) { return colors[v]; });
+    var free = PALETTE.filter(function (c) { return used.indexOf(c) < 0; });
+    colors[version] = free.length ? free[0] : PALETTE[others.length % PALETTE.length];
+  }
+  function colorOf(version) {
+    if (!(version in colors)) { assignColor(version, Object.keys(colors)); }
+    return colors[version];
+  }
+
   function parseUtc(t) { return Date.parse(t.replace(" ", "T") + "Z"); }
 
-  function addPoints(pointsByVersion, versions) {
+  // `at`: the server's time of the data, which ages points out (not this browser's clock, which may be off).
+  function addPoints(pointsByVersion, versions, at) {
     versions.forEach(function (version) {
-      if (charted.indexOf(version) < 0) { charted.push(version); }
+      if (charted.indexOf(version) < 0) {
+        var others = charted.slice();
+        charted.push(version);
+        var clash = others.some(function (v) { return colors[v] === colors[version]; });
+        if (!(version in colors) || clash) { assignColor(version, others); }
+      }
       if (!points[version]) { points[version] = new Map(); }
     });
     Object.keys(pointsByVersion).forEach(function (version) {
       if (!points[version]) { return; }
       pointsByVersion[version].forEach(function (p) { points[version].set(p.t, p); });
     });
-    var cutoff = Date.now() - (config.range.span_s + config.range.step_s) * 1000;
+    var cutoff = parseUtc(at) - (config.range.span_s + config.range.step_s) * 1000;
     Object.keys(points).forEach(function (version) {
       points[version].forEach(function (_, t) { if (parseUtc(t) < cutoff) { points[version].delete(t); } });
     });
@@ -60,6 +70,13 @@
       if (!s) { s = replicas[r.replica_id] = { version: r.version, x: [], kv: [], queue: [] }; }
       s.x.push(at); s.kv.push(r.kv_pct); s.queue.push(r.queue_depth);
       if (s.x.length > MAX_LIVE_POINTS) { s.x.shift(); s.kv.shift(); s.queue.shift(); }
+    });
+    // A replica gone (stopped, scaled down) for as long as the charts' live samples reach back is
+    // dropped: a day of autoscaling would otherwise pile up hundreds of traces redrawn on every push.
+    var keepAfter = parseUtc(at) - MAX_LIVE_POINTS * config.live_interval_s * 1000;
+    Object.keys(replicas).forEach(function (id) {
+      var s = replicas[id];
+      if (parseUtc(s.x[s.x.length - 1]) < keepAfter) { delete replicas[id]; }
     });
   }
 
@@ -176,7 +193,7 @@
   // --- live feed ----------------------------------------------------------------------------------
   var numUpdates = 0;
   function apply(update) {
-    addPoints(update.points, update.charted);
+    addPoints(update.points, update.charted, update.at);
     addReplicaSample(update.at, update.replicas);
     updateVersions(update.versions, update.last_minute);
     live.renderReplicas(document.getElementById("replicas-table"), update.replicas, false);
@@ -186,7 +203,7 @@
     document.body.dataset.liveUpdates = String(numUpdates);
   }
 
-  addPoints(config.points, config.charted);
+  addPoints(config.points, config.charted, config.at);
   addReplicaSample(config.at, config.replicas);
   updateVersions(config.versions, config.last_minute);
   render();
