@@ -455,3 +455,23 @@ def test_a_series_by_the_minute_reads_rolled_up_minutes_and_counts_each_request_
     # Minute 1 is read from its 60 s row alone: with its 5 s rows gone, it reads the same.
     MetricWindow.objects.filter(resolution_s=5, start__gte=at(t0), start__lt=at(t0 + 60)).delete()
     assert [w.num_requests for w in series()] == [24, 25, 24, 1]
+
+
+def test_a_days_series_reads_a_thousand_minutes_not_yet_rolled_up(version) -> None:
+    """A roll-up that stalled for 17 hours left over a thousand minutes to read from their 5 s rows: one
+    expression over all of them was more than SQLite would parse, and the 24 h chart a 500."""
+    from serving.selectors import version_series
+
+    recorder = recorder_for(version)
+    t0 = minute_ago(1100)
+    for minute in range(1100):
+        recorder.record(requests=[done(0.1)], now=t0 + minute * MINUTE)
+        if minute % 100 == 99:
+            recorder.flush()  # a recorder holds at most an hour of windows
+    recorder.flush()
+    assert MetricWindow.objects.filter(resolution_s=5, is_rolled_up=False).count() == 1100
+    start = (t0 // 900) * 900
+    series = version_series(
+        model_name="chat", version="v1", start=at(start), end=at(minute_ago(0)), step_s=900
+    )
+    assert sum(w.num_requests for w in series) == 1100
