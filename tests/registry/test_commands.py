@@ -108,6 +108,18 @@ def test_seed_demo_is_idempotent_and_keeps_one_live_demo_key(settings, tmp_path:
     assert Tenant.objects.filter(name="demo").count() == 1
 
 
+def test_seed_demo_rebuilds_a_demo_model_whose_build_was_cut_short(settings, tmp_path: Path) -> None:
+    """Weights written, then Ctrl-C before the tokenizer: it was taken for built and registered."""
+    settings.STATE_DIR = tmp_path
+    settings.ARTIFACT_ROOT = tmp_path / "artifacts"
+    (tmp_path / "demo-model").mkdir()
+    (tmp_path / "demo-model" / "model.safetensors").write_bytes(b"cut short")
+    _run("seed_demo", "--no-key")
+    files = ModelVersion.objects.get(model__name="demo-chat", version="v1").files
+    assert {"model.safetensors", "tokenizer.json", "config.json"} <= set(files)
+    assert not list(tmp_path.glob(".*.building"))
+
+
 def test_create_demo_model_writes_safetensors_and_a_tokenizer(tmp_path: Path) -> None:
     out_dir = tmp_path / "m"
     _run("create_demo_model", str(out_dir))

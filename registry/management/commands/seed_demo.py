@@ -1,3 +1,4 @@
+import shutil
 from pathlib import Path
 
 from django.conf import settings
@@ -65,11 +66,18 @@ class Command(BaseCommand):
         if Model.objects.filter(name=name).exists():
             return
         model_dir = Path(settings.STATE_DIR) / dir_name
-        if not (model_dir / "model.safetensors").exists():
+        # Built aside and renamed into place: a build cut short (Ctrl-C during the first `make serve`)
+        # left weights without a tokenizer, which every later run registered and no replica could load.
+        # README.md is what every builder writes last, for a directory from before that.
+        if not (model_dir / "README.md").exists():
             from serving.engine import demo_model
 
             self.stdout.write(f"building the random-weight {name} model in {model_dir}")
-            getattr(demo_model, builder)(model_dir)
+            building = model_dir.with_name(f".{dir_name}.building")
+            shutil.rmtree(building, ignore_errors=True)
+            getattr(demo_model, builder)(building)
+            shutil.rmtree(model_dir, ignore_errors=True)
+            building.rename(model_dir)
         mv = model_version_register(
             name=name, version="v1", source_dir=model_dir, kind=kind, created_by="seed_demo"
         )
