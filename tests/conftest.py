@@ -31,6 +31,17 @@ def require_service(name: str, host: str, port: int) -> None:
         pytest.skip(message)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that reaches the database only through a fixture (`db`, or `transactional_db`) gets the
+    django_db marker that fixture implies: the Postgres pass selects by the marker (scripts/run-tests),
+    and without it the metrics flushes' row locks, say, were only ever tested on SQLite."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("django_db") is None and names & {"db", "transactional_db"}:
+            item.add_marker(pytest.mark.django_db(transaction="transactional_db" in names))
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from serving.engine.demo_model import DemoModelSpec, build_demo_model
