@@ -20,7 +20,7 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from registry.models import Alias, Model, ModelVersion, RoutingTable, is_valid_name
+from registry.models import Alias, Model, ModelVersion, RoutingEntry, RoutingTable, is_valid_name
 from registry.selectors import versions_with_traffic
 from registry.services import (
     STABLE_ALIAS,
@@ -109,9 +109,9 @@ _INT_THRESHOLDS = {"min_samples"}
 _PROBABILITY_THRESHOLDS = {"alpha", "min_rate_increase", "min_truncation_increase"}
 # A finite number can still overflow the judge: 1e308 x an incumbent's p99 is inf, which neither SQLite's
 # nor Postgres's JSON accepts, so every tick that saved its figures failed and the deployment never moved.
-# The bounds are far past any sensible setting.
+# The bounds are far past any sensible setting. (min_samples is an integer, only ever compared: a huge
+# one holds a canary for good, which is how a benchmark keeps the judge from deciding.)
 _UPPER_BOUNDS: dict[str, float] = {
-    "min_samples": 10_000_000,
     "ttft_sla_ms": 3_600_000.0,  # an hour
     "tpot_sla_ms": 600_000.0,
     "latency_ratio": 1000.0,
@@ -653,15 +653,33 @@ def _rollback(
     deployment: Deployment, *, actor: str, reason: str, figures: dict[str, Any], now: dt.datetime
 ) -> None:
     decided_at = now
-    # Before its first step the candidate took no traffic: the table is still the operator's (a split
-    # between older versions, say), and routing it all to the incumbent would have dropped the rest.
-    took_traffic = deployment.state not in (State.PENDING, State.PROVISIONING)
+    # Before its first step the table is still the operator's (a split between older versions, say):
+    # routing it all to the incumbent would drop the rest. Only a share the candidate was given by hand
+    # moves, to the incumbent, since the candidate is being rolled back.
+    ramped = deployment.state not in (State.PENDING, State.PROVISIONING)
     _transition(deployment, State.ROLLING_BACK, actor=actor, reason=reason, figures=figures, at=decided_at)
     # Aliases first, the routing edit last: all of it commits at once, and the revision recorded is then
     # the one gateways will see.
     _park_canary_alias(deployment, actor=actor, outcome="rolled back")
     edit: dict[str, Any] = {}
-    if deployment.strategy == Deployment.Strategy.CANARY and took_traffic:
+    what = "mirroring stopped; traffic was never moved"
+    if deployment.strategy == Deployment.Strategy.CANARY and not ramped:
+        weights = dict(
+            RoutingEntry.objects.filter(table__model=deployment.model, weight__gt=0).values_list(
+                "version__version", "weight"
+            )
+        )
+        moved = weights.pop(deployment.candidate.version, 0)
+        what = "the candidate never ramped; routing left as it was"
+        if moved:
+            incumbent = deployment.incumbent.version
+            weights[incumbent] = weights.get(incumbent, 0) + moved
+            edit = _route(deployment, weights)
+            what = (
+                f"the candidate's {moved}% (not the deployment's) to {incumbent}, the rest as it was "
+                f"(routing revision {edit['routing_revision']}, edit {edit['edit_ms']:.1f} ms)"
+            )
+    elif deployment.strategy == Deployment.Strategy.CANARY:
         stable = Alias.objects.filter(model=deployment.model, name=STABLE_ALIAS).first()
         if stable is not None and stable.version_id != deployment.incumbent_id:
             alias_set(
@@ -672,17 +690,13 @@ def _rollback(
                 reason=f"deployment {deployment.pk} rolled back",
             )
         edit = _route(deployment, {deployment.incumbent.version: 100})
+        what = (
+            f"traffic 100% to {deployment.incumbent.version} (routing revision {edit['routing_revision']}, "
+            f"edit {edit['edit_ms']:.1f} ms)"
+        )
     deployment.rollback_decided_at = decided_at
     deployment.rollback_edit_ms = edit.get("edit_ms")
     deployment.finished_at = timezone.now()
-    what = (
-        f"traffic 100% to {deployment.incumbent.version} (routing revision {edit['routing_revision']}, "
-        f"edit {edit['edit_ms']:.1f} ms)"
-        if edit
-        else "mirroring stopped; traffic was never moved"
-        if deployment.strategy == Deployment.Strategy.SHADOW
-        else "the candidate never took traffic; routing left as it was"
-    )
     _transition(deployment, State.ROLLED_BACK, actor=actor, reason=what, figures=edit)
     deployment_id = deployment.pk
     transaction.on_commit(
@@ -723,7 +737,8 @@ def _refuse_unless_in_flight(deployment: Deployment, action: str) -> None:
 
 @transaction.atomic
 def deployment_rollback(*, deployment: Deployment, actor: str, reason: str = "") -> Deployment:
-    """Send all traffic back to the incumbent now (one routing edit) and release the candidate."""
+    """Send all traffic back to the incumbent now (one routing edit) and release the candidate. Before
+    the first step, only what the candidate was given by hand goes back, and the rest stays."""
     decided_at = timezone.now()
     deployment = _locked(deployment)
     _refuse_unless_in_flight(deployment, "roll back")

@@ -195,12 +195,13 @@ def test_rollout_page_shows_steps_traffic_verdicts_and_buttons(staff_client: Cli
     provisioning = staff_client.get(response["Location"]).text
     # The candidate may have no replica yet: nothing to promote, but it can be called off.
     assert "Promote v2" not in provisioning and "Roll back to v1" in provisioning
+    assert "it has not ramped, so chat's routing stays as it is" in provisioning  # the confirm says so
     deployment_judge(deployment=deployment, read_window=FakeMetrics())  # the candidate is up: ramping
     html = staff_client.get(response["Location"]).text
     assert 'data-role="candidate"' in html and 'data-role="incumbent"' in html
     assert "Promote v2" in html and "Roll back to v1" in html
     assert html.count('name="csrfmiddlewaretoken"') >= 3  # promote, rollback, log out
-    assert "data-confirm=" in html
+    assert "Roll back: send 100% of chat's traffic to v1 now?" in html
     assert "50%" in html and "100%" in html  # the steps
 
 
@@ -267,7 +268,7 @@ def test_rollback_calls_the_rollouts_service(make_user: Any, deployment: Any, mo
     assert routing_snapshot(model_name="chat").weights == {"v1": 100}
     html = client.get(page).text
     assert "rolled back" in html.lower() and "Roll back to" not in html  # no buttons once it has ended
-    assert 'id="rollback-timing"' in html and "routing edit" in html
+    assert 'id="rollback-timing"' in html and "no routing edit" in html  # it had not ramped
     row = re.search(r'data-role="candidate">.*?data-field="traffic">(\d+)%', html, re.S)
     assert row and row.group(1) == "0"
     # A second rollback is refused by the service, shown as a message, not an error page.

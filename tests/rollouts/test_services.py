@@ -142,7 +142,24 @@ def test_rolling_back_before_the_first_step_leaves_the_operators_split_as_it_was
     _, weights, aliases = routing_state(model)
     assert weights == {"v1": 80, "v3": 20}
     assert aliases["stable"] == "v1"
-    assert "never took traffic" in deployment.events.get(to_state="rolled_back").reason
+    assert "never ramped" in deployment.events.get(to_state="rolled_back").reason
+
+
+def test_before_the_first_step_a_share_given_to_the_candidate_by_hand_goes_to_the_incumbent(
+    make_model, settings
+) -> None:
+    """set_traffic gave v2 10% before its canary: rolled back unready, v2 kept it with no replica (503s)."""
+    from registry.services import routing_table_set
+
+    settings.ROLLOUT_READINESS_CHECK = "tests.rollouts.test_services.never_ready"
+    model = make_model()
+    routing_table_set(model=model, weights={"v1": 70, "v2": 10, "v3": 20})
+    deployment = create(model)
+    services.deployment_rollback(deployment=deployment, actor="staff:alice")
+    _, weights, _ = routing_state(model)
+    assert weights == {"v1": 80, "v3": 20}
+    reason = Deployment.objects.get(pk=deployment.pk).events.get(to_state="rolled_back").reason
+    assert "the candidate's 10% (not the deployment's) to v1, the rest as it was" in reason
 
 
 def test_the_judge_holds_while_healthy_then_advances_after_the_bake_window(ramping) -> None:

@@ -312,7 +312,7 @@ class Command(BaseCommand):
             )
             self._say(
                 t0,
-                f"  rollback: routing edit {rollback['edit_ms']:.1f} ms, committed "
+                f"  rollback: {_edit(rollback['edit_ms'])}, committed "
                 f"{1000 * (committed - decided):.0f} ms after the decision; {last_note}",
             )
         by_judge = detail["events"][-1]["actor"] == services.JUDGE_ACTOR or (
@@ -350,6 +350,10 @@ def _figures(figures: dict[str, Any]) -> str:
         + (f" | errors p={p:.2g}" if p is not None else "")
         + f" | baked {figures.get('bake_elapsed_s', 0):.0f}/{figures.get('bake_seconds', 0)} s"
     )
+
+
+def _edit(edit_ms: float | None) -> str:
+    return "no routing edit" if edit_ms is None else f"routing edit {edit_ms:.1f} ms"
 
 
 def _ms(value: float | None) -> str:
