@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import secrets
@@ -79,43 +80,76 @@ def model_version_register(
     # on SQLite a transaction holds the database's one write lock from its start, and every other
     # writer (a rollback, the judge, the replicas' metrics) would wait for the copy and then fail.
     staging, manifest = artifacts.stage_copy(Path(source_dir), root)
+    record = functools.partial(
+        _record_version,
+        name=name,
+        version=version,
+        kind=kind,
+        owner=owner,
+        parent=parent,
+        created_by=created_by,
+        manifest=manifest,
+        staging=staging,
+        final_dir=final_dir,
+    )
     try:
-        with transaction.atomic():
-            model = _check_registrable(
-                name=name, version=version, kind=kind, owner=owner
-            )  # again: it took a while
-            if final_dir.exists():
-                raise AlreadyExists(f"{final_dir} already exists in the artifact store")
-            if model is None:
-                model = Model.objects.create(name=name, kind=kind, owner=owner)
-            model_version = ModelVersion.objects.create(
-                model=model,
-                version=version,
-                artifact_uri=str(final_dir),
-                sha256=manifest.sha256,
-                format=ModelVersion.Format.SAFETENSORS,
-                size_bytes=manifest.size_bytes,
-                files=manifest.files,
-                parent=parent,
-                created_by=created_by,
-            )
-            table, _ = RoutingTable.objects.get_or_create(model=model)
-            is_first = not table.entries.exists()
-            RoutingEntry.objects.create(table=table, version=model_version, weight=100 if is_first else 0)
-            routing_changed(model=model)
-            if is_first:
-                alias_set(
-                    model=model,
-                    name=STABLE_ALIAS,
-                    version=model_version,
-                    actor=created_by or "system",
-                    reason="first version registered",
-                )
-            final_dir.parent.mkdir(parents=True, exist_ok=True)
-            staging.rename(final_dir)
+        try:
+            return record()
+        except IntegrityError:
+            # Another registration committed the same new model meanwhile (Postgres lets both check,
+            # then one insert waits for the other's): again, against what it wrote. The same version is
+            # then AlreadyExists, another version of it is added.
+            return record()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+@transaction.atomic
+def _record_version(
+    *,
+    name: str,
+    version: str,
+    kind: str,
+    owner: Tenant | None,
+    parent: ModelVersion | None,
+    created_by: str,
+    manifest: artifacts.ArtifactManifest,
+    staging: Path,
+    final_dir: Path,
+) -> ModelVersion:
+    """model_version_register's rows, with its checks again (the copy took a while), then the staged
+    copy moved into place."""
+    model = _check_registrable(name=name, version=version, kind=kind, owner=owner)
+    if final_dir.exists():
+        raise AlreadyExists(f"{final_dir} already exists in the artifact store")
+    if model is None:
+        model = Model.objects.create(name=name, kind=kind, owner=owner)
+    model_version = ModelVersion.objects.create(
+        model=model,
+        version=version,
+        artifact_uri=str(final_dir),
+        sha256=manifest.sha256,
+        format=ModelVersion.Format.SAFETENSORS,
+        size_bytes=manifest.size_bytes,
+        files=manifest.files,
+        parent=parent,
+        created_by=created_by,
+    )
+    table, _ = RoutingTable.objects.get_or_create(model=model)
+    is_first = not table.entries.exists()
+    RoutingEntry.objects.create(table=table, version=model_version, weight=100 if is_first else 0)
+    routing_changed(model=model)
+    if is_first:
+        alias_set(
+            model=model,
+            name=STABLE_ALIAS,
+            version=model_version,
+            actor=created_by or "system",
+            reason="first version registered",
+        )
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging.rename(final_dir)
     return model_version
 
 

@@ -325,3 +325,38 @@ def test_a_version_registered_by_someone_else_during_the_copy_is_refused_and_lea
     assert ModelVersion.objects.get(model__name="chat", version="v1").created_by == "first"
     root = Path(settings.ARTIFACT_ROOT)  # type: ignore[attr-defined]
     assert [p.name for p in root.iterdir() if p.name.startswith(".staging-")] == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_new_model_registered_by_two_at_once_gets_both_versions(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Postgres both registrations can check before either commits: the second's insert of the new
+    model then waits and fails on the unique name. It was an IntegrityError (a traceback in
+    register_model); it is checked again and its version added to the model the first created."""
+    from registry import services
+
+    copy, check = artifacts.stage_copy, services._check_registrable
+    stale_checks = []
+
+    def copy_while_another_registers(source_dir: Path, root: Path) -> object:
+        monkeypatch.setattr(artifacts, "stage_copy", copy)
+        model_version_register(name="chat", version="v1", source_dir=demo_model_dir, created_by="first")
+        return copy(source_dir, root)
+
+    def check_read_before_the_other_committed(**kwargs: object) -> object:
+        if kwargs["version"] == "v2" and len(stale_checks) < 2:
+            stale_checks.append(kwargs)
+            return None  # the model did not exist yet when this read
+        return check(**kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(artifacts, "stage_copy", copy_while_another_registers)
+    monkeypatch.setattr(services, "_check_registrable", check_read_before_the_other_committed)
+    v2 = model_version_register(name="chat", version="v2", source_dir=demo_model_dir, created_by="second")
+    assert len(stale_checks) == 2  # before the copy, and in the first try of the transaction
+    assert sorted(ModelVersion.objects.filter(model__name="chat").values_list("version", flat=True)) == [
+        "v1",
+        "v2",
+    ]
+    assert Path(v2.artifact_uri).is_dir()
+    assert routing_snapshot(model_name="chat").weights == {"v1": 100}  # type: ignore[union-attr]
