@@ -41,8 +41,10 @@
   function addPoints(pointsByVersion, versions, at) {
     versions.forEach(function (version) {
       if (charted.indexOf(version) < 0) {
-        var others = charted.slice();
         charted.push(version);
+        // Against the server's charted versions now (at most as many as there are colours), not every
+        // one this page has drawn.
+        var others = versions.filter(function (v) { return v !== version && v in colors; });
         var clash = others.some(function (v) { return colors[v] === colors[version]; });
         if (!(version in colors) || clash) { assignColor(version, others); }
       }
