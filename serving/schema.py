@@ -156,11 +156,11 @@ def add_inference_paths(result: dict[str, Any], generator: Any, request: Any, pu
     errors = {
         str(code): {"description": text, "content": {"application/json": {"schema": _ERROR}}}
         for code, text in [
-            (400, "invalid request"),
+            (400, "invalid request (an input over the character limit too)"),
             (401, "missing or invalid API key"),
             (403, "model or pin not allowed"),
             (404, "unknown model or version"),
-            (413, "input too large"),
+            (413, "request body over the byte limit"),
             (429, "over quota; see Retry-After"),
             (503, "no ready replica"),
         ]
