@@ -102,7 +102,23 @@ def model_version_register(
             return record()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        _remove_if_unrecorded(final_dir, staging=staging, name=name, version=version)
         raise
+
+
+def _remove_if_unrecorded(final_dir: Path, *, staging: Path, name: str, version: str) -> None:
+    """After a failure: the artifact moved into place (the move is the transaction's last step) by a
+    transaction whose commit then failed has no rows, and would refuse every later registration of the
+    version ("already exists in the artifact store"). Removed only when the database says for certain
+    that the version is not registered: a commit whose outcome is unknown keeps it."""
+    if staging.exists() or not final_dir.exists():
+        return  # not moved: the directory, if any, is someone else's
+    try:
+        registered = ModelVersion.objects.filter(model__name=name, version=version).exists()
+    except Exception:
+        return
+    if not registered:
+        shutil.rmtree(final_dir, ignore_errors=True)
 
 
 @transaction.atomic

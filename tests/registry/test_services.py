@@ -360,3 +360,28 @@ def test_a_new_model_registered_by_two_at_once_gets_both_versions(
     ]
     assert Path(v2.artifact_uri).is_dir()
     assert routing_snapshot(model_name="chat").weights == {"v1": 100}  # type: ignore[union-attr]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_artifact_moved_by_a_registration_whose_commit_failed_is_removed(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch, settings: object
+) -> None:
+    """The move into place is the transaction's last step; a commit failing after it left the files with
+    no rows, and every later registration of the version was refused as already in the store."""
+    from django.db import OperationalError, transaction
+
+    from registry import services
+
+    record = services._record_version
+
+    def commit_fails(**kwargs: object) -> object:
+        with transaction.atomic():  # the real one's becomes a savepoint of this, rolled back below
+            record(**kwargs)
+            raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(services, "_record_version", commit_fails)
+    with pytest.raises(OperationalError):
+        model_version_register(name="chat", version="v1", source_dir=demo_model_dir)
+    assert not (Path(settings.ARTIFACT_ROOT) / "chat" / "v1").exists()  # type: ignore[attr-defined]
+    monkeypatch.setattr(services, "_record_version", record)
+    assert model_version_register(name="chat", version="v1", source_dir=demo_model_dir).version == "v1"
