@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
@@ -167,12 +169,29 @@ def _database_ok() -> bool:
         return True
     except Exception:
         return False
-    finally:
-        connection.close()
+
+
+# /readyz answers anyone, so its database probe is shared: one at a time, its answer kept for a second.
+# A probe per request, each on a new connection, let a flood of probes load the database and hold the
+# worker threads that key lookups and routing reads wait for.
+_DATABASE_PROBE_S = 1.0
+_database_probes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[float, asyncio.Task[bool]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _database_probe() -> bool:
+    loop = asyncio.get_running_loop()
+    probe = _database_probes.get(loop)
+    if probe is None or (probe[1].done() and loop.time() - probe[0] >= _DATABASE_PROBE_S):
+        # Channels' wrapper: the thread's kept connection, replaced when it has gone bad.
+        task = loop.create_task(database_sync_to_async(_database_ok, thread_sensitive=False)())
+        probe = _database_probes[loop] = (loop.time(), task)
+    return await asyncio.shield(probe[1])  # a caller that leaves does not cancel the others' probe
 
 
 async def readyz(request: HttpRequest) -> JsonResponse:
-    database_ok = await sync_to_async(_database_ok, thread_sensitive=False)()
+    database_ok = await _database_probe()
     directory_ok = True
     try:
         runtime = await get_runtime()

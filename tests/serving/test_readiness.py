@@ -131,3 +131,35 @@ async def _readyz(  # type: ignore[no-untyped-def]
     transport = httpx.ASGITransport(app=application)
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
         return await client.get("/readyz", headers=headers or {})
+
+
+async def test_a_flood_of_probes_asks_the_database_once_a_second(monkeypatch, settings) -> None:
+    """/readyz answers anyone: a probe per request, each on a new connection, let a flood load the
+    database and the worker threads that key lookups wait for."""
+    import asyncio
+
+    from config.asgi import application
+    from serving import api
+
+    probes = []
+
+    def database_ok() -> bool:
+        probes.append(1)
+        return True
+
+    class Runtime:
+        async def all_replicas(self) -> list[ReplicaHandle]:
+            return []
+
+    async def get_runtime() -> Runtime:
+        return Runtime()
+
+    monkeypatch.setattr(api, "_database_ok", database_ok)
+    monkeypatch.setattr(api, "get_runtime", get_runtime)
+    settings.EMBEDDED_REPLICAS, settings.ALLOWED_HOSTS = False, ["localhost"]
+    transport = httpx.ASGITransport(app=application)
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+        first = await asyncio.gather(*(client.get("/readyz") for _ in range(20)))
+        then = await asyncio.gather(*(client.get("/readyz") for _ in range(20)))
+    assert {r.json()["database"] for r in [*first, *then]} == {True}
+    assert len(probes) == 1
