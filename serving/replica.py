@@ -824,7 +824,9 @@ class Replica:
                 # A failed forward pass fails the requests in it; the replica keeps serving the others
                 # and new ones. A failure anywhere else may have left any request half done: all fail.
                 logger.exception("replica %s: engine step failed", self.replica_id)
-                result = self._fail_all(str(exc), getattr(exc, "request_ids", None))  # engine.StepFailed's
+                result = self._fail_all(
+                    _failure_message(exc), getattr(exc, "request_ids", None)
+                )  # StepFailed's
                 num_failed_in_a_row += 1
                 if num_failed_in_a_row >= PROBE_AFTER_FAILED_STEPS:
                     num_failed_in_a_row = 0
@@ -1117,6 +1119,14 @@ def _final_event(output: Any, route: _Route) -> dict[str, Any]:
 
 def _step_message(items: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {"type": STEP_MESSAGE, "items": [{"request_id": r, "events": e} for r, e in items.items()]}
+
+
+def _failure_message(exc: BaseException) -> str:
+    """What a client whose request a failed step ended is told: the kind of failure, not its text, which
+    may carry the device's memory figures, process ids, shapes or paths (the log has it whole), and
+    which every tenant with a request in the batch would see."""
+    cause = exc.__cause__ or exc  # engine.StepFailed wraps the forward pass's own exception
+    return f"the replica failed on this request's step ({type(cause).__name__}); try again"
 
 
 def _error_event(error_type: str, message: str) -> dict[str, Any]:

@@ -207,7 +207,10 @@ async def test_a_final_event_that_cannot_be_built_still_ends_its_request(
         events = await replies.ended("r1")
         assert events[-1] == {
             "finish_reason": "error",
-            "error": {"type": "internal_error", "message": "vectors that cannot be encoded"},
+            "error": {
+                "type": "internal_error",
+                "message": "the replica failed on this request's step (ValueError); try again",
+            },
         }
         assert replica._routes == {}
         assert replica.is_ready  # the step failed, not the replica

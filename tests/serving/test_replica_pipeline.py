@@ -477,7 +477,11 @@ async def test_a_failed_forward_pass_fails_its_batch_and_the_waiting_request_run
         r1 = replies.events("r1")
         assert r1[-1] == {
             "finish_reason": "error",
-            "error": {"type": "internal_error", "message": "out of memory"},
+            "error": {
+                "type": "internal_error",
+                # the kind of failure, not its text (the log has it): "out of memory" stays out
+                "message": "the replica failed on this request's step (RuntimeError); try again",
+            },
         }
         _assert_one_whole_stream(replies.events("r2"), num_tokens=4)
         assert replica.is_ready and replica._routes == {}
@@ -511,7 +515,7 @@ async def test_an_abort_taken_in_a_step_whose_forward_pass_fails_is_still_counte
         await layer.send(replica.channel_name, {"type": ABORT, "request_id": "r1"})
         await asyncio.wait_for(replica.wait_idle(), timeout=30)
         assert failures == ["r2"]
-        assert replies.events("r2")[-1]["error"]["message"] == "out of memory"
+        assert "(RuntimeError)" in replies.events("r2")[-1]["error"]["message"]
         assert replica.metrics.snapshot().totals.counters.get("aborted", 0) == aborted_before + 1
     finally:
         await replica.stop()
