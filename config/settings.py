@@ -397,6 +397,10 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "filters": {"websocket_path_only": {"()": "config.log_filters.WebSocketPathOnly"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
-    "loggers": {"django.request": {"level": "ERROR"}},
+    "loggers": {
+        "django.request": {"level": "ERROR"},
+        "uvicorn.error": {"filters": ["websocket_path_only"]},  # handshakes: no query strings (keys)
+    },
 }

@@ -96,3 +96,18 @@ def test_a_browser_without_a_staff_session_gets_the_feeds_final_close_code(platf
     ):
         ws.recv(timeout=10)
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 4403
+
+
+def test_a_key_put_in_a_websocket_url_is_not_written_to_the_servers_log(platform_server) -> None:
+    """No key is read from a query string, but uvicorn logs every handshake's path with its query at
+    INFO: a client that tried `?api_key=` had its key written in the clear."""
+    from pathlib import Path
+
+    url = (
+        platform_server.url.replace("http://", "ws://") + "/v1/models/demo-chat/stream?api_key=sy-leaked-key"
+    )
+    with ws_client.connect(url, origin=platform_server.url, open_timeout=10):
+        pass
+    log = (Path(platform_server.env["SWITCHYARD_STATE_DIR"]) / "server.log").read_text(errors="replace")
+    assert '"WebSocket /v1/models/demo-chat/stream?…"' in log  # the handshake is still logged
+    assert "sy-leaked-key" not in log
