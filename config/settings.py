@@ -382,13 +382,17 @@ if not 0 <= LOG_PROMPTS_SAMPLE_RATE <= 1:
 
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
-if IS_PRODUCTION and not DEBUG:
+# With SECRET_KEY set, whatever DEBUG says: DEBUG=1 on a production host had turned HTTPS off as well.
+# (A plain-HTTP setup with a key of its own turns each off by name.)
+if IS_PRODUCTION:
     SESSION_COOKIE_SECURE = _env_bool("SESSION_COOKIE_SECURE", True)
     CSRF_COOKIE_SECURE = _env_bool("CSRF_COOKIE_SECURE", True)
     SECURE_SSL_REDIRECT = _env_bool("SECURE_SSL_REDIRECT", True)
     SECURE_HSTS_SECONDS = int(os.environ.get("SECURE_HSTS_SECONDS", "31536000"))
     SECURE_HSTS_INCLUDE_SUBDOMAINS = True
     SECURE_HSTS_PRELOAD = True
+    # Trusted: the proxy in front (platform/README.md) must set X-Forwarded-Proto on every request,
+    # overwriting what a client sent.
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
     # Health probes come from the orchestrator over plain HTTP inside the cluster.
     SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]

@@ -87,3 +87,18 @@ def test_with_a_secret_key_of_its_own_the_embedded_database_still_opens_in_a_fre
     )
     assert result.returncode == 0, result.stderr
     assert (state / "switchyard.sqlite3").exists()
+
+
+def test_a_secret_key_makes_the_server_https_only_even_with_debug_on(tmp_path: Path) -> None:
+    """DEBUG=1 on a production host had turned off secure cookies, the HTTPS redirect and HSTS too."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
+    env.update(SECRET_KEY="s" * 50, DEBUG="1", SWITCHYARD_STATE_DIR=str(tmp_path))
+    code = (
+        "import config.settings as s; "
+        "print(s.DEBUG, s.SESSION_COOKIE_SECURE, s.CSRF_COOKIE_SECURE, "
+        "s.SECURE_SSL_REDIRECT, s.SECURE_HSTS_SECONDS)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["True", "True", "True", "True", "31536000"]
