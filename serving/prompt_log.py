@@ -86,12 +86,21 @@ def redact(text: str) -> str:
     return text
 
 
+# Of an embedding or classification request's texts (up to 2,048, each up to MAX_INPUT_CHARS): the
+# redaction's cost grows with what it reads, and a record of them all would be mostly placeholders.
+MAX_LOGGED_INPUTS = 8
+
+
 def _input_text(submission: dict[str, Any]) -> str | list[str] | list[dict[str, str]]:
     if submission.get("input") is not None:
         return redact(str(submission["input"]))
     if submission.get("messages") is not None:
         return [{"role": m["role"], "content": redact(m["content"])} for m in submission["messages"]]
-    return [redact(text) for text in submission.get("inputs") or ()]
+    inputs = list(submission.get("inputs") or ())
+    logged = [redact(text) for text in inputs[:MAX_LOGGED_INPUTS]]
+    if len(inputs) > MAX_LOGGED_INPUTS:
+        logged.append(f"…[{len(inputs) - MAX_LOGGED_INPUTS} more inputs]")
+    return logged
 
 
 def maybe_log(handle: Any, *, tenant: str, submission: dict[str, Any]) -> bool:
@@ -106,18 +115,27 @@ def maybe_log(handle: Any, *, tenant: str, submission: dict[str, Any]) -> bool:
         "tenant": tenant,
         "model": handle.model_name,
         "version": handle.version,
-        "input": _input_text(submission),
     }
+    inputs = {name: submission.get(name) for name in ("input", "messages", "inputs")}
     is_generative = submission.get("inputs") is None
-    task = asyncio.get_running_loop().create_task(_write(record, output, is_generative=is_generative))
+    task = asyncio.get_running_loop().create_task(_write(record, inputs, output, is_generative=is_generative))
     _writing.add(task)
     task.add_done_callback(_writing.discard)
     return True
 
 
-async def _write(record: dict[str, Any], output: asyncio.Future[str | None], *, is_generative: bool) -> None:
+async def _write(
+    record: dict[str, Any],
+    inputs: dict[str, Any],
+    output: asyncio.Future[str | None],
+    *,
+    is_generative: bool,
+) -> None:
+    # On a worker thread: the patterns take up to a tenth of a second over a long text made to be slow,
+    # which on the event loop would hold every other request of the gateway.
+    record["input"] = await asyncio.to_thread(_input_text, inputs)
     text = await output
     record["completed"] = text is not None
     if is_generative:
-        record["output"] = redact(text) if text is not None else None
+        record["output"] = await asyncio.to_thread(redact, text) if text is not None else None
     prompt_logger.info(json.dumps(record, ensure_ascii=False))

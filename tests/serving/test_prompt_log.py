@@ -201,9 +201,47 @@ async def test_chat_messages_and_embedding_inputs_are_redacted_and_vectors_never
     assert prompt_log.maybe_log(Handle(), tenant="t", submission=embed)
     while prompt_log._writing:
         await asyncio.sleep(0)
-    chat_record, embed_record = [json.loads(r.getMessage()) for r in caplog.records]
+    records = [json.loads(r.getMessage()) for r in caplog.records]
+    (chat_record,) = [r for r in records if "output" in r]  # written in either order
+    (embed_record,) = [r for r in records if "output" not in r]
     assert chat_record["input"] == [{"role": "user", "content": "mail me at [EMAIL]"}]
     assert chat_record["output"] == "" and chat_record["completed"]
     assert embed_record["input"] == ["call [NUMBER]", "hi"] and "output" not in embed_record
     settings.LOG_PROMPTS_SAMPLE_RATE = 0.0
     assert not prompt_log.maybe_log(Handle(), tenant="t", submission=chat)
+
+
+async def test_redaction_runs_off_the_event_loop_and_logs_at_most_eight_of_many_inputs(
+    settings, caplog, monkeypatch
+) -> None:
+    """Redacting is up to a tenth of a second over a text made to be slow, and an embedding request may
+    carry 2,048 texts: on the gateway's loop it held every other request."""
+    import threading
+
+    from serving import prompt_log
+
+    class Handle:
+        request_id, model_name, version = "r1", "m", "v1"
+
+        def capture_text(self) -> asyncio.Future[str | None]:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result("")
+            return done
+
+    threads = set()
+    real = prompt_log.redact
+
+    def watched(text: str) -> str:
+        threads.add(threading.current_thread())
+        return real(text)
+
+    monkeypatch.setattr(prompt_log, "redact", watched)
+    settings.LOG_PROMPTS_SAMPLE_RATE = 1.0
+    caplog.set_level(logging.INFO, logger="switchyard.prompts")
+    embed = {"input": None, "messages": None, "inputs": [f"text {i}" for i in range(20)]}
+    assert prompt_log.maybe_log(Handle(), tenant="t", submission=embed)
+    while prompt_log._writing:
+        await asyncio.sleep(0)
+    (record,) = [json.loads(r.getMessage()) for r in caplog.records]
+    assert record["input"] == [f"text {i}" for i in range(8)] + ["…[12 more inputs]"]
+    assert threads and threading.main_thread() not in threads
