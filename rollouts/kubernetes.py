@@ -82,10 +82,19 @@ def deployment_manifest(model: str, version: str, replicas: int, template: PodTe
         "envFrom": [{"secretRef": {"name": n}} for n in template.env_from],
         "resources": resources,
         "volumeMounts": [{"name": "artifacts", "mountPath": template.artifact_root, "readOnly": True}],
+        # A replica parses tenants' tokenizer files and chat templates: it gets no privilege to gain and
+        # no capability, and (below) no API token, since it never calls the Kubernetes API. Whether it
+        # runs as root is the image's choice (runAsNonRoot would refuse an image that does).
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
     }
     pod_template = {
         "metadata": {"labels": labels, "annotations": annotations},
         "spec": {
+            "automountServiceAccountToken": False,
             "containers": [container],
             "volumes": [
                 {"name": "artifacts", "persistentVolumeClaim": {"claimName": template.artifact_claim}}

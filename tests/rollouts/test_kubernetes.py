@@ -127,6 +127,10 @@ def test_the_pod_runs_its_versions_replica_with_a_gpu_the_shared_environment_and
     assert pod["spec"]["volumes"] == [
         {"name": "artifacts", "persistentVolumeClaim": {"claimName": "artifacts"}}
     ]
+    # It parses tenants' tokenizer files: no API token, no privilege to gain, no capability.
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     with pytest.raises(ValueError, match="gpus must be 0 or 1"):
         PodTemplate(image="x", artifact_claim="a", artifact_root="/a", gpus=2)
 
