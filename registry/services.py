@@ -96,23 +96,25 @@ def model_version_register(
         try:
             return record()
         except IntegrityError:
+            if not staging.exists():
+                raise  # moved into place already: the commit failed (Postgres checks foreign keys then)
             # Another registration committed the same new model meanwhile (Postgres lets both check,
             # then one insert waits for the other's): again, against what it wrote. The same version is
             # then AlreadyExists, another version of it is added.
             return record()
     except BaseException:
+        moved = not staging.exists()  # the move is the transaction's last step
         shutil.rmtree(staging, ignore_errors=True)
-        _remove_if_unrecorded(final_dir, staging=staging, name=name, version=version)
+        if moved:  # else the directory, if any, is another registration's
+            _remove_if_unrecorded(final_dir, name=name, version=version)
         raise
 
 
-def _remove_if_unrecorded(final_dir: Path, *, staging: Path, name: str, version: str) -> None:
-    """After a failure: the artifact moved into place (the move is the transaction's last step) by a
-    transaction whose commit then failed has no rows, and would refuse every later registration of the
-    version ("already exists in the artifact store"). Removed only when the database says for certain
-    that the version is not registered: a commit whose outcome is unknown keeps it."""
-    if staging.exists() or not final_dir.exists():
-        return  # not moved: the directory, if any, is someone else's
+def _remove_if_unrecorded(final_dir: Path, *, name: str, version: str) -> None:
+    """After a failure: the artifact this registration moved into place, by a transaction whose commit
+    then failed, has no rows, and would refuse every later registration of the version ("already exists
+    in the artifact store"). Removed only when the database says for certain that the version is not
+    registered: a commit whose outcome is unknown keeps it."""
     try:
         registered = ModelVersion.objects.filter(model__name=name, version=version).exists()
     except Exception:

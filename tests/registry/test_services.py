@@ -385,3 +385,24 @@ def test_an_artifact_moved_by_a_registration_whose_commit_failed_is_removed(
     assert not (Path(settings.ARTIFACT_ROOT) / "chat" / "v1").exists()  # type: ignore[attr-defined]
     monkeypatch.setattr(services, "_record_version", record)
     assert model_version_register(name="chat", version="v1", source_dir=demo_model_dir).version == "v1"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_registration_refused_for_a_directory_it_did_not_move_leaves_that_directory(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch, settings: object
+) -> None:
+    """Another registration of the version has moved its files into place and not yet committed (its rows
+    are not visible): this one is refused, and must not take those files with it."""
+    copy = artifacts.stage_copy
+    final_dir = Path(settings.ARTIFACT_ROOT) / "chat" / "v1"  # type: ignore[attr-defined]
+
+    def copy_while_another_moves_its_files_in(source_dir: Path, root: Path) -> object:
+        staged = copy(source_dir, root)
+        final_dir.mkdir(parents=True)
+        (final_dir / "config.json").write_text("{}")  # the other's, committed a moment later
+        return staged
+
+    monkeypatch.setattr(artifacts, "stage_copy", copy_while_another_moves_its_files_in)
+    with pytest.raises(AlreadyExists, match="already exists in the artifact store"):
+        model_version_register(name="chat", version="v1", source_dir=demo_model_dir)
+    assert (final_dir / "config.json").exists()
