@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -173,21 +172,33 @@ def _database_ok() -> bool:
 
 # /readyz answers anyone, so its database probe is shared: one at a time, its answer kept for a second.
 # A probe per request, each on a new connection, let a flood of probes load the database and hold the
-# worker threads that key lookups and routing reads wait for.
+# worker threads that key lookups and routing reads wait for. A probe that has not answered within
+# _DATABASE_PROBE_WAIT_S reads as the database down (a partition can hold one for the connection's
+# timeouts, 15 s and more), and the next request after it ends starts another.
 _DATABASE_PROBE_S = 1.0
-_database_probes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[float, asyncio.Task[bool]]] = (
-    weakref.WeakKeyDictionary()
-)
+_DATABASE_PROBE_WAIT_S = 2.0
+_database_probe_task: asyncio.Task[bool] | None = None
+_database_probe_started = 0.0
 
 
 async def _database_probe() -> bool:
+    global _database_probe_task, _database_probe_started
     loop = asyncio.get_running_loop()
-    probe = _database_probes.get(loop)
-    if probe is None or (probe[1].done() and loop.time() - probe[0] >= _DATABASE_PROBE_S):
+    task = _database_probe_task
+    if (
+        task is None
+        or task.get_loop() is not loop
+        or (task.done() and loop.time() - _database_probe_started >= _DATABASE_PROBE_S)
+    ):
         # Channels' wrapper: the thread's kept connection, replaced when it has gone bad.
         task = loop.create_task(database_sync_to_async(_database_ok, thread_sensitive=False)())
-        probe = _database_probes[loop] = (loop.time(), task)
-    return await asyncio.shield(probe[1])  # a caller that leaves does not cancel the others' probe
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved: never logged
+        _database_probe_task, _database_probe_started = task, loop.time()
+    try:
+        # Shielded: a caller that leaves, or gives up waiting, does not cancel the others' probe.
+        return await asyncio.wait_for(asyncio.shield(task), _DATABASE_PROBE_WAIT_S)
+    except Exception:  # TimeoutError, or the probe itself failed
+        return False
 
 
 async def readyz(request: HttpRequest) -> JsonResponse:

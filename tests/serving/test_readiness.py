@@ -156,6 +156,7 @@ async def test_a_flood_of_probes_asks_the_database_once_a_second(monkeypatch, se
 
     monkeypatch.setattr(api, "_database_ok", database_ok)
     monkeypatch.setattr(api, "get_runtime", get_runtime)
+    monkeypatch.setattr(api, "_DATABASE_PROBE_S", 60.0)  # however slowly the 40 requests go through
     settings.EMBEDDED_REPLICAS, settings.ALLOWED_HOSTS = False, ["localhost"]
     transport = httpx.ASGITransport(app=application)
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
@@ -163,3 +164,27 @@ async def test_a_flood_of_probes_asks_the_database_once_a_second(monkeypatch, se
         then = await asyncio.gather(*(client.get("/readyz") for _ in range(20)))
     assert {r.json()["database"] for r in [*first, *then]} == {True}
     assert len(probes) == 1
+
+
+async def test_a_probe_the_database_does_not_answer_reads_as_down_within_seconds(
+    monkeypatch, settings
+) -> None:
+    """A partition holds a connect for its timeouts (15 s and more); a load balancer's probe must not."""
+    import threading
+
+    from serving import api
+
+    answer = threading.Event()
+
+    def hanging() -> bool:
+        answer.wait(10)
+        return True
+
+    monkeypatch.setattr(api, "_database_ok", hanging)
+    monkeypatch.setattr(api, "_DATABASE_PROBE_WAIT_S", 0.2)
+    settings.EMBEDDED_REPLICAS = False
+    try:
+        response = await _readyz(monkeypatch, settings, [])
+        assert response.status_code == 503 and response.json()["database"] is False
+    finally:
+        answer.set()
