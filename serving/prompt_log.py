@@ -10,7 +10,9 @@ keys, runs of 24+ characters mixing letters and digits such as digests and base6
 addresses, IPv4 and IPv6 addresses, runs of nine or more digits such as card, phone and account
 numbers) and then cut to LOGGED_CHARS. Redaction is pattern matching: it catches the common shapes,
 not every secret a prompt can hold, which is why logging is off unless asked for. A non-generative
-request's inputs are logged; its vectors and scores are not."""
+request's first MAX_LOGGED_INPUTS inputs are logged; its vectors and scores are not. Redaction runs on
+a thread of its own, off the gateway's event loop; a record that finds MAX_REDACTING others waiting for
+it is dropped, with a warning (a sampled log may miss records; the gateway may not slow down)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,15 @@ import json
 import logging
 import random
 import re
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from django.conf import settings
 
+from serving.throttle import Throttle
+
+logger = logging.getLogger(__name__)
 prompt_logger = logging.getLogger("switchyard.prompts")
 LOGGED_CHARS = 2000
 
@@ -124,6 +131,31 @@ def maybe_log(handle: Any, *, tenant: str, submission: dict[str, Any]) -> bool:
     return True
 
 
+# The patterns take up to a tenth of a second over a long text made to be slow: on the event loop that
+# held every other request of the gateway. On a thread of their own, not the loop's default pool, which
+# key lookups and routing reads wait for; and with a bounded backlog, as Python's regexes hold the GIL.
+MAX_REDACTING = 32
+_redactor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-log-redaction")
+_redacting = 0
+_dropped_warning = Throttle()
+_T = TypeVar("_T")
+
+
+class _Backlogged(Exception):
+    pass
+
+
+async def _off_the_loop(function: Callable[[Any], _T], argument: Any) -> _T:
+    global _redacting
+    if _redacting >= MAX_REDACTING:
+        raise _Backlogged
+    _redacting += 1
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_redactor, function, argument)
+    finally:
+        _redacting -= 1
+
+
 async def _write(
     record: dict[str, Any],
     inputs: dict[str, Any],
@@ -131,11 +163,14 @@ async def _write(
     *,
     is_generative: bool,
 ) -> None:
-    # On a worker thread: the patterns take up to a tenth of a second over a long text made to be slow,
-    # which on the event loop would hold every other request of the gateway.
-    record["input"] = await asyncio.to_thread(_input_text, inputs)
-    text = await output
-    record["completed"] = text is not None
-    if is_generative:
-        record["output"] = await asyncio.to_thread(redact, text) if text is not None else None
+    try:
+        record["input"] = await _off_the_loop(_input_text, inputs)
+        text = await output
+        record["completed"] = text is not None
+        if is_generative:
+            record["output"] = await _off_the_loop(redact, text) if text is not None else None
+    except _Backlogged:
+        if _dropped_warning.is_due():
+            logger.warning("prompt log: %d records wait for redaction; records are being dropped", _redacting)
+        return
     prompt_logger.info(json.dumps(record, ensure_ascii=False))

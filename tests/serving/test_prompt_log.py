@@ -244,4 +244,33 @@ async def test_redaction_runs_off_the_event_loop_and_logs_at_most_eight_of_many_
         await asyncio.sleep(0)
     (record,) = [json.loads(r.getMessage()) for r in caplog.records]
     assert record["input"] == [f"text {i}" for i in range(8)] + ["…[12 more inputs]"]
-    assert threads and threading.main_thread() not in threads
+    # its own thread: not the loop's default pool, which key lookups and routing reads wait for
+    assert {t.name.split("_")[0] for t in threads} == {"prompt-log-redaction"}
+
+
+async def test_a_record_that_finds_the_redaction_backlogged_is_dropped_with_a_warning(
+    settings, caplog, monkeypatch
+) -> None:
+    from serving import prompt_log
+
+    class Handle:
+        request_id, model_name, version = "r1", "m", "v1"
+
+        def capture_text(self) -> asyncio.Future[str | None]:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result("")
+            return done
+
+    from serving.throttle import Throttle
+
+    monkeypatch.setattr(prompt_log, "MAX_REDACTING", 0)
+    monkeypatch.setattr(
+        prompt_log, "_dropped_warning", Throttle()
+    )  # another test's warning is not this one's
+    settings.LOG_PROMPTS_SAMPLE_RATE = 1.0
+    caplog.set_level(logging.INFO)
+    assert prompt_log.maybe_log(Handle(), tenant="t", submission={"input": "hello", "messages": None})
+    while prompt_log._writing:
+        await asyncio.sleep(0)
+    assert not [r for r in caplog.records if r.name == "switchyard.prompts"]
+    assert any("records are being dropped" in r.getMessage() for r in caplog.records)
