@@ -837,7 +837,8 @@ class Replica:
                 # The replica's failure, not the requests': a gateway retries those that have no token
                 # yet on another replica, and its breaker counts it (dispatch.REPLICA_FAILURES).
                 failed = self._fail_all(
-                    f"the replica's device failed: {broken}", error_type="replica_unavailable"
+                    f"the replica's device failed ({type(broken).__name__}); try again",  # text: in the log
+                    error_type="replica_unavailable",
                 )
                 result.merge_events(failed)
             is_engine_empty = not engine.has_unfinished()
