@@ -180,25 +180,28 @@ async def test_a_sampled_request_is_logged_once_redacted(acme, caplog, settings)
     }
 
 
+class _EndedHandle:
+    """A dispatched request as maybe_log sees it, already ended with an empty output."""
+
+    request_id, model_name, version = "r1", "m", "v1"
+
+    def capture_text(self) -> asyncio.Future[str | None]:
+        done = asyncio.get_running_loop().create_future()
+        done.set_result("")
+        return done
+
+
 async def test_chat_messages_and_embedding_inputs_are_redacted_and_vectors_never_logged(
     settings, caplog
 ) -> None:
     from serving import prompt_log
 
-    class Handle:
-        request_id, model_name, version = "r1", "m", "v1"
-
-        def capture_text(self) -> asyncio.Future[str | None]:
-            done = asyncio.get_running_loop().create_future()
-            done.set_result("")
-            return done
-
     settings.LOG_PROMPTS_SAMPLE_RATE = 1.0
     caplog.set_level(logging.INFO, logger="switchyard.prompts")
     chat = {"messages": [{"role": "user", "content": "mail me at a@b.io"}], "input": None, "inputs": None}
     embed = {"input": None, "messages": None, "inputs": ["call 555 123 4567", "hi"]}
-    assert prompt_log.maybe_log(Handle(), tenant="t", submission=chat)
-    assert prompt_log.maybe_log(Handle(), tenant="t", submission=embed)
+    assert prompt_log.maybe_log(_EndedHandle(), tenant="t", submission=chat)
+    assert prompt_log.maybe_log(_EndedHandle(), tenant="t", submission=embed)
     while prompt_log._writing:
         await asyncio.sleep(0)
     records = [json.loads(r.getMessage()) for r in caplog.records]
@@ -208,7 +211,7 @@ async def test_chat_messages_and_embedding_inputs_are_redacted_and_vectors_never
     assert chat_record["output"] == "" and chat_record["completed"]
     assert embed_record["input"] == ["call [NUMBER]", "hi"] and "output" not in embed_record
     settings.LOG_PROMPTS_SAMPLE_RATE = 0.0
-    assert not prompt_log.maybe_log(Handle(), tenant="t", submission=chat)
+    assert not prompt_log.maybe_log(_EndedHandle(), tenant="t", submission=chat)
 
 
 async def test_redaction_runs_off_the_event_loop_and_logs_at_most_eight_of_many_inputs(
@@ -219,14 +222,6 @@ async def test_redaction_runs_off_the_event_loop_and_logs_at_most_eight_of_many_
     import threading
 
     from serving import prompt_log
-
-    class Handle:
-        request_id, model_name, version = "r1", "m", "v1"
-
-        def capture_text(self) -> asyncio.Future[str | None]:
-            done = asyncio.get_running_loop().create_future()
-            done.set_result("")
-            return done
 
     threads = set()
     real = prompt_log.redact
@@ -239,7 +234,7 @@ async def test_redaction_runs_off_the_event_loop_and_logs_at_most_eight_of_many_
     settings.LOG_PROMPTS_SAMPLE_RATE = 1.0
     caplog.set_level(logging.INFO, logger="switchyard.prompts")
     embed = {"input": None, "messages": None, "inputs": [f"text {i}" for i in range(20)]}
-    assert prompt_log.maybe_log(Handle(), tenant="t", submission=embed)
+    assert prompt_log.maybe_log(_EndedHandle(), tenant="t", submission=embed)
     while prompt_log._writing:
         await asyncio.sleep(0)
     (record,) = [json.loads(r.getMessage()) for r in caplog.records]
@@ -252,15 +247,6 @@ async def test_a_record_that_finds_the_redaction_backlogged_is_dropped_with_a_wa
     settings, caplog, monkeypatch
 ) -> None:
     from serving import prompt_log
-
-    class Handle:
-        request_id, model_name, version = "r1", "m", "v1"
-
-        def capture_text(self) -> asyncio.Future[str | None]:
-            done = asyncio.get_running_loop().create_future()
-            done.set_result("")
-            return done
-
     from serving.throttle import Throttle
 
     monkeypatch.setattr(prompt_log, "MAX_REDACTING", 0)
@@ -269,7 +255,7 @@ async def test_a_record_that_finds_the_redaction_backlogged_is_dropped_with_a_wa
     )  # another test's warning is not this one's
     settings.LOG_PROMPTS_SAMPLE_RATE = 1.0
     caplog.set_level(logging.INFO)
-    assert prompt_log.maybe_log(Handle(), tenant="t", submission={"input": "hello", "messages": None})
+    assert prompt_log.maybe_log(_EndedHandle(), tenant="t", submission={"input": "hello", "messages": None})
     while prompt_log._writing:
         await asyncio.sleep(0)
     assert not [r for r in caplog.records if r.name == "switchyard.prompts"]
