@@ -71,11 +71,9 @@ def model_version_register(
             raise RegistryError(
                 f"invalid {field} {value!r}: {' '.join(getattr(exc, 'messages', []))}"
             ) from None
-    _check_registrable(name=name, version=version, kind=kind, owner=owner)
     root = Path(settings.ARTIFACT_ROOT)
     final_dir = root / name / version
-    if final_dir.exists():
-        raise AlreadyExists(f"{final_dir} already exists in the artifact store")
+    _check_registrable(name=name, version=version, kind=kind, owner=owner, final_dir=final_dir)
     # The copy and its hashing take minutes for a large model, so they happen before the transaction:
     # on SQLite a transaction holds the database's one write lock from its start, and every other
     # writer (a rollback, the judge, the replicas' metrics) would wait for the copy and then fail.
@@ -138,9 +136,7 @@ def _record_version(
 ) -> ModelVersion:
     """model_version_register's rows, with its checks again (the copy took a while), then the staged
     copy moved into place."""
-    model = _check_registrable(name=name, version=version, kind=kind, owner=owner)
-    if final_dir.exists():
-        raise AlreadyExists(f"{final_dir} already exists in the artifact store")
+    model = _check_registrable(name=name, version=version, kind=kind, owner=owner, final_dir=final_dir)
     if model is None:
         model = Model.objects.create(name=name, kind=kind, owner=owner)
     model_version = ModelVersion.objects.create(
@@ -171,8 +167,11 @@ def _record_version(
     return model_version
 
 
-def _check_registrable(*, name: str, version: str, kind: str, owner: Tenant | None) -> Model | None:
-    """The model `name` (None if new) when `version` may be added to it; else the registry's refusal."""
+def _check_registrable(
+    *, name: str, version: str, kind: str, owner: Tenant | None, final_dir: Path
+) -> Model | None:
+    """The model `name` (None if new) when `version` may be added to it, its files to `final_dir`; else
+    the registry's refusal."""
     model = Model.objects.filter(name=name).first()
     if model is not None and model.versions.filter(version=version).exists():
         raise AlreadyExists(f"{name}:{version} is already registered")
@@ -180,6 +179,8 @@ def _check_registrable(*, name: str, version: str, kind: str, owner: Tenant | No
         raise RegistryError(f"{name} is a {model.kind} model; cannot add a {kind} version")
     if model is not None and owner is not None and model.owner_id != owner.pk:
         raise RegistryError(f"{name} is not owned by tenant {owner.name!r}")
+    if final_dir.exists():
+        raise AlreadyExists(f"{final_dir} already exists in the artifact store")
     return model
 
 
