@@ -280,6 +280,11 @@ def _route(deployment: Deployment, weights: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def _noted(edit: dict[str, Any]) -> str:
+    """A routing edit as an event's reason names it."""
+    return f"(routing revision {edit['routing_revision']}, edit {edit['edit_ms']:.1f} ms)"
+
+
 def _split(deployment: Deployment, pct: int) -> dict[str, int]:
     if pct >= 100:
         return {deployment.candidate.version: 100}
@@ -677,7 +682,7 @@ def _rollback(
             edit = _route(deployment, weights)
             what = (
                 f"the candidate's {moved}% (not the deployment's) to {incumbent}, the rest as it was "
-                f"(routing revision {edit['routing_revision']}, edit {edit['edit_ms']:.1f} ms)"
+                + _noted(edit)
             )
     elif deployment.strategy == Deployment.Strategy.CANARY:
         stable = Alias.objects.filter(model=deployment.model, name=STABLE_ALIAS).first()
@@ -690,10 +695,7 @@ def _rollback(
                 reason=f"deployment {deployment.pk} rolled back",
             )
         edit = _route(deployment, {deployment.incumbent.version: 100})
-        what = (
-            f"traffic 100% to {deployment.incumbent.version} (routing revision {edit['routing_revision']}, "
-            f"edit {edit['edit_ms']:.1f} ms)"
-        )
+        what = f"traffic 100% to {deployment.incumbent.version} {_noted(edit)}"
     deployment.rollback_decided_at = decided_at
     deployment.rollback_edit_ms = edit.get("edit_ms")
     deployment.finished_at = timezone.now()
