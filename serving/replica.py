@@ -824,9 +824,8 @@ class Replica:
                 # A failed forward pass fails the requests in it; the replica keeps serving the others
                 # and new ones. A failure anywhere else may have left any request half done: all fail.
                 logger.exception("replica %s: engine step failed", self.replica_id)
-                result = self._fail_all(
-                    _failure_message(exc), getattr(exc, "request_ids", None)
-                )  # StepFailed's
+                # engine.StepFailed names the requests of the failed forward pass; anything else, all.
+                result = self._fail_all(_failure_message(exc), getattr(exc, "request_ids", None))
                 num_failed_in_a_row += 1
                 if num_failed_in_a_row >= PROBE_AFTER_FAILED_STEPS:
                     num_failed_in_a_row = 0
