@@ -211,18 +211,29 @@ class Chunk(Protocol):
     ) -> dict[str, Any]: ...
 
 
-async def _stream(handles: list[Dispatch], chunk: Chunk, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    handles: list[Dispatch], chunk: Chunk, include_usage: bool, *, announces_role: bool
+) -> AsyncIterator[bytes]:
+    """The choices' chunks as their events come. As OpenAI's and vLLM's, a choice's first chunk goes out
+    with its first token (or its end), not when a replica accepts it: a client that times the first
+    chunk, as load tools do, would otherwise count a request still waiting in the queue as answered.
+    `announces_role` (chat): each choice opens with the assistant's role, chunk(None, None, None,
+    index), sent when its first event comes (a token, its text held back or not, or its end), as vLLM
+    sends it with the engine's first output."""
+
     def sse(payload: dict[str, Any]) -> bytes:
         # With include_usage every chunk but the last carries "usage": null, as OpenAI documents.
         return _sse({**payload, "usage": None} if include_usage else payload)
 
+    unannounced = set(range(len(handles))) if announces_role else set()
     try:
-        for handle in handles:  # so that a client that stops reading at the first chunks is cut off too
+        for handle in handles:  # the task to cut off is this one, not those _events reads choices in
             handle.set_reader(asyncio.current_task())
-        for index in range(len(handles)):
-            yield sse(chunk(None, None, None, index))  # announces each choice (chat: the assistant role)
         usages: list[dict[str, Any] | None] = []
         async for index, event in _events(handles):
+            if index in unannounced:
+                unannounced.discard(index)
+                yield sse(chunk(None, None, None, index))
             if "token" in event:
                 # A token whose text is held back (it may start a stop string) still sends its logprob.
                 if event["token"] or "logprob" in event:
@@ -380,8 +391,11 @@ async def _serve(
     payload_name: str,
     make_chunk: Callable[[dict[str, Any]], Chunk],
     make_whole: Callable[[dict[str, Any], str, dict[str, Any]], dict[str, Any]],
+    *,
+    announces_role: bool,
 ) -> HttpResponse:
-    """The shared body of both endpoints: parse, dispatch, then stream chunks or answer once."""
+    """The shared body of both endpoints: parse, dispatch, then stream chunks or answer once.
+    `announces_role`: whether a streamed choice opens with a chunk of its own (chat's assistant role)."""
     if request.method != "POST":
         return error_response(405, "use POST", headers={"Allow": "POST"})
     try:
@@ -408,7 +422,7 @@ async def _serve(
     }
     chunk = make_chunk(base)
     if sampling["stream"]:
-        return sse_response(_stream(handles, chunk, include_usage), handles)
+        return sse_response(_stream(handles, chunk, include_usage, announces_role=announces_role), handles)
     logprobs: list[list[dict[str, Any]] | None] = [[] if "logprobs" in sampling else None for _ in handles]
     try:
         results = await _collect(handles, logprobs)
@@ -537,12 +551,14 @@ def _chat_whole(last_chunk: dict[str, Any], text: str, final: dict[str, Any]) ->
 
 @csrf_exempt
 async def completions(request: HttpRequest) -> HttpResponse:
-    return await _serve(request, _parse_completion, "text", _completion_chunk, _completion_whole)
+    return await _serve(
+        request, _parse_completion, "text", _completion_chunk, _completion_whole, announces_role=False
+    )
 
 
 @csrf_exempt
 async def chat_completions(request: HttpRequest) -> HttpResponse:
-    return await _serve(request, _parse_chat, "messages", _chat_chunk, _chat_whole)
+    return await _serve(request, _parse_chat, "messages", _chat_chunk, _chat_whole, announces_role=True)
 
 
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})

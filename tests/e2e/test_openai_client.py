@@ -35,6 +35,7 @@ def test_completion_json_and_stream_agree_under_greedy_decoding(client: openai.O
     )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
+    assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks if c.choices)  # none empty
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
 
@@ -50,6 +51,7 @@ def test_chat_completion_json_and_stream(client: openai.OpenAI) -> None:
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[1].choices[0].delta.content  # the role goes out with the first token, as OpenAI's
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
 
