@@ -1,20 +1,22 @@
-"""Linear layers with their weights kept in oneDNN's format, for fp32 inference on a CPU.
+"""Linear layers with their weights kept in oneDNN's blocked format, for fp32 inference on a CPU.
 
-torch runs nn.Linear on a CPU through the BLAS it was built with; on this project's AMD EPYC machines
-that path ran the engine's decode products ([64 x 512] x [512 x 1376]) at about half the speed of
-oneDNN's (491 vs 248 us, and 3.3 vs 1.6 ms at 512 rows; docs/benchmarks.md). torch's own
-`torch.utils.mkldnn.MkldnnLinear` keeps the weight as a oneDNN tensor and converts each input and
-output: fp32 throughout, the same arithmetic in another order (outputs agree with nn.Linear to ~1e-6).
-PackedLinear does the same as torch.utils.mkldnn.MkldnnLinear (whose TorchScript methods are deprecated)
-through the aten operator directly.
+torch runs nn.Linear on a CPU through the BLAS it was built with (MKL in the x86 wheels). On this
+project's AMD EPYC machines that path ran the engine's decode products at a third to a half of oneDNN's
+speed: [64 x 512] x [512 x 2752] in 1,005 us against 368 us, and 72 against 49 us at one row
+(docs/benchmarks.md, "Engine step cost"). A weight reordered once into oneDNN's blocked layout
+(`mkldnn._reorder_linear_weight`) and multiplied by `mkldnn._linear_pointwise`, the operator Inductor's
+CPU backend emits, takes a dense input and returns a dense output: fp32 throughout, the same arithmetic
+in another order (outputs agree with nn.Linear to ~1e-6). Its binary form adds a residual in the same
+call, which the engine's own Llama forward (fused_llama.py) uses. (An earlier version converted every
+input and output to and from oneDNN tensors around `mkldnn_linear`, which cost most of that gain.)
 
 Only plain nn.Linear modules are swapped (not subclasses, which may carry behaviour of their own), and
 only for fp32 on a CPU with oneDNN; a GPU keeps its own kernels.
 
-Whether it pays depends on the CPU and on the BLAS torch was built with: 2x faster on the first
-machine, 7-25% slower on the third, and on a later AMD EPYC (AVX2, MKL) 17% slower prefills and 45%
-slower decode steps (docs/benchmarks.md, "Fourteenth machine"). So by default the runner times both on
-the model's own weights at load (`packing_pays`) and packs only when oneDNN clearly wins."""
+Whether it pays depends on the CPU and on the BLAS torch was built with (with the older conversions it
+was 17-45% slower on an Intel-tuned MKL machine: docs/benchmarks.md, "Fourteenth machine"). So by default
+the runner times both on the model's own weights at load (`packing_pays`) and packs only when oneDNN
+clearly wins."""
 
 from __future__ import annotations
 
@@ -26,34 +28,68 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Packed layers must be this much faster than plain ones to be chosen. The timing sees only a warm
 # kernel; packing also costs what it does not see: oneDNN compiles kernels for each new number of rows
-# (a prompt length it has not met: a median 7.7 ms on the fourteenth machine), and its outputs
-# page-fault (180-750 faults a prefill there, against about 1 for plain layers).
+# (a prompt length it has not met: a median 7.7 ms on the fourteenth machine, with the older operator).
 PACK_IF_TIME_RATIO = 0.9
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     mkldnn_ok: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-    return device.type == "cpu" and dtype == torch.float32 and mkldnn_ok
+    has_ops = hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
+    return device.type == "cpu" and dtype == torch.float32 and mkldnn_ok and has_ops
+
+
+class LinearWeight:
+    """One matmul's weight [out, in] (and bias), prepared for the fastest kernel at hand: oneDNN's
+    blocked layout when `packed`, else as it is for torch's own matmul. Inputs are 2-D [rows, in]."""
+
+    __slots__ = ("bias", "in_features", "is_packed", "out_features", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, packed: bool) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.is_packed = packed
+        with torch.no_grad():
+            weight = weight.detach()
+            self.weight = (
+                torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous()) if packed else weight
+            )
+            self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_packed:
+            y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return y
+        return F.linear(x, self.weight, self.bias)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T (+ bias): a new tensor, in one call when packed (a post-op of the product)."""
+        if self.is_packed:
+            y: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(
+                x, residual, self.weight, self.bias, "add"
+            )
+            return y
+        out = torch.addmm(residual, x, self.weight.t())
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward over a weight held as a oneDNN tensor. Inference only (no gradients)."""
+    """nn.Linear's forward over a weight in oneDNN's blocked layout. Inference only (no gradients)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        with torch.no_grad():
-            self.weight = linear.weight.detach().float().to_mkldnn()
-            self.bias = None if linear.bias is None else linear.bias.detach().float().to_mkldnn()
+        self.linear = LinearWeight(linear.weight, linear.bias, packed=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.aten.mkldnn_linear(x.to_mkldnn(), self.weight, self.bias)
-        return y.to_dense()
+        y = self.linear(x.reshape(-1, self.in_features))
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN weight"
