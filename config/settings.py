@@ -263,7 +263,9 @@ REPLICA_DRAIN_TIMEOUT_S = float(os.environ.get("SWITCHYARD_DRAIN_TIMEOUT_S", "57
 REPLICA_MAX_NUM_SEQS = int(os.environ.get("SWITCHYARD_MAX_NUM_SEQS", "64"))
 REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_TOKENS", "512"))
 # The KV cache: SWITCHYARD_KV_CACHE_MB if set; else, as vLLM sizes it, a share of the GPU's free memory
-# after the weights are loaded (SWITCHYARD_GPU_MEMORY_FRACTION), or 128 MiB on a CPU.
+# after the weights are loaded (SWITCHYARD_GPU_MEMORY_FRACTION), or on a CPU a share of the host memory
+# available (SWITCHYARD_CPU_MEMORY_FRACTION), at most what max_num_seqs sequences at the model's whole
+# context fill (serving/engine/kv_budget.py).
 _kv_cache_mb = os.environ.get("SWITCHYARD_KV_CACHE_MB", "").strip()
 REPLICA_KV_CACHE_BYTES = int(_kv_cache_mb) * 1024 * 1024 if _kv_cache_mb else None
 REPLICA_GPU_MEMORY_FRACTION = float(os.environ.get("SWITCHYARD_GPU_MEMORY_FRACTION", "0.8"))
@@ -271,6 +273,11 @@ if not 0 < REPLICA_GPU_MEMORY_FRACTION <= 1:
     from django.core.exceptions import ImproperlyConfigured
 
     raise ImproperlyConfigured("SWITCHYARD_GPU_MEMORY_FRACTION must be a share in (0, 1]")
+REPLICA_CPU_MEMORY_FRACTION = float(os.environ.get("SWITCHYARD_CPU_MEMORY_FRACTION", "0.5"))
+if not 0 < REPLICA_CPU_MEMORY_FRACTION <= 1:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("SWITCHYARD_CPU_MEMORY_FRACTION must be a share in (0, 1]")
 REPLICA_COMPILE = _env_bool("SWITCHYARD_COMPILE", False)
 # Per-tenant caps inside a replica, so one tenant cannot hold a whole batch or cache (unset: none; the
 # scheduler's fair order across tenants applies either way).
@@ -296,6 +303,15 @@ REPLICA_PACK_LINEAR = (
     if os.environ.get("SWITCHYARD_PACK_LINEAR", "auto").strip().lower() == "auto"
     else _env_bool("SWITCHYARD_PACK_LINEAR", True)
 )
+# The engine's forward and attention (serving/engine/runner.py): "auto" takes the engine's own fused
+# forward for the Llama family and the native paged attention kernel where each applies; "fused" or
+# "native" refuse to start a replica without it; "generic" or "gather" turn them off.
+REPLICA_FORWARD = os.environ.get("SWITCHYARD_FORWARD", "auto").strip().lower()
+if REPLICA_FORWARD not in ("auto", "fused", "generic"):
+    raise ImproperlyConfigured("SWITCHYARD_FORWARD must be auto, fused or generic")
+REPLICA_ATTENTION = os.environ.get("SWITCHYARD_ATTENTION", "auto").strip().lower()
+if REPLICA_ATTENTION not in ("auto", "native", "gather"):
+    raise ImproperlyConfigured("SWITCHYARD_ATTENTION must be auto, native or gather")
 # torch's intra-op threads. A replica process has the cores to itself; replicas inside the server share
 # them with its event loop, and OpenMP threads spinning against the loop made batches crawl on 2 cores.
 REPLICA_TORCH_THREADS = int(os.environ.get("SWITCHYARD_TORCH_THREADS", "0")) or None  # None: by mode

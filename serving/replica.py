@@ -186,8 +186,11 @@ def engine_config_from_settings() -> Any:
         max_num_batched_tokens=settings.REPLICA_MAX_NUM_BATCHED_TOKENS,
         kv_cache_bytes=settings.REPLICA_KV_CACHE_BYTES,  # None: sized from the device (the engine)
         gpu_memory_fraction=settings.REPLICA_GPU_MEMORY_FRACTION,
+        cpu_memory_fraction=settings.REPLICA_CPU_MEMORY_FRACTION,
         compile=settings.REPLICA_COMPILE,
         pack_linear=settings.REPLICA_PACK_LINEAR,
+        forward=settings.REPLICA_FORWARD,
+        attention=settings.REPLICA_ATTENTION,
         max_running_per_tenant=settings.REPLICA_MAX_RUNNING_PER_TENANT,
         max_kv_share_per_tenant=settings.REPLICA_MAX_KV_SHARE_PER_TENANT,
     )

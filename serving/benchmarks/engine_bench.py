@@ -55,6 +55,8 @@ class BenchConfig:
     kv_cache_bytes: int | None = None  # None: max_num_seqs sequences at the workload's longest length
     compile: bool = False
     pack_linear: bool | None = None  # (d) only: oneDNN-format Linear weights on a CPU; None: if it pays
+    forward: str = "auto"  # (d) only: the engine's fused Llama forward, or transformers' modules
+    attention: str = "auto"  # (d) only: the native paged kernel, or gather + SDPA
     repeat: int = 1
     warmup: bool = True
     measure_cpu_limit: bool = True
@@ -111,7 +113,7 @@ class BenchReport:
     results: dict[str, SystemResult]
     concurrency: ConcurrencyReport
     engine_run: EngineRunStats | None = None  # the last run's
-    linear_layers: str = ""  # (d)'s: packed or plain, and what the timing found when it chose
+    engine_paths: str = ""  # (d)'s forward, attention and Linear layers (ModelRunner.describe)
     cpu_limit: CpuLimit | None = None
     scheduler_ms_per_step: float | None = None
     scheduler_unavailable_reason: str | None = None
@@ -150,6 +152,8 @@ def _build_system(key: str, model_dir: Path, config: BenchConfig, kv_cache_bytes
         block_size=config.block_size,
         compile=config.compile,
         pack_linear=config.pack_linear,
+        forward=config.forward,
+        attention=config.attention,
     )
 
 
@@ -194,7 +198,7 @@ def run_benchmark(model_dir: str | Path, config: BenchConfig, *, log: Log = lamb
             log(f"({key}) {result.name}: {result.unavailable_reason}")
             continue
         if isinstance(systems[key], EngineSystem):
-            report.linear_layers = systems[key].describe_linear_layers()
+            report.engine_paths = systems[key].describe_paths()
         if config.warmup:
             systems[key].run(_warmup_requests(model.vocab_size, model.special_ids))
         result.setup_s = time.perf_counter() - setup_began
@@ -257,6 +261,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "pays); the baselines run transformers as shipped",
     )
     parser.add_argument(
+        "--forward",
+        choices=("auto", "fused", "generic"),
+        default=defaults.forward,
+        help="(d): the engine's own Llama forward (fused) or transformers' modules (generic)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=("auto", "native", "gather"),
+        default=defaults.attention,
+        help="(d): the native paged kernel or gather + SDPA",
+    )
+    parser.add_argument(
         "--repeat", type=int, default=defaults.repeat, help="runs per system; medians reported"
     )
     parser.add_argument("--no-warmup", action="store_true")
@@ -295,6 +311,8 @@ def config_from_options(options: dict[str, Any]) -> BenchConfig:
         kv_cache_bytes=None if kv_mib is None else math.ceil(kv_mib * 2**20),
         compile=options["compile"],
         pack_linear=options.get("pack_linear"),
+        forward=options.get("forward") or BenchConfig.forward,
+        attention=options.get("attention") or BenchConfig.attention,
         repeat=options["repeat"],
         warmup=not options.get("no_warmup", False),
         measure_cpu_limit=not options.get("skip_cpu_limit", False),

@@ -54,6 +54,8 @@ class EngineSystem:
         block_size: int,
         compile: bool,
         pack_linear: bool | None = None,
+        forward: str = "auto",
+        attention: str = "auto",
     ) -> None:
         from serving.engine.engine import Engine, EngineConfig
 
@@ -66,6 +68,8 @@ class EngineSystem:
                 block_size=block_size,
                 compile=compile,
                 pack_linear=pack_linear,
+                forward=forward,
+                attention=attention,
             ),
         )
         warmup = getattr(self.engine, "warmup", None)  # beyond the facade's minimal contract
@@ -74,11 +78,9 @@ class EngineSystem:
         self.last_run = EngineRunStats()
         self._num_runs = 0
 
-    def describe_linear_layers(self) -> str:
-        runner = self.engine.runner
-        if runner.packing is not None:
-            return runner.packing.describe()
-        return "packed (oneDNN)" if runner.num_packed_linears else "plain"
+    def describe_paths(self) -> str:
+        """The engine's forward, attention and Linear layers, and why not the others."""
+        return str(self.engine.runner.describe())
 
     def run(self, requests: Sequence[BenchRequest]) -> list[RequestRecord]:
         self._num_runs += 1

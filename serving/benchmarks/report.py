@@ -50,9 +50,9 @@ def format_report(report: BenchReport) -> str:
     lines.append(
         f"limits: engine and hf-continuous max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
         f"{config.max_num_batched_tokens}; engine block {config.block_size}, KV budget {kv_mib:.0f} MiB, "
-        f"compile {'on' if config.compile else 'off'}, Linear layers "
-        f"{report.linear_layers or 'n/a'}; static batch size {config.static_batch_size}"
+        f"compile {'on' if config.compile else 'off'}; static batch size {config.static_batch_size}"
     )
+    lines.append(f"engine: {report.engine_paths or 'n/a'}")
     lines.append(f"runs per system: {config.repeat} (medians of each figure over the runs)")
     lines.append("")
     header = (

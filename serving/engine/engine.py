@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import time
 import uuid
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.kv_budget import kv_cache_budget
 from serving.engine.kv_cache import KVCacheManager
 from serving.engine.loading import load_tokenizer, prompt_encoder
 from serving.engine.runner import ModelRunner
@@ -29,21 +31,28 @@ from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.engine.sequence import FinishReason, SamplingParams, Sequence
 from serving.engine.token_bytes import token_bytes_reader
 
-DEFAULT_CPU_KV_CACHE_BYTES = 128 * 1024 * 1024
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    kv_cache_bytes: int | None = None  # None: gpu_memory_fraction of free GPU memory, or 128 MiB on CPU
-    gpu_memory_fraction: float = 0.8
+    kv_cache_bytes: int | None = None  # None: a share of the device's memory (serving/engine/kv_budget.py)
+    gpu_memory_fraction: float = 0.8  # of the GPU memory free once the weights are loaded
+    cpu_memory_fraction: float = 0.5  # of the host memory available, at most what the engine can fill
     block_size: int = 16
     max_running_per_tenant: int | None = None
     max_blocks_per_tenant: int | None = None
     max_kv_share_per_tenant: float | None = None  # the same cap as a share of the pool, whatever its size
     enable_prefix_caching: bool = True
-    compile: bool = False  # torch.compile the decode attention (slow warm-up, faster steps)
+    compile: bool = False  # torch.compile the gather path's decode attention (slow warm-up)
+    # "auto": the engine's own fused forward for the Llama family, transformers' modules for the rest;
+    # "fused" refuses a model it cannot serve; "generic" always transformers' (serving/engine/runner.py)
+    forward: str = "auto"
+    # "auto": the native paged kernel on a CPU in fp32 where it builds, else gather + SDPA; "native"
+    # refuses to start without it; "gather" always the gather path
+    attention: str = "auto"
     # fp32 on a CPU: Linear weights in oneDNN's format (engine/packing.py); None: if timing says it pays
     pack_linear: bool | None = None
     device: str | None = None
@@ -159,16 +168,20 @@ def _adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) 
     return out
 
 
-def _kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
-    """The KV cache's size when the config gives none: on a GPU a share of the memory still free, which
-    the runner asks once the weights are loaded (the rest is for activations and scratch); 128 MiB on a
-    CPU. Replicas that share a GPU should each be given a size: the first would take the share of all."""
+def _kv_cache_bytes(config: EngineConfig, device: torch.device, max_useful_bytes: int) -> int:
+    """The KV cache's size: the config's, else a share of the device's memory (kv_budget.py), which the
+    runner asks once the weights are loaded. Replicas that share a GPU should each be given a size: the
+    first would take the share of all."""
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
-    if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        return int(free_bytes * config.gpu_memory_fraction)
-    return DEFAULT_CPU_KV_CACHE_BYTES
+    budget = kv_cache_budget(
+        device=device,
+        max_useful_bytes=max_useful_bytes,
+        gpu_memory_fraction=config.gpu_memory_fraction,
+        cpu_memory_fraction=config.cpu_memory_fraction,
+    )
+    logger.info("KV cache: %d MiB on %s (%s)", budget.num_bytes >> 20, device, budget.reason)
+    return budget.num_bytes
 
 
 def probe_device(device: torch.device) -> None:
@@ -198,6 +211,8 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             compile_attention=config.compile,
             pack_linear=config.pack_linear,
+            forward=config.forward,
+            attention=config.attention,
         )
         self.tokenizer: Any = load_tokenizer(model_dir)
         self._encode = prompt_encoder(self.tokenizer)

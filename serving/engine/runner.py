@@ -1,12 +1,19 @@
 """ModelRunner: loads a causal LM and runs one forward pass per engine step over a paged KV cache.
 
 A step's work (prefill chunks and decodes together) is flattened into one `[1, T]` batch with per-token
-positions; the registered paged attention (attention.py) writes and reads the K/V pool. Only the rows
-that are sampled go through the LM head.
+positions; paged attention (attention.py) writes and reads the K/V pool. Only the rows that are sampled
+go through the LM head.
+
+Two forwards: the engine's own for the Llama family (fused_llama.py: fewer, larger operations per
+layer), and transformers' modules for every other architecture, with the paged attention registered
+through `AttentionInterface`. Two attentions: the native kernel that reads the pool in place
+(native_attention.py; fp32 on a CPU), and gather + SDPA everywhere else. Each is chosen at load
+("auto"), or required, in which case a model or machine that cannot have it is refused with the reason.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -17,16 +24,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving.engine.attention import (
-    AttentionScratch,
-    DecodeKernel,
-    build_attention_metadata,
-    compile_decode_kernel,
-    register_paged_attention,
-)
+from serving.engine.attention import build_attention_metadata, register_paged_attention
+from serving.engine.fused_llama import FusedForwardUnsupported, FusedLlama, refusal
+from serving.engine.gather_attention import AttentionScratch, DecodeKernel, compile_decode_kernel
+from serving.engine.host_memory import keep_freed_memory
 from serving.engine.loading import default_device_and_dtype, load_causal_lm
+from serving.engine.native_attention import (
+    KernelUnavailable,
+    NativeAttention,
+    key_pool_view,
+    load_native_attention,
+)
 from serving.engine.packing import PackingVerdict, can_pack, pack_linear_layers, packing_pays
 from serving.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+FORWARDS = ("auto", "fused", "generic")
+ATTENTIONS = ("auto", "native", "gather")
 
 
 @dataclass(slots=True)
@@ -63,12 +78,14 @@ class ModelRunner:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        kv_cache_bytes: int | Callable[[torch.device], int],
+        kv_cache_bytes: int | Callable[[torch.device, int], int],
         block_size: int = 16,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         compile_attention: bool = False,
         pack_linear: bool | None = None,
+        forward: str = "auto",
+        attention: str = "auto",
     ) -> None:
         sized_later = callable(kv_cache_bytes)  # a number is checked before anything loads
         for name, value in (
@@ -79,8 +96,16 @@ class ModelRunner:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+        if compile_attention and attention == "native":
+            raise ValueError("the compiled decode kernel belongs to the gather path, not the native kernel")
         self.device = torch.device(device) if device is not None else default_device_and_dtype()[0]
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's activations are not page-faulted in again every step
         attn_name = register_paged_attention()
         # load_causal_lm refuses a directory without *.safetensors (ModelLoadError, a ValueError) and
         # never runs remote code.
@@ -94,7 +119,18 @@ class ModelRunner:
         if pack_linear is None and packable:
             self.packing = packing_pays(self.model)
             pack_linear = self.packing.pack
-        self.num_packed_linears = pack_linear_layers(self.model) if pack_linear and packable else 0
+        is_packed = bool(pack_linear and packable)
+        self.fused: FusedLlama | None = None
+        self.forward_refusal = refusal(self.model) if forward != "generic" else "generic forward asked for"
+        if forward == "fused" and self.forward_refusal is not None:
+            raise FusedForwardUnsupported(
+                f"the fused forward cannot serve {model_dir}: {self.forward_refusal}"
+            )
+        if self.forward_refusal is None:
+            self.fused = FusedLlama(self.model, packed=is_packed)
+            self.num_packed_linears = self.fused.num_packed_linears
+        else:
+            self.num_packed_linears = pack_linear_layers(self.model) if is_packed else 0
         config = self.model.config.get_text_config()
         self.num_layers: int = config.num_hidden_layers
         self.num_heads: int = config.num_attention_heads
@@ -107,27 +143,29 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
 
-        if callable(kv_cache_bytes):  # sized from the device, now that the weights hold their memory
-            kv_cache_bytes = kv_cache_bytes(self.device)
-            if kv_cache_bytes < 1:
-                raise ValueError(f"the device leaves no memory for the KV cache ({kv_cache_bytes} bytes)")
         elem_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.bytes_per_block: int = (
             2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem_bytes
         )
+        if callable(kv_cache_bytes):  # sized from the device, now that the weights hold their memory
+            # (and never past what max_num_seqs sequences at the whole context could fill)
+            kv_cache_bytes = kv_cache_bytes(
+                self.device, max_num_seqs * self.max_blocks_per_seq * self.bytes_per_block
+            )
+            if kv_cache_bytes < 1:
+                raise ValueError(f"the device leaves no memory for the KV cache ({kv_cache_bytes} bytes)")
         self.num_blocks: int = kv_cache_bytes // self.bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(
                 f"kv_cache_bytes={kv_cache_bytes} is below one block ({self.bytes_per_block} bytes for "
                 f"{self.num_layers} layers x {block_size} tokens)"
             )
-        with torch.inference_mode():
-            # Zeros, not empty: padded rows read unused slots with weight 0, and 0 * NaN would be NaN.
-            pool = torch.zeros(
-                (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads, self.head_dim),
-                dtype=self.dtype,
-                device=self.device,
-            )
+        # Zeros, not empty: padded rows read unused slots with weight 0, and 0 * NaN would be NaN.
+        pool = _zeros(
+            (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads, self.head_dim),
+            self.dtype,
+            self.device,
+        )
         self._kv_pool = pool
         self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(self.num_layers)]
         self.scratch = AttentionScratch(
@@ -138,6 +176,14 @@ class ModelRunner:
             device=self.device,
         )
         self.decode_kernel: DecodeKernel | None = compile_decode_kernel() if compile_attention else None
+        self.kernel: NativeAttention | None = None
+        self.attention_refusal = self._native_refusal(attention, compile_attention)
+        if attention == "native" and self.attention_refusal is not None:
+            raise KernelUnavailable(f"the native attention kernel cannot run here: {self.attention_refusal}")
+        if self.attention_refusal is None:
+            self.kernel = load_native_attention()
+            self.kv_caches = [(key_pool_view(k), v) for k, v in self.kv_caches]
+        logger.info("model runner for %s: %s", model_dir, self.describe())
         self.base_step_s = 0.0  # a step's fixed cost, measured by warmup()
 
         # Host-side metadata lives in persistent arrays filled in place each step; building tensors
@@ -153,6 +199,39 @@ class ModelRunner:
             self._dev_tables = torch.zeros_like(self._host_tables, device=self.device)
         else:
             self._dev_tokens, self._dev_tables = self._host_tokens, self._host_tables
+
+    def _native_refusal(self, attention: str, compile_attention: bool) -> str | None:
+        """Why the native kernel is not this runner's attention, or None when it is."""
+        if attention == "gather":
+            return "gather + SDPA asked for"
+        if compile_attention:
+            return "the compiled decode kernel asked for"
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return f"it runs fp32 on a CPU, not {self.dtype} on {self.device.type}"
+        reason = NativeAttention.supports(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+        )
+        if reason is not None:
+            return reason
+        try:
+            load_native_attention()
+        except KernelUnavailable as exc:
+            return str(exc)
+        return None
+
+    def describe(self) -> str:
+        """Which forward, attention and Linear layers this runner took, and why not the others."""
+        forward = "fused Llama forward" if self.fused else f"transformers' modules ({self.forward_refusal})"
+        attention = "native paged kernel" if self.kernel else f"gather + SDPA ({self.attention_refusal})"
+        linears = (
+            self.packing.describe()
+            if self.packing is not None
+            else ("packed" if self.num_packed_linears else "plain")
+        )
+        return f"{forward}; {attention}; Linear layers {linears}"
 
     @property
     def kv_cache_bytes_allocated(self) -> int:
@@ -265,7 +344,11 @@ class ModelRunner:
             block_tables=batch.block_tables,
             slot_mapping=batch.slot_mapping,
             decode_kernel=self.decode_kernel,
+            kernel=self.kernel,
+            num_heads=self.num_heads,
         )
+        if self.fused is not None:
+            return self.fused.forward(batch.input_ids, batch.positions, batch.sample_indices, metadata)
         # use_cache=False: the config default would build a throwaway DynamicCache every forward.
         output = self.model(
             input_ids=batch.input_ids.view(1, -1),
@@ -302,7 +385,7 @@ class ModelRunner:
             self.execute(self.build_batch([fake(chunk, 0)], [chunk]))
         self.base_step_s = self._time_one_decode(fake(context, context - 1), sample)
         with torch.inference_mode():
-            self._kv_pool.zero_()
+            self._kv_pool[:, :, 0].zero_()  # the one block it wrote
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -319,3 +402,13 @@ class ModelRunner:
             (logits if sample is None else sample(logits)).cpu()
             times.append(time.perf_counter() - started)
         return statistics.median(times)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On a CPU in fp32 through numpy, whose zeros come from calloc: large ones are fresh
+    zero pages the kernel maps in only when written, so a KV budget costs memory as sequences fill it,
+    not at start (torch.zeros writes every page: 1.1 s and 512 MiB resident for a 512 MiB pool here)."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+    with torch.inference_mode():
+        return torch.zeros(shape, dtype=dtype, device=device)

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from serving.engine.engine import Engine
-from serving.engine.packing import PackedLinear
 from serving.management.commands.run_replica import engine_config_from_options
 from serving.replica import engine_config_from_settings
 
@@ -20,13 +19,27 @@ def test_onednn_packing_of_a_replicas_linear_layers_follows_the_setting(
     settings.REPLICA_PACK_LINEAR = pack  # SWITCHYARD_PACK_LINEAR: slower than plain layers on some CPUs
     settings.REPLICA_KV_CACHE_BYTES = 8 << 20
     engine = Engine(demo_model_dir, config=engine_config_from_settings())
-    packed = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
+    packed = engine.runner.num_packed_linears > 0  # the fused forward's weights, or PackedLinear modules
     if pack is None:  # "auto": timed at load, and packed only if that said it pays
         assert engine.runner.packing is not None
         assert bool(packed) is engine.runner.packing.pack
     else:
         assert engine.runner.packing is None
         assert bool(packed) is pack
+
+
+@pytest.mark.parametrize(("forward", "attention"), [("generic", "gather"), ("auto", "auto")])
+def test_a_replicas_forward_and_attention_follow_the_settings(
+    forward: str, attention: str, settings, demo_model_dir: Path
+) -> None:
+    settings.REPLICA_FORWARD = forward  # SWITCHYARD_FORWARD
+    settings.REPLICA_ATTENTION = attention  # SWITCHYARD_ATTENTION
+    settings.REPLICA_KV_CACHE_BYTES = 8 << 20
+    runner = Engine(demo_model_dir, config=engine_config_from_settings()).runner
+    assert (runner.fused is not None) is (forward == "auto")  # the demo model is a Llama
+    assert (runner.kernel is not None) is (attention == "auto")
+    if forward == "generic":
+        assert "generic forward asked for" in runner.describe()
 
 
 @pytest.mark.parametrize("pack", [False, None])
@@ -95,22 +108,30 @@ def test_per_tenant_caps_reach_the_scheduler_and_a_tenant_stays_within_its_share
         Engine(demo_model_dir, config=engine_config_from_settings())
 
 
-def test_unset_the_kv_cache_takes_a_share_of_free_gpu_memory_or_128_mib_on_a_cpu(
+def test_unset_the_kv_cache_takes_a_share_of_free_gpu_memory_or_of_available_host_memory(
     settings, monkeypatch
 ) -> None:
     """As vLLM's gpu_memory_utilization: a fixed 128 MiB would hold a few hundred tokens of a 7B model.
     The GPU is a boundary this machine has none of: its free-memory query is stood in for."""
     import torch
 
+    from serving.engine import kv_budget
     from serving.engine.engine import _kv_cache_bytes
 
     settings.REPLICA_KV_CACHE_BYTES = None  # SWITCHYARD_KV_CACHE_MB unset
     settings.REPLICA_GPU_MEMORY_FRACTION = 0.9
+    settings.REPLICA_CPU_MEMORY_FRACTION = 0.25
     config = engine_config_from_settings()
-    assert (config.kv_cache_bytes, config.gpu_memory_fraction) == (None, 0.9)
-    assert _kv_cache_bytes(config, torch.device("cpu")) == 128 << 20
+    assert (config.kv_cache_bytes, config.gpu_memory_fraction, config.cpu_memory_fraction) == (
+        None,
+        0.9,
+        0.25,
+    )
+    monkeypatch.setattr(kv_budget, "available_host_memory_bytes", lambda: 16 << 30)
+    assert _kv_cache_bytes(config, torch.device("cpu"), 64 << 30) == 4 << 30
+    assert _kv_cache_bytes(config, torch.device("cpu"), 1 << 30) == 1 << 30  # all the engine could fill
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 << 30, 141 << 30))  # free, total
-    assert _kv_cache_bytes(config, torch.device("cuda", 0)) == int(0.9 * (60 << 30))
+    assert _kv_cache_bytes(config, torch.device("cuda", 0), 64 << 30) == int(0.9 * (60 << 30))
     # run_replica without --kv-cache-mb keeps that; with it, the flag's size
     flags = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "compile": False, "device": "cuda:0"}
     assert engine_config_from_options({**flags, "kv_cache_mb": None}).kv_cache_bytes is None
@@ -129,7 +150,7 @@ def test_the_kv_cache_is_sized_once_the_weights_hold_their_memory(demo_model_dir
         order.append("weights loaded")
         return model
 
-    def size(device) -> int:  # type: ignore[no-untyped-def]
+    def size(device, max_useful_bytes) -> int:  # type: ignore[no-untyped-def]
         order.append(f"cache sized on {device.type}")
         return 4 << 20
 

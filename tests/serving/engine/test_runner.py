@@ -4,156 +4,42 @@ output must equal model.generate token for token, and the logits must match a pl
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from serving.engine.attention import (
-    PAGED_ATTENTION_NAME,
-    AttentionScratch,
-    build_attention_metadata,
-    compile_decode_kernel,
-    fused_decode_attention,
-    paged_attention_forward,
-)
+from serving.engine.attention import PAGED_ATTENTION_NAME, build_attention_metadata, paged_attention_forward
+from serving.engine.gather_attention import AttentionScratch, compile_decode_kernel, fused_decode_attention
 from serving.engine.runner import ModelRunner
 from serving.engine.sequence import Sequence
+from tests.serving.engine.greedy import (
+    BLOCK_SIZE,
+    Request,
+    check_against_reference,
+    mixed_requests,
+    run_greedy,
+)
 
-BLOCK_SIZE = 16
-
-
-class BlockAllocator:
-    """Test-only: hands out free blocks; shared prefix blocks are simply listed in two tables."""
-
-    def __init__(self, num_blocks: int) -> None:
-        # Hand out blocks in a scrambled order so that block tables are not contiguous ranges.
-        self._free = [(i * 7) % num_blocks for i in range(num_blocks)]
-
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
-        while len(seq.block_table) * BLOCK_SIZE < num_tokens:
-            seq.block_table.append(self._free.pop())
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: list[int]
-    arrival_step: int
-    max_new_tokens: int
-    prefix_from: str | None = None  # reuse that request's full prompt blocks (already computed)
+# (forward, attention): the engine's own Llama forward and transformers' modules, each over the native
+# kernel and over gather + SDPA. A path that silently fell back to another would not be tested, so each
+# is required (a machine without a C compiler fails the native ones, as it should: CI has one).
+PATHS = [("fused", "native"), ("fused", "gather"), ("generic", "native"), ("generic", "gather")]
+PATH_IDS = ["-".join(path) for path in PATHS]
 
 
-@dataclass
-class Result:
-    tokens: list[int]
-    logits: list[torch.Tensor]
+def make_runner(model_dir: Path, path: tuple[str, str], **kwargs: int) -> ModelRunner:
+    forward, attention = path
+    options = {"kv_cache_bytes": 256 * 8192, "max_num_seqs": 16, "max_num_batched_tokens": 512} | kwargs
+    return ModelRunner(model_dir, block_size=BLOCK_SIZE, forward=forward, attention=attention, **options)
 
 
-def run_greedy(
-    runner: ModelRunner,
-    requests: list[Request],
-    *,
-    chunk_size: int,
-    decodes_first: bool,
-    eos_token_id: int | None = None,
-) -> dict[str, Result]:
-    allocator = BlockAllocator(runner.num_blocks)
-    pending = sorted(requests, key=lambda r: r.arrival_step)
-    by_id: dict[str, Sequence] = {}
-    budgets: dict[str, int] = {}
-    results: dict[str, Result] = {}
-    running: list[Sequence] = []
-    step = 0
-    while pending or running:
-        while pending and pending[0].arrival_step <= step:
-            request = pending[0]
-            seq = Sequence(request_id=request.request_id, prompt_token_ids=request.prompt)
-            if request.prefix_from is not None:
-                owner = by_id[request.prefix_from]
-                num_shared = min(owner.num_computed_tokens, len(request.prompt) - 1) // BLOCK_SIZE
-                if num_shared < 2:
-                    break  # wait until the owner has computed the shared blocks
-                assert owner.token_ids[: num_shared * BLOCK_SIZE] == request.prompt[: num_shared * BLOCK_SIZE]
-                seq.block_table = owner.block_table[:num_shared]
-                seq.num_computed_tokens = num_shared * BLOCK_SIZE
-            pending.pop(0)
-            by_id[seq.request_id] = seq
-            budgets[seq.request_id] = request.max_new_tokens
-            results[seq.request_id] = Result([], [])
-            running.append(seq)
-        if not running:
-            step += 1
-            continue
-        # sorted() copies, so finishing sequences below does not shift the rows of this step.
-        order = sorted(running, key=lambda s: decodes_first and s.num_computed_tokens < s.num_prompt_tokens)
-        num_new = [min(chunk_size, s.num_tokens - s.num_computed_tokens) for s in order]
-        for seq, n in zip(order, num_new, strict=True):
-            allocator.grow(seq, seq.num_computed_tokens + n)
-        batch = runner.build_batch(order, num_new)
-        logits = runner.execute(batch)
-        assert logits.shape == (len(batch.sampled_seq_indices), runner.vocab_size)
-        for seq, n in zip(order, num_new, strict=True):
-            seq.num_computed_tokens += n
-        for row, seq_index in enumerate(batch.sampled_seq_indices.tolist()):
-            seq = order[seq_index]
-            token = int(logits[row].argmax())
-            result = results[seq.request_id]
-            result.tokens.append(token)
-            result.logits.append(logits[row].clone())
-            seq.append_token(token)
-            if len(result.tokens) == budgets[seq.request_id] or token == eos_token_id:
-                running.remove(seq)
-        step += 1
-    return results
-
-
-def check_against_reference(model_dir: Path, requests: list[Request], results: dict[str, Result]) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from serving.engine.loading import MODEL_LOAD_LOCK
-
-    with MODEL_LOAD_LOCK:  # as every load in the process does
-        reference = AutoModelForCausalLM.from_pretrained(
-            model_dir, attn_implementation="sdpa", use_safetensors=True
-        )
-    reference.eval()
-    with torch.inference_mode():
-        for request in requests:
-            prompt = torch.tensor([request.prompt])
-            generated = reference.generate(prompt, max_new_tokens=request.max_new_tokens, do_sample=False)
-            expected = generated[0, len(request.prompt) :].tolist()
-            got = results[request.request_id].tokens
-            assert got == expected, f"{request.request_id}: engine {got} != generate {expected}"
-            full = torch.tensor([request.prompt + got])
-            ref_logits = reference(full).logits[0, len(request.prompt) - 1 : -1]
-            ours = torch.stack(results[request.request_id].logits)
-            torch.testing.assert_close(ours, ref_logits, atol=1e-4, rtol=1e-4)
-
-
-def mixed_requests(vocab_size: int, seed: int) -> list[Request]:
-    g = torch.Generator().manual_seed(seed)
-
-    def prompt(n: int) -> list[int]:
-        return torch.randint(3, vocab_size, (n,), generator=g).tolist()
-
-    shared = prompt(37)
-    return [
-        Request("short", prompt(3), arrival_step=0, max_new_tokens=12),
-        Request("block-exact", prompt(16), arrival_step=0, max_new_tokens=10),
-        Request("owner", shared, arrival_step=0, max_new_tokens=8),
-        Request("long", prompt(41), arrival_step=2, max_new_tokens=9),
-        Request("late", prompt(11), arrival_step=5, max_new_tokens=12),
-        # Arrives once "owner" has its prompt computed: reuses 2 full blocks, computes only the tail.
-        Request(
-            "prefix-tail", [*shared[:32], *prompt(9)], arrival_step=12, max_new_tokens=8, prefix_from="owner"
-        ),
-        # Shares 2 blocks and has exactly one uncached prompt token.
-        Request(
-            "prefix-one", [*shared[:32], *prompt(1)], arrival_step=13, max_new_tokens=6, prefix_from="owner"
-        ),
-    ]
+@pytest.fixture(scope="module", params=PATHS, ids=PATH_IDS)
+def path_runner(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> ModelRunner:
+    runner = make_runner(tiny_llama_dir, request.param)
+    assert (runner.fused is not None) == (request.param[0] == "fused")
+    assert (runner.kernel is not None) == (request.param[1] == "native")
+    return runner
 
 
 @pytest.fixture(scope="module")
@@ -167,22 +53,29 @@ def tiny_runner(tiny_llama_dir: Path) -> ModelRunner:
     )
 
 
+def test_the_default_runner_takes_the_fused_forward_and_the_native_kernel(tiny_runner: ModelRunner) -> None:
+    assert tiny_runner.fused is not None
+    assert tiny_runner.kernel is not None
+    assert tiny_runner.describe().startswith("fused Llama forward; native paged kernel")
+
+
 @pytest.mark.parametrize("decodes_first", [True, False], ids=["decodes-first", "arrival-order"])
 @pytest.mark.parametrize("chunk_size", [1, 5, 512])
 def test_greedy_equals_generate_on_tiny_gqa_llama(
-    tiny_runner: ModelRunner, tiny_llama_dir: Path, chunk_size: int, decodes_first: bool
+    path_runner: ModelRunner, tiny_llama_dir: Path, chunk_size: int, decodes_first: bool
 ) -> None:
-    requests = mixed_requests(tiny_runner.vocab_size, seed=chunk_size)
-    results = run_greedy(tiny_runner, requests, chunk_size=chunk_size, decodes_first=decodes_first)
+    requests = mixed_requests(path_runner.vocab_size, seed=chunk_size)
+    results = run_greedy(path_runner, requests, chunk_size=chunk_size, decodes_first=decodes_first)
     check_against_reference(tiny_llama_dir, requests, results)
 
 
-def test_greedy_equals_generate_on_stories260k(stories_dir: Path) -> None:
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_greedy_equals_generate_on_stories260k(stories_dir: Path, path: tuple[str, str]) -> None:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(stories_dir / "tokenizer.json"))
-    runner = ModelRunner(
-        stories_dir, kv_cache_bytes=1 << 20, block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=256
+    runner = make_runner(
+        stories_dir, path, kv_cache_bytes=1 << 20, max_num_seqs=8, max_num_batched_tokens=256
     )
     texts = [
         "Once upon a time, there was a little girl named Lily.",
@@ -358,10 +251,10 @@ def test_decode_rows_of_spread_lengths_are_bucketed_and_agree_with_the_reference
     lengths = [1 + (i * 37) % 150 for i in range(40)]  # 1..150 tokens, shuffled
     q, k_pool, v_pool, tables, context_lens = _random_decode_case(40, lengths)
     out, metadata = _eager_decode(q, k_pool, v_pool, tables, context_lens)
-    assert len(metadata.decode_buckets) > 1
-    assert sum(len(b.rows) for b in metadata.decode_buckets) == 40
-    padded = sum(len(b.rows) * b.num_blocks for b in metadata.decode_buckets)
-    assert padded < 0.8 * 40 * max(b.num_blocks for b in metadata.decode_buckets)
+    assert len(metadata.decode.buckets) > 1
+    assert sum(len(b.rows) for b in metadata.decode.buckets) == 40
+    padded = sum(len(b.rows) * b.num_blocks for b in metadata.decode.buckets)
+    assert padded < 0.8 * 40 * max(b.num_blocks for b in metadata.decode.buckets)
     expected = _reference_decode(q, k_pool, v_pool, tables, context_lens)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -369,7 +262,7 @@ def test_decode_rows_of_spread_lengths_are_bucketed_and_agree_with_the_reference
 def test_decode_rows_of_similar_lengths_stay_in_one_batch() -> None:
     q, k_pool, v_pool, tables, context_lens = _random_decode_case(40, [100 + i % 5 for i in range(40)])
     out, metadata = _eager_decode(q, k_pool, v_pool, tables, context_lens)
-    assert len(metadata.decode_buckets) == 1 and metadata.decode_buckets[0].rows is None
+    assert len(metadata.decode.buckets) == 1 and metadata.decode.buckets[0].rows is None
     torch.testing.assert_close(
         out, _reference_decode(q, k_pool, v_pool, tables, context_lens), atol=1e-5, rtol=1e-5
     )
@@ -437,14 +330,22 @@ def test_compiled_runner_equals_generate(tiny_llama_dir: Path) -> None:
     check_against_reference(tiny_llama_dir, requests, results)
 
 
-def test_warmup_runs_and_leaves_the_pool_empty(tiny_llama_dir: Path) -> None:
-    runner = ModelRunner(tiny_llama_dir, kv_cache_bytes=64 * 8192, max_num_seqs=8, max_num_batched_tokens=64)
+@pytest.mark.parametrize("attention", ["native", "gather"])
+def test_warmup_runs_and_leaves_the_pool_empty(tiny_llama_dir: Path, attention: str) -> None:
+    runner = ModelRunner(
+        tiny_llama_dir,
+        kv_cache_bytes=64 * 8192,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        attention=attention,
+    )
     runner.warmup()
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
-    assert runner.scratch.capacity_blocks >= 8 * 3
+    # The gather path's buffers exist before the first request; the native kernel needs none.
+    assert runner.scratch.capacity_blocks >= (8 * 3 if attention == "gather" else 0)
 
 
-def _packing_runner(tiny_llama_dir: Path, pack: bool | None) -> ModelRunner:
+def _packing_runner(tiny_llama_dir: Path, pack: bool | None, forward: str = "generic") -> ModelRunner:
     return ModelRunner(
         tiny_llama_dir,
         kv_cache_bytes=256 * 8192,
@@ -452,6 +353,7 @@ def _packing_runner(tiny_llama_dir: Path, pack: bool | None) -> ModelRunner:
         max_num_seqs=4,
         max_num_batched_tokens=64,
         pack_linear=pack,
+        forward=forward,
     )
 
 
@@ -471,6 +373,19 @@ def test_cpu_fp32_runners_pack_every_linear_and_compute_the_same_logits(tiny_lla
     assert isinstance(packed.model.model.layers[0].self_attn.q_proj, PackedLinear)
     assert plain.num_packed_linears == 0
     torch.testing.assert_close(_prompt_logits(packed), _prompt_logits(plain), atol=1e-4, rtol=1e-4)
+
+
+def test_the_fused_forward_packs_its_fused_weights_and_computes_the_same_logits(tiny_llama_dir: Path) -> None:
+    packed = _packing_runner(tiny_llama_dir, True, forward="fused")
+    plain = _packing_runner(tiny_llama_dir, False, forward="fused")
+    generic = _packing_runner(tiny_llama_dir, False)
+    # 2 layers x (qkv, o, gate_up, down) + the LM head.
+    assert packed.num_packed_linears == 9
+    assert plain.num_packed_linears == 0
+    assert packed.fused is not None and packed.fused.layers[0].qkv.is_packed
+    reference = _prompt_logits(generic)
+    torch.testing.assert_close(_prompt_logits(packed), reference, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_prompt_logits(plain), reference, atol=1e-4, rtol=1e-4)
 
 
 def test_a_runner_left_to_choose_times_both_and_follows_its_verdict(tiny_llama_dir: Path) -> None:
