@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -224,3 +225,37 @@ def test_the_kernel_runs_on_torchs_openmp_runtime() -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     files = ast.literal_eval(result.stdout.strip().splitlines()[-1])
     assert len(files) == 1 and "torch" in files[0], files
+
+
+def test_engines_in_two_threads_call_the_kernel_at_once_and_each_gets_its_own_answer(
+    kernel: NativeAttention,
+) -> None:
+    # An embedded server steps one engine per model version, each on its own thread: a call's arguments
+    # must be the call's own (a shared argument record once sent one thread's pointers to the other).
+    cases = [
+        {
+            "num_kv_heads": 2,
+            "num_heads": 4,
+            "head_dim": 64,
+            "block_size": 16,
+            "query_lens": np.array([1, 1, 9], dtype=np.int64),
+            "context_lens": np.array([70, 33, 40], dtype=np.int64),
+            "seed": seed,
+        }
+        for seed in range(2)
+    ]
+    failures: list[str] = []
+
+    def repeat(case: dict) -> None:
+        for _ in range(60):
+            out, expected, _ = run_step(kernel, case)
+            if not torch.allclose(out, expected, atol=1e-5, rtol=1e-5):
+                failures.append(f"seed {case['seed']}: max error {(out - expected).abs().max().item()}")
+                return
+
+    threads = [threading.Thread(target=repeat, args=(case,)) for case in cases]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
