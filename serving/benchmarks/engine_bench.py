@@ -31,6 +31,7 @@ from serving.benchmarks.limits import (
     measure_scheduler_overhead_ms,
 )
 from serving.benchmarks.report import format_report
+from serving.benchmarks.step_breakdown import StepBreakdown, decode_breakdown
 from serving.benchmarks.workload import (
     BenchRequest,
     RequestRecord,
@@ -115,6 +116,7 @@ class BenchReport:
     engine_run: EngineRunStats | None = None  # the last run's
     engine_paths: str = ""  # (d)'s forward, attention and Linear layers (ModelRunner.describe)
     cpu_limit: CpuLimit | None = None
+    breakdowns: list[StepBreakdown] = field(default_factory=list)  # (d)'s decode step after each run
     scheduler_ms_per_step: float | None = None
     scheduler_unavailable_reason: str | None = None
     num_prompt_tokens: int = 0
@@ -187,6 +189,8 @@ def run_benchmark(model_dir: str | Path, config: BenchConfig, *, log: Log = lamb
         num_output_tokens=sum(r.max_tokens for r in requests),
     )
     log(f"torch threads: {report.num_torch_threads}; model: {model.describe()}")
+    if config.measure_cpu_limit:  # first, so that each run's line can say its share of it
+        report.cpu_limit = measure_cpu_limit(model.num_matmul_params)
     systems: dict[str, Any] = {}
     for key in config.systems:
         result = report.results[key]
@@ -228,12 +232,27 @@ def run_benchmark(model_dir: str | Path, config: BenchConfig, *, log: Log = lamb
             )
             if isinstance(system, EngineSystem):
                 report.engine_run = system.last_run
-    if config.measure_cpu_limit:
-        report.cpu_limit = measure_cpu_limit(model.num_matmul_params)
+                # After the run, never inside it: profiling slows what it watches.
+                try:
+                    breakdown = decode_breakdown(system.engine, batch=config.max_num_seqs)
+                except ValueError as exc:  # a KV budget too small to hold a batch of decodes
+                    log(f"    {_share_of_limit(report, m)}no decode step profiled: {exc}")
+                else:
+                    report.breakdowns.append(breakdown)
+                    log(f"    {_share_of_limit(report, m)}{breakdown.describe()}")
     if config.measure_scheduler:
         report.scheduler_ms_per_step, report.scheduler_unavailable_reason = measure_scheduler_overhead_ms()
     report.total_s = time.perf_counter() - began
     return report
+
+
+def _share_of_limit(report: BenchReport, metrics: RunMetrics) -> str:
+    """This run's tokens/s as a share of the CPU's arithmetic limit (g), counting prompt tokens too."""
+    limit = report.cpu_limit
+    if limit is None or metrics.makespan_s <= 0:
+        return ""
+    processed = (report.num_prompt_tokens + metrics.num_output_tokens) / metrics.makespan_s
+    return f"{processed / limit.decode_tokens_per_s_bound:.1%} of the CPU limit counting prompt tokens; "
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from serving.benchmarks.bench_model import ModelInfo
@@ -60,10 +60,16 @@ def concurrency_at_budget(
 
 @dataclass(slots=True, frozen=True)
 class CpuLimit:
+    """The machine's fp32 matmul rate: the better of torch's default CPU matmul (the BLAS torch was built
+    with) and oneDNN's (the kernel the engine's packed Linear layers use, serving/engine/packing.py),
+    whose rates differ by 2x or more on some CPUs (docs/benchmarks.md, "Engine step cost")."""
+
     matmul_size: int
-    best_flops_per_s: float
-    median_flops_per_s: float
+    best_flops_per_s: float  # the better kernel's best run
+    median_flops_per_s: float  # the better kernel's median
     num_matmul_params: int
+    blas_best_flops_per_s: float  # torch.matmul's best run
+    onednn_best_flops_per_s: float | None  # None where oneDNN's linear is not available
 
     @property
     def decode_tokens_per_s_bound(self) -> float:
@@ -73,19 +79,39 @@ class CpuLimit:
 
 
 def measure_cpu_limit(num_matmul_params: int, *, size: int = 2048, num_repeats: int = 5) -> CpuLimit:
-    """FLOP/s of one big fp32 torch.matmul on this machine, now, with the current torch threads."""
+    """FLOP/s of one big fp32 product on this machine, now, with the current torch threads: through
+    torch.matmul and through oneDNN's linear over a packed weight, each after a warm-up."""
     import torch
+
+    from serving.engine.packing import LinearWeight, can_pack
 
     a = torch.randn(size, size)
     b = torch.randn(size, size)
     out = torch.empty(size, size)
-    torch.matmul(a, b, out=out)  # warm-up: thread pool, allocator
-    flops = []
-    for _ in range(num_repeats):
-        began = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        flops.append(2 * size**3 / (time.perf_counter() - began))
-    return CpuLimit(size, max(flops), statistics.median(flops), num_matmul_params)
+
+    def rates(product: Callable[[], object]) -> list[float]:
+        product()  # warm-up: thread pool, allocator, kernels
+        flops = []
+        for _ in range(num_repeats):
+            began = time.perf_counter()
+            product()
+            flops.append(2 * size**3 / (time.perf_counter() - began))
+        return flops
+
+    blas = rates(lambda: torch.matmul(a, b, out=out))
+    onednn = None
+    if can_pack(torch.device("cpu"), torch.float32):
+        packed = LinearWeight(b, None, packed=True)
+        onednn = rates(lambda: packed(a))
+    best = blas if onednn is None or max(blas) >= max(onednn) else onednn
+    return CpuLimit(
+        size,
+        max(best),
+        statistics.median(best),
+        num_matmul_params,
+        blas_best_flops_per_s=max(blas),
+        onednn_best_flops_per_s=None if onednn is None else max(onednn),
+    )
 
 
 def measure_scheduler_overhead_ms(num_seqs: int = 256) -> tuple[float | None, str | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -120,10 +121,13 @@ def format_report(report: BenchReport) -> str:
         lines.append("(g) CPU arithmetic limit: not measured")
     else:
         bound = limit.decode_tokens_per_s_bound
+        onednn = limit.onednn_best_flops_per_s
         line = (
             f"(g) CPU limit: fp32 matmul {limit.matmul_size}^3 "
             f"best {limit.best_flops_per_s / 1e9:.1f} GFLOP/s "
-            f"(median {limit.median_flops_per_s / 1e9:.1f}); "
+            f"(median {limit.median_flops_per_s / 1e9:.1f}; "
+            f"torch.matmul {limit.blas_best_flops_per_s / 1e9:.1f}, "
+            f"oneDNN {'n/a' if onednn is None else f'{onednn / 1e9:.1f}'}); "
             f"2 x {limit.num_matmul_params / 1e6:.2f}M FLOPs/token -> decode bound {bound:.0f} tok/s"
         )
         if engine_median is not None:
@@ -135,6 +139,20 @@ def format_report(report: BenchReport) -> str:
                 f"{processed / bound:.1%} counting prompt tokens too"
             )
         lines.append(line)
+    if report.breakdowns:
+        # One profile after each run of (d); the median of each figure.
+        step_ms = statistics.median(b.step_ms for b in report.breakdowns)
+        ops = statistics.median(b.host_ops_per_layer for b in report.breakdowns)
+        share = statistics.median(b.attention_share for b in report.breakdowns)
+        copied = statistics.median(b.bytes_copied_per_step for b in report.breakdowns)
+        first = report.breakdowns[0]
+        lines.append(
+            f"(i) (d)'s decode step at batch {first.batch}, context {first.context_len} (median of "
+            f"{len(report.breakdowns)} profiles, one after each run): {step_ms:.2f} ms, {ops:.1f} host ops "
+            f"per layer, attention {share:.0%} of the step, {copied / 2**20:.1f} MiB copied from the KV pool "
+            f"per step; the step's heaviest host ops: "
+            + ", ".join(f"{name} {ms:.2f} ms" for name, ms, _ in first.top_ops[:4])
+        )
     if report.scheduler_ms_per_step is not None:
         lines.append(
             f"(h) scheduler time per step at 256 running sequences (simulated executor): "

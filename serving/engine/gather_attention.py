@@ -40,6 +40,7 @@ class AttentionScratch:
         self._device = device
         self._k = torch.empty((0, *self._shape), dtype=dtype, device=device)
         self._v = torch.empty_like(self._k)
+        self.num_bytes_copied = 0  # by every gather so far: the cost the native kernel does without
 
     @property
     def capacity_blocks(self) -> int:
@@ -61,6 +62,7 @@ class AttentionScratch:
         self.reserve(num_blocks)
         k = torch.index_select(k_pool, 0, block_ids, out=self._k[:num_blocks])
         v = torch.index_select(v_pool, 0, block_ids, out=self._v[:num_blocks])
+        self.num_bytes_copied += k.nbytes + v.nbytes
         return k, v
 
 

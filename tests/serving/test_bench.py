@@ -153,6 +153,31 @@ def test_the_bench_command_prints_the_table(demo_model_dir: Path) -> None:
     assert "run 2/2" in err.getvalue()
 
 
+def test_each_engine_run_reports_its_share_of_the_limit_and_its_decode_steps_breakdown(
+    demo_model_dir: Path,
+) -> None:
+    out, err = StringIO(), StringIO()
+    call_command(
+        "bench",
+        "engine",
+        *("--model-dir", str(demo_model_dir), "--num-requests", "2", "--prompt-tokens", "4-8"),
+        *("--output-tokens", "2-4", "--systems", "d", "--repeat", "2", "--max-num-seqs", "4"),
+        *("--kv-cache-mib", "16"),
+        "--skip-scheduler",
+        stdout=out,
+        stderr=err,
+    )
+    # The bench's KV budget is sized to this tiny workload: the profile takes what it holds.
+    per_run = [line for line in err.getvalue().splitlines() if "decode step at batch" in line]
+    assert len(per_run) == 2  # one profile after each run
+    assert all("of the CPU limit counting prompt tokens" in line for line in per_run)
+    assert all("0.0 MiB copied from the KV pool" in line for line in per_run)  # the native kernel copies none
+    text = out.getvalue()
+    assert "(i) (d)'s decode step at batch" in text and "host ops per layer" in text
+    assert "torch.matmul" in text and "oneDNN" in text  # (g) names both kernels' rates
+    assert "engine: fused Llama forward; native paged kernel" in text
+
+
 def test_the_bench_command_refuses_unknown_systems(demo_model_dir: Path) -> None:
     with pytest.raises(CommandError, match="systems"):
         call_command("bench", "engine", "--model-dir", str(demo_model_dir), "--systems", "a,z")
@@ -264,9 +289,10 @@ def test_the_step_profile_reports_each_batch_size(
     args = ["--model-dir", str(demo_model_dir), "--device", "cpu", "--batch", "1", "3", "--prompt-len", "8"]
     main([*args, "--steps", "2", "--repeats", "1", "--top", "2"])
     lines = capsys.readouterr().out.splitlines()
-    steps = [line for line in lines if ": decode step " in line]
+    steps = [line for line in lines if ": decode step at batch " in line]
     assert [line.split(":")[0].split()[-1] for line in steps] == ["1", "3"]
-    assert all(float(line.split("decode step ")[1].split()[0]) > 0 for line in steps)
+    assert all(float(line.split(": ")[2].split(" ms")[0]) > 0 for line in steps)
+    assert all("host ops per layer" in line and "copied from the KV pool" in line for line in steps)
     assert sum("ms/step host" in line for line in lines) == 4  # --top 2, per batch size
 
 
