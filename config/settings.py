@@ -312,10 +312,12 @@ if REPLICA_FORWARD not in ("auto", "fused", "generic"):
 REPLICA_ATTENTION = os.environ.get("SWITCHYARD_ATTENTION", "auto").strip().lower()
 if REPLICA_ATTENTION not in ("auto", "native", "gather"):
     raise ImproperlyConfigured("SWITCHYARD_ATTENTION must be auto, native or gather")
-# torch's intra-op threads. A replica process has the cores to itself; replicas inside the server share
-# them with its event loop, and OpenMP threads spinning against the loop made batches crawl on 2 cores.
-REPLICA_TORCH_THREADS = int(os.environ.get("SWITCHYARD_TORCH_THREADS", "0")) or None  # None: by mode
-EMBEDDED_TORCH_THREADS = max(1, (os.cpu_count() or 2) - 1)
+# torch's intra-op threads (unset: every core). Replicas inside the server share the cores with its
+# event loop, and still take them all: on 2 cores, one thread kept 59% of the engine alone's throughput
+# through the API on a 64-stream load, two 80%, with the p50 TTFT the path adds at light load +3 ms
+# (docs/benchmarks.md, "Engine step cost").
+REPLICA_TORCH_THREADS = int(os.environ.get("SWITCHYARD_TORCH_THREADS", "0")) or None
+EMBEDDED_TORCH_THREADS = os.cpu_count() or 1
 # Python's GIL switch interval in a process that runs a replica (0: leave Python's 5 ms default).
 REPLICA_GIL_SWITCH_INTERVAL_S = float(os.environ.get("SWITCHYARD_GIL_SWITCH_INTERVAL_MS", "1")) / 1000
 # Rollouts: defaults for a deployment that does not say (thresholds: rollouts.judge.Thresholds).
