@@ -400,13 +400,8 @@ class Replica:
                 engine = EncoderEngine(path, kind=self.ref.kind, config=config)
             else:
                 engine = Engine(path, config=self._engine_config or engine_config_from_settings())
-        if isinstance(engine, Engine) and engine.runner.packing is not None:
-            logger.info(
-                "replica %s:%s: Linear layers %s",
-                self.ref.model_name,
-                self.ref.version,
-                engine.runner.packing.describe(),
-            )
+        if isinstance(engine, Engine):  # its forward, attention and Linear layers, and why not the others
+            logger.info("replica %s:%s: %s", self.ref.model_name, self.ref.version, engine.runner.describe())
         elif isinstance(engine, EncoderEngine):
             logger.info("replica %s:%s: %s", self.ref.model_name, self.ref.version, engine.head.describe())
         # What the autoscaler reads as full: a generative engine's running batch, an encoder's batch.

@@ -183,7 +183,7 @@ class ModelRunner:
         if self.attention_refusal is None:
             self.kernel = load_native_attention()
             self.kv_caches = [(key_pool_view(k), v) for k, v in self.kv_caches]
-        logger.info("model runner for %s: %s", model_dir, self.describe())
+        logger.debug("model runner for %s: %s", model_dir, self.describe())
         self.base_step_s = 0.0  # a step's fixed cost, measured by warmup()
 
         # Host-side metadata lives in persistent arrays filled in place each step; building tensors
