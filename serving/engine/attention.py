@@ -19,7 +19,8 @@ cached prefix needs a bottom-right causal mask (its queries sit at the end of th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,14 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class AttentionClock:
+    """Seconds spent in `attend` (writing K/V and attending), summed over layers and steps: what a step
+    profile reports as the attention's share (two clock reads per layer, so always on)."""
+
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class PagedAttentionMetadata:
     """What the attention function needs for one step; built once per step, read by every layer."""
 
@@ -63,6 +72,7 @@ class PagedAttentionMetadata:
     decode: GatherDecode | None = None  # gather path: the step's decode rows, if any
     kernel: NativeAttention | None = None
     kernel_step: KernelStep | None = None
+    clock: AttentionClock = field(default_factory=AttentionClock)
 
 
 def build_attention_metadata(
@@ -77,10 +87,13 @@ def build_attention_metadata(
     decode_kernel: DecodeKernel | None = None,
     kernel: NativeAttention | None = None,
     num_heads: int | None = None,
+    clock: AttentionClock | None = None,
 ) -> PagedAttentionMetadata:
     """`query_lens`/`context_lens` are host arrays [B]; `block_tables` [B, W] and `slot_mapping` [T]
     live on the model's device. With a native `kernel` (and then `num_heads`), its metadata; otherwise
-    the gather path's, with `decode_kernel` the compiled decode attention if any."""
+    the gather path's, with `decode_kernel` the compiled decode attention if any. `clock` adds up the
+    time the step spends attending."""
+    clock = clock or AttentionClock()
     num_tokens = int(slot_mapping.shape[0])
     token_starts = np.cumsum(query_lens) - query_lens
     if kernel is not None:
@@ -98,6 +111,7 @@ def build_attention_metadata(
                 for row in np.flatnonzero(is_fresh).tolist()
             ],
             scratch=scratch,
+            clock=clock,
             kernel=kernel,
             kernel_step=kernel.step(
                 slot_mapping=slot_mapping,
@@ -138,6 +152,7 @@ def build_attention_metadata(
         prefills=prefills,
         scratch=scratch,
         decode=decode,
+        clock=clock,
     )
 
 
@@ -195,6 +210,20 @@ def attend(
 ) -> torch.Tensor:
     """One layer's attention for the step: query [T, H, D], key/value [T, KVH, D] (views of any strides
     with a contiguous last dim; after RoPE) -> [T, H, D]. Writes the new keys/values into the pool."""
+    started = time.perf_counter()
+    out = _attend(md, layer_idx, query, key, value, scale)
+    md.clock.seconds += time.perf_counter() - started
+    return out
+
+
+def _attend(
+    md: PagedAttentionMetadata,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     assert num_tokens == md.num_tokens, "metadata built for another batch"

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving.engine.attention import build_attention_metadata, register_paged_attention
+from serving.engine.attention import AttentionClock, build_attention_metadata, register_paged_attention
 from serving.engine.fused_llama import FusedForwardUnsupported, FusedLlama, refusal
 from serving.engine.gather_attention import AttentionScratch, DecodeKernel, compile_decode_kernel
 from serving.engine.host_memory import keep_freed_memory
@@ -185,6 +185,7 @@ class ModelRunner:
             self.kv_caches = [(key_pool_view(k), v) for k, v in self.kv_caches]
         logger.debug("model runner for %s: %s", model_dir, self.describe())
         self.base_step_s = 0.0  # a step's fixed cost, measured by warmup()
+        self.attention_clock = AttentionClock()  # time in attention, every step's (bench's step breakdown)
 
         # Host-side metadata lives in persistent arrays filled in place each step; building tensors
         # from Python lists every step was measured at milliseconds per step at a few hundred sequences.
@@ -346,6 +347,7 @@ class ModelRunner:
             decode_kernel=self.decode_kernel,
             kernel=self.kernel,
             num_heads=self.num_heads,
+            clock=self.attention_clock,
         )
         if self.fused is not None:
             return self.fused.forward(batch.input_ids, batch.positions, batch.sample_indices, metadata)
