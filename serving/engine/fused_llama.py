@@ -6,14 +6,14 @@ and V, RMSNorm as six, rotary as fourteen, two residual adds, SiLU and the gate 
 Python and dispatch overhead in every layer of every step (docs/benchmarks.md, "Engine step cost").
 Here a layer is:
 
-    x = rms_norm(h)                   one op
+    x = rms_norm(h)                   one op (one pass in C: native_ops.py)
     qkv = x @ W_qkv                   one product: Q, K and V weights concatenated at load
     rotary on Q and K, in place       one complex multiply (see below)
     attention                         one call: writes K/V into the pool and attends (attention.py)
     h = h + attn @ W_o                one product, the residual added as its post-op
     x = rms_norm(h)                   one op
     gu = x @ W_gate_up                one product: gate and up weights concatenated
-    a = silu(gate) * up               two ops
+    a = silu(gate) * up               one op in C (two of torch's without it)
     h = h + a @ W_down                one product with the residual
 
 Rotary as one complex multiply: transformers rotates pairs (i, i + D/2) of each head ("rotate_half").
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serving.engine.attention import PagedAttentionMetadata, attend
+from serving.engine.native_ops import NativeOps
 from serving.engine.packing import LinearWeight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -118,7 +119,8 @@ class FusedLlama:
     """The forward pass over the weights of a loaded transformers model (which it takes over: the
     model's decoder layers are emptied, so the weights are held once)."""
 
-    def __init__(self, model: Any, *, packed: bool) -> None:
+    def __init__(self, model: Any, *, packed: bool, ops: NativeOps | None = None) -> None:
+        """`ops`: the C row operators (on a CPU in fp32 where the library builds); None: torch's."""
         reason = refusal(model)
         if reason is not None:
             raise FusedForwardUnsupported(f"the fused Llama forward cannot serve this model: {reason}")
@@ -130,6 +132,7 @@ class FusedLlama:
         self.hidden_size: int = config.hidden_size
         self.eps: float = config.rms_norm_eps
         self.scale = self.head_dim**-0.5  # transformers' Llama attention scaling
+        self.ops = ops
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         self.intermediate_size: int = config.intermediate_size
@@ -199,11 +202,11 @@ class FusedLlama:
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size, inter = self.q_size, self.kv_size, self.intermediate_size
-        norm_shape = (self.hidden_size,)
+        norm = self._rms_norm
         rotation = self.rotary.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2], shared by every layer
         hidden = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
-            x = F.rms_norm(hidden, norm_shape, layer.input_norm, self.eps)
+            x = norm(hidden, layer.input_norm)
             qkv = layer.qkv(x)
             rotated = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim // 2, 2)
             torch.view_as_complex(rotated).mul_(rotation)
@@ -216,9 +219,16 @@ class FusedLlama:
                 self.scale,
             )
             hidden = layer.o.add_to(attn.view(num_tokens, q_size), hidden)
-            x = F.rms_norm(hidden, norm_shape, layer.post_norm, self.eps)
+            x = norm(hidden, layer.post_norm)
             gate_up = layer.gate_up(x)
-            gate = F.silu(gate_up[:, :inter], inplace=True)
-            hidden = layer.down.add_to(gate.mul_(gate_up[:, inter:]), hidden)
-        last = F.rms_norm(hidden.index_select(0, sample_indices), norm_shape, self.norm, self.eps)
-        return self.lm_head(last)
+            if self.ops is not None:
+                activated = self.ops.silu_and_mul(gate_up)
+            else:
+                activated = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])
+            hidden = layer.down.add_to(activated, hidden)
+        return self.lm_head(norm(hidden.index_select(0, sample_indices), self.norm))
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, weight, self.eps)
+        return F.rms_norm(x, (self.hidden_size,), weight, self.eps)

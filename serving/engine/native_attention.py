@@ -1,46 +1,27 @@
-"""The paged attention kernel in C (csrc/paged_attention.c): built with the machine's C compiler at first
-use, cached on disk, called through ctypes.
+"""Paged attention in C (csrc/paged_attention.c), through ctypes: the Python side of the kernel.
 
 Why a kernel of our own: torch has no CPU attention that reads K/V through a block table, so the eager
 path copied every decode row's blocks into contiguous buffers each layer and step before SDPA; that copy
 was 16% of a batch-64 decode step (docs/benchmarks.md, "Engine step cost"). This kernel reads each
 cached byte once, where it lives, and also writes the step's new keys and values into their slots.
-
-It is built once per source, compiler and CPU (`-march=native`), in ~1 s, into
-`$SWITCHYARD_KERNEL_CACHE` (default `~/.cache/switchyard/kernels`). With no C compiler, or on another
-device, `load_native_attention` says why and the engine keeps the gather + SDPA path.
-
-OpenMP: the library links libgomp by its soname, which torch's own libgomp carries, so the kernel runs
-on torch's thread pool rather than a second one competing for the same cores. ctypes releases the GIL
-for the call."""
+native_library.py builds and loads it; where it cannot, the engine keeps the gather + SDPA path."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+from serving.engine.native_library import load_library
+
 PROFILE_NAME = "switchyard::paged_attention"  # how a profile of a step names the kernel's calls
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 # The C file's limits (SY_MAX_*): a model past them keeps the SDPA path.
 MAX_VECTORS_PER_ITEM = 128
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE = 64
-
-
-class KernelUnavailable(RuntimeError):
-    """The native kernel cannot be built or loaded here; the message says why."""
 
 
 class _LayerArgs(ctypes.Structure):
@@ -120,10 +101,9 @@ def plan_items(
 
 
 class NativeAttention:
-    """The loaded library."""
+    """The attention kernel's entry point in the loaded library."""
 
-    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
-        self.path = path
+    def __init__(self, library: ctypes.CDLL) -> None:
         self._call = library.sy_paged_attention
         self._call.argtypes = [ctypes.POINTER(_StepArgs), ctypes.POINTER(_LayerArgs)]
         self._call.restype = ctypes.c_int
@@ -207,77 +187,11 @@ class NativeAttention:
             raise ValueError("paged attention kernel: shapes past its limits")
 
 
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    raise KernelUnavailable("no C compiler found (set CC, or install gcc)")
-
-
-def _cache_dir() -> Path:
-    configured = os.environ.get("SWITCHYARD_KERNEL_CACHE")
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "switchyard" / "kernels"
-
-
-def _cpu_identity() -> str:
-    # -march=native builds for this CPU; a cache shared by machines must not hand one another's build.
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def build_library(*, cache_dir: Path | None = None) -> Path:
-    """The compiled library's path, compiling it first unless an identical build is cached."""
-    compiler = _compiler()
-    source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelUnavailable(f"{compiler} --version failed: {exc}") from exc
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(COMPILE_FLAGS).encode(), version.encode(), _cpu_identity().encode()])
-    ).hexdigest()[:20]
-    directory = cache_dir or _cache_dir()
-    target = directory / f"paged_attention-{key}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    # Built aside and renamed into place: two processes building at once each rename a whole file.
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        built = Path(scratch) / target.name
-        command = [compiler, *COMPILE_FLAGS, "-o", str(built), str(SOURCE), "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise KernelUnavailable(f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)
-    return target
-
-
 def load_native_attention() -> NativeAttention:
-    """The kernel, built if needed; raises KernelUnavailable saying why not. Tried once per process:
-    a failure is remembered, not retried by every engine that asks."""
-    kernel, reason = _load_once()
-    if kernel is None:
-        raise KernelUnavailable(reason)
-    return kernel
+    """The kernel (native_library.py builds it); raises KernelUnavailable saying why not."""
+    return _attention(load_library())
 
 
 @functools.cache
-def _load_once() -> tuple[NativeAttention | None, str]:
-    if platform.system() != "Linux":
-        return None, f"built and tested on Linux only, not {platform.system()}"
-    try:
-        path = build_library()
-        return NativeAttention(ctypes.CDLL(str(path)), path), ""
-    except KernelUnavailable as exc:
-        return None, str(exc)
-    except OSError as exc:
-        return None, f"cannot build or load the kernel: {exc}"
+def _attention(library: ctypes.CDLL) -> NativeAttention:
+    return NativeAttention(library)

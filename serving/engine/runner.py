@@ -29,12 +29,9 @@ from serving.engine.fused_llama import FusedForwardUnsupported, FusedLlama, refu
 from serving.engine.gather_attention import AttentionScratch, DecodeKernel, compile_decode_kernel
 from serving.engine.host_memory import keep_freed_memory
 from serving.engine.loading import default_device_and_dtype, load_causal_lm
-from serving.engine.native_attention import (
-    KernelUnavailable,
-    NativeAttention,
-    key_pool_view,
-    load_native_attention,
-)
+from serving.engine.native_attention import NativeAttention, key_pool_view, load_native_attention
+from serving.engine.native_library import KernelUnavailable
+from serving.engine.native_ops import NativeOps, load_native_ops
 from serving.engine.packing import PackingVerdict, can_pack, pack_linear_layers, packing_pays
 from serving.engine.sequence import Sequence
 
@@ -86,6 +83,7 @@ class ModelRunner:
         pack_linear: bool | None = None,
         forward: str = "auto",
         attention: str = "auto",
+        native_ops: bool = True,
     ) -> None:
         sized_later = callable(kv_cache_bytes)  # a number is checked before anything loads
         for name, value in (
@@ -127,7 +125,7 @@ class ModelRunner:
                 f"the fused forward cannot serve {model_dir}: {self.forward_refusal}"
             )
         if self.forward_refusal is None:
-            self.fused = FusedLlama(self.model, packed=is_packed)
+            self.fused = FusedLlama(self.model, packed=is_packed, ops=self._native_ops(native_ops))
             self.num_packed_linears = self.fused.num_packed_linears
         else:
             self.num_packed_linears = pack_linear_layers(self.model) if is_packed else 0
@@ -201,6 +199,15 @@ class ModelRunner:
         else:
             self._dev_tokens, self._dev_tables = self._host_tokens, self._host_tables
 
+    def _native_ops(self, wanted: bool) -> NativeOps | None:
+        """The C row operators for the fused forward, where the C library builds (CPU, fp32)."""
+        if not wanted or self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        try:
+            return load_native_ops()
+        except KernelUnavailable:
+            return None  # torch's operators, as the attention's refusal will say why
+
     def _native_refusal(self, attention: str, compile_attention: bool) -> str | None:
         """Why the native kernel is not this runner's attention, or None when it is."""
         if attention == "gather":
@@ -225,7 +232,9 @@ class ModelRunner:
 
     def describe(self) -> str:
         """Which forward, attention and Linear layers this runner took, and why not the others."""
-        forward = "fused Llama forward" if self.fused else f"transformers' modules ({self.forward_refusal})"
+        forward = f"transformers' modules ({self.forward_refusal})"
+        if self.fused is not None:
+            forward = "fused Llama forward" + (" (C row ops)" if self.fused.ops is not None else "")
         attention = "native paged kernel" if self.kernel else f"gather + SDPA ({self.attention_refusal})"
         linears = (
             self.packing.describe()

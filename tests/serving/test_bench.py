@@ -175,7 +175,7 @@ def test_each_engine_run_reports_its_share_of_the_limit_and_its_decode_steps_bre
     text = out.getvalue()
     assert "(i) (d)'s decode step at batch" in text and "host ops per layer" in text
     assert "torch.matmul" in text and "oneDNN" in text  # (g) names both kernels' rates
-    assert "engine: fused Llama forward; native paged kernel" in text
+    assert "engine: fused Llama forward (C row ops); native paged kernel" in text
 
 
 def test_the_bench_command_refuses_unknown_systems(demo_model_dir: Path) -> None:

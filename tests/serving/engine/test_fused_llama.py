@@ -100,7 +100,9 @@ def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save(GPT2LMHeadModel(config).eval(), tmp_path_factory, "tiny_gpt2")
 
 
-def _runner(model_dir: Path, *, forward: str, attention: str = "native") -> ModelRunner:
+def _runner(
+    model_dir: Path, *, forward: str, attention: str = "native", native_ops: bool = True
+) -> ModelRunner:
     return ModelRunner(
         model_dir,
         kv_cache_bytes=256 * 16384,
@@ -109,6 +111,7 @@ def _runner(model_dir: Path, *, forward: str, attention: str = "native") -> Mode
         max_num_batched_tokens=512,
         forward=forward,
         attention=attention,
+        native_ops=native_ops,
     )
 
 
@@ -119,10 +122,15 @@ def _greedy_equals_generate(runner: ModelRunner, model_dir: Path) -> None:
         check_against_reference(model_dir, requests, results)
 
 
-@pytest.mark.parametrize("attention", ["native", "gather"])
-def test_qwen2_takes_the_fused_forward_and_equals_generate(tiny_qwen2_dir: Path, attention: str) -> None:
-    runner = _runner(tiny_qwen2_dir, forward="fused", attention=attention)
+@pytest.mark.parametrize(
+    ("attention", "native_ops"), [("native", True), ("gather", False)], ids=["c-kernels", "torch-ops"]
+)
+def test_qwen2_takes_the_fused_forward_and_equals_generate(
+    tiny_qwen2_dir: Path, attention: str, native_ops: bool
+) -> None:
+    runner = _runner(tiny_qwen2_dir, forward="fused", attention=attention, native_ops=native_ops)
     assert runner.fused is not None and runner.fused.layers[0].qkv.bias is not None
+    assert (runner.fused.ops is not None) is native_ops
     _greedy_equals_generate(runner, tiny_qwen2_dir)
 
 

@@ -18,15 +18,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving.engine import native_attention
-from serving.engine.native_attention import (
-    KernelUnavailable,
-    NativeAttention,
-    build_library,
-    key_pool_view,
-    load_native_attention,
-    plan_items,
-)
+from serving.engine.native_attention import NativeAttention, key_pool_view, load_native_attention, plan_items
+from serving.engine.native_library import KernelUnavailable, build_library
 from serving.engine.runner import ModelRunner
 
 
@@ -193,14 +186,11 @@ def test_a_runner_keeps_the_gather_path_where_the_kernel_cannot_serve_and_says_w
         ModelRunner(tiny_llama_dir, attention="native", **options)
 
 
-def test_a_source_that_does_not_compile_is_unavailable_with_the_compilers_words(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_source_that_does_not_compile_is_unavailable_with_the_compilers_words(tmp_path: Path) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("int sy_paged_attention(void) { return this is not C; }\n")
-    monkeypatch.setattr(native_attention, "SOURCE", broken)
     with pytest.raises(KernelUnavailable, match="error"):
-        build_library(cache_dir=tmp_path / "cache")
+        build_library(source_files=[broken], cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built is left to be loaded later
 
 

@@ -56,7 +56,7 @@ def tiny_runner(tiny_llama_dir: Path) -> ModelRunner:
 def test_the_default_runner_takes_the_fused_forward_and_the_native_kernel(tiny_runner: ModelRunner) -> None:
     assert tiny_runner.fused is not None
     assert tiny_runner.kernel is not None
-    assert tiny_runner.describe().startswith("fused Llama forward; native paged kernel")
+    assert tiny_runner.describe().startswith("fused Llama forward (C row ops); native paged kernel")
 
 
 @pytest.mark.parametrize("decodes_first", [True, False], ids=["decodes-first", "arrival-order"])
