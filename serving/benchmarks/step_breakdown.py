@@ -1,7 +1,7 @@
 """Where one decode step's time goes, measured on a live engine: `bench engine` prints it for each run
 of (d), `python -m serving.benchmarks.step_profile` for several batch sizes.
 
-The engine is filled with `batch` sequences of `prompt_len` tokens, which prefill; then decode steps are
+The engine is filled with `batch` sequences of `prompt_len` tokens (no two alike), which prefill; then decode steps are
 timed (medians of `repeats` rounds of `steps` steps, the device synchronised around each round) and a few
 more are profiled with torch.profiler. Reported:
 
@@ -113,10 +113,13 @@ def decode_breakdown(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    prompt = [5 + i % 64 for i in range(prompt_len)]
     params = SamplingParams(max_tokens=num_decoded, ignore_eos=True, temperature=0.0)
     request_ids = [f"breakdown-{i}" for i in range(batch)]
-    for request_id in request_ids:
+    vocab = runner.vocab_size - 8
+    for index, request_id in enumerate(request_ids):
+        # Prompts that differ from their first token: shared prefix blocks would be read from cache by
+        # every row, and make the attention look cheaper than a real batch's.
+        prompt = [5 + (index * 31 + 7 * position) % vocab for position in range(prompt_len)]
         engine.add_request(request_id, prompt, params, tenant_id="step-breakdown")
     try:
         while engine.scheduler.num_waiting or any(

@@ -193,6 +193,13 @@ static void fold_group(const int group, const int first, const float *keys, cons
     }
 }
 
+static inline void prefetch_block(const SyLayerArgs *layer, int64_t offset, int64_t num_floats) {
+    for (int64_t f = 0; f < num_floats; f += 64 / sizeof(float)) { /* one 64-byte line at a time */
+        __builtin_prefetch(layer->k_pool + offset + f);
+        __builtin_prefetch(layer->v_pool + offset + f);
+    }
+}
+
 static void attend_item(const SyStepArgs *step, const SyLayerArgs *layer, const int64_t *item) {
     const int64_t row = item[0], first_token = item[1], num_queries = item[2], first_position = item[3];
     const int head_dim = step->head_dim, block_size = step->block_size;
@@ -213,18 +220,12 @@ static void attend_item(const SyStepArgs *step, const SyLayerArgs *layer, const 
         sy_sum[i] = 0.0f;
     }
     const int64_t block_floats = (int64_t)block_size * value_stride; /* one block of keys, or of values */
+    /* Blocks are scattered over the pool, which defeats the hardware's prefetcher at each jump: the
+     * first block is asked for before starting, and each next one while its predecessor is computed. */
+    prefetch_block(layer, table[0] * block_floats, block_floats);
     for (int64_t block = 0; block < num_blocks; block++) {
         const int64_t block_start = block * block_size, physical = table[block];
-        if (block + 1 < num_blocks) {
-            /* Blocks are scattered over the pool, which defeats the hardware's prefetcher at each jump:
-             * ask for the next block while this one is computed. */
-            const float *next_keys = layer->k_pool + table[block + 1] * block_floats;
-            const float *next_values = layer->v_pool + table[block + 1] * block_floats;
-            for (int64_t f = 0; f < block_floats; f += 64 / sizeof(float)) {
-                __builtin_prefetch(next_keys + f);
-                __builtin_prefetch(next_values + f);
-            }
-        }
+        if (block + 1 < num_blocks) prefetch_block(layer, table[block + 1] * block_floats, block_floats);
         for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
             const float *keys = layer->k_pool + ((physical * kv_heads + kv_head) * head_dim) * block_size;
             const float *values = layer->v_pool + physical * block_size * value_stride +
