@@ -23,13 +23,15 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from serving.benchmarks.http_client import HttpClient, HttpProtocolError
+from serving.benchmarks.http_run import REQUEST_TIMEOUT_S, HttpRun, TextRequest, stream_outcome
+from serving.benchmarks.openai_load import run_openai_load
 from serving.benchmarks.workload import BenchRequest, RequestRecord, compute_metrics, nearest_rank, percentile
 
 # A fixed vocabulary of ordinary words, so prompt lengths in tokens vary little between runs.
@@ -58,19 +60,10 @@ _WORDS = (
     "load",
 )
 REPO_ROOT = Path(__file__).resolve().parents[2]
-REQUEST_TIMEOUT_S = 600.0
 
 
 # One token each in most tokenizers: what tops a prompt up to its length in tokens.
 _FILLERS = ("a", "the", "I", "and")
-
-
-@dataclass(slots=True, frozen=True)
-class TextRequest:
-    request_id: str
-    arrival_s: float
-    text: str
-    max_tokens: int
 
 
 WARM_UP_PREFIX = "Warm-up. "  # before a warm-up request's text: no measured prompt begins so
@@ -148,54 +141,6 @@ def _fit_to_tokens(words: list[str], num_tokens: int, count_tokens: Callable[[st
         else:
             break
     return words
-
-
-@dataclass(slots=True)
-class HttpRun:
-    records: list[RequestRecord]  # one per request sent, whatever its outcome; complete ones were "200"
-    inter_token_s: list[float]  # the gaps between tokens of complete requests
-    # One outcome per request: "200" for a complete stream; otherwise the status refused, the exception
-    # that ended it, "stream_error" (a final event with finish_reason "error"), or why a 200 stream
-    # ended incomplete (stream_outcome).
-    statuses: Counter[str] = field(default_factory=Counter)
-    # (sent, ended) per request, whatever its outcome, in seconds since the run's start.
-    spans_s: list[tuple[float, float]] = field(default_factory=list)
-    # The replica's own TTFT per request id (from the gateway's submission to the first token), which
-    # the final event's timings carry.
-    replica_ttft_s: dict[str, float] = field(default_factory=dict)
-    # And its wait before the first forward pass that held the request, from the same submission.
-    replica_queue_s: dict[str, float] = field(default_factory=dict)
-    send_lateness_s: list[float] = field(default_factory=list)  # sent - scheduled arrival, per request
-    prompt_tokens: list[int] = field(default_factory=list)  # as the final event's usage counts them
-    num_ended_early: int = 0  # streams the model ended (EOS, a stop string) before their max_tokens
-
-    @property
-    def duration_s(self) -> float:
-        """The run's duration, which every throughput divides by: from the first send to the end of the
-        last request to end, whatever its outcome."""
-        if not self.spans_s:
-            return 0.0
-        return max(end for _, end in self.spans_s) - min(sent for sent, _ in self.spans_s)
-
-
-def stream_outcome(record: RequestRecord, finish_reason: str | None, *, is_sse: bool = True) -> str:
-    """A 200 stream's outcome once read to its end: "200" when it completed, or why it did not. A stream
-    the model ended ("stop": EOS or a stop string) before its max_tokens completes at the length it
-    reached (record.max_tokens becomes that), so that its latencies count rather than only the longest
-    streams'; a stream cut by the context's end ("length") or aborted does not."""
-    if finish_reason is None:
-        return "incomplete_no_final_event" if is_sse else "incomplete_not_sse"
-    if finish_reason == "error":
-        return "stream_error"
-    if finish_reason == "stop" and 0 < record.num_output_tokens < record.max_tokens:
-        record.max_tokens = record.num_output_tokens
-    if record.is_complete:
-        return "200"
-    if record.num_output_tokens < record.max_tokens:
-        return f"incomplete_finished_{finish_reason}"  # before its max_tokens
-    if record.num_output_tokens > record.max_tokens:
-        return "incomplete_too_many_tokens"
-    return "incomplete_out_of_order"  # the final event before a token
 
 
 async def _one(
@@ -767,6 +712,13 @@ def add_serve_arguments(parser: object) -> None:
     add("--url", help="a running platform (with --key); omit to start a throwaway one for --compare")
     add("--key", default=os.environ.get("SWITCHYARD_API_KEY", ""))
     add("--model", default="bench")
+    add(
+        "--api",
+        choices=["native", "openai"],
+        default="native",
+        help="with --url: the platform's own /v1/models/{model}/infer stream, or an OpenAI-compatible "
+        "/v1/completions stream (ours or a peer's, e.g. vLLM's; tokens counted from its usage)",
+    )
     add("--rate", type=float, default=None, help="Poisson requests/s; default: all at once (saturation)")
     add("--num-requests", type=int, default=None, help="default 64; or --duration with a --rate")
     add(
@@ -971,7 +923,8 @@ def http_report(run: HttpRun, summary: dict[str, float], *, sla_ttft_s: float, s
         )
     if run.num_ended_early:
         lines.append(f"{run.num_ended_early} streams ended (EOS or a stop string) before their max_tokens")
-    lines.append(f"TTFT outside the replica (client - replica, median): {path_ttft_ms(run):.1f} ms")
+    if run.replica_ttft_s:  # the native API's final events carry the replica's timings; OpenAI's do not
+        lines.append(f"TTFT outside the replica (client - replica, median): {path_ttft_ms(run):.1f} ms")
     return "\n".join(lines)
 
 
@@ -990,6 +943,9 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         "sla_tpot_s": float(options["sla_tpot_ms"]) / 1000,
     }  # type: ignore[arg-type]
     count_tokens = None
+    api = str(options.get("api") or "native")
+    if api != "native" and options["compare"]:
+        raise ValueError("--api openai goes with --url: --compare runs the platform's native API")
     if not options["compare"]:
         if not options["url"]:
             raise ValueError("give --url and --key of a running platform, or --compare")
@@ -1001,9 +957,8 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
                 )
             count_tokens = _token_counter(Path(str(options["tokenizer"])))
         requests = make_text_workload(spec, count_tokens)
-        run = asyncio.run(
-            run_http_load(str(options["url"]), str(options["key"]), str(options["model"]), requests)
-        )
+        load = run_openai_load if api == "openai" else run_http_load
+        run = asyncio.run(load(str(options["url"]), str(options["key"]), str(options["model"]), requests))
         return http_report(run, summarize(run, **sla), **sla)
 
     from serving.benchmarks.bench_model import ensure_bench_model

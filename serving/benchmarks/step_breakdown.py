@@ -1,9 +1,9 @@
 """Where one decode step's time goes, measured on a live engine: `bench engine` prints it for each run
 of (d), `python -m serving.benchmarks.step_profile` for several batch sizes.
 
-The engine is filled with `batch` sequences of `prompt_len` tokens (no two alike), which prefill; then decode steps are
-timed (medians of `repeats` rounds of `steps` steps, the device synchronised around each round) and a few
-more are profiled with torch.profiler. Reported:
+The engine is filled with `batch` sequences of `prompt_len` tokens (no two alike), which prefill; then
+decode steps are timed (medians of `repeats` rounds of `steps` steps, the device synchronised around each
+round) and a few more are profiled with torch.profiler. Reported:
 
 - the step's wall time;
 - host operations per layer: the operators the step dispatches at top level (not the ones they call

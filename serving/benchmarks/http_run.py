@@ -1,0 +1,68 @@
+"""A load run over HTTP, whatever the API: the requests sent, each one's record and outcome, and the
+run's spans, which `bench serve`'s report summarises (serve_bench.py for the platform's own streaming
+API, openai_load.py for an OpenAI-compatible one)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from serving.benchmarks.workload import RequestRecord
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(slots=True, frozen=True)
+class TextRequest:
+    request_id: str
+    arrival_s: float
+    text: str
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class HttpRun:
+    records: list[RequestRecord]  # one per request sent, whatever its outcome; complete ones were "200"
+    inter_token_s: list[float]  # the gaps between tokens of complete requests
+    # One outcome per request: "200" for a complete stream; otherwise the status refused, the exception
+    # that ended it, "stream_error" (a final event with finish_reason "error"), or why a 200 stream
+    # ended incomplete (stream_outcome).
+    statuses: Counter[str] = field(default_factory=Counter)
+    # (sent, ended) per request, whatever its outcome, in seconds since the run's start.
+    spans_s: list[tuple[float, float]] = field(default_factory=list)
+    # The replica's own TTFT per request id (from the gateway's submission to the first token), which
+    # the final event's timings carry.
+    replica_ttft_s: dict[str, float] = field(default_factory=dict)
+    # And its wait before the first forward pass that held the request, from the same submission.
+    replica_queue_s: dict[str, float] = field(default_factory=dict)
+    send_lateness_s: list[float] = field(default_factory=list)  # sent - scheduled arrival, per request
+    prompt_tokens: list[int] = field(default_factory=list)  # as the final event's usage counts them
+    num_ended_early: int = 0  # streams the model ended (EOS, a stop string) before their max_tokens
+
+    @property
+    def duration_s(self) -> float:
+        """The run's duration, which every throughput divides by: from the first send to the end of the
+        last request to end, whatever its outcome."""
+        if not self.spans_s:
+            return 0.0
+        return max(end for _, end in self.spans_s) - min(sent for sent, _ in self.spans_s)
+
+
+def stream_outcome(record: RequestRecord, finish_reason: str | None, *, is_sse: bool = True) -> str:
+    """A 200 stream's outcome once read to its end: "200" when it completed, or why it did not. A stream
+    the model ended ("stop": EOS or a stop string) before its max_tokens completes at the length it
+    reached (record.max_tokens becomes that), so that its latencies count rather than only the longest
+    streams'; a stream cut by the context's end ("length") or aborted does not."""
+    if finish_reason is None:
+        return "incomplete_no_final_event" if is_sse else "incomplete_not_sse"
+    if finish_reason == "error":
+        return "stream_error"
+    if finish_reason == "stop" and 0 < record.num_output_tokens < record.max_tokens:
+        record.max_tokens = record.num_output_tokens
+    if record.is_complete:
+        return "200"
+    if record.num_output_tokens < record.max_tokens:
+        return f"incomplete_finished_{finish_reason}"  # before its max_tokens
+    if record.num_output_tokens > record.max_tokens:
+        return "incomplete_too_many_tokens"
+    return "incomplete_out_of_order"  # the final event before a token
