@@ -713,6 +713,13 @@ def add_serve_arguments(parser: object) -> None:
     add("--key", default=os.environ.get("SWITCHYARD_API_KEY", ""))
     add("--model", default="bench")
     add(
+        "--engine-alone",
+        metavar="MODEL_DIR",
+        default=None,
+        help="with --url: afterwards run the same requests through the engine alone on MODEL_DIR (the "
+        "served model's files), as bench engine runs it, and print the share of its throughput kept",
+    )
+    add(
         "--api",
         choices=["native", "openai"],
         default="native",
@@ -891,6 +898,34 @@ def _packing_pays(model_dir: Path, *, log=print) -> bool:  # type: ignore[no-unt
     return verdict.pack
 
 
+def _engine_alone_report(  # type: ignore[no-untyped-def]
+    model_dir: Path, requests: Sequence[TextRequest], through_api: dict[str, float], *, log=print
+) -> str:
+    """After a run against a platform (--url), the same requests through the engine alone in this
+    process, configured as `bench engine` runs it (every core, 64 sequences, 2,048 tokens a step, a KV
+    cache that holds the whole workload), and the share of its throughput the platform kept. The
+    platform idles meanwhile; this process's own client work is not in the engine's figure."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    engine_env = {
+        "SWITCHYARD_MAX_NUM_SEQS": "64",
+        "SWITCHYARD_MAX_NUM_BATCHED_TOKENS": "2048",
+        "SWITCHYARD_KV_CACHE_MB": "2048",
+        "SWITCHYARD_PACK_LINEAR": "1" if _packing_pays(model_dir, log=log) else "0",
+    }
+    threads = torch.get_num_threads()
+    log(f"the same {len(requests)} requests through the engine alone ({threads} torch threads) ...")
+    alone, _ = EngineAlone(model_dir, engine_env, requests).run(requests)
+    kept = (
+        through_api["output_tok_per_s"] / alone["output_tok_per_s"] if alone["output_tok_per_s"] else math.nan
+    )
+    return (
+        f"engine alone (as bench engine runs it, {model_dir}): {alone['output_tok_per_s']:.1f} output tok/s, "
+        f"p50 TTFT {alone['p50_ttft_ms']:.0f} ms; the platform kept {kept:.1%} of it"
+    )
+
+
 def _token_counter(tokenizer_dir: Path) -> Callable[[str], int]:
     from serving.engine.loading import load_tokenizer
 
@@ -959,7 +994,13 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         requests = make_text_workload(spec, count_tokens)
         load = run_openai_load if api == "openai" else run_http_load
         run = asyncio.run(load(str(options["url"]), str(options["key"]), str(options["model"]), requests))
-        return http_report(run, summarize(run, **sla), **sla)
+        summary = summarize(run, **sla)
+        report = http_report(run, summary, **sla)
+        if options.get("engine_alone"):
+            report += "\n" + _engine_alone_report(
+                Path(str(options["engine_alone"])), requests, summary, log=log
+            )
+        return report
 
     from serving.benchmarks.bench_model import ensure_bench_model
 

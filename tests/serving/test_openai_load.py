@@ -234,3 +234,29 @@ def test_bench_serve_dispatches_api_openai_and_prints_the_native_figures(
     assert "TTFT outside the replica" not in report  # no replica timings in OpenAI's stream
     with pytest.raises(ValueError, match="--api openai goes with --url"):
         run_serve_from_options({**options, "compare": True}, default_model_dir=Path("unused"))
+
+
+def test_engine_alone_runs_the_same_requests_afterwards_and_says_the_share_kept(
+    scripted_in_thread: ScriptedServer, demo_model_dir: Path
+) -> None:
+    options: dict[str, object] = {
+        "url": scripted_in_thread.url,
+        "key": "",
+        "model": "bench",
+        "api": "openai",
+        "num_requests": 3,
+        "prompt_words": "2-4",
+        "output_len": "2-2",
+        "rate": None,
+        "seed": 0,
+        "sla_ttft_ms": 60_000.0,
+        "sla_tpot_ms": 60_000.0,
+        "compare": False,
+        "engine_alone": str(demo_model_dir),
+    }
+    lines: list[str] = []
+    report = run_serve_from_options(options, default_model_dir=Path("unused"), log=lines.append)
+    assert any("the same 3 requests through the engine alone" in line for line in lines)
+    kept = report.splitlines()[-1]
+    assert kept.startswith("engine alone (as bench engine runs it") and "the platform kept" in kept
+    assert float(kept.rsplit("kept ", 1)[1].rstrip("% of it")) > 0
