@@ -62,7 +62,8 @@ def build_library(*, source_files: list[Path] | None = None, cache_dir: Path | N
     """The compiled library's path, compiling it first unless an identical build is cached."""
     compiler = _compiler()
     files = source_files if source_files is not None else sources()
-    source = b"\0".join(path.read_bytes() for path in files)
+    headers = sorted({header for path in files for header in path.parent.glob("*.h")})
+    source = b"\0".join(path.read_bytes() for path in [*files, *headers])  # what the build reads
     try:
         version = subprocess.run(
             [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30

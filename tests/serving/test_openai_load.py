@@ -209,11 +209,10 @@ def scripted_in_thread() -> Iterator[ScriptedServer]:
     loop.close()
 
 
-def test_bench_serve_dispatches_api_openai_and_prints_the_native_figures(
-    scripted_in_thread: ScriptedServer,
-) -> None:
-    options: dict[str, object] = {
-        "url": scripted_in_thread.url,
+def _url_options(url: str, **overrides: object) -> dict[str, object]:
+    """bench serve's options for 3 short requests against `url` through the OpenAI API."""
+    return {
+        "url": url,
         "key": "",
         "model": "bench",
         "api": "openai",
@@ -225,7 +224,14 @@ def test_bench_serve_dispatches_api_openai_and_prints_the_native_figures(
         "sla_ttft_ms": 60_000.0,
         "sla_tpot_ms": 60_000.0,
         "compare": False,
+        **overrides,
     }
+
+
+def test_bench_serve_dispatches_api_openai_and_prints_the_native_figures(
+    scripted_in_thread: ScriptedServer,
+) -> None:
+    options = _url_options(scripted_in_thread.url)
     report = run_serve_from_options(options, default_model_dir=Path("unused"))
     assert all(b"POST /v1/completions " in request for request in scripted_in_thread.requests)
     assert "output_tok_per_s" in report and "p99_ttft_ms" in report
@@ -239,24 +245,10 @@ def test_bench_serve_dispatches_api_openai_and_prints_the_native_figures(
 def test_engine_alone_runs_the_same_requests_afterwards_and_says_the_share_kept(
     scripted_in_thread: ScriptedServer, demo_model_dir: Path
 ) -> None:
-    options: dict[str, object] = {
-        "url": scripted_in_thread.url,
-        "key": "",
-        "model": "bench",
-        "api": "openai",
-        "num_requests": 3,
-        "prompt_words": "2-4",
-        "output_len": "2-2",
-        "rate": None,
-        "seed": 0,
-        "sla_ttft_ms": 60_000.0,
-        "sla_tpot_ms": 60_000.0,
-        "compare": False,
-        "engine_alone": str(demo_model_dir),
-    }
+    options = _url_options(scripted_in_thread.url, engine_alone=str(demo_model_dir))
     lines: list[str] = []
     report = run_serve_from_options(options, default_model_dir=Path("unused"), log=lines.append)
     assert any("the same 3 requests through the engine alone" in line for line in lines)
     kept = report.splitlines()[-1]
     assert kept.startswith("engine alone (as bench engine runs it") and "the platform kept" in kept
-    assert float(kept.rsplit("kept ", 1)[1].rstrip("% of it")) > 0
+    assert float(kept.rsplit("kept ", 1)[1].removesuffix("% of it")) > 0

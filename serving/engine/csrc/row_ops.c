@@ -5,35 +5,10 @@
 
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "vector_math.h"
 
 #define SY_PARALLEL_MIN_ELEMENTS 32768
-
-/* exp(x), clamped to [-87, 88]: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial;
- * n rounded by adding 1.5 * 2^23, whose float then holds n in its low bits. Relative error < 2e-7, and
- * branch-free, so the compiler vectorises loops of it (libm's expf is a call per element). */
-static inline float sy_exp(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    const float magic = 12582912.0f;
-    const float shifted = x * 1.44269504088896341f + magic;
-    const float n = shifted - magic;
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits, magic_bits;
-    memcpy(&bits, &shifted, sizeof bits);
-    memcpy(&magic_bits, &magic, sizeof magic_bits);
-    bits = (bits - magic_bits + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* out[r] = x[r] * 1 / sqrt(mean(x[r]^2) + eps) * weight, for `rows` rows of `dim` floats. */
 void sy_rms_norm(const float *x, int64_t x_stride, const float *weight, float *out, int64_t out_stride,
@@ -60,7 +35,11 @@ void sy_silu_and_mul(const float *gate_up, int64_t gate_up_stride, float *out, i
         const float *gate = gate_up + r * gate_up_stride;
         const float *up = gate + width;
         float *o = out + r * out_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < width; i++) o[i] = gate[i] / (1.0f + sy_exp(-gate[i])) * up[i];
+        int64_t i = 0;
+        for (; i + SY_LANES <= width; i += SY_LANES) {
+            const v16 g = load16(gate + i);
+            store16(o + i, g / (1.0f + exp16(-g)) * load16(up + i));
+        }
+        for (; i < width; i++) o[i] = gate[i] / (1.0f + exp1(-gate[i])) * up[i];
     }
 }
