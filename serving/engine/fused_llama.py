@@ -46,7 +46,11 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class FusedForwardUnsupported(ValueError):
-    """The fused forward was required for a model it cannot serve exactly; the message says why."""
+    """A model the fused forward cannot serve exactly; `reason` says why."""
+
+    def __init__(self, reason: str, subject: str = "this model") -> None:
+        super().__init__(f"the fused Llama forward cannot serve {subject}: {reason}")
+        self.reason = reason
 
 
 def refusal(model: Any) -> str | None:
@@ -123,7 +127,7 @@ class FusedLlama:
         """`ops`: the C row operators (on a CPU in fp32 where the library builds); None: torch's."""
         reason = refusal(model)
         if reason is not None:
-            raise FusedForwardUnsupported(f"the fused Llama forward cannot serve this model: {reason}")
+            raise FusedForwardUnsupported(reason)
         config = model.config
         inner = model.model
         self.num_heads: int = config.num_attention_heads
@@ -186,10 +190,6 @@ class FusedLlama:
         if cos.shape[-1] != self.head_dim:
             raise FusedForwardUnsupported(f"rotary dim {cos.shape[-1]} != head_dim {self.head_dim}")
         return torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.lm_head.out_features)
 
     def forward(
         self,

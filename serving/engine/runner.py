@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from serving.engine.attention import AttentionClock, build_attention_metadata, register_paged_attention
-from serving.engine.fused_llama import FusedForwardUnsupported, FusedLlama, refusal
+from serving.engine.fused_llama import FusedForwardUnsupported, FusedLlama
 from serving.engine.gather_attention import AttentionScratch, DecodeKernel, compile_decode_kernel
 from serving.engine.host_memory import keep_freed_memory
 from serving.engine.loading import default_device_and_dtype, load_causal_lm
@@ -119,13 +119,16 @@ class ModelRunner:
             pack_linear = self.packing.pack
         is_packed = bool(pack_linear and packable)
         self.fused: FusedLlama | None = None
-        self.forward_refusal = refusal(self.model) if forward != "generic" else "generic forward asked for"
-        if forward == "fused" and self.forward_refusal is not None:
-            raise FusedForwardUnsupported(
-                f"the fused forward cannot serve {model_dir}: {self.forward_refusal}"
-            )
-        if self.forward_refusal is None:
-            self.fused = FusedLlama(self.model, packed=is_packed, ops=self._native_ops(native_ops))
+        self.forward_refusal: str | None = "generic forward asked for"
+        if forward != "generic":
+            try:
+                self.fused = FusedLlama(self.model, packed=is_packed, ops=self._native_ops(native_ops))
+                self.forward_refusal = None
+            except FusedForwardUnsupported as exc:  # refused before it took any weight over
+                if forward == "fused":
+                    raise FusedForwardUnsupported(exc.reason, str(model_dir)) from None
+                self.forward_refusal = exc.reason
+        if self.fused is not None:
             self.num_packed_linears = self.fused.num_packed_linears
         else:
             self.num_packed_linears = pack_linear_layers(self.model) if is_packed else 0
@@ -174,12 +177,10 @@ class ModelRunner:
             device=self.device,
         )
         self.decode_kernel: DecodeKernel | None = compile_decode_kernel() if compile_attention else None
-        self.kernel: NativeAttention | None = None
-        self.attention_refusal = self._native_refusal(attention, compile_attention)
-        if attention == "native" and self.attention_refusal is not None:
+        self.kernel, self.attention_refusal = self._native_attention(attention, compile_attention)
+        if attention == "native" and self.kernel is None:
             raise KernelUnavailable(f"the native attention kernel cannot run here: {self.attention_refusal}")
-        if self.attention_refusal is None:
-            self.kernel = load_native_attention()
+        if self.kernel is not None:
             self.kv_caches = [(key_pool_view(k), v) for k, v in self.kv_caches]
         logger.debug("model runner for %s: %s", model_dir, self.describe())
         self.base_step_s = 0.0  # a step's fixed cost, measured by warmup()
@@ -199,23 +200,30 @@ class ModelRunner:
         else:
             self._dev_tokens, self._dev_tables = self._host_tokens, self._host_tables
 
+    @property
+    def _is_cpu_fp32(self) -> bool:
+        """Where the C library's kernels run."""
+        return self.device.type == "cpu" and self.dtype == torch.float32
+
     def _native_ops(self, wanted: bool) -> NativeOps | None:
         """The C row operators for the fused forward, where the C library builds (CPU, fp32)."""
-        if not wanted or self.device.type != "cpu" or self.dtype != torch.float32:
+        if not wanted or not self._is_cpu_fp32:
             return None
         try:
             return load_native_ops()
         except KernelUnavailable:
             return None  # torch's operators, as the attention's refusal will say why
 
-    def _native_refusal(self, attention: str, compile_attention: bool) -> str | None:
-        """Why the native kernel is not this runner's attention, or None when it is."""
+    def _native_attention(
+        self, attention: str, compile_attention: bool
+    ) -> tuple[NativeAttention | None, str | None]:
+        """The native kernel as this runner's attention (and None), or None and why not."""
         if attention == "gather":
-            return "gather + SDPA asked for"
+            return None, "gather + SDPA asked for"
         if compile_attention:
-            return "the compiled decode kernel asked for"
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            return f"it runs fp32 on a CPU, not {self.dtype} on {self.device.type}"
+            return None, "the compiled decode kernel asked for"
+        if not self._is_cpu_fp32:
+            return None, f"it runs fp32 on a CPU, not {self.dtype} on {self.device.type}"
         reason = NativeAttention.supports(
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
@@ -223,12 +231,11 @@ class ModelRunner:
             block_size=self.block_size,
         )
         if reason is not None:
-            return reason
+            return None, reason
         try:
-            load_native_attention()
+            return load_native_attention(), None
         except KernelUnavailable as exc:
-            return str(exc)
-        return None
+            return None, str(exc)
 
     def describe(self) -> str:
         """Which forward, attention and Linear layers this runner took, and why not the others."""
