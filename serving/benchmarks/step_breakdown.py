@@ -126,7 +126,6 @@ def decode_breakdown(
             s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running_seqs()
         ):
             engine.step()
-        context_len = prompt_len
         rounds = []
         attention_before = runner.attention_clock.seconds
         for _ in range(repeats):
@@ -162,7 +161,7 @@ def decode_breakdown(
     ranked = sorted(operators, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     return StepBreakdown(
         batch=batch,
-        context_len=context_len,
+        context_len=prompt_len,
         step_ms=statistics.median(rounds),
         host_ops_per_layer=num_ops / steps / runner.num_layers,
         attention_share=attention_ms / statistics.fmean(rounds),

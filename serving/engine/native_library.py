@@ -82,7 +82,10 @@ def build_library(*, source_files: list[Path] | None = None, cache_dir: Path | N
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / target.name
         command = [compiler, *COMPILE_FLAGS, "-o", str(built), *map(str, files), "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except subprocess.SubprocessError as exc:  # a compiler that hangs: unavailable, not a crash
+            raise KernelUnavailable(f"{' '.join(command)} failed: {exc}") from exc
         if result.returncode != 0:
             raise KernelUnavailable(f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)

@@ -1,9 +1,9 @@
 """Linear layers with their weights kept in oneDNN's blocked format, for fp32 inference on a CPU.
 
-torch runs nn.Linear on a CPU through the BLAS it was built with (MKL in the x86 wheels). On this
-project's AMD EPYC machines that path ran the engine's decode products at a third to a half of oneDNN's
-speed: [64 x 512] x [512 x 2752] in 1,005 us against 368 us, and 72 against 49 us at one row
-(docs/benchmarks.md, "Engine step cost"). A weight reordered once into oneDNN's blocked layout
+torch runs nn.Linear on a CPU through the BLAS it was built with (MKL in the x86 wheels). On the
+twenty-eighth machine (an AMD EPYC, Zen 5) that path ran the engine's decode products at a third to a
+half of oneDNN's speed: [64 x 512] x [512 x 2752] in 1,005 us against 368 us, and 72 against 49 us at one
+row (docs/benchmarks.md, "Engine step cost"). A weight reordered once into oneDNN's blocked layout
 (`mkldnn._reorder_linear_weight`) and multiplied by `mkldnn._linear_pointwise`, the operator Inductor's
 CPU backend emits, takes a dense input and returns a dense output: fp32 throughout, the same arithmetic
 in another order (outputs agree with nn.Linear to ~1e-6). Its binary form adds a residual in the same
@@ -14,7 +14,7 @@ Only plain nn.Linear modules are swapped (not subclasses, which may carry behavi
 only for fp32 on a CPU with oneDNN; a GPU keeps its own kernels.
 
 Whether it pays depends on the CPU and on the BLAS torch was built with (with the older conversions it
-was 17-45% slower on an Intel-tuned MKL machine: docs/benchmarks.md, "Fourteenth machine"). So by default
+was 17-45% slower on an AVX2-only AMD EPYC: docs/benchmarks.md, "Fourteenth machine"). So by default
 the runner times both on the model's own weights at load (`packing_pays`) and packs only when oneDNN
 clearly wins."""
 
