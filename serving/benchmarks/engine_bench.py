@@ -251,8 +251,8 @@ def _share_of_limit(report: BenchReport, metrics: RunMetrics) -> str:
     limit = report.cpu_limit
     if limit is None or metrics.makespan_s <= 0:
         return ""
-    processed = (report.num_prompt_tokens + metrics.num_output_tokens) / metrics.makespan_s
-    return f"{processed / limit.decode_tokens_per_s_bound:.1%} of the CPU limit counting prompt tokens; "
+    share = limit.share_counting_prompt_tokens(report.num_prompt_tokens, metrics)
+    return f"{share:.1%} of the CPU limit counting prompt tokens; "
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

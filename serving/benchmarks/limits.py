@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from serving.benchmarks.bench_model import ModelInfo
-from serving.benchmarks.workload import BenchRequest
+from serving.benchmarks.workload import BenchRequest, RunMetrics
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,6 +76,11 @@ class CpuLimit:
         """Each token multiplies by every weight once: 2 FLOPs per parameter. Attention is left out, so
         this is an upper bound on output tokens/s if the CPU did nothing but decode at peak."""
         return self.best_flops_per_s / (2 * self.num_matmul_params)
+
+    def share_counting_prompt_tokens(self, num_prompt_tokens: int, metrics: RunMetrics) -> float:
+        """A run's share of the decode bound counting every token it computed: its prompt tokens too."""
+        processed = (num_prompt_tokens + metrics.num_output_tokens) / metrics.makespan_s
+        return processed / self.decode_tokens_per_s_bound
 
 
 def measure_cpu_limit(num_matmul_params: int, *, size: int = 2048, num_repeats: int = 5) -> CpuLimit:

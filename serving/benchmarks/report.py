@@ -131,12 +131,10 @@ def format_report(report: BenchReport) -> str:
             f"2 x {limit.num_matmul_params / 1e6:.2f}M FLOPs/token -> decode bound {bound:.0f} tok/s"
         )
         if engine_median is not None:
-            processed = (
-                report.num_prompt_tokens + engine_median.num_output_tokens
-            ) / engine_median.makespan_s
+            share = limit.share_counting_prompt_tokens(report.num_prompt_tokens, engine_median)
             line += (
                 f"; engine {engine_median.output_tokens_per_s / bound:.1%} of it in output tokens, "
-                f"{processed / bound:.1%} counting prompt tokens too"
+                f"{share:.1%} counting prompt tokens too"
             )
         lines.append(line)
     if report.breakdowns:
