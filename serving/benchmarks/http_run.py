@@ -4,6 +4,8 @@ API, openai_load.py for an OpenAI-compatible one)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -38,6 +40,30 @@ class HttpRun:
     send_lateness_s: list[float] = field(default_factory=list)  # sent - scheduled arrival, per request
     prompt_tokens: list[int] = field(default_factory=list)  # as the final event's usage counts them
     num_ended_early: int = 0  # streams the model ended (EOS, a stop string) before their max_tokens
+
+    async def send_when_due(self, request: TextRequest, t0: float) -> RequestRecord:
+        """Waits for the request's arrival time, then starts its record. TTFT counts from the moment it
+        is sent, as vLLM's serving benchmark counts it: a timer that fires late on a loaded machine
+        delays the load generator, not the platform."""
+        await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
+        record = RequestRecord(request.request_id, time.perf_counter() - t0, request.max_tokens)
+        self.send_lateness_s.append(record.arrival_s - request.arrival_s)
+        self.records.append(record)
+        return record
+
+    def end(
+        self, request: TextRequest, record: RequestRecord, outcome: str, t0: float, gaps_s: list[float]
+    ) -> None:
+        """The request's one outcome, once its response ended: its inter-token gaps count only if it
+        completed, and a request that did not complete has no finish, whatever it received."""
+        self.spans_s.append((record.arrival_s, time.perf_counter() - t0))
+        self.statuses[outcome] += 1  # once per request: a 200 whose stream then failed counts as its failure
+        if outcome != "200":
+            record.finished_s = None
+            return
+        self.inter_token_s.extend(gaps_s)
+        if record.max_tokens < request.max_tokens:
+            self.num_ended_early += 1
 
     @property
     def duration_s(self) -> float:

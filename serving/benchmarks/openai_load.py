@@ -8,8 +8,8 @@ behind merges them) or none of their text (a token that ends inside a multi-byte
 such chunks with empty text), so counting chunks undercounts, differently for each server
 (the notes on peers, /work/shared/PEERS.md). TTFT is the first chunk that carries text, what a user sees.
 
-The records, outcomes and figures are serve_bench's own (HttpRun, stream_outcome, summarize,
-http_report), so both APIs print the same table."""
+The records and outcomes are the native load's own (http_run.py: HttpRun, stream_outcome), and so are
+the figures (serve_bench's summarize and http_report): both APIs print the same table."""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from serving.benchmarks.http_client import HttpClient, HttpProtocolError
-
-# serve_bench imports this module only when --api openai asks for it, so no import cycle at load time.
 from serving.benchmarks.http_run import REQUEST_TIMEOUT_S, HttpRun, TextRequest, stream_outcome
 from serving.benchmarks.workload import RequestRecord
 
@@ -158,11 +156,7 @@ async def _one(
     client: HttpClient, model: str, key: str, request: TextRequest, t0: float, run: HttpRun
 ) -> None:
     """One request, kept in `run` as serve_bench's native `_one` keeps its own."""
-    await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
-    sent_s = time.perf_counter() - t0  # TTFT counts from the send, not the scheduled arrival
-    run.send_lateness_s.append(sent_s - request.arrival_s)
-    record = RequestRecord(request.request_id, sent_s, request.max_tokens)
-    run.records.append(record)
+    record = await run.send_when_due(request, t0)
     body = {
         "model": model,
         "prompt": request.text,
@@ -184,16 +178,9 @@ async def _one(
                 outcome = completion_outcome(stream, record, t0, is_sse=is_sse)
     except (OSError, asyncio.IncompleteReadError, HttpProtocolError, TimeoutError, ValueError) as exc:
         outcome = type(exc).__name__
-    run.spans_s.append((sent_s, time.perf_counter() - t0))
-    run.statuses[outcome] += 1  # once per request: a 200 whose stream then failed counts as its failure
     if stream.usage is not None:  # the server's count, complete or not, as the native path keeps it
         run.prompt_tokens.append(stream.usage.prompt_tokens)
-    if outcome != "200":
-        record.finished_s = None  # whatever it received, it did not complete
-        return
-    run.inter_token_s.extend(stream.gaps_s)
-    if record.max_tokens < request.max_tokens:
-        run.num_ended_early += 1
+    run.end(request, record, outcome, t0, stream.gaps_s)
 
 
 async def run_openai_load(base_url: str, key: str, model: str, requests: Sequence[TextRequest]) -> HttpRun:

@@ -146,13 +146,7 @@ def _fit_to_tokens(words: list[str], num_tokens: int, count_tokens: Callable[[st
 async def _one(
     client: HttpClient, path: str, key: str, request: TextRequest, t0: float, run: HttpRun
 ) -> None:
-    await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
-    # TTFT counts from the moment the request is sent, as vLLM's serving benchmark counts it: a timer
-    # that fires late on a loaded machine delays the load generator, not the platform.
-    sent_s = time.perf_counter() - t0
-    run.send_lateness_s.append(sent_s - request.arrival_s)
-    record = RequestRecord(request.request_id, sent_s, request.max_tokens)
-    run.records.append(record)
+    record = await run.send_when_due(request, t0)
     body = {"input": request.text, "max_tokens": request.max_tokens, "stream": True, "temperature": 0}
     last_token_at: float | None = None
     gaps: list[float] = []  # between this request's tokens: kept only if it completes
@@ -192,14 +186,7 @@ async def _one(
     # ValueError: an event that is not JSON.
     except (OSError, asyncio.IncompleteReadError, HttpProtocolError, TimeoutError, ValueError) as exc:
         outcome = type(exc).__name__
-    run.spans_s.append((sent_s, time.perf_counter() - t0))
-    run.statuses[outcome] += 1  # once per request: a 200 whose stream then failed counts as its failure
-    if outcome != "200":
-        record.finished_s = None  # whatever it received, it did not complete
-        return
-    run.inter_token_s.extend(gaps)
-    if record.max_tokens < request.max_tokens:
-        run.num_ended_early += 1
+    run.end(request, record, outcome, t0, gaps)
 
 
 async def run_http_load(base_url: str, key: str, model: str, requests: Sequence[TextRequest]) -> HttpRun:
