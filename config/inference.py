@@ -1,4 +1,4 @@
-"""The inference endpoints' own Django handler, with a lean middleware stack (serving/middleware.py says
+"""The inference endpoints' own Django handler, with a lean middleware stack (serving/edge/middleware.py says
 why). Everything else (the dashboard, the admin, the control-plane API with session auth) keeps the
 full settings.MIDDLEWARE."""
 
@@ -17,7 +17,7 @@ from django.urls import set_script_prefix
 
 # Key-authenticated JSON/SSE endpoints only; /v1/models and the deployments API accept staff sessions.
 INFERENCE_PATHS = re.compile(r"^/v1/(?:models/[^/]+/infer|completions|chat/completions|embeddings)$")
-INFERENCE_MIDDLEWARE = ["serving.middleware.InferenceSecurityMiddleware"]
+INFERENCE_MIDDLEWARE = ["serving.edge.middleware.InferenceSecurityMiddleware"]
 
 
 class InferenceHandler(ASGIHandler):

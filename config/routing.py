@@ -16,7 +16,7 @@ from django.conf import settings
 from django.urls import URLPattern, path
 
 from dashboard.consumers import LiveFeedConsumer, OverviewFeedConsumer
-from serving.consumers import InferenceStreamConsumer
+from serving.edge.websocket import InferenceStreamConsumer
 
 
 class ForeignOriginRefuser(OriginValidator):  # type: ignore[misc]

@@ -149,15 +149,15 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         # Submissions and aborts: queued, so a replica busy for a moment still gets them.
         "default": {
-            "BACKEND": "serving.channel_layer.OneTripRedisChannelLayer",
+            "BACKEND": "serving.transport.channel_layers.OneTripRedisChannelLayer",
             "CONFIG": {"hosts": _REDIS_HOSTS, "serializer_format": "json"},
         },
         # The token stream, replica -> gateway inbox: one PUBLISH per engine step and inbox, delivered
         # on a connection the gateway already holds (~0.2 ms round trip against ~0.9 ms on the core
         # layer). A gateway subscribes to its inbox before it submits anything; a replica's model thread
-        # publishes its steps itself (serving/channel_layer.py says why).
+        # publishes its steps itself (serving/transport/channel_layers.py says why).
         "replies": {
-            "BACKEND": "serving.channel_layer.StepPubSubChannelLayer",
+            "BACKEND": "serving.transport.channel_layers.StepPubSubChannelLayer",
             "CONFIG": {"hosts": _REDIS_HOSTS, "serializer_format": "json"},
         },
     }
@@ -170,7 +170,7 @@ CELERY_RESULT_BACKEND = None
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 # One source for the schedule: Celery beat reads it in production; the embedded scheduler
-# (rollouts.scheduler.run_periodic_tasks) runs the same tasks on it inside the server process.
+# (config.periodic.run_periodic_tasks) runs the same tasks on it inside the server process.
 ROLLOUT_JUDGE_INTERVAL_S = float(os.environ.get("SWITCHYARD_ROLLOUT_JUDGE_INTERVAL_S", "5"))
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "rollout-judge": {
@@ -186,7 +186,7 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     },
 }
 # Started by the `serve` command when there is no Redis (so no Celery beat): the same tasks, in-process.
-EMBEDDED_SCHEDULER_STARTER = "rollouts.scheduler.start_embedded_scheduler"
+EMBEDDED_SCHEDULER_STARTER = "config.periodic.start_embedded_scheduler"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -229,7 +229,7 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
-        "serving.schema.add_inference_paths",
+        "serving.edge.schema.add_inference_paths",
     ],
 }
 
@@ -241,10 +241,10 @@ MAX_REQUEST_BYTES = int(os.environ.get("SWITCHYARD_MAX_REQUEST_BYTES", str(256 *
 MAX_TOKENS_LIMIT = int(os.environ.get("SWITCHYARD_MAX_TOKENS_LIMIT", "4096"))
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
 # A stream whose client has this many events unread beyond what the sockets hold is cut off and its
-# sequence aborted (serving/streams.py).
+# sequence aborted (serving/transport/reply_hub.py).
 STREAM_MAX_BACKLOG_EVENTS = int(os.environ.get("SWITCHYARD_STREAM_MAX_BACKLOG_EVENTS", "256"))
 # While the registry database cannot be read, an API key that passed its check this recently still
-# passes (serving/gateway.py): the data plane keeps serving the tenants it has seen through a
+# passes (serving/gateway/auth.py): the data plane keeps serving the tenants it has seen through a
 # control-plane outage. 0 turns that off: every key not checked in the last few seconds gets a 503.
 AUTH_STALE_S = float(os.environ.get("SWITCHYARD_AUTH_STALE_S", "3600"))
 if AUTH_STALE_S < 0:
@@ -334,11 +334,13 @@ ROLLOUT_THRESHOLDS: dict[str, float] = {
     "min_truncation_increase": 0.05,
 }
 # Where the judge reads a version's window: f(*, model_name, version, start, end) -> window (dotted path).
-ROLLOUT_WINDOW_READER = os.environ.get("SWITCHYARD_ROLLOUT_WINDOW_READER", "serving.selectors.version_window")
+ROLLOUT_WINDOW_READER = os.environ.get(
+    "SWITCHYARD_ROLLOUT_WINDOW_READER", "serving.telemetry.metrics_reads.version_window"
+)
 # Is the candidate's replica ready? f(deployment) -> bool (dotted path; see rollouts.services).
 ROLLOUT_READINESS_CHECK = "rollouts.services.candidate_is_ready"
 ROLLOUT_PROVISION_TIMEOUT_S = int(os.environ.get("SWITCHYARD_ROLLOUT_PROVISION_TIMEOUT_S", "600"))
-# The autoscaler's policy (rollouts/autoscaler.py): replicas per serving version, and the load each may
+# The autoscaler's policy (rollouts/fleet/autoscaler.py): replicas per serving version, and the load each may
 # carry before another is wanted; it scales down only after a whole window of lower recommendations.
 AUTOSCALER = {
     "min_replicas": int(os.environ.get("SWITCHYARD_AUTOSCALER_MIN_REPLICAS", "1")),
@@ -352,7 +354,7 @@ AUTOSCALER = {
     # and its version keeps no replica.
     "idle_before_zero_s": float(os.environ.get("SWITCHYARD_AUTOSCALER_IDLE_BEFORE_ZERO_S", "300")),
     # The mean step time (each running sequence's TPOT) replicas are held at, under the rollout judge's
-    # p99 TPOT SLA with room for the tail; 0 turns the step-time signal off (rollouts/autoscaler.py).
+    # p99 TPOT SLA with room for the tail; 0 turns the step-time signal off (rollouts/fleet/autoscaler.py).
     "target_tpot_ms": float(os.environ.get("SWITCHYARD_AUTOSCALER_TARGET_TPOT_MS", "50")) or None,
 }
 if not 1 <= AUTOSCALER["min_replicas"] <= AUTOSCALER["max_replicas"]:
@@ -380,7 +382,8 @@ METRICS_FLUSH_INTERVAL_S = float(os.environ.get("SWITCHYARD_METRICS_FLUSH_INTERV
 # read it, and a scraper with `Authorization: Bearer <this token>` (Prometheus' `authorization` block).
 # Unset: staff sessions only. `run_replica --metrics-port` serves the same text under the same rule.
 METRICS_TOKEN = os.environ.get("SWITCHYARD_METRICS_TOKEN", "").strip()
-# Fault injection (serving/faults.py), for demos and tests: refused unless DEBUG or explicitly allowed.
+# Fault injection (serving/replica/faults.py), for demos and tests: refused unless DEBUG or explicitly
+# allowed.
 ALLOW_FAULT_INJECTION = _env_bool("SWITCHYARD_ALLOW_FAULT_INJECTION", False)
 FAULTS = os.environ.get("SWITCHYARD_FAULTS", "").strip()  # "model:version=delay_ms:40,error_rate:0.2;…"
 if FAULTS and not (DEBUG or ALLOW_FAULT_INJECTION):
@@ -391,7 +394,7 @@ if FAULTS and not (DEBUG or ALLOW_FAULT_INJECTION):
         "set SWITCHYARD_ALLOW_FAULT_INJECTION=1 to allow it"
     )
 # Prompts and completions are never logged unless sampled logging is turned on: then this share of
-# requests goes, redacted, to the `switchyard.prompts` logger (serving/prompt_log.py).
+# requests goes, redacted, to the `switchyard.prompts` logger (serving/telemetry/prompt_log.py).
 LOG_PROMPTS_SAMPLE_RATE = float(os.environ.get("SWITCHYARD_LOG_PROMPTS_SAMPLE_RATE", "0"))
 if not 0 <= LOG_PROMPTS_SAMPLE_RATE <= 1:
     from django.core.exceptions import ImproperlyConfigured

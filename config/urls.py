@@ -3,8 +3,8 @@ from django.urls import include, path
 from django.views.generic.base import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
-from serving import api as serving_api
-from serving.prometheus import metrics_view
+from serving.edge import infer_api as serving_api
+from serving.telemetry.prometheus import metrics_view
 
 urlpatterns = [
     path("healthz", serving_api.healthz, name="healthz"),

@@ -2,7 +2,8 @@
 
 Every figure comes from an existing reader: versions and traffic from the registry, deployment states
 and verdicts from rollouts, latency, rates and batch sizes from the metrics store
-(serving.selectors.version_series / version_windows: percentiles of merged histograms), replicas from
+(serving.telemetry.metrics_reads.version_series / version_windows: percentiles of merged histograms),
+replicas from
 the data plane's runtime (in-process replicas and, with Redis, heartbeats of replica processes).
 
 Chart points are per version, always: a canary's series is never merged with the incumbent's."""
@@ -23,9 +24,9 @@ from registry.selectors import model_versions_overview
 from rollouts import selectors as rollout_selectors
 from rollouts.models import Deployment
 from rollouts.services import JUDGE_ACTOR
-from serving.gateway import MemoryQuotaStore, QuotaUsage, quota_store
+from serving.gateway.auth import MemoryQuotaStore, QuotaUsage, quota_store
 from serving.runtime import ReplicaHandle, get_runtime, started_runtime
-from serving.selectors import version_series, version_windows
+from serving.telemetry.metrics_reads import version_series, version_windows
 from serving.throttle import Throttle
 
 logger = logging.getLogger(__name__)

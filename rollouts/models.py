@@ -113,7 +113,7 @@ class DeploymentEvent(models.Model):
 
 
 class ScaleTarget(models.Model):
-    """How many replicas a model version should have: the autoscaler's decision (rollouts.autoscaler),
+    """How many replicas a model version should have: the autoscaler's decision (rollouts.fleet.autoscaler),
     which the provisioners carry out. One row per version the autoscaler has seen."""
 
     version = models.OneToOneField(ModelVersion, on_delete=models.CASCADE, related_name="scale_target")

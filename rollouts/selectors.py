@@ -198,7 +198,8 @@ class _TailInMs:
 
 
 def as_version_window(window: Any) -> VersionWindow:
-    """The judge's view of serving.selectors.VersionWindow: counts as they are, p99s in ms (the store
+    """The judge's view of serving.telemetry.metrics_reads.VersionWindow: counts as they are, p99s in ms (the
+    store
     reports seconds, from merged histogram buckets), no mean output length when nothing completed."""
     if isinstance(window, VersionWindow):
         return window
@@ -231,12 +232,13 @@ def fleet_redis() -> Any:
 
 
 def fleet_heartbeats() -> list[Any]:
-    """The latest heartbeat (serving.replica_directory.Heartbeat) of every replica that sends one: those
+    """The latest heartbeat (serving.transport.replica_directory.Heartbeat) of every replica that sends one:
+    those
     this process hosts (embedded mode; read from the judge's or autoscaler's thread, never touching the
     runtimes' loops), and with Redis the hashes every replica process writes. Raises
     HeartbeatsUnavailable when Redis cannot be read: no heartbeats would look like no load."""
     from serving import runtime as data_plane  # rollouts may import serving; imported late, only here
-    from serving.replica_directory import KEY_PREFIX, read_beats
+    from serving.transport.replica_directory import KEY_PREFIX, read_beats
 
     beats = {
         replica.replica_id: replica.heartbeat()
@@ -261,14 +263,15 @@ def fleet_heartbeats() -> list[Any]:
 
 def fleet_demand() -> dict[tuple[str, str], float]:
     """(model, version) -> seconds since a request last waited at a gateway for a replica of a version
-    that had none (serving.replica_directory.DEMAND_KEY), on Redis' clock; empty without Redis. Raises
+    that had none (serving.transport.replica_directory.DEMAND_KEY), on Redis' clock; empty without Redis.
+    Raises
     HeartbeatsUnavailable when Redis cannot be read: no demand would let a waiting request's version stay
     at zero."""
     if not settings.REDIS_URL:
         return {}
     import redis
 
-    from serving.replica_directory import DEMAND_KEY
+    from serving.transport.replica_directory import DEMAND_KEY
 
     client = fleet_redis()
     try:

@@ -3,7 +3,7 @@
 Every state change writes a DeploymentEvent with its reason and figures, in the same transaction as the
 routing or alias edit it describes. Traffic moves only through registry.services (routing_table_set,
 alias_set), so the data plane sees a rollout exactly as it sees any routing edit: a new revision, picked
-up by every gateway within its revalidation interval (serving.router.REVALIDATE_S)."""
+up by every gateway within its revalidation interval (serving.gateway.router.REVALIDATE_S)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from registry.services import (
     routing_table_set,
 )
 from rollouts import judge
-from rollouts.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
+from rollouts.fleet.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
 from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
 from rollouts.selectors import (
     MetricsUnavailable,
@@ -198,14 +198,15 @@ def _embedded_replica_ready(model_name: str, version: str) -> bool | None:
 
 def _fleet_replica_ready(deployment: Deployment) -> bool | None:
     """Does a replica process of the candidate publish a fresh `ready` heartbeat (the hash the gateways
-    read: serving.replica_directory)? None without Redis, when it cannot be read, or when it has no fresh
+    read: serving.transport.replica_directory)? None without Redis, when it cannot be read, or when it has no
+    fresh
     heartbeat of the candidate nor of the incumbent (then this model is not served by processes that
     publish heartbeats, and their absence says nothing)."""
     if not settings.REDIS_URL:
         return None
     import redis
 
-    from serving.replica_directory import Heartbeat, read_beats, version_key
+    from serving.transport.replica_directory import Heartbeat, read_beats, version_key
 
     model_name = deployment.model.name
 
@@ -797,7 +798,7 @@ def autoscale(
 ) -> dict[tuple[str, str], int]:
     """One autoscaler tick: each version that must serve (traffic, an alias, shadow copies), or that
     lost its traffic and still serves pinned requests, gets a target from its ready replicas' heartbeats
-    (rollouts.autoscaler); every other version that had one gets 0. Returns the targets that changed.
+    (rollouts.fleet.autoscaler); every other version that had one gets 0. Returns the targets that changed.
     `heartbeats` (Heartbeat objects) default to the fleet's, `demand` (version -> seconds since a request
     last waited at a gateway for a replica of it) to the gateways'; raises HeartbeatsUnavailable when
     they cannot be read, changing nothing."""

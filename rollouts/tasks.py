@@ -1,7 +1,7 @@
 """Celery tasks of the rollouts. Thin: load rows, call the service of the same name.
 
 Production runs them from `celery -A config beat` (schedule: settings.CELERY_BEAT_SCHEDULE); the embedded
-mode runs the same functions on the same schedule (rollouts.scheduler)."""
+mode runs the same functions on the same schedule (config.periodic)."""
 
 from __future__ import annotations
 

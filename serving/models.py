@@ -1,5 +1,5 @@
-"""The metrics store: one row per model version, replica and window. Writes in serving.services
-(flush, roll-up, retention), reads in serving.selectors (rows of every replica merged)."""
+"""The metrics store: one row per model version, replica and window. Writes in serving.telemetry.metrics_store
+(flush, roll-up, retention), reads in serving.telemetry.metrics_reads (rows of every replica merged)."""
 
 from __future__ import annotations
 

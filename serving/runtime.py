@@ -21,15 +21,15 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from registry.selectors import VersionRef, versions_with_traffic
-from serving import gateway
-from serving.breaker import breaker
 from serving.cancelling import cancel_and_wait, raise_if_cancelling
-from serving.gateway_failures import GatewayFailures
-from serving.replica import Replica, ReplicaState
-from serving.replica_directory import Heartbeat, ReplicaDirectory
-from serving.router import REVALIDATE_S, routing_cache
-from serving.streams import ReplyHub, reply_layer
+from serving.gateway import auth as gateway
+from serving.gateway.breaker import breaker
+from serving.gateway.failures import GatewayFailures
+from serving.gateway.router import REVALIDATE_S, routing_cache
+from serving.replica.replica import Replica, ReplicaState
 from serving.throttle import Throttle
+from serving.transport.replica_directory import Heartbeat, ReplicaDirectory
+from serving.transport.reply_hub import ReplyHub, reply_layer
 
 logger = logging.getLogger(__name__)
 
@@ -463,7 +463,7 @@ def _logged_failure(message: str) -> Iterator[None]:
 
 
 async def shutdown_runtime() -> None:
-    from serving import shadow
+    from serving.gateway import shadow
 
     loop = asyncio.get_running_loop()
     _shut_down.add(loop)

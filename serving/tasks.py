@@ -2,7 +2,7 @@
 
 from celery import shared_task
 
-from serving.services import metrics_maintain
+from serving.telemetry.metrics_store import metrics_maintain
 
 
 @shared_task(name="serving.tasks.metrics_maintain_tick", ignore_result=True)

@@ -1,6 +1,7 @@
 from django.urls import path
 
-from serving import api, openai_api
+from serving.edge import infer_api as api
+from serving.edge import openai_api
 
 urlpatterns = [
     path("models/<str:model>/infer", api.infer, name="infer"),

@@ -80,8 +80,8 @@ def _no_background_key_writes(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True)
 def _isolated_state(settings: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None]:
     """Each test gets its own artifact store and fresh per-process caches."""
-    from serving import gateway
-    from serving.router import routing_cache
+    from serving.gateway import auth as gateway
+    from serving.gateway.router import routing_cache
 
     settings.ARTIFACT_ROOT = tmp_path / "artifacts"  # type: ignore[attr-defined]
     gateway.clear_auth_cache()

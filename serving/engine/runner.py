@@ -411,7 +411,7 @@ class ModelRunner:
         self, seq: Sequence, sample: Callable[[torch.Tensor], torch.Tensor] | None, repeats: int = 5
     ) -> float:
         """The median time of one decoding sequence's step, batch built, logits sampled and read back:
-        the fixed cost of a step, which the autoscaler weighs step times against (rollouts.autoscaler).
+        the fixed cost of a step, which the autoscaler weighs step times against (rollouts.fleet.autoscaler).
         The median leaves out a first call that compiles for its size."""
         times = []
         for _ in range(repeats):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 from registry.selectors import VersionRef
-from serving.replica import Replica
-from serving.replica_directory import Heartbeat
+from serving.replica.replica import Replica
 from serving.runtime import Runtime
+from serving.transport.replica_directory import Heartbeat
 
 
 async def test_replica_processes_report_queue_depth_through_their_heartbeats() -> None:

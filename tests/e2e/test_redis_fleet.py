@@ -18,7 +18,7 @@ import openai
 import pytest
 import redis
 
-from serving.router import REVALIDATE_S
+from serving.gateway.router import REVALIDATE_S
 from tests.conftest import REPO_ROOT, require_service
 from tests.e2e.conftest import METRICS_TOKEN, LiveServer, _free_port
 

@@ -131,7 +131,7 @@ def test_create_demo_model_writes_safetensors_and_a_tokenizer(tmp_path: Path) ->
 
 def test_revoke_api_key_by_prefix_or_whole_key_and_the_gateway_refuses_it(make_tenant) -> None:
     from registry.services import api_key_create
-    from serving import gateway
+    from serving.gateway import auth as gateway
 
     acme = make_tenant("acme")
     tenant = Tenant.objects.get(name="acme")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollouts.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
+from rollouts.fleet.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
 
 POLICY = ScalingPolicy(
     min_replicas=1,
@@ -294,7 +294,7 @@ def beat(  # type: ignore[no-untyped-def]
     step_rate: float = 0.0,
     base_step_s: float = 0.0,
 ):
-    from serving.replica_directory import Heartbeat
+    from serving.transport.replica_directory import Heartbeat
 
     return Heartbeat(
         replica_id=f"{model}-{version}-{time.monotonic_ns()}",
@@ -522,7 +522,7 @@ def test_the_tick_reads_an_embedded_replica_and_heartbeats_in_redis(make_model, 
 
     from rollouts.tasks import autoscaler_tick
     from serving import runtime as data_plane
-    from serving.replica_directory import version_key
+    from serving.transport.replica_directory import version_key
 
     make_model("chat")
     make_model("other", versions=("v1",))
@@ -534,7 +534,7 @@ def test_the_tick_reads_an_embedded_replica_and_heartbeats_in_redis(make_model, 
     client.hset(version_key("chat", "v1"), "broken", b"{not json")
     # a model scaled to zero, with no replica, for which a request waits at a gateway
     from rollouts.models import ScalingBounds
-    from serving.replica_directory import DEMAND_KEY, RECORD_DEMAND_SCRIPT
+    from serving.transport.replica_directory import DEMAND_KEY, RECORD_DEMAND_SCRIPT
 
     cold = make_model("cold", versions=("v1",))
     ScalingBounds.objects.create(model=cold, min_replicas=0, max_replicas=1)
@@ -576,7 +576,7 @@ def test_heartbeats_that_cannot_be_read_change_nothing(make_model, settings) -> 
 def test_the_autoscaler_is_on_beat_and_the_embedded_schedule() -> None:
     from django.conf import settings as django_settings
 
-    from rollouts.scheduler import parse_schedule, resolve_task
+    from config.periodic import parse_schedule, resolve_task
     from rollouts.tasks import autoscaler_tick
 
     (entry,) = [e for e in parse_schedule(django_settings.CELERY_BEAT_SCHEDULE) if e.name == "autoscaler"]
@@ -618,7 +618,7 @@ def test_the_control_planes_heartbeat_readers_age_beats_on_redis_clock(
     import redis
 
     from rollouts import selectors, services
-    from serving.replica_directory import Heartbeat, HeartbeatPublisher, version_key
+    from serving.transport.replica_directory import Heartbeat, HeartbeatPublisher, version_key
 
     model = f"skew-{uuid.uuid4().hex[:8]}"
     ready = Heartbeat("r1", model, "v2", "switchyard.replica.x", "ready", 0, 0, 0.0, time.time())

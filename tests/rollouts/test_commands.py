@@ -81,7 +81,7 @@ def test_run_provisioner_refuses_options_of_the_other_mode_and_bad_values(
 def test_set_scaling_bounds_a_models_versions_and_clear_goes_back_to_the_defaults(
     make_model: Any, settings: Any
 ) -> None:
-    from rollouts.autoscaler import ScalingPolicy
+    from rollouts.fleet.autoscaler import ScalingPolicy
     from rollouts.selectors import wanted_replicas
     from rollouts.services import autoscale
     from tests.rollouts.test_autoscaler import beat

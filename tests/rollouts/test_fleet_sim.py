@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 from django.core.management import call_command
 
-from rollouts.autoscaler import ScalingPolicy
-from rollouts.fleet_sim import (
+from rollouts.fleet.autoscaler import ScalingPolicy
+from rollouts.fleet.simulator import (
     FleetConfig,
     FleetReport,
     TickRow,

@@ -227,7 +227,7 @@ def test_with_replica_processes_and_no_heartbeat_the_candidate_gets_no_traffic(
 ) -> None:
     import redis
 
-    from serving.replica_directory import version_key
+    from serving.transport.replica_directory import version_key
 
     settings.REDIS_URL = redis_url
     settings.EMBEDDED_REPLICAS = False

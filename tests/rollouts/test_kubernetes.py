@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollouts.kubernetes import (
+from rollouts.fleet.kubernetes import (
     MANAGED_BY,
     DeploymentsApi,
     KubernetesError,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rollouts.provisioner import LocalProvisioner
+from rollouts.fleet.provisioner import LocalProvisioner
 
 
 @dataclass
@@ -209,7 +209,7 @@ def test_a_replica_is_signalled_when_its_provisioner_dies_however_it_dies() -> N
 
     code = (
         "import subprocess, sys, time\n"
-        "from rollouts.provisioner import _drain_with_parent_hook\n"
+        "from rollouts.fleet.provisioner import _drain_with_parent_hook\n"
         "child = subprocess.Popen(['sleep', '600'], preexec_fn=_drain_with_parent_hook())\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(600)\n"

@@ -1,7 +1,7 @@
 """Whole rollouts with real in-process replicas and load, as the embedded mode runs them; and the default
 readiness hook (rollouts.services.candidate_is_ready) against each source it reads.
 
-The rollouts run as `demo_rollout` does (serving.dispatch for load, replicas flushing to the metrics
+The rollouts run as `demo_rollout` does (serving.gateway.dispatch for load, replicas flushing to the metrics
 store, the judge's Celery task called on its schedule), with a small model, tiny min_samples, a 2 s
 bake window and a 0.5 s judge period, so each takes seconds."""
 
@@ -88,8 +88,8 @@ class Load:
             self._routed.notify_all()
 
     async def _client(self, index: int, max_tokens: int) -> None:
-        from serving.dispatch import dispatch
-        from serving.gateway import GatewayError
+        from serving.gateway.auth import GatewayError
+        from serving.gateway.dispatch import dispatch
 
         rng = random.Random(index)
         params = {"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}
@@ -356,7 +356,7 @@ def test_with_redis_the_candidate_is_ready_when_a_replica_process_beats_ready(
 ) -> None:
     import redis
 
-    from serving.replica_directory import version_key
+    from serving.transport.replica_directory import version_key
 
     settings.REDIS_URL = redis_url
     settings.EMBEDDED_REPLICAS = False

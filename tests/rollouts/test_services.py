@@ -393,11 +393,12 @@ def test_detail_lists_events_with_reasons_and_figures(ramping) -> None:
 
 
 def test_the_judge_reads_the_real_metrics_store_through_its_selector(ramping) -> None:
-    """The default reader (settings.ROLLOUT_WINDOW_READER) is the store's serving.selectors.version_window:
+    """The default reader (settings.ROLLOUT_WINDOW_READER) is the store's
+    serving.telemetry.metrics_reads.version_window:
     replicas' samples flushed to the store come out as the judge's windows, p99s in ms."""
     import time
 
-    from serving.metrics import MetricsRecorder, RequestSample
+    from serving.telemetry.metrics import MetricsRecorder, RequestSample
 
     model, deployment = ramping
     bucket = (int(time.time()) // 5 + 1) * 5  # a whole 5 s row after the step started
@@ -438,8 +439,8 @@ def test_a_judge_tick_holding_its_deployment_does_not_hold_back_metrics_flushes(
     from django.db import connection, transaction
 
     from rollouts import services as rollout_services
-    from serving.metrics import MetricsWindow
-    from serving.services import metrics_flush
+    from serving.telemetry.metrics import MetricsWindow
+    from serving.telemetry.metrics_store import metrics_flush
 
     if connection.vendor != "postgresql":
         pytest.skip("SQLite's transactions take the whole database's write lock (the Postgres pass)")

@@ -17,7 +17,8 @@ import pytest
 from celery.schedules import crontab, schedule
 from django.conf import settings
 
-from rollouts import scheduler, services
+from config import periodic as scheduler
+from rollouts import services
 from rollouts.models import Deployment
 from tests.conftest import REPO_ROOT, require_service
 
@@ -214,7 +215,7 @@ def test_one_tick_through_a_real_celery_worker_on_redis(tmp_path: Path) -> None:
 
     import redis
 
-    from serving.replica_directory import version_key
+    from serving.transport.replica_directory import version_key
 
     beats = redis.Redis.from_url(broker)
     try:

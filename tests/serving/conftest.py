@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serving.channel_layer import OneTripRedisChannelLayer
+from serving.transport.channel_layers import OneTripRedisChannelLayer
 
 
 def one_trip_layer(redis_url: str, **config: object) -> OneTripRedisChannelLayer:

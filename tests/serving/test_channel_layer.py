@@ -13,7 +13,11 @@ import pytest
 import redis
 from channels.exceptions import ChannelFull
 
-from serving.channel_layer import BlockingPublisher, OneTripRedisChannelLayer, StepPubSubChannelLayer
+from serving.transport.channel_layers import (
+    BlockingPublisher,
+    OneTripRedisChannelLayer,
+    StepPubSubChannelLayer,
+)
 from tests.serving.conftest import one_trip_layer, record_commands
 
 

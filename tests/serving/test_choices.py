@@ -21,7 +21,7 @@ async def _complete(tenant, **body: object):  # type: ignore[no-untyped-def]
 
 
 def _in_flight(tenant) -> int:  # type: ignore[no-untyped-def]
-    from serving.gateway import quota_store
+    from serving.gateway.auth import quota_store
 
     return quota_store().usage([tenant.context])[tenant.context.tenant_id].num_in_flight
 
@@ -85,7 +85,7 @@ async def test_a_choice_refused_by_the_quota_is_a_429_that_leaves_the_others_not
     make_tenant, runtime
 ) -> None:
     """Another request of the tenant's holds one of its three slots: the third choice finds none."""
-    from serving.gateway import quota_store
+    from serving.gateway.auth import quota_store
 
     trio = await sync_to_async(make_tenant)("trio", max_concurrent_requests=3)
     other_request = quota_store().admit(trio.context, tokens=1)
@@ -109,7 +109,7 @@ async def test_choices_over_the_token_bucket_wait_as_long_as_all_of_them_need(ma
     after which the retry would be refused again; and no choice reached the replica."""
     import math
 
-    from serving.gateway import quota_store
+    from serving.gateway.auth import quota_store
 
     tenant = await sync_to_async(make_tenant)("bucket", tokens_per_minute=600, requests_per_second=100)
     drained = quota_store().admit(tenant.context, tokens=440)
@@ -147,7 +147,7 @@ async def test_a_client_that_leaves_while_its_choices_are_dispatched_leaves_noth
     the replica are aborted and their quota slots given back."""
     import asyncio
 
-    from serving import openai_api
+    from serving.edge import openai_api
 
     pair = await sync_to_async(make_tenant)("pair", max_concurrent_requests=3)
     dispatch, calls, third_waits = openai_api.dispatch, [], asyncio.Event()

@@ -20,8 +20,8 @@ async def remote_runtime(redis_url: str) -> AsyncIterator[Any]:
     import redis.asyncio as aioredis
     from channels.layers import InMemoryChannelLayer
 
-    from serving.replica_directory import ReplicaDirectory
     from serving.runtime import Runtime
+    from serving.transport.replica_directory import ReplicaDirectory
 
     client = aioredis.Redis.from_url(redis_url)
     await client.flushdb()
@@ -37,7 +37,7 @@ async def remote_runtime(redis_url: str) -> AsyncIterator[Any]:
 
 
 def _dispatch(runtime: Any, *, cold_start: bool, counts_failures: bool = False) -> Any:
-    from serving.dispatch import Dispatch
+    from serving.gateway.dispatch import Dispatch
 
     submission = {
         "reply_to": runtime.hub.channel_name,
@@ -56,7 +56,7 @@ def _dispatch(runtime: Any, *, cold_start: bool, counts_failures: bool = False) 
 async def _demand(redis_url: str) -> bytes | None:
     import redis.asyncio as aioredis
 
-    from serving.replica_directory import DEMAND_KEY
+    from serving.transport.replica_directory import DEMAND_KEY
 
     client = aioredis.Redis.from_url(redis_url)
     try:
@@ -72,8 +72,8 @@ async def test_a_request_waits_for_a_replica_to_start_and_is_served_by_it(
     from asgiref.sync import sync_to_async
 
     from registry.selectors import version_ref
-    from serving.replica import Replica
-    from serving.replica_directory import HeartbeatPublisher
+    from serving.replica.replica import Replica
+    from serving.transport.replica_directory import HeartbeatPublisher
 
     handle = _dispatch(remote_runtime, cold_start=True)
     waiting = asyncio.create_task(handle.submit())
@@ -100,7 +100,7 @@ async def test_a_request_waits_for_a_replica_to_start_and_is_served_by_it(
 async def test_a_cold_start_past_its_timeout_is_a_503_and_without_scaling_to_zero_the_503_is_at_once(
     registered_model: Any, remote_runtime: Any, redis_url: str, settings: Any
 ) -> None:
-    from serving.gateway import GatewayError
+    from serving.gateway.auth import GatewayError
 
     handle = _dispatch(remote_runtime, cold_start=False)
     with pytest.raises(GatewayError, match="no ready replica for demo-chat:v1") as at_once:
@@ -126,7 +126,7 @@ async def test_a_request_waiting_for_a_version_its_routing_then_moves_away_from_
     from asgiref.sync import sync_to_async
 
     from registry.services import alias_set, model_version_register, routing_table_set
-    from serving.gateway import GatewayError
+    from serving.gateway.auth import GatewayError
 
     handle = _dispatch(remote_runtime, cold_start=True)
     waiting = asyncio.create_task(handle.submit())
@@ -178,9 +178,9 @@ async def test_a_request_held_for_a_cold_start_holds_its_quota_slot_and_gives_it
 
     from registry.models import Model
     from rollouts.services import scaling_bounds_set
-    from serving import dispatch as dispatch_module
-    from serving.gateway import GatewayError
-    from serving.router import routing_cache
+    from serving.gateway import dispatch as dispatch_module
+    from serving.gateway.auth import GatewayError
+    from serving.gateway.router import routing_cache
 
     model = await Model.objects.aget(name="demo-chat")
     await sync_to_async(scaling_bounds_set)(model=model, min_replicas=0, max_replicas=1)
@@ -232,9 +232,9 @@ async def test_a_request_pinned_to_a_version_without_traffic_or_replicas_gets_it
     from registry.models import Model
     from registry.services import model_version_register
     from rollouts.services import scaling_bounds_set
-    from serving import dispatch as dispatch_module
-    from serving.gateway import GatewayError
-    from serving.router import routing_cache
+    from serving.gateway import dispatch as dispatch_module
+    from serving.gateway.auth import GatewayError
+    from serving.gateway.router import routing_cache
 
     await sync_to_async(model_version_register)(name="demo-chat", version="v2", source_dir=demo_model_dir)
     model = await Model.objects.aget(name="demo-chat")
@@ -264,9 +264,9 @@ async def test_a_replica_process_beats_loading_while_it_loads_and_its_503s_are_n
     from asgiref.sync import sync_to_async
 
     from registry.selectors import version_ref
-    from serving.gateway import GatewayError
-    from serving.replica import Replica
-    from serving.replica_directory import HeartbeatPublisher
+    from serving.gateway.auth import GatewayError
+    from serving.replica.replica import Replica
+    from serving.transport.replica_directory import HeartbeatPublisher
 
     loaded = threading.Event()
     real_load = Replica._load
@@ -313,8 +313,8 @@ async def test_a_loading_beat_that_stopped_is_not_a_replica_on_its_way(
 
     import redis.asyncio as aioredis
 
-    from serving.gateway import GatewayError
-    from serving.replica_directory import version_key
+    from serving.gateway.auth import GatewayError
+    from serving.transport.replica_directory import version_key
 
     beat = {
         "replica_id": "killed-while-loading",

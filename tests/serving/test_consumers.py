@@ -53,7 +53,7 @@ async def test_a_key_revoked_while_its_socket_is_open_closes_it_at_the_next_requ
     from asgiref.sync import sync_to_async
 
     from registry.models import ApiKey
-    from serving.gateway import clear_auth_cache
+    from serving.gateway.auth import clear_auth_cache
 
     ws = await _connect([(b"authorization", f"Bearer {acme.key}".encode())])
     await ws.send_json_to({"type": "infer", "input": "hello", "max_tokens": 2})
@@ -177,7 +177,7 @@ async def test_cancel_reaches_a_request_still_waiting_to_be_dispatched(acme, mon
     than being read only once a replica has the request."""
     import asyncio
 
-    from serving import consumers
+    from serving.edge import websocket as consumers
 
     real_dispatch, waiting, cancelled = consumers.dispatch, asyncio.Event(), asyncio.Event()
 
@@ -209,7 +209,7 @@ async def test_a_dispatch_that_fails_unexpectedly_answers_503_and_the_socket_ser
     acme, monkeypatch
 ) -> None:
     """It fails in the generation's task, where no one else would see it: the client gets the error."""
-    from serving import consumers
+    from serving.edge import websocket as consumers
 
     real_dispatch = consumers.dispatch
 
@@ -234,8 +234,8 @@ async def test_a_refusal_says_when_to_retry_as_the_http_retry_after_does(
     `retry_after`, the same whole seconds (rounded up, at least 1). An error with no wait has none."""
     from asgiref.sync import sync_to_async
 
-    from serving import consumers
-    from serving.gateway import GatewayError
+    from serving.edge import websocket as consumers
+    from serving.gateway.auth import GatewayError
 
     slow = await sync_to_async(make_tenant)("slow", requests_per_second=0.01)  # one request per 100 s
     ws = await _connect([(b"authorization", f"Bearer {slow.key}".encode())])
@@ -269,7 +269,7 @@ async def test_the_next_infer_sent_as_soon_as_done_arrives_is_served_not_refused
     still running."""
     import asyncio
 
-    from serving.gateway import quota_store
+    from serving.gateway.auth import quota_store
 
     store = quota_store()
     release = store.arelease
@@ -290,7 +290,7 @@ async def test_the_next_infer_sent_as_soon_as_done_arrives_is_served_not_refused
 async def test_a_stream_that_fails_unexpectedly_ends_with_an_error_message(acme, monkeypatch) -> None:
     """Something other than a gateway error escapes the stream (a bug): the client is told, rather
     than left waiting on an open socket for a message that never comes."""
-    from serving.dispatch import Dispatch
+    from serving.gateway.dispatch import Dispatch
 
     async def broken_events(self):  # type: ignore[no-untyped-def]
         yield {"token": "Once", "index": 0}
@@ -314,8 +314,8 @@ async def test_a_key_that_cannot_be_checked_now_closes_with_try_again_later_not_
 ) -> None:
     """The database down and the key not seen lately: a 503 with its wait, and close code 1013, which
     tells a client to come back; 4401 would tell it its key is bad."""
-    from serving import consumers
-    from serving.gateway import GatewayError
+    from serving.edge import websocket as consumers
+    from serving.gateway.auth import GatewayError
 
     async def database_down(authorization: str):  # type: ignore[no-untyped-def]
         raise GatewayError(503, "the API key could not be checked right now", retry_after_s=2)
@@ -333,7 +333,7 @@ async def test_a_consumer_that_fails_mid_generation_does_not_leave_it_running(
     """A handler that raises (as a send does to a socket the client has just dropped) ends the consumer
     before disconnect() could run: its generation is cancelled all the same, freeing its blocks, rather
     than run to max_tokens for nobody."""
-    from serving import consumers
+    from serving.edge import websocket as consumers
 
     async def broken(self, content, **kwargs) -> None:  # type: ignore[no-untyped-def]
         raise RuntimeError("Unexpected ASGI message 'websocket.send', after sending 'websocket.close'")

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from serving.breaker import CircuitBreaker
+from serving.gateway.breaker import CircuitBreaker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -20,7 +20,7 @@ class FakeClock:
 
 def _hello(tenant, *, max_tokens: int):  # type: ignore[no-untyped-def]
     """dispatch() of a greedy "hello" to demo-chat for `tenant`."""
-    from serving import dispatch as dispatch_module
+    from serving.gateway import dispatch as dispatch_module
 
     params = {"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}
     return dispatch_module.dispatch(
@@ -50,7 +50,7 @@ def one_token_then(handle, monkeypatch, error_type: str, message: str, *, gave_u
 async def _a_replica_chosen_first(runtime, monkeypatch, replica_id: str, *, is_alive: bool):  # type: ignore[no-untyped-def]
     """A second replica of demo-chat:v1 that the router chooses whenever it is offered: `is_alive`, by its
     heartbeat, or dead. It has a channel of its own that nothing reads. Returns it and the real one."""
-    from serving import dispatch as dispatch_module
+    from serving.gateway import dispatch as dispatch_module
 
     (good,) = await runtime.candidates("demo-chat", "v1")
     extra = dataclasses.replace(good, replica_id=replica_id, channel_name=f"switchyard.replica.{replica_id}")
@@ -71,7 +71,7 @@ async def _a_replica_chosen_first(runtime, monkeypatch, replica_id: str, *, is_a
 async def _run_scripted(tenant, monkeypatch, script: list, *, max_tokens: int):  # type: ignore[no-untyped-def, type-arg]
     """A request of `tenant` whose replica's events, from the acceptance on, are `script`'s, whatever
     its replica does: the handle, closed, and the events the client got."""
-    from serving.dispatch import Dispatch
+    from serving.gateway.dispatch import Dispatch
 
     async def next_event(self, *, timeout_s: float) -> dict:  # type: ignore[no-untyped-def, type-arg]
         return script.pop(0)
@@ -176,7 +176,7 @@ async def test_a_half_open_replica_gets_one_trial_request_and_the_rest_go_elsewh
 
     from asgiref.sync import sync_to_async
 
-    from serving import dispatch as dispatch_module
+    from serving.gateway import dispatch as dispatch_module
 
     clock = FakeClock()
     breaker = CircuitBreaker(failure_threshold=1, open_s=5.0, clock=clock)
@@ -215,7 +215,7 @@ async def test_a_request_whose_replica_dies_before_its_first_token_is_retried_el
 ) -> None:
     from asgiref.sync import sync_to_async
 
-    from serving.breaker import breaker
+    from serving.gateway.breaker import breaker
 
     acme = await sync_to_async(make_tenant)("acme")
     _, good = await _a_replica_chosen_first(runtime, monkeypatch, "dead-replica", is_alive=False)
@@ -239,12 +239,12 @@ async def test_an_over_quota_request_sends_nothing_to_a_replica(
     replica. The first refusal comes from the combined step, the next ones from admission alone."""
     from asgiref.sync import sync_to_async
 
-    from serving import dispatch as dispatch_module
-    from serving.gateway import GatewayError, MemoryQuotaStore, reset_quota_store
-    from serving.replica import SUBMIT
+    from serving.gateway import dispatch as dispatch_module
+    from serving.gateway.auth import GatewayError, MemoryQuotaStore, reset_quota_store
+    from serving.replica.replica import SUBMIT
 
     if store == "redis":
-        from serving.quota_redis import RedisQuotaStore
+        from serving.gateway.quota_redis import RedisQuotaStore
 
         quota = RedisQuotaStore(request.getfixturevalue("redis_url"), key_prefix="test:quota-dispatch:")
         quota.clear()
@@ -281,9 +281,9 @@ async def test_a_replica_that_misses_its_heartbeats_waits_out_the_open_breaker_w
 
     from channels.layers import InMemoryChannelLayer
 
-    from serving.breaker import breaker
-    from serving.replica_directory import MISSED_AFTER_S, STALE_AFTER_S, Heartbeat
+    from serving.gateway.breaker import breaker
     from serving.runtime import Runtime
+    from serving.transport.replica_directory import MISSED_AFTER_S, STALE_AFTER_S, Heartbeat
 
     class Directory:  # what the other processes' heartbeats say (Redis in production)
         # Stale, but no older than a beat read from the directory's cache can be: not tripped for that.
@@ -317,9 +317,9 @@ async def test_a_retry_aborts_the_try_left_on_a_replica_that_went_silent(
     retried elsewhere, and its first try is aborted there, or it would run on beside the retry."""
     from asgiref.sync import sync_to_async
 
-    from serving import dispatch as dispatch_module
-    from serving.breaker import breaker
-    from serving.replica import ABORT, SUBMIT
+    from serving.gateway import dispatch as dispatch_module
+    from serving.gateway.breaker import breaker
+    from serving.replica.replica import ABORT, SUBMIT
 
     acme = await sync_to_async(make_tenant)("acme")
     slow, good = await _a_replica_chosen_first(runtime, monkeypatch, "slow-replica", is_alive=True)
@@ -354,7 +354,7 @@ async def test_a_request_that_fails_after_some_text_is_an_error_not_a_partial_an
     200 holding half an answer, no usage and a finish_reason no client knows."""
     from asgiref.sync import sync_to_async
 
-    from serving.gateway import GatewayError
+    from serving.gateway.auth import GatewayError
 
     acme = await sync_to_async(make_tenant)("acme")
     handle = await _hello(acme, max_tokens=2)
@@ -385,8 +385,8 @@ async def test_a_step_lost_on_the_way_ends_the_stream_in_an_error_and_frees_its_
     that lost a step has a hole in its text: it must not end "length" as if whole."""
     from asgiref.sync import sync_to_async
 
-    from serving.breaker import breaker
-    from serving.replica import ABORT, SUBMIT
+    from serving.gateway.breaker import breaker
+    from serving.replica.replica import ABORT, SUBMIT
 
     acme = await sync_to_async(make_tenant)("acme")
     deliver = runtime.hub.deliver
@@ -451,7 +451,7 @@ async def test_a_stream_cancelled_during_a_liveness_check_ends_though_the_check_
 
     from asgiref.sync import sync_to_async
 
-    from serving import dispatch as dispatch_module
+    from serving.gateway import dispatch as dispatch_module
 
     acme = await sync_to_async(make_tenant)("acme")
     handle = await _hello(acme, max_tokens=2)
@@ -489,10 +489,10 @@ async def test_a_retry_whose_replica_went_silent_is_aborted_there_when_the_strea
     would run to max_tokens for nobody, on the one replica already too slow."""
     from asgiref.sync import sync_to_async
 
-    from serving import dispatch as dispatch_module
-    from serving.breaker import breaker
-    from serving.dispatch import Dispatch
-    from serving.replica import ABORT
+    from serving.gateway import dispatch as dispatch_module
+    from serving.gateway.breaker import breaker
+    from serving.gateway.dispatch import Dispatch
+    from serving.replica.replica import ABORT
 
     acme = await sync_to_async(make_tenant)("acme")
     (good,) = await runtime.candidates("demo-chat", "v1")
@@ -549,7 +549,7 @@ async def test_tokens_that_came_but_were_never_read_are_charged(make_tenant, run
 
     from asgiref.sync import sync_to_async
 
-    from serving import gateway
+    from serving.gateway import auth as gateway
 
     acme = await sync_to_async(make_tenant)("acme")
     all_sent, deliver = asyncio.Event(), runtime.hub.deliver
@@ -588,7 +588,7 @@ async def test_a_stream_whose_tokens_keep_coming_ends_though_a_call_lost_its_can
 
     from asgiref.sync import sync_to_async
 
-    from serving.dispatch import Dispatch
+    from serving.gateway.dispatch import Dispatch
 
     acme = await sync_to_async(make_tenant)("acme")
     handle = await _hello(acme, max_tokens=100)
@@ -629,8 +629,8 @@ async def test_aborts_that_find_the_replicas_channel_full_are_sent_again(
     from asgiref.sync import sync_to_async
     from channels.exceptions import ChannelFull
 
-    from serving.dispatch import close_all
-    from serving.replica import ABORT
+    from serving.gateway.dispatch import close_all
+    from serving.replica.replica import ABORT
 
     acme = await sync_to_async(make_tenant)("acme")
     (replica,) = runtime.replicas.values()
@@ -661,8 +661,8 @@ async def test_a_request_closed_while_its_retry_looks_for_a_replica_sends_nothin
     its retry: what the retry then sent, nothing would abort."""
     from asgiref.sync import sync_to_async
 
-    from serving.dispatch import REPLICA_LOST, Dispatch
-    from serving.replica import SUBMIT
+    from serving.gateway.dispatch import REPLICA_LOST, Dispatch
+    from serving.replica.replica import SUBMIT
 
     acme = await sync_to_async(make_tenant)("acme")
     script = [
@@ -704,9 +704,9 @@ async def test_an_abort_waiting_for_room_holds_up_neither_the_close_nor_the_quot
     from asgiref.sync import sync_to_async
     from channels.exceptions import ChannelFull
 
-    from serving import dispatch as dispatch_module
-    from serving.gateway import quota_store
-    from serving.replica import ABORT
+    from serving.gateway import dispatch as dispatch_module
+    from serving.gateway.auth import quota_store
+    from serving.replica.replica import ABORT
 
     acme = await sync_to_async(make_tenant)("acme")
     (replica,) = runtime.replicas.values()

@@ -180,7 +180,7 @@ async def test_the_tokens_per_minute_quota_is_charged_every_inputs_tokens(
 ) -> None:
     """The replica's acceptance counts the tokens the gateway settles the quota with: an encoder's
     request is charged the tokens of all its inputs, as its usage reports them, not one per input."""
-    from serving.gateway import quota_store
+    from serving.gateway.auth import quota_store
 
     tenant = await sync_to_async(make_tenant)("counted", tokens_per_minute=1200)  # refills 20 a second
     texts = [" ".join(TEXTS) * 3, TEXTS[2] * 2]

@@ -10,7 +10,13 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.test import AsyncClient
 
-from serving.faults import FaultInjectionRefused, Faults, FaultSpecError, configured_faults, parse_faults
+from serving.replica.faults import (
+    FaultInjectionRefused,
+    Faults,
+    FaultSpecError,
+    configured_faults,
+    parse_faults,
+)
 from tests.conftest import REPO_ROOT
 
 
@@ -89,7 +95,7 @@ async def test_an_embedded_version_with_injected_errors_fails_its_requests(
     from asgiref.sync import sync_to_async
 
     from serving.runtime import get_runtime
-    from serving.selectors import version_window
+    from serving.telemetry.metrics_reads import version_window
 
     settings.ALLOW_FAULT_INJECTION = True
     settings.FAULTS = "demo-chat:v1=error_rate:1"
@@ -116,7 +122,7 @@ async def test_an_injected_step_delay_shows_in_model_time_and_tpot(
     from asgiref.sync import sync_to_async
 
     from serving.runtime import get_runtime
-    from serving.selectors import version_window
+    from serving.telemetry.metrics_reads import version_window
 
     settings.ALLOW_FAULT_INJECTION = True
     settings.FAULTS = "demo-chat:v1=delay_ms:30"
@@ -144,7 +150,7 @@ async def test_a_replica_with_refused_faults_fails_to_start_and_says_why(registe
     from asgiref.sync import sync_to_async
 
     from registry.selectors import version_ref
-    from serving.replica import Replica, ReplicaState
+    from serving.replica.replica import Replica, ReplicaState
 
     settings.DEBUG = False
     settings.ALLOW_FAULT_INJECTION = False

@@ -3,7 +3,7 @@
 import pytest
 
 from registry.selectors import TenantContext
-from serving.gateway import GatewayError, MemoryQuotaStore
+from serving.gateway.auth import GatewayError, MemoryQuotaStore
 from tests.serving.conftest import one_trip_layer, record_commands
 
 
@@ -81,7 +81,7 @@ def test_tenants_have_separate_buckets() -> None:
 def test_redis_store_is_shared_and_atomic_across_gateway_processes(redis_url: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     a, b = (
         RedisQuotaStore(redis_url, key_prefix="test:quota:"),
@@ -108,7 +108,7 @@ def test_redis_store_is_shared_and_atomic_across_gateway_processes(redis_url: st
 
 @pytest.mark.redis
 def test_redis_store_concurrency_and_settlement(redis_url: str) -> None:
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     store = RedisQuotaStore(redis_url, key_prefix="test:quota2:")
     store.clear()
@@ -127,7 +127,7 @@ def test_redis_store_admits_from_the_event_loop_with_the_same_counters(redis_url
     hash as the sync methods, atomically across stores."""
     import asyncio
 
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     a, b = (RedisQuotaStore(redis_url, key_prefix="test:quota4:") for _ in range(2))
     a.clear()
@@ -161,7 +161,7 @@ def test_redis_store_admits_from_the_event_loop_with_the_same_counters(redis_url
 def test_redis_store_unreachable_from_the_event_loop_is_a_503() -> None:
     import asyncio
 
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     store = RedisQuotaStore("redis://127.0.0.1:1/15")  # nothing listens on port 1
     with pytest.raises(GatewayError) as raised:
@@ -210,7 +210,7 @@ def test_usage_follows_admission_refill_and_settlement() -> None:
 def test_redis_usage_is_what_every_gateway_admitted(redis_url: str) -> None:
     import redis
 
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     a, b, reader = (RedisQuotaStore(redis_url, key_prefix="test:quota3:") for _ in range(3))
     a.clear()
@@ -247,7 +247,7 @@ def test_redis_usage_is_what_every_gateway_admitted(redis_url: str) -> None:
 
 
 def test_redis_usage_is_empty_when_redis_cannot_be_read() -> None:
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     store = RedisQuotaStore("redis://127.0.0.1:1/15")  # nothing listens on port 1
     assert store.usage([_context()]) == {}
@@ -260,7 +260,7 @@ def test_redis_usage_is_empty_when_redis_cannot_be_read() -> None:
 async def test_admission_and_submission_are_one_round_trip_on_one_redis(redis_url: str) -> None:
     """Both were a round trip each on every request's time to first token; on one Redis the admission
     script sends the request too: one command, the message on the replica's channel, the tenant charged."""
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     store = RedisQuotaStore(redis_url, key_prefix="test:quota5:")
     store.clear()
@@ -292,7 +292,7 @@ async def test_a_refused_request_is_never_sent_and_a_full_channel_admits_nothing
     import redis
     from channels.exceptions import ChannelFull
 
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     store = RedisQuotaStore(redis_url, key_prefix="test:quota6:")
     store.clear()
@@ -322,7 +322,7 @@ async def test_over_quota_with_its_replicas_queue_full_is_a_429_not_a_full_chann
     alone) whatever its replica's queue holds; only a request the quota admits can find the queue full."""
     from channels.exceptions import ChannelFull
 
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     store = RedisQuotaStore(redis_url, key_prefix="test:quota8:")
     store.clear()
@@ -376,7 +376,7 @@ async def test_without_a_shared_redis_a_send_that_fails_gives_the_admission_back
 async def test_a_tenant_just_refused_is_admitted_alone_so_refusals_carry_no_prompt(redis_url: str) -> None:
     """Under a flood of 429s the combined script would ship every refused prompt to Redis: after a
     refusal the tenant's next attempts admit alone (the two-key script), until one is admitted."""
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     store = RedisQuotaStore(redis_url, key_prefix="test:quota7:")
     store.clear()
@@ -415,7 +415,7 @@ async def test_a_tenant_just_refused_is_admitted_alone_so_refusals_carry_no_prom
 def test_a_key_with_a_nul_is_a_bad_key_not_a_database_outage(make_tenant, key: str) -> None:
     """Postgres refuses a NUL in a query: read as an outage, a WebSocket client sending one in its auth
     message was told to come back later (1013) instead of that its key is wrong (4401)."""
-    from serving import gateway
+    from serving.gateway import auth as gateway
 
     make_tenant("acme")
     with pytest.raises(GatewayError) as refused:
@@ -432,7 +432,7 @@ def test_while_the_database_is_down_keys_seen_in_the_last_hour_still_pass(
     tests/serving/test_inference_stack.py)."""
     from django.db import OperationalError
 
-    from serving import gateway
+    from serving.gateway import auth as gateway
 
     seen, unseen = make_tenant("seen"), make_tenant("unseen")
     assert gateway.authenticate(seen.auth["Authorization"]).tenant_name == "seen"
@@ -457,7 +457,7 @@ def test_a_key_refused_once_is_not_brought_back_by_an_outage(make_tenant, monkey
     from django.db import OperationalError
 
     from registry.services import api_key_revoke
-    from serving import gateway
+    from serving.gateway import auth as gateway
 
     revoked = make_tenant("revoked")
     assert gateway.authenticate(revoked.auth["Authorization"]).tenant_name == "revoked"

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 async def _window(version: str = "v1"):  # type: ignore[no-untyped-def]
     """demo-chat's version window over the last minute, once this gateway's counts are written."""
     from serving.runtime import get_runtime
-    from serving.selectors import version_window
+    from serving.telemetry.metrics_reads import version_window
 
     await (await get_runtime()).flush_failures()
     now = timezone.now()
@@ -68,9 +68,9 @@ async def test_a_stream_whose_replica_dies_after_its_first_token_counts_as_the_v
 async def test_a_request_whose_replica_dies_and_whose_retry_finds_none_is_counted_once(
     make_tenant, runtime, monkeypatch
 ) -> None:
-    from serving import dispatch as dispatch_module
-    from serving.breaker import breaker
-    from serving.gateway import GatewayError
+    from serving.gateway import dispatch as dispatch_module
+    from serving.gateway.auth import GatewayError
+    from serving.gateway.breaker import breaker
 
     acme = await sync_to_async(make_tenant)("acme")
     dead, _ = await _a_replica_chosen_first(runtime, monkeypatch, "dead-replica", is_alive=False)
@@ -94,7 +94,7 @@ async def test_a_request_whose_replica_dies_and_whose_retry_finds_none_is_counte
 
 
 async def test_a_retry_that_succeeds_counts_nothing_at_the_gateway(make_tenant, runtime, monkeypatch) -> None:
-    from serving.breaker import breaker
+    from serving.gateway.breaker import breaker
 
     acme = await sync_to_async(make_tenant)("acme")
     await _a_replica_chosen_first(runtime, monkeypatch, "dead-replica", is_alive=False)
@@ -145,7 +145,7 @@ async def test_no_ready_replica_counts_for_a_version_with_traffic_not_for_a_pin_
 
 async def test_what_the_client_did_is_not_the_versions_error(make_tenant, runtime, monkeypatch) -> None:
     """Over quota, or gone before the end: nothing the version did."""
-    from serving.gateway import GatewayError
+    from serving.gateway.auth import GatewayError
 
     burst_of_one = await sync_to_async(make_tenant)("burst", requests_per_second=0.001)
     handle = await _hello(burst_of_one, max_tokens=8)
@@ -177,8 +177,9 @@ async def test_a_request_queued_behind_a_full_batch_longer_than_the_inactivity_t
 
     from django.test import AsyncClient
 
-    from serving import dispatch, replica
-    from serving.breaker import breaker
+    from serving.gateway import dispatch
+    from serving.gateway.breaker import breaker
+    from serving.replica import replica
     from serving.runtime import get_runtime
 
     settings.REPLICA_MAX_NUM_SEQS = 1
@@ -216,8 +217,8 @@ async def test_a_channel_layer_that_cannot_send_is_a_503_to_retry_not_a_500(
 
     from django.test import AsyncClient
 
-    from serving.gateway import quota_store
-    from serving.replica import SUBMIT
+    from serving.gateway.auth import quota_store
+    from serving.replica.replica import SUBMIT
 
     acme = await sync_to_async(make_tenant)("acme")
     send = runtime.layer.send
@@ -246,7 +247,7 @@ async def test_a_retry_that_cannot_read_the_replica_directory_ends_the_stream_wi
     """Accepted, then its replica is lost before the first token; the retry's read of the replicas fails
     (Redis down): the stream still ends with one final error event, not an exception that cuts it off
     without one."""
-    from serving.breaker import breaker
+    from serving.gateway.breaker import breaker
     from tests.serving.test_dispatch import _run_scripted
 
     acme = await sync_to_async(make_tenant)("acme")
@@ -279,9 +280,9 @@ async def test_a_retry_that_may_have_reached_its_replica_is_aborted_there(
     try is aborted on its replica, which would otherwise run it to its end for no one."""
     import dataclasses
 
-    from serving import dispatch as dispatch_module
-    from serving.breaker import breaker
-    from serving.replica import ABORT, SUBMIT
+    from serving.gateway import dispatch as dispatch_module
+    from serving.gateway.breaker import breaker
+    from serving.replica.replica import ABORT, SUBMIT
     from tests.serving.test_dispatch import _run_scripted
 
     acme = await sync_to_async(make_tenant)("acme")

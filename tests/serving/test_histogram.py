@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving.histogram import MAX_RELATIVE_ERROR, Histogram, HistogramFormatError, bucket_index
+from serving.telemetry.histogram import MAX_RELATIVE_ERROR, Histogram, HistogramFormatError, bucket_index
 
 QUANTILES = (0.0, 0.01, 0.25, 0.5, 0.9, 0.95, 0.99, 0.999, 1.0)
 

@@ -30,7 +30,7 @@ def acme(make_tenant, registered_model, runtime):
 async def test_a_model_name_no_model_can_have_is_404_without_a_database_read(acme, name, monkeypatch) -> None:
     """Postgres refuses a NUL in a query, which the routing cache took for the table being unavailable
     (a 503 to retry); a name outside the registry's pattern is answered without asking."""
-    from serving import router
+    from serving.gateway import router
 
     def no_read(**kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("the routing table was read")
@@ -334,7 +334,7 @@ def test_json_nested_to_any_depth_parses_or_is_a_value_error(escape: str) -> Non
     without its error message)."""
     import contextlib
 
-    from serving.requests import loads_json
+    from serving.edge.request_bodies import loads_json
 
     for depth in range(1, 1500):
         with contextlib.suppress(ValueError):

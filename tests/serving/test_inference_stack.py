@@ -52,7 +52,7 @@ async def test_other_paths_keep_the_full_stack(settings) -> None:
 async def test_every_answer_under_v1_is_the_json_error_shape_unknown_paths_and_failures_too(
     make_tenant, registered_model, settings, monkeypatch
 ) -> None:
-    from serving import api
+    from serving.edge import infer_api as api
 
     settings.ALLOWED_HOSTS = ["localhost"]
     acme = await sync_to_async(make_tenant)("acme")
@@ -119,7 +119,7 @@ async def test_keys_still_authenticate_after_the_database_dropped_the_gateways_c
     still passes."""
     from django.db import connection
 
-    from serving import gateway
+    from serving.gateway import auth as gateway
 
     if connection.vendor != "postgresql":
         pytest.skip("needs a database server that can drop its clients' connections (the Postgres pass)")

@@ -12,9 +12,15 @@ import pytest
 from django.test import AsyncClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.histogram import Histogram
-from serving.metrics import MetricsRecorder, RequestSample, StepSample, register_recorder, unregister_recorder
 from serving.models import MetricWindow
+from serving.telemetry.histogram import Histogram
+from serving.telemetry.metrics import (
+    MetricsRecorder,
+    RequestSample,
+    StepSample,
+    register_recorder,
+    unregister_recorder,
+)
 
 MINUTE = 60
 
@@ -66,7 +72,7 @@ def step(model_time: float = 0.01, batch: int = 4) -> StepSample:
 
 
 def test_round_trip_with_exact_counts(version) -> None:
-    from serving.selectors import version_window
+    from serving.telemetry.metrics_reads import version_window
 
     t0 = minute_ago(10)
     recorder = recorder_for(version)
@@ -121,7 +127,7 @@ def test_round_trip_with_exact_counts(version) -> None:
 
 
 def test_windows_of_two_replicas_merge_and_p99_comes_from_buckets(version) -> None:
-    from serving.selectors import version_series, version_window
+    from serving.telemetry.metrics_reads import version_series, version_window
 
     rng = random.Random(3)
     t0 = minute_ago(5)
@@ -149,7 +155,7 @@ def test_windows_of_two_replicas_merge_and_p99_comes_from_buckets(version) -> No
 
 
 def test_selectors_refuse_naive_or_reversed_times(version) -> None:
-    from serving.selectors import version_series, version_window
+    from serving.telemetry.metrics_reads import version_series, version_window
 
     with pytest.raises(ValueError, match="timezone-aware"):
         version_window(model_name="chat", version="v1", start=datetime(2026, 1, 1), end=datetime(2026, 1, 2))
@@ -160,8 +166,8 @@ def test_selectors_refuse_naive_or_reversed_times(version) -> None:
 
 
 def test_rollup_merges_replicas_per_minute_and_retention_prunes(version) -> None:
-    from serving.selectors import version_window
-    from serving.services import PruneResult, metrics_maintain, metrics_rollup
+    from serving.telemetry.metrics_reads import version_window
+    from serving.telemetry.metrics_store import PruneResult, metrics_maintain, metrics_rollup
 
     old = minute_ago(2 * 24 * 60)  # two days back: read from 60 s rows
     for replica_id in ("a", "b"):
@@ -215,7 +221,7 @@ def test_rollup_merges_replicas_per_minute_and_retention_prunes(version) -> None
 
 
 def test_a_failed_flush_keeps_the_windows_for_the_next_one(version, monkeypatch) -> None:
-    import serving.services
+    import serving.telemetry.metrics_store
 
     t0 = minute_ago(2)
     recorder = recorder_for(version)
@@ -224,7 +230,7 @@ def test_a_failed_flush_keeps_the_windows_for_the_next_one(version, monkeypatch)
     def broken(**kwargs: object) -> int:
         raise RuntimeError("database down")
 
-    monkeypatch.setattr(serving.services, "metrics_flush", broken)
+    monkeypatch.setattr(serving.telemetry.metrics_store, "metrics_flush", broken)
     with pytest.raises(RuntimeError):
         recorder.flush()
     assert recorder.snapshot().totals.counters["requests"] == 2  # /metrics still counts them
@@ -316,7 +322,7 @@ def test_a_replica_process_metrics_port_answers_the_token_only(version, settings
     import urllib.error
     import urllib.request
 
-    from serving.prometheus import start_metrics_server
+    from serving.telemetry.prometheus import start_metrics_server
 
     settings.METRICS_TOKEN = "s3cret-scrape"
     register_recorder(recorder := recorder_for(version, "rx"))
@@ -354,7 +360,7 @@ async def test_a_request_through_the_infer_endpoint_shows_up_after_a_flush(
 ) -> None:
     from asgiref.sync import sync_to_async
 
-    from serving.selectors import version_window
+    from serving.telemetry.metrics_reads import version_window
 
     acme = await sync_to_async(make_tenant)("acme")
     started = datetime.now(tz=UTC) - timedelta(seconds=5)
@@ -428,8 +434,8 @@ def test_a_series_by_the_minute_reads_rolled_up_minutes_and_counts_each_request_
 ) -> None:
     """A day's chart reads a 60 s row a minute where the minute is rolled up (a day of 5 s rows is
     17,280 a replica), the 5 s rows where it is not yet, or where a late flush changed it since."""
-    from serving.selectors import version_series
-    from serving.services import metrics_rollup
+    from serving.telemetry.metrics_reads import version_series
+    from serving.telemetry.metrics_store import metrics_rollup
 
     t0 = minute_ago(10)
     for replica_id in ("a", "b"):
@@ -460,7 +466,7 @@ def test_a_series_by_the_minute_reads_rolled_up_minutes_and_counts_each_request_
 def test_a_days_series_reads_a_thousand_minutes_not_yet_rolled_up(version) -> None:
     """A roll-up that stalled for 17 hours left over a thousand minutes to read from their 5 s rows: one
     expression over all of them was more than SQLite would parse, and the 24 h chart a 500."""
-    from serving.selectors import version_series
+    from serving.telemetry.metrics_reads import version_series
 
     recorder = recorder_for(version)
     t0 = minute_ago(1100)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from serving.openai_api import _chat_chunk, _completion_chunk, _stream
+from serving.edge.openai_api import _chat_chunk, _completion_chunk, _stream
 
 
 class FailingHandle:

@@ -11,7 +11,7 @@ from django.test import AsyncClient
 from hypothesis import given
 from hypothesis import strategies as st
 
-from serving.prompt_log import LOGGED_CHARS, redact
+from serving.telemetry.prompt_log import LOGGED_CHARS, redact
 
 SECRETS = {
     "an e-mail address": ("write to jane.doe+ml@example.co.uk today", "[EMAIL]"),
@@ -194,7 +194,7 @@ class _EndedHandle:
 async def test_chat_messages_and_embedding_inputs_are_redacted_and_vectors_never_logged(
     settings, caplog
 ) -> None:
-    from serving import prompt_log
+    from serving.telemetry import prompt_log
 
     settings.LOG_PROMPTS_SAMPLE_RATE = 1.0
     caplog.set_level(logging.INFO, logger="switchyard.prompts")
@@ -221,7 +221,7 @@ async def test_redaction_runs_off_the_event_loop_and_logs_at_most_eight_of_many_
     carry 2,048 texts: on the gateway's loop it held every other request."""
     import threading
 
-    from serving import prompt_log
+    from serving.telemetry import prompt_log
 
     threads = set()
     real = prompt_log.redact
@@ -246,7 +246,7 @@ async def test_redaction_runs_off_the_event_loop_and_logs_at_most_eight_of_many_
 async def test_a_record_that_finds_the_redaction_backlogged_is_dropped_with_a_warning(
     settings, caplog, monkeypatch
 ) -> None:
-    from serving import prompt_log
+    from serving.telemetry import prompt_log
     from serving.throttle import Throttle
 
     monkeypatch.setattr(prompt_log, "MAX_REDACTING", 0)

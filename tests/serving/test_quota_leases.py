@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from registry.errors import error_body
-from serving.gateway import GatewayError, MemoryQuotaStore
+from serving.gateway.auth import GatewayError, MemoryQuotaStore
 from tests.serving.conftest import one_trip_layer
 from tests.serving.test_gateway import _context
 
@@ -24,7 +24,7 @@ def store(request: pytest.FixtureRequest) -> Iterator[Any]:
     if request.param == "memory":
         yield MemoryQuotaStore()
         return
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     redis_store = RedisQuotaStore(request.getfixturevalue("redis_url"), key_prefix="test:quota-leases:")
     redis_store.clear()
@@ -33,7 +33,7 @@ def store(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 
 def _redis_store(redis_url: str, **options: Any) -> Any:
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_redis import RedisQuotaStore
 
     store = RedisQuotaStore(redis_url, key_prefix="test:quota-leases:", **options)
     store.clear()
@@ -133,7 +133,7 @@ async def test_a_ticket_held_past_the_longest_request_is_no_longer_renewed(
 ) -> None:
     """A release a bug lost would otherwise keep its lease, and its tenant's slot, for as long as the
     gateway runs."""
-    from serving import quota_redis
+    from serving.gateway import quota_redis
 
     store = _redis_store(redis_url, lease_s=0.5)
     context = _context(40, requests_per_second=1000, tokens_per_minute=10**6, max_concurrent_requests=1)
@@ -160,8 +160,8 @@ async def test_a_dispatch_lets_go_of_its_ticket_however_it_ends(
     a request that has ended."""
     from asgiref.sync import sync_to_async
 
-    from serving import gateway
-    from serving.quota_redis import RedisQuotaStore
+    from serving.gateway import auth as gateway
+    from serving.gateway.quota_redis import RedisQuotaStore
     from tests.serving.test_dispatch import _hello
 
     store = RedisQuotaStore(redis_url, key_prefix="test:quota-leases:")
@@ -199,7 +199,7 @@ async def test_a_dispatch_lets_go_of_its_ticket_however_it_ends(
 
 @pytest.mark.django_db(transaction=True)
 async def test_the_runtime_renews_the_leases_of_its_requests(monkeypatch: Any) -> None:
-    from serving import gateway
+    from serving.gateway import auth as gateway
     from serving.runtime import get_runtime
 
     renewed = asyncio.Event()
@@ -230,7 +230,7 @@ def test_in_memory_only_a_ticket_held_is_settled() -> None:
     """A second release, or the release of a ticket never admitted, gives back no tokens: only the one
     admission that charged them does. (On Redis a release settles even a lease that expired, and an
     admission whose reply was lost is given back only if it holds its lease: the next test.)"""
-    from serving.gateway import Ticket
+    from serving.gateway.auth import Ticket
 
     store = MemoryQuotaStore()
     context = _context(40, requests_per_second=1000, tokens_per_minute=600, max_concurrent_requests=5)
@@ -249,7 +249,7 @@ async def test_a_reply_lost_after_the_one_trip_script_ran_holds_nothing_and_says
     may have reached the replica (Dispatch then aborts it there), and the admission is given back."""
     import redis
 
-    from serving.gateway import MaybeSent
+    from serving.gateway.auth import MaybeSent
 
     store = _redis_store(redis_url)
     layer = one_trip_layer(redis_url)
@@ -433,7 +433,7 @@ async def test_a_slow_bucket_and_a_token_debt_outlive_the_idle_expiry_in_both_st
     if kind == "memory":
         store: Any = MemoryQuotaStore()
     else:
-        from serving import quota_redis
+        from serving.gateway import quota_redis
 
         monkeypatch.setattr(quota_redis, "_IDLE_EXPIRY_S", 1)
         store = _redis_store(request.getfixturevalue("redis_url"), lease_s=0.5)  # hash expiry: 2 s

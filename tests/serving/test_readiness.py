@@ -112,7 +112,7 @@ async def _readyz(  # type: ignore[no-untyped-def]
     directory_error: Exception | None = None,
 ) -> httpx.Response:
     from config.asgi import application
-    from serving import api
+    from serving.edge import infer_api as api
 
     class Runtime:
         async def all_replicas(self) -> list[ReplicaHandle]:
@@ -139,7 +139,7 @@ async def test_a_flood_of_probes_asks_the_database_once_a_second(monkeypatch, se
     import asyncio
 
     from config.asgi import application
-    from serving import api
+    from serving.edge import infer_api as api
 
     probes = []
 
@@ -172,7 +172,7 @@ async def test_a_probe_the_database_does_not_answer_reads_as_down_within_seconds
     """A partition holds a connect for its timeouts (15 s and more); a load balancer's probe must not."""
     import threading
 
-    from serving import api
+    from serving.edge import infer_api as api
 
     answer = threading.Event()
 

@@ -9,7 +9,7 @@ import pytest
 
 from serving.engine.engine import Engine
 from serving.management.commands.run_replica import engine_config_from_options
-from serving.replica import engine_config_from_settings
+from serving.replica.replica import engine_config_from_settings
 
 
 @pytest.mark.parametrize("pack", [True, False, None])
@@ -68,7 +68,7 @@ def test_an_embedding_replica_process_takes_run_replicas_device(
     from registry.models import Model
     from registry.selectors import version_ref
     from registry.services import model_version_register
-    from serving.replica import Replica
+    from serving.replica.replica import Replica
 
     model_version_register(
         name="embed", version="v1", source_dir=demo_embedding_model_dir, kind=Model.Kind.EMBEDDING

@@ -10,8 +10,14 @@ import uuid
 
 import pytest
 
-from serving import replica_directory
-from serving.replica_directory import Heartbeat, HeartbeatPublisher, RecentSteps, ReplicaDirectory, StepTimes
+from serving.transport import replica_directory
+from serving.transport.replica_directory import (
+    Heartbeat,
+    HeartbeatPublisher,
+    RecentSteps,
+    ReplicaDirectory,
+    StepTimes,
+)
 
 
 @pytest.mark.redis

@@ -14,11 +14,11 @@ import redis.exceptions
 from asgiref.sync import sync_to_async
 from channels.layers import InMemoryChannelLayer
 
-from serving import replica as replica_module
 from serving import runtime as runtime_module
 from serving.cancelling import cancel_and_wait
-from serving.replica import ABORT, Replica, ReplicaState
-from serving.replica_directory import Heartbeat, HeartbeatPublisher, ReplicaDirectory
+from serving.replica import replica as replica_module
+from serving.replica.replica import ABORT, Replica, ReplicaState
+from serving.transport.replica_directory import Heartbeat, HeartbeatPublisher, ReplicaDirectory
 from tests.serving.test_replica_pipeline import (
     HeldReplies,
     _assert_one_whole_stream,
@@ -243,7 +243,7 @@ async def test_callers_that_come_while_the_runtime_starts_get_it_started(setting
 
 
 async def test_a_runtime_whose_start_failed_is_not_handed_out(settings, monkeypatch) -> None:
-    from serving.gateway import GatewayError
+    from serving.gateway.auth import GatewayError
 
     settings.EMBEDDED_REPLICAS = False
     start = runtime_module.Runtime.start
@@ -333,7 +333,7 @@ async def test_a_stop_withdraws_the_heartbeat_and_ends_though_the_metrics_store_
 async def test_after_the_runtime_is_shut_down_no_new_one_starts_on_its_loop(settings) -> None:
     """A request or a live feed still running when the server stops would start a runtime that nobody
     stops: replicas loading during the exit, a Redis subscription left open. It gets a 503 instead."""
-    from serving.gateway import GatewayError
+    from serving.gateway.auth import GatewayError
 
     settings.EMBEDDED_REPLICAS = False
     first = await runtime_module.get_runtime()
@@ -349,7 +349,7 @@ async def test_after_the_runtime_is_shut_down_no_new_one_starts_on_its_loop(sett
 async def test_a_stop_during_a_step_flushes_what_that_step_recorded(registered_model, settings) -> None:
     """A stop while the model thread is in a step (an embedded server's shutdown mid-stream): the step's
     sample lands in the metrics when it ends, which must be before the last flush, not after it."""
-    from serving.faults import Faults
+    from serving.replica.faults import Faults
 
     settings.ALLOW_FAULT_INJECTION = True
     layer, replies = InMemoryChannelLayer(), WatchedReplies()
@@ -364,7 +364,7 @@ async def test_a_stop_during_a_step_flushes_what_that_step_recorded(registered_m
 async def test_a_drain_past_its_deadline_ends_what_it_holds_and_goes_idle(registered_model, settings) -> None:
     """end_drain (run_replica's --drain-timeout): a stream already under way ends with one
     replica_unavailable error, as at a replica's loss, and every block comes back."""
-    from serving.faults import Faults
+    from serving.replica.faults import Faults
 
     settings.ALLOW_FAULT_INJECTION = True
 

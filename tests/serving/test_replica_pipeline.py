@@ -14,9 +14,9 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.layers import InMemoryChannelLayer
 
-from serving.channel_layer import StepPubSubChannelLayer
-from serving.replica import ABORT, SUBMIT, Replica
-from serving.streams import ReplyHub
+from serving.replica.replica import ABORT, SUBMIT, Replica
+from serving.transport.channel_layers import StepPubSubChannelLayer
+from serving.transport.reply_hub import ReplyHub
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -218,7 +218,7 @@ async def test_embedded_a_stream_starts_on_the_loop_before_the_forward_pass_that
     registered_model, monkeypatch
 ) -> None:
     """The acceptance is delivered before the prefill runs, and the first token before the next step."""
-    from serving import replica as replica_module
+    from serving.replica import replica as replica_module
 
     monkeypatch.setattr(replica_module, "START_DELIVERY_WAIT_S", 30.0)  # as long as the loop takes
     replica, layer, hub, queue = await _replica_with_a_local_hub(HeldReplies())
@@ -248,7 +248,7 @@ async def test_embedded_a_stream_starts_on_the_loop_before_the_forward_pass_that
 
 
 async def test_the_model_thread_waits_when_the_loop_falls_behind(registered_model, monkeypatch) -> None:
-    from serving import replica as replica_module
+    from serving.replica import replica as replica_module
 
     monkeypatch.setattr(replica_module, "MAX_UNSENT", 3)
     replies = HeldReplies()
@@ -532,7 +532,7 @@ def break_the_engine_thread(replica: Any) -> None:
 
 
 async def test_a_dead_engine_thread_fails_the_replica_and_a_drain_still_ends(registered_model) -> None:
-    from serving.replica import ReplicaState
+    from serving.replica.replica import ReplicaState
 
     replica, layer, _ = await _replica_sending_at_once()
     break_the_engine_thread(replica)
@@ -764,7 +764,7 @@ async def test_a_device_that_fails_every_step_and_its_probe_fails_the_replica(
     """A sticky device error (CUDA's illegal memory access, say) fails every call: the replica must not
     stay ready and fail every request routed to it. What it still holds ends as the replica's failure,
     which a gateway retries elsewhere, not the request's."""
-    from serving.replica import PROBE_AFTER_FAILED_STEPS, ReplicaState
+    from serving.replica.replica import PROBE_AFTER_FAILED_STEPS, ReplicaState
 
     settings.REPLICA_MAX_NUM_SEQS = 1  # "last" runs alone while "queued" waits behind it
     replica, layer, replies = await _replica_sending_at_once()
@@ -825,7 +825,7 @@ async def test_a_request_that_fails_every_step_it_is_in_does_not_fail_a_replica_
 ) -> None:
     """A client retrying a request that always fails (a shape the model cannot take, say): its steps
     fail one after another, but the probe, which holds none of it, passes."""
-    from serving.replica import PROBE_AFTER_FAILED_STEPS
+    from serving.replica.replica import PROBE_AFTER_FAILED_STEPS
 
     replica, layer, replies = await _replica_sending_at_once()
     runner = replica.engine.runner
@@ -860,7 +860,7 @@ async def test_requests_waiting_for_a_slot_get_keepalives_when_their_gateway_ask
     """One running at a time: r2 and r3 wait behind r1. r2's gateway asked for keepalives and gets them
     between its acceptance and its first token; r3's did not (a gateway older than them would pass one
     on as the stream's end) and gets none."""
-    from serving import replica as replica_module
+    from serving.replica import replica as replica_module
 
     settings.REPLICA_MAX_NUM_SEQS = 1
     monkeypatch.setattr(replica_module, "KEEPALIVE_S", 0.05)

@@ -3,8 +3,8 @@ import random
 import pytest
 
 from registry.selectors import RoutingSnapshot
-from serving.gateway import GatewayError
-from serving.router import RoutingCache, choose_replica, choose_version, split_model_name
+from serving.gateway.auth import GatewayError
+from serving.gateway.router import RoutingCache, choose_replica, choose_version, split_model_name
 
 
 def _snapshot(**overrides: object) -> RoutingSnapshot:
@@ -66,8 +66,8 @@ def test_routing_cache_sees_a_change_after_revalidation_and_keeps_the_last_good_
     def database_down(**kwargs: object) -> None:
         raise ConnectionError("database unreachable")
 
-    monkeypatch.setattr("serving.router.routing_revision", database_down)
-    monkeypatch.setattr("serving.router.routing_snapshot", database_down)
+    monkeypatch.setattr("serving.gateway.router.routing_revision", database_down)
+    monkeypatch.setattr("serving.gateway.router.routing_snapshot", database_down)
     assert cache.get("demo-chat").weights == {"v1": 50, "v2": 50}  # type: ignore[union-attr]
     with pytest.raises(GatewayError) as excinfo:
         cache.get("never-seen")
@@ -76,7 +76,7 @@ def test_routing_cache_sees_a_change_after_revalidation_and_keeps_the_last_good_
 
 def _cache_on_a_clock(monkeypatch) -> tuple[list[float], RoutingCache]:  # type: ignore[no-untyped-def]
     """A routing cache revalidating every 0.5 s of a clock the test moves (clock[0]), demo-chat read."""
-    from serving import router
+    from serving.gateway import router
 
     clock = [1000.0]
     monkeypatch.setattr(router.time, "monotonic", lambda: clock[0])
@@ -96,8 +96,8 @@ def test_while_the_database_is_down_a_table_is_tried_again_once_a_period(
         tries.append(clock[0])
         raise ConnectionError("database unreachable")
 
-    monkeypatch.setattr("serving.router.routing_revision", database_down)
-    monkeypatch.setattr("serving.router.routing_snapshot", database_down)
+    monkeypatch.setattr("serving.gateway.router.routing_revision", database_down)
+    monkeypatch.setattr("serving.gateway.router.routing_snapshot", database_down)
     for step in range(20):  # a request every 0.05 s for a second
         clock[0] = 1000.6 + step * 0.05
         assert cache.get("demo-chat").weights == {"v1": 100}  # type: ignore[union-attr]
@@ -109,7 +109,7 @@ def test_tables_in_use_are_revalidated_ahead_so_requests_route_from_memory(
     registered_model, monkeypatch
 ) -> None:
     from registry.services import model_version_register, routing_table_set
-    from serving import router
+    from serving.gateway import router
 
     clock, cache = _cache_on_a_clock(monkeypatch)
     assert cache.due_for_refresh() == []  # just read
@@ -123,8 +123,8 @@ def test_tables_in_use_are_revalidated_ahead_so_requests_route_from_memory(
     def database_down(**kwargs: object) -> None:
         raise AssertionError("a fresh table must not be read from the database")
 
-    monkeypatch.setattr("serving.router.routing_revision", database_down)
-    monkeypatch.setattr("serving.router.routing_snapshot", database_down)
+    monkeypatch.setattr("serving.gateway.router.routing_revision", database_down)
+    monkeypatch.setattr("serving.gateway.router.routing_snapshot", database_down)
     clock[0] += 0.3  # 0.6 s after the first read: without the early refresh this one would be stale
     is_fresh, snapshot = cache.get_fresh("demo-chat")
     assert is_fresh and snapshot is not None and snapshot.weights == {"v1": 10, "v2": 90}
@@ -146,8 +146,8 @@ def test_a_database_that_hangs_past_the_period_is_not_asked_again_by_the_next_re
         clock[0] += 0.7
         raise ConnectionError("database unreachable")
 
-    monkeypatch.setattr("serving.router.routing_revision", hangs_then_fails)
-    monkeypatch.setattr("serving.router.routing_snapshot", hangs_then_fails)
+    monkeypatch.setattr("serving.gateway.router.routing_revision", hangs_then_fails)
+    monkeypatch.setattr("serving.gateway.router.routing_snapshot", hangs_then_fails)
     clock[0] = 1000.6
     assert cache.get("demo-chat").weights == {"v1": 100}  # type: ignore[union-attr]
     clock[0] += 0.05
@@ -174,8 +174,8 @@ def test_while_one_read_of_a_table_hangs_the_other_requests_route_on_the_last_go
         assert release.wait(30)
         raise ConnectionError("database unreachable")
 
-    monkeypatch.setattr("serving.router.routing_revision", hangs)
-    monkeypatch.setattr("serving.router.routing_snapshot", hangs)
+    monkeypatch.setattr("serving.gateway.router.routing_revision", hangs)
+    monkeypatch.setattr("serving.gateway.router.routing_snapshot", hangs)
     clock[0] = 1000.6  # stale: the next request revalidates
     first = threading.Thread(target=cache.get, args=("demo-chat",), name="first")
     first.start()
@@ -193,7 +193,7 @@ def test_while_one_read_of_a_table_hangs_the_other_requests_route_on_the_last_go
 def test_names_of_no_model_take_no_lasting_place_in_the_cache(registered_model, monkeypatch) -> None:
     """Any client may ask for any name (a 404 each): they are not revalidated in the background, and
     past MAX_ENTRIES they make way, while the real model's table stays."""
-    from serving import router
+    from serving.gateway import router
 
     monkeypatch.setattr(router, "MAX_ENTRIES", 50)
     clock, cache = _cache_on_a_clock(monkeypatch)

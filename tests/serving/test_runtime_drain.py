@@ -8,7 +8,7 @@ import asyncio
 from channels.layers import InMemoryChannelLayer
 
 from serving import runtime as runtime_module
-from serving.replica import ReplicaState
+from serving.replica.replica import ReplicaState
 from serving.runtime import DRAIN_GRACE_S, Runtime
 
 

@@ -17,7 +17,7 @@ async def test_a_data_plane_that_cannot_start_answers_503_not_500(
     make_tenant, registered_model, monkeypatch, settings
 ) -> None:
     from serving import runtime as runtime_module
-    from serving.channel_layer import StepPubSubChannelLayer
+    from serving.transport.channel_layers import StepPubSubChannelLayer
 
     # A real client of a Redis nothing listens for: its SUBSCRIBE (the gateway's inbox) is refused.
     unreachable = StepPubSubChannelLayer(hosts=["redis://127.0.0.1:1"])

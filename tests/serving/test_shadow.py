@@ -47,8 +47,8 @@ async def _serve(acme, num_requests: int, **body: object) -> list[str]:
 
 
 async def _windows(runtime, started: datetime) -> dict[str, object]:
-    from serving import shadow
-    from serving.selectors import version_window
+    from serving.gateway import shadow
+    from serving.telemetry.metrics_reads import version_window
 
     await shadow.wait_idle()
     for replica in runtime.replicas.values():
@@ -118,7 +118,7 @@ async def test_no_mirror_no_copies(make_tenant, registered_model, demo_model_dir
 async def test_copies_over_the_in_flight_cap_are_skipped_and_counted_in_metrics(
     make_tenant, registered_model, demo_model_dir, monkeypatch, settings
 ) -> None:
-    from serving import shadow
+    from serving.gateway import shadow
 
     await sync_to_async(_mirror_to)(demo_model_dir, 100)
     _, acme = await _start(make_tenant)
@@ -140,7 +140,7 @@ async def test_a_copy_that_only_waits_for_its_primarys_text_holds_no_slot(
     ended: such copies must not keep the next requests' copies out."""
     import asyncio
 
-    from serving import shadow
+    from serving.gateway import shadow
 
     await sync_to_async(_mirror_to)(demo_model_dir, 100)
     runtime, _ = await _start(make_tenant)
@@ -191,7 +191,7 @@ async def test_copies_the_candidate_cannot_serve_count_as_its_errors(
 
     monkeypatch.setattr(runtime, "candidates", candidates)  # v2's replica crashed, say
     assert await _serve(acme, 3, temperature=0) == ["v1"] * 3  # the clients never notice
-    from serving import shadow
+    from serving.gateway import shadow
 
     await shadow.wait_idle()
     await runtime.flush_failures()
@@ -205,7 +205,7 @@ async def test_a_shutdown_ends_a_mirror_whose_cancellation_was_lost() -> None:
     must still end it, not leave it running against replicas that have stopped."""
     import asyncio
 
-    from serving import shadow
+    from serving.gateway import shadow
 
     lost = asyncio.Event()
 
@@ -231,8 +231,8 @@ async def test_a_shutdown_lets_a_mirror_finish_aborting_its_copy(monkeypatch) ->
     candidate on its way) must not have that cut short, or the copy runs on there for nobody."""
     import asyncio
 
-    from serving import dispatch as dispatch_module
-    from serving import shadow
+    from serving.gateway import dispatch as dispatch_module
+    from serving.gateway import shadow
 
     closed, submitted = asyncio.Event(), asyncio.Event()
 

@@ -129,7 +129,7 @@ async def test_a_websocket_client_that_stops_reading_is_cut_off_and_told_why_whe
     acme, runtime
 ) -> None:
     from config.asgi import application
-    from serving.consumers import CLOSE_SLOW_READER
+    from serving.edge.websocket import CLOSE_SLOW_READER
 
     infer = {"type": "infer", "input": "hello", "max_tokens": MAX_TOKENS, "temperature": 0}
     client = StalledClient(
@@ -243,7 +243,7 @@ async def test_a_cancel_after_a_slow_reader_cut_off_still_gets_the_cut_offs_mess
     """The cut-off has cancelled the generation, which waits to send its last message: a cancel then
     must not cancel it again, or the client gets no final message and the socket never closes."""
     from config.asgi import application
-    from serving.consumers import CLOSE_SLOW_READER, InferenceStreamConsumer
+    from serving.edge.websocket import CLOSE_SLOW_READER, InferenceStreamConsumer
 
     cancelling = asyncio.Event()
     cancel = InferenceStreamConsumer._cancel

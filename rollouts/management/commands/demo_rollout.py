@@ -3,8 +3,8 @@
 Runs the platform in this process, as `make serve` does in its embedded mode: the data-plane runtime
 with in-process replicas (one per version with traffic or an alias), load through the same dispatch path
 the HTTP views use (gateway quota, router, replica), replicas flushing their metrics to the store, and
-the rollout judge run by the embedded scheduler (rollouts.scheduler) on the beat schedule's task. The
-bad version gets an injected step delay through SWITCHYARD_FAULTS' setting (serving.faults), set here
+the rollout judge run by the embedded scheduler (config.periodic) on the beat schedule's task. The
+bad version gets an injected step delay through SWITCHYARD_FAULTS' setting (serving.replica.faults), set here
 for that one version only.
 
 Why in-process rather than a `serve` subprocess plus HTTP load: nothing to bind or clean up, the
@@ -115,7 +115,7 @@ class Command(BaseCommand):
         global _runtime
         import torch
 
-        from rollouts.scheduler import run_periodic_tasks
+        from config.periodic import run_periodic_tasks
         from serving.runtime import get_runtime, shutdown_runtime
 
         torch.set_num_threads(options["torch_threads"])
@@ -200,8 +200,8 @@ class Command(BaseCommand):
 
     async def _client(self, index: int, load: Load, max_tokens: int) -> None:
         from registry.selectors import TenantContext
-        from serving.dispatch import dispatch
-        from serving.gateway import GatewayError
+        from serving.gateway.auth import GatewayError
+        from serving.gateway.dispatch import dispatch
 
         context = TenantContext.unlimited("demo-load")
         rng = random.Random(index)

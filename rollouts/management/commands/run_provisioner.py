@@ -21,7 +21,7 @@ def _devices(spec: str) -> list[str]:
 
 
 def _local(options: dict[str, Any]) -> Any:
-    from rollouts.provisioner import LocalProvisioner, run_replica_launcher
+    from rollouts.fleet.provisioner import LocalProvisioner, run_replica_launcher
 
     if options["image"] or options["namespace"]:
         raise CommandError("--image and --namespace are for --kubernetes")
@@ -35,7 +35,7 @@ def _local(options: dict[str, Any]) -> Any:
 
 
 def _kubernetes(options: dict[str, Any]) -> Any:
-    from rollouts.kubernetes import DeploymentsApi, KubernetesProvisioner, PodTemplate
+    from rollouts.fleet.kubernetes import DeploymentsApi, KubernetesProvisioner, PodTemplate
 
     if not options["image"]:
         raise CommandError("--kubernetes needs --image")

@@ -34,8 +34,8 @@ _POLICY_FLAGS: dict[str, type] = {
 
 class Command(BaseCommand):
     help = (
-        "Simulate a fleet on a virtual clock (rollouts/fleet_sim.py): the real scheduler and KV cache in "
-        "every replica with a latency model for the forward pass, the router's replica choice, and the "
+        "Simulate a fleet on a virtual clock (rollouts/fleet/simulator.py): the real scheduler and KV cache "
+        "in every replica with a latency model for the forward pass, the router's replica choice, and the "
         "autoscaler's policy (SWITCHYARD_AUTOSCALER_*, or the flags) under a load that changes. "
         "`--compare-static N` runs the same requests on N replicas that never scale, and prints the ratios."
     )
@@ -68,8 +68,8 @@ class Command(BaseCommand):
         parser.add_argument("--compare-static", type=int, default=None, metavar="N")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from rollouts.autoscaler import ScalingPolicy
-        from rollouts.fleet_sim import FleetConfig, parse_rate_profile, poisson_arrivals, simulate_fleet
+        from rollouts.fleet.autoscaler import ScalingPolicy
+        from rollouts.fleet.simulator import FleetConfig, parse_rate_profile, poisson_arrivals, simulate_fleet
         from serving.engine.scheduler import SchedulerConfig
         from serving.engine.simulated import LatencyModel
 

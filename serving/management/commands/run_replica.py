@@ -7,7 +7,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from serving.replica_directory import ROUTED_AFTER_LEAVING_S
+from serving.transport.replica_directory import ROUTED_AFTER_LEAVING_S
 
 DRAIN_REPORT_INTERVAL_S = 5.0
 
@@ -15,7 +15,7 @@ DRAIN_REPORT_INTERVAL_S = 5.0
 def engine_config_from_options(options: dict[str, object]) -> Any:
     """The replica's settings (SWITCHYARD_*), with this command's flags over them; what has no flag
     (SWITCHYARD_PACK_LINEAR) comes from the settings alone."""
-    from serving.replica import engine_config_from_settings
+    from serving.replica.replica import engine_config_from_settings
 
     config = engine_config_from_settings()
     kv_cache_mb = options.get("kv_cache_mb")  # None: the settings' size, or sized from the device
@@ -84,7 +84,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: object, **options: object) -> None:
         from registry.selectors import version_ref
-        from serving.faults import FaultInjectionRefused, Faults, check_fault_injection_allowed
+        from serving.replica.faults import FaultInjectionRefused, Faults, check_fault_injection_allowed
 
         try:
             faults = Faults(
@@ -130,12 +130,12 @@ class Command(BaseCommand):
     ) -> int:
         from channels.layers import get_channel_layer
 
-        from serving.replica import Replica
-        from serving.replica_directory import HeartbeatPublisher
-        from serving.streams import reply_layer
+        from serving.replica.replica import Replica
+        from serving.transport.replica_directory import HeartbeatPublisher
+        from serving.transport.reply_hub import reply_layer
 
         if metrics_port is not None:
-            from serving.prometheus import start_metrics_server
+            from serving.telemetry.prometheus import start_metrics_server
 
             start_metrics_server(int(metrics_port), metrics_addr)  # type: ignore[call-overload]
         publisher = HeartbeatPublisher(settings.REDIS_URL)

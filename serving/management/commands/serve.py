@@ -23,7 +23,7 @@ class Command(BaseCommand):
         # uvicorn rather than daphne (docs/benchmarks.md, "Fifth machine"): less of every request's time
         # to first token, about half the CPU per SSE event, and backpressure: its send() waits while a
         # client is not reading, which is what lets a stream see a slow reader's backlog and cut it off
-        # (serving/streams.py) where daphne buffers for it without bound.
+        # (serving/transport/reply_hub.py) where daphne buffers for it without bound.
         config = uvicorn.Config(
             application,
             host=str(options["host"]),

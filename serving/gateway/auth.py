@@ -171,7 +171,7 @@ class Ticket:
     tenant_id: int
     charged_tokens: int
     # The tenant's tokens/min at admission: the Redis store's release needs it to keep a tenant's hash
-    # until a debt is paid back (serving/quota_redis.py).
+    # until a debt is paid back (serving/gateway/quota_redis.py).
     tokens_per_minute: float = 0.0
 
 
@@ -475,7 +475,7 @@ def quota_store() -> QuotaStore:
     with _quota_store_lock:
         if _quota_store is None:
             if settings.REDIS_URL:
-                from serving.quota_redis import RedisQuotaStore
+                from serving.gateway.quota_redis import RedisQuotaStore
 
                 _quota_store = RedisQuotaStore(settings.REDIS_URL)
             else:

@@ -9,7 +9,8 @@ Retry-After) on a refusal worth retrying (a 429, a 503), and `"version"` on a re
 (a prompt too long for its model); an error that ends a generation also carries `"finish_reason":
 "error"` and the version that served it. `{"type": "cancel"}` stops the generation in
 flight and frees its blocks on the replica. One generation at a time per connection. A client that
-stops reading is cut off (serving/streams.py): its generation is aborted, and once it reads again it
+stops reading is cut off (serving/transport/reply_hub.py): its generation is aborted, and once it reads again
+it
 gets an error of type "slow_reader" and the connection closes with code 4408. A frame that is not a
 JSON text message gets an error and the connection closes: 1003 for a binary frame, 1007 for text that
 is not JSON (RFC 6455's codes for data the endpoint cannot take). A message over MAX_REQUEST_BYTES (the
@@ -28,9 +29,16 @@ from django.conf import settings
 
 from registry.errors import error_body
 from registry.selectors import TenantContext
-from serving.dispatch import SLOW_READER, SLOW_READER_MESSAGE, Dispatch, authenticate, close_all, dispatch
-from serving.gateway import GatewayError
-from serving.requests import InferRequest, loads_json, parse_infer
+from serving.edge.request_bodies import InferRequest, loads_json, parse_infer
+from serving.gateway.auth import GatewayError
+from serving.gateway.dispatch import (
+    SLOW_READER,
+    SLOW_READER_MESSAGE,
+    Dispatch,
+    authenticate,
+    close_all,
+    dispatch,
+)
 
 logger = logging.getLogger(__name__)
 CLOSE_UNAUTHENTICATED = 4401

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from serving.cancelling import cancel_and_wait
 
 if TYPE_CHECKING:
-    from serving.dispatch import Dispatch
+    from serving.gateway.dispatch import Dispatch
     from serving.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -94,8 +94,8 @@ async def _run(
     submission: dict[str, Any],
     primary_text: asyncio.Future[str | None] | None,
 ) -> None:
-    from serving.dispatch import Dispatch, close_all
-    from serving.gateway import GatewayError
+    from serving.gateway.auth import GatewayError
+    from serving.gateway.dispatch import Dispatch, close_all
 
     # Counted as the primaries are: in a shadow deployment the judge reads only these.
     handle = Dispatch(runtime, None, model_name, version, submission, counts_failures=True)

@@ -32,8 +32,8 @@ from prometheus_client.utils import floatToGoString
 
 from registry.authentication import bearer_token
 from registry.errors import error_body, error_response
-from serving import metrics as m
-from serving.histogram import Histogram
+from serving.telemetry import metrics as m
+from serving.telemetry.histogram import Histogram
 
 SECONDS_BOUNDS = (
     0.001,
@@ -158,10 +158,10 @@ class SwitchyardCollector:
 
 
 class ShadowCollector:
-    """Shadow copies this gateway process started or skipped (serving.shadow)."""
+    """Shadow copies this gateway process started or skipped (serving.gateway.shadow)."""
 
     def collect(self) -> Iterator[Metric]:
-        from serving import shadow
+        from serving.gateway import shadow
 
         counter = CounterMetricFamily(
             "switchyard_shadow_copies",

@@ -1,6 +1,6 @@
 """How many replicas a model version needs, from leading signals: pure policy, no database, no clock.
 
-A version's replicas send heartbeats (serving/replica_directory.py) with their queue depth, the
+A version's replicas send heartbeats (serving/transport/replica_directory.py) with their queue depth, the
 sequences they run and their capacity, and their KV-cache use. Each signal says how many replicas would
 bring it to its target, as Kubernetes' HPA computes a desired count (current x observed / target):
 

@@ -1,5 +1,5 @@
 """Quota counters in Redis, shared by every gateway process. One Lua script refills both buckets,
-decides and charges atomically; the decision rules match serving.gateway._refusal, which then words
+decides and charges atomically; the decision rules match serving.gateway.auth._refusal, which then words
 the refusal from the state the script returns.
 
 The same script can also submit the admitted request to its replica's channel (`aadmit_and_send`),
@@ -25,8 +25,7 @@ from channels.exceptions import ChannelFull
 from django.conf import settings
 
 from registry.selectors import TenantContext
-from serving.channel_layer import SEND_FUNCTIONS, OneTripRedisChannelLayer
-from serving.gateway import (
+from serving.gateway.auth import (
     LEASE_RENEW_EVERY_S,
     GatewayError,
     MaybeSent,
@@ -38,12 +37,13 @@ from serving.gateway import (
     check_fits_quota,
     quota_usage,
 )
+from serving.transport.channel_layers import SEND_FUNCTIONS, OneTripRedisChannelLayer
 
 logger = logging.getLogger(__name__)
 
 # admit(tenant hash, refusal counts, has_room, rps, tokens/min, max concurrent, tokens asked, hash expiry
 # (s), tenant id, ticket id, lease (s), room for: how many such requests must fit for this one to be
-# admitted (serving.gateway._refusal)). A refusal is counted in the same script: no second round trip per
+# admitted (serving.gateway.auth._refusal)). A refusal is counted in the same script: no second round trip per
 # 429. has_room: nil, or a function called only once the quota admits the request; false from it admits
 # nothing (no charge, no lease, no refusal counted) and returns {-1}. Returns {admitted (0/1),
 # request_tokens, token_tokens, in_flight} as strings (Lua numbers would be truncated to integers on the
@@ -139,7 +139,8 @@ end
 )
 # KEYS[1] tenant hash, KEYS[2] the refusal counts; ARGV as admit() takes them after its two keys.
 _ADMIT = _ADMIT_FUNCTION + "return admit(KEYS[1], KEYS[2], nil, unpack(ARGV))"
-# The same, then KEYS[3] the replica's channel and ARGV[10..14] the send's (serving.channel_layer). The quota
+# The same, then KEYS[3] the replica's channel and ARGV[10..14] the send's
+# (serving.transport.channel_layers). The quota
 # decides first: over quota is the refusal ({0, ...}) whatever the channel holds; a request the quota admits
 # to a full channel is not admitted ({-1}, nothing charged); an admitted request is on its replica's channel
 # when the reply arrives.
@@ -219,7 +220,7 @@ _SLOWEST_TOKEN_S = 1.0
 
 
 def longest_request_s() -> float:
-    from serving.dispatch import ACCEPT_TIMEOUT_S  # imports this module's importer: not at load time
+    from serving.gateway.dispatch import ACCEPT_TIMEOUT_S  # imports this module's importer: not at load time
 
     return settings.COLD_START_TIMEOUT_S + ACCEPT_TIMEOUT_S + settings.MAX_TOKENS_LIMIT * _SLOWEST_TOKEN_S
 

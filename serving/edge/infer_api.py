@@ -17,14 +17,14 @@ from django.views.decorators.csrf import csrf_exempt
 from registry.errors import error_response
 from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
-from serving.dispatch import Dispatch, authenticate, close_all, dispatch, model_snapshot, prompt_usage
-from serving.gateway import GatewayError
-from serving.prometheus import has_metrics_token
-from serving.requests import parse_classify, parse_infer, parse_json_body
-from serving.router import split_model_name
+from serving.edge.request_bodies import parse_classify, parse_infer, parse_json_body
+from serving.gateway.auth import GatewayError
+from serving.gateway.dispatch import Dispatch, authenticate, close_all, dispatch, model_snapshot, prompt_usage
+from serving.gateway.router import split_model_name
 from serving.runtime import get_runtime
+from serving.telemetry.prometheus import has_metrics_token
 from serving.throttle import Throttle
-from serving.vectors import decode_vector
+from serving.transport.vectors import decode_vector
 
 logger = logging.getLogger(__name__)
 _directory_warning = Throttle()

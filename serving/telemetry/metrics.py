@@ -2,9 +2,10 @@
 
 The model thread hands over one StepSample per engine step and a RequestSample per request that ended,
 in one `record` call (one lock round per step). Samples land in the 5 s wall-clock window they were
-recorded in; `flush()` drains the finished and current windows into the store (serving.services), where
+recorded in; `flush()` drains the finished and current windows into the store
+(serving.telemetry.metrics_store), where
 the rows of all replicas are merged on read. Totals since the replica started stay in memory for
-`GET /metrics` (serving.prometheus).
+`GET /metrics` (serving.telemetry.prometheus).
 
 Counters (names used by the store and the selectors):
     requests            requests that ended with a finish reason of stop, length or error
@@ -15,7 +16,7 @@ Counters (names used by the store and the selectors):
     aborted             client went away (not in `requests`)
     rejected, rejected.<type>   refused before any model work: invalid input, replica not ready
     shadow.compared, shadow.matched   shadow copies whose text could be compared with the primary's
-                        (serving.shadow), and of those, the ones that matched
+                        (serving.gateway.shadow), and of those, the ones that matched
     batches_closed.<reason>   a non-generative model's batches, by why the dynamic batcher closed them
                         (full, timeout); their time to fill is the batch_fill_s histogram
 """
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from serving.histogram import Histogram
+from serving.telemetry.histogram import Histogram
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +339,7 @@ class MetricsRecorder:
         """Write the pending windows to the store (blocking: call from a worker thread). Returns how
         many windows were written. On failure they go back to pending, for the next flush, and the
         error propagates. While a write is in flight its windows still count in `snapshot()`."""
-        from serving.services import metrics_flush
+        from serving.telemetry.metrics_store import metrics_flush
 
         with self._flush_lock:
             with self._lock:

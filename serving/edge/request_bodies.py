@@ -14,7 +14,7 @@ from django.http import HttpRequest
 
 from registry.parsers import refuse_lone_surrogates
 from serving.engine.sequence import MAX_LOGIT_BIAS
-from serving.gateway import GatewayError
+from serving.gateway.auth import GatewayError
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256

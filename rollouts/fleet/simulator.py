@@ -3,7 +3,7 @@
 Every replica runs the real Scheduler and KVCacheManager, with serving.engine.simulated's latency model
 standing in for the forward pass; requests go to the least loaded of two ready replicas (the router's
 choice_replica), wait at the gateway while none is ready (a cold start), and the autoscaler's own policy
-(rollouts.autoscaler: recommend, next_target) runs on its tick from the replicas' signals. A replica it
+(rollouts.fleet.autoscaler: recommend, next_target) runs on its tick from the replicas' signals. A replica it
 adds serves only after `load_time_s`; one it removes drains first. Deterministic under a seed, and
 minutes of traffic take seconds.
 
@@ -20,13 +20,13 @@ from collections import deque
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
-from rollouts.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
+from rollouts.fleet.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
 from serving.engine.kv_cache import KVCacheManager
 from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.engine.sequence import SamplingParams, Sequence
 from serving.engine.simulated import LatencyModel, SimulatedExecutor, SimulatedRequest
-from serving.replica_directory import RecentSteps
-from serving.router import choose_replica
+from serving.gateway.router import choose_replica
+from serving.transport.replica_directory import RecentSteps
 
 RateProfile = SequenceOf[tuple[float, float]]  # (from second, requests per second), in time order
 STALL_S = 3600.0  # virtual seconds after the last arrival with requests still unfinished: a bug, not a load

@@ -11,7 +11,7 @@ before the blocking pop, a ZADD of the popped message to the backup (awaited bef
 returned) and a ZPOPMIN after it, which the next receive waits for. The backup is read back only by a
 later receiver on the same channel, and a replica's channel is its own (its name ends in the replica's
 id) and dies with it: a submission in flight when a replica stops is lost either way, and the gateway's
-liveness check retries it elsewhere (serving/dispatch.py). So on plain channels (only replicas receive
+liveness check retries it elsewhere (serving/gateway/dispatch.py). So on plain channels (only replicas receive
 on those) a receive here is the blocking pop alone. Process-local channels, groups and flushing are the
 core layer's own. The token stream does not come this way: it uses the pub/sub layer
 (settings.CHANNEL_LAYERS["replies"], ARCHITECTURE.md).
@@ -44,7 +44,8 @@ from serving.cancelling import raise_if_cancelling
 
 logger = logging.getLogger(__name__)
 
-# Lua functions, so that the quota store's admission script can run a send too (serving/quota_redis.py):
+# Lua functions, so that the quota store's admission script can run a send too
+# (serving/gateway/quota_redis.py):
 # a channel's sorted set has room once expired messages are dropped; a message is added with its score
 # and the set's expiry refreshed.
 SEND_FUNCTIONS = """

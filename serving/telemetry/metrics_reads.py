@@ -16,10 +16,10 @@ from typing import Any
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from serving import metrics as m
-from serving.histogram import Histogram
-from serving.metrics import GaugeStat, MetricsWindow, floor_time
 from serving.models import MetricWindow
+from serving.telemetry import metrics as m
+from serving.telemetry.histogram import Histogram
+from serving.telemetry.metrics import GaugeStat, MetricsWindow, floor_time
 
 MAX_SERIES_POINTS = 10_000
 

@@ -23,11 +23,8 @@ from django.views.decorators.csrf import csrf_exempt
 from registry.errors import error_response
 from registry.models import Model
 from registry.selectors import TenantContext
-from serving.api import failed_dispatch, sse_response
-from serving.dispatch import Dispatch, authenticate, charge_estimate, close_all, dispatch, prompt_usage
-from serving.engine.sequence import MAX_LOGPROBS
-from serving.gateway import GatewayError
-from serving.requests import (
+from serving.edge.infer_api import failed_dispatch, sse_response
+from serving.edge.request_bodies import (
     SAMPLING_FIELDS,
     check_max_tokens,
     is_int,
@@ -35,7 +32,17 @@ from serving.requests import (
     parse_sampling,
     parse_text_inputs,
 )
-from serving.vectors import decode_vector
+from serving.engine.sequence import MAX_LOGPROBS
+from serving.gateway.auth import GatewayError
+from serving.gateway.dispatch import (
+    Dispatch,
+    authenticate,
+    charge_estimate,
+    close_all,
+    dispatch,
+    prompt_usage,
+)
+from serving.transport.vectors import decode_vector
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 # Accepted and ignored: they do not change what we generate.

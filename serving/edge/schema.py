@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.requests import MAX_TEXT_INPUTS
+from serving.edge.request_bodies import MAX_TEXT_INPUTS
 
 _ERROR = {
     "type": "object",
@@ -14,7 +14,8 @@ _ERROR = {
     },
 }
 
-_SAMPLING = {  # /infer's and the OpenAI endpoints' shared fields (serving/requests.py parse_sampling)
+# /infer's and the OpenAI endpoints' shared fields (serving/edge/request_bodies.py parse_sampling)
+_SAMPLING = {
     "max_tokens": {"type": "integer", "minimum": 1, "default": 16},
     # null reads as absent, for every field (the openai client sends null for a parameter given as None)
     "stream": {"type": "boolean", "default": False, "nullable": True},

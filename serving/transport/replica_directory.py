@@ -36,7 +36,7 @@ _CACHE_S = 0.25
 # circuit breaker.
 _SERVE_STALE_S = 1.0
 # A beat older than the stale limit plus the cache's age was missed, not merely read from a cache: the
-# runtime opens the replica's circuit breaker on it (serving/breaker.py).
+# runtime opens the replica's circuit breaker on it (serving/gateway/breaker.py).
 MISSED_AFTER_S = STALE_AFTER_S + _SERVE_STALE_S
 # How long after a replica's beat says it is draining a gateway may still send it requests: from a
 # directory cache up to _SERVE_STALE_S old, or a read of it that was under way. A replica process leaving
@@ -47,7 +47,8 @@ ROUTED_AFTER_LEAVING_S = _SERVE_STALE_S + 2 * _CACHE_S
 STEP_WINDOW_S = 5.0
 MIN_STEP_SPAN_S = 1.0
 KEY_PREFIX = "switchyard:replicas:"
-# A replica's states (serving.replica.ReplicaState) in which it serves nothing any more. Any other counts
+# A replica's states (serving.replica.replica.ReplicaState) in which it serves nothing any more. Any other
+# counts
 # as alive, so that a state a newer replica adds (a rolling upgrade) does not fail its requests.
 TERMINAL_STATES = frozenset({"failed", "stopped"})
 # One hash: "model:version" -> when a request last waited for a replica of a version that had none

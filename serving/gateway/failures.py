@@ -1,6 +1,6 @@
 """Requests that fail where no replica can count them, counted into their version's metrics by the gateway.
 
-A replica counts every request that ends on it (serving.metrics), and the rollout judge reads those
+A replica counts every request that ends on it (serving.telemetry.metrics), and the rollout judge reads those
 counts. Some requests never end on one: their replica died or went silent and the one retry found no
 other, or the version had no ready replica at all. Without these counts a canary whose replicas crash
 would look healthier the more they crash. The gateway records each such request as one that ended in an
@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 
-from serving.metrics import MetricsRecorder, RequestSample, register_recorder, unregister_recorder
+from serving.telemetry.metrics import MetricsRecorder, RequestSample, register_recorder, unregister_recorder
 
 logger = logging.getLogger(__name__)
 

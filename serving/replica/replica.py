@@ -10,7 +10,8 @@ idle ~1.4 ms a step for two thread hand-offs and a Redis round trip; docs/benchm
 machine".)
 
 What each step produced goes out in order while the model thread runs the next step. On Redis the
-model thread publishes it itself, without waiting for Redis's reply (serving/channel_layer.py): handed
+model thread publishes it itself, without waiting for Redis's reply (serving/transport/channel_layers.py):
+handed
 to the loop thread first, a first token waited a median ~0.8 ms for that thread to wake and win the GIL
 (docs/benchmarks.md, "Seventh machine"). On the in-memory layer, which only the event loop may touch,
 the loop thread sends it.
@@ -60,14 +61,25 @@ from django.conf import settings
 from registry import artifacts
 from registry.models import Model
 from registry.selectors import VersionRef
-from serving import metrics as m
 from serving.cancelling import cancel_and_wait
-from serving.faults import INJECTED_FAULT, Faults, check_fault_injection_allowed, configured_faults
-from serving.metrics import MetricsRecorder, RequestSample, StepSample, register_recorder, unregister_recorder
-from serving.replica_directory import HEARTBEAT_INTERVAL_S, Heartbeat, HeartbeatPublisher, RecentSteps
-from serving.shadow import SHADOW_RESULT
-from serving.streams import STEP_MESSAGE, ReplyHub
-from serving.vectors import encode_vectors
+from serving.gateway.shadow import SHADOW_RESULT
+from serving.replica.faults import INJECTED_FAULT, Faults, check_fault_injection_allowed, configured_faults
+from serving.telemetry import metrics as m
+from serving.telemetry.metrics import (
+    MetricsRecorder,
+    RequestSample,
+    StepSample,
+    register_recorder,
+    unregister_recorder,
+)
+from serving.transport.replica_directory import (
+    HEARTBEAT_INTERVAL_S,
+    Heartbeat,
+    HeartbeatPublisher,
+    RecentSteps,
+)
+from serving.transport.reply_hub import STEP_MESSAGE, ReplyHub
+from serving.transport.vectors import encode_vectors
 
 logger = logging.getLogger(__name__)
 

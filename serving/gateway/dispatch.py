@@ -20,14 +20,16 @@ from django.conf import settings
 
 from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
-from serving import gateway, prompt_log, shadow
-from serving.breaker import breaker
 from serving.cancelling import raise_if_cancelling
-from serving.gateway import GatewayError, MaybeSent, Ticket
-from serving.gateway_failures import GATEWAY_COUNTED, NO_READY_REPLICA, REPLICA_LOST, REPLICA_TIMEOUT
-from serving.replica import ABORT, SUBMIT, ReplicaState
-from serving.router import choose_replica, choose_version, routing_cache, split_model_name
+from serving.gateway import auth as gateway
+from serving.gateway import shadow
+from serving.gateway.auth import GatewayError, MaybeSent, Ticket
+from serving.gateway.breaker import breaker
+from serving.gateway.failures import GATEWAY_COUNTED, NO_READY_REPLICA, REPLICA_LOST, REPLICA_TIMEOUT
+from serving.gateway.router import choose_replica, choose_version, routing_cache, split_model_name
+from serving.replica.replica import ABORT, SUBMIT, ReplicaState
 from serving.runtime import ReplicaHandle, Runtime, get_runtime
+from serving.telemetry import prompt_log
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +90,7 @@ class Dispatch:
         self._wire_id = self.request_id  # changes on a retry, so late events of the dead try are dropped
         self._queue: asyncio.Queue[dict[str, Any]] = runtime.hub.open(self._wire_id, self._on_backlog)
         self._reader: asyncio.Task[Any] | None = None  # the task iterating events()
-        self.is_cut_off = False  # its client fell too far behind (serving/streams.py)
+        self.is_cut_off = False  # its client fell too far behind (serving/transport/reply_hub.py)
         self._cut_off_close: asyncio.Task[None] | None = None  # held: the loop keeps only weak refs
         self.replica: ReplicaHandle | None = None
         self.num_prompt_tokens = 0
@@ -431,7 +433,8 @@ class Dispatch:
         return "".join(pieces), final
 
     async def collect_vectors(self, result_field: str, count: int) -> tuple[list[str], dict[str, Any]]:
-        """A non-generative request's result: the `count` rows (base64 float32, serving/vectors.py) its
+        """A non-generative request's result: the `count` rows (base64 float32, serving/transport/vectors.py)
+        its
         final event carries under `result_field`, and that event. Raises GatewayError(503) when the
         replica failed or sent no such rows."""
         _, final = await self.collect()
