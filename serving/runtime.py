@@ -26,8 +26,9 @@ from serving.gateway import auth as gateway
 from serving.gateway.breaker import breaker
 from serving.gateway.failures import GatewayFailures
 from serving.gateway.router import REVALIDATE_S, routing_cache
-from serving.replica.replica import Replica, ReplicaState
+from serving.replica.replica import Replica
 from serving.throttle import Throttle
+from serving.transport.protocol import ReplicaState
 from serving.transport.replica_directory import Heartbeat, ReplicaDirectory
 from serving.transport.reply_hub import ReplyHub, reply_layer
 

@@ -31,14 +31,8 @@ from registry.errors import error_body
 from registry.selectors import TenantContext
 from serving.edge.request_bodies import InferRequest, loads_json, parse_infer
 from serving.gateway.auth import GatewayError
-from serving.gateway.dispatch import (
-    SLOW_READER,
-    SLOW_READER_MESSAGE,
-    Dispatch,
-    authenticate,
-    close_all,
-    dispatch,
-)
+from serving.gateway.dispatch import Dispatch, authenticate, close_all, dispatch
+from serving.transport.protocol import SLOW_READER, SLOW_READER_MESSAGE
 
 logger = logging.getLogger(__name__)
 CLOSE_UNAUTHENTICATED = 4401

@@ -25,36 +25,33 @@ from serving.gateway import auth as gateway
 from serving.gateway import shadow
 from serving.gateway.auth import GatewayError, MaybeSent, Ticket
 from serving.gateway.breaker import breaker
-from serving.gateway.failures import GATEWAY_COUNTED, NO_READY_REPLICA, REPLICA_LOST, REPLICA_TIMEOUT
+from serving.gateway.failures import GATEWAY_COUNTED
 from serving.gateway.router import choose_replica, choose_version, routing_cache, split_model_name
-from serving.replica.replica import ABORT, SUBMIT, ReplicaState
 from serving.runtime import ReplicaHandle, Runtime, get_runtime
 from serving.telemetry import prompt_log
+from serving.transport.protocol import (
+    ABORT,
+    ACCEPT_TIMEOUT_S,
+    INACTIVITY_TIMEOUT_S,
+    NO_READY_REPLICA,
+    REPLICA_FAILURES,
+    REPLICA_LOST,
+    REPLICA_TIMEOUT,
+    SLOW_READER,
+    SLOW_READER_MESSAGE,
+    SUBMIT,
+    TOKENS_LOST,
+    TOKENS_LOST_MESSAGE,
+    ReplicaState,
+    error_event,
+)
 
 logger = logging.getLogger(__name__)
 
-ACCEPT_TIMEOUT_S = 30.0
-INACTIVITY_TIMEOUT_S = 60.0  # of silence, keepalives aside (replica.KEEPALIVE_S): the request is lost
 LIVENESS_CHECK_S = 0.5
 ABORT_RETRY_FIRST_S = 0.005  # an abort that finds its replica's channel full is sent again after this,
 ABORT_RETRY_S = 5.0  # doubling, for up to this long
 _rng = random.Random()
-
-# Failures of the replica, not of the request: retried elsewhere (before the first token) and counted by
-# the circuit breaker. A request-level error (a model failure, an injected fault) is neither: retrying
-# it would hide a bad version from the metrics the rollout judge reads.
-REPLICA_FAILURES = frozenset({REPLICA_LOST, "replica_unavailable", REPLICA_TIMEOUT})
-SLOW_READER = "slow_reader"
-SLOW_READER_MESSAGE = "the client fell too far behind the stream"
-# Steps lost between replica and gateway (Redis pub/sub drops what it publishes while a subscriber
-# reconnects, ARCHITECTURE.md "Silent loss"): the text has a hole, so the stream ends in an error rather
-# than "stop" with words missing. Not the version's fault: neither the breaker nor the judge counts it.
-TOKENS_LOST = "tokens_lost"
-TOKENS_LOST_MESSAGE = "part of the response was lost on its way from the replica"
-
-
-def _error_event(error_type: str, message: str) -> dict[str, Any]:
-    return {"finish_reason": "error", "error": {"type": error_type, "message": message}}
 
 
 class Charge(NamedTuple):
@@ -313,10 +310,10 @@ class Dispatch:
                 raise_if_cancelling()  # the client left during the check: the Redis read may have lost it
                 if not is_alive:
                     self._gave_up = True
-                    return _error_event(REPLICA_LOST, "the replica serving this request stopped")
+                    return error_event(REPLICA_LOST, "the replica serving this request stopped")
                 if time.monotonic() > deadline:
                     self._gave_up = True
-                    return _error_event(REPLICA_TIMEOUT, "the replica stopped answering")
+                    return error_event(REPLICA_TIMEOUT, "the replica stopped answering")
 
     def _on_backlog(self) -> bool:
         """The client has stopped reading: its reader is blocked in the server's send() while events pile
@@ -352,7 +349,7 @@ class Dispatch:
             # stream whose tokens keep coming run to max_tokens: _next_event checks only when idle.
             raise_if_cancelling()
             if self.is_cut_off:
-                yield _error_event(SLOW_READER, SLOW_READER_MESSAGE)
+                yield error_event(SLOW_READER, SLOW_READER_MESSAGE)
                 return
             if self._first_event is not None:
                 event, self._first_event = self._first_event, None
@@ -373,7 +370,7 @@ class Dispatch:
                         # one sent with no answer (MaybeSent), or one whose replica went silent after
                         # it was sent (_next_event gave up on it).
                         self._gave_up = self._gave_up or isinstance(exc, MaybeSent)
-                        event = _error_event("replica_unavailable", exc.message)
+                        event = error_event("replica_unavailable", exc.message)
                 self.count_failure()
             if "finish_reason" in event and not self.num_prompt_tokens:
                 # Its acceptance was lost: the quota settles on the final event's usage.
@@ -387,7 +384,7 @@ class Dispatch:
                     event.get("index", (event.get("usage") or {}).get("completion_tokens")),
                 )
                 self._gave_up = True  # the replica may still be generating: close() aborts it there
-                event = _error_event(TOKENS_LOST, TOKENS_LOST_MESSAGE)
+                event = error_event(TOKENS_LOST, TOKENS_LOST_MESSAGE)
             if "token" in event:
                 self.num_completion_tokens += 1
                 if self._text is not None:

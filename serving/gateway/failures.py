@@ -21,13 +21,11 @@ import socket
 import threading
 
 from serving.telemetry.metrics import MetricsRecorder, RequestSample, register_recorder, unregister_recorder
+from serving.transport.protocol import NO_READY_REPLICA, REPLICA_LOST, REPLICA_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
 # The causes, as the error type in the version's counters (errors.<type>).
-REPLICA_LOST = "replica_lost"
-REPLICA_TIMEOUT = "replica_timeout"
-NO_READY_REPLICA = "no_ready_replica"
 GATEWAY_COUNTED = frozenset({REPLICA_LOST, REPLICA_TIMEOUT, NO_READY_REPLICA})
 
 

@@ -38,6 +38,7 @@ from serving.gateway.auth import (
     quota_usage,
 )
 from serving.transport.channel_layers import SEND_FUNCTIONS, OneTripRedisChannelLayer
+from serving.transport.protocol import ACCEPT_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,6 @@ _SLOWEST_TOKEN_S = 1.0
 
 
 def longest_request_s() -> float:
-    from serving.gateway.dispatch import ACCEPT_TIMEOUT_S  # imports this module's importer: not at load time
 
     return settings.COLD_START_TIMEOUT_S + ACCEPT_TIMEOUT_S + settings.MAX_TOKENS_LIMIT * _SLOWEST_TOKEN_S
 

@@ -24,6 +24,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from serving.cancelling import cancel_and_wait
+from serving.transport.protocol import SHADOW_RESULT
 
 if TYPE_CHECKING:
     from serving.gateway.dispatch import Dispatch
@@ -34,7 +35,6 @@ logger = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 32
 PRIMARY_WAIT_S = 300.0  # how long a finished mirror waits for its primary's text before giving up
 CANCEL_WAIT_S = 5.0  # how long a shutdown waits for its mirrors to end
-SHADOW_RESULT = "replica.shadow_result"
 
 _in_flight: set[asyncio.Task[None]] = set()
 # Those whose copy has ended and that only wait for their primary's text to compare: no slot of

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-INJECTED_FAULT = "injected_fault"
-
 
 class FaultInjectionRefused(Exception):
     pass

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import logging
 import random
 import statistics
@@ -62,8 +61,7 @@ from registry import artifacts
 from registry.models import Model
 from registry.selectors import VersionRef
 from serving.cancelling import cancel_and_wait
-from serving.gateway.shadow import SHADOW_RESULT
-from serving.replica.faults import INJECTED_FAULT, Faults, check_fault_injection_allowed, configured_faults
+from serving.replica.faults import Faults, check_fault_injection_allowed, configured_faults
 from serving.telemetry import metrics as m
 from serving.telemetry.metrics import (
     MetricsRecorder,
@@ -72,13 +70,22 @@ from serving.telemetry.metrics import (
     register_recorder,
     unregister_recorder,
 )
-from serving.transport.replica_directory import (
+from serving.transport.protocol import (
+    ABORT,
     HEARTBEAT_INTERVAL_S,
-    Heartbeat,
-    HeartbeatPublisher,
-    RecentSteps,
+    INJECTED_FAULT,
+    KEEPALIVE_S,
+    REPLICA_FAILED,
+    REPLICA_UNAVAILABLE,
+    SHADOW_RESULT,
+    SUBMIT,
+    ReplicaState,
+    error_event,
+    replica_channel_prefix,
+    step_message,
 )
-from serving.transport.reply_hub import STEP_MESSAGE, ReplyHub
+from serving.transport.replica_directory import Heartbeat, HeartbeatPublisher, RecentSteps
+from serving.transport.reply_hub import ReplyHub
 from serving.transport.vectors import encode_vectors
 
 logger = logging.getLogger(__name__)
@@ -100,34 +107,12 @@ LISTEN_RETRY_MAX_S = 2.0
 # fail every request. A request that fails every step it is in fails only its own steps: the probe,
 # which holds none of them, passes, and the replica serves on.
 PROBE_AFTER_FAILED_STEPS = 3
-# How often a request the engine holds gets an event even when it has no token to send (waiting in the
-# queue for a slot, or preempted): a keepalive, which tells its gateway that the replica still has it.
-# Well under the gateway's inactivity timeout (dispatch.INACTIVITY_TIMEOUT_S), which ends a request it
-# has heard nothing of as lost.
-KEEPALIVE_S = 15.0
 # How long a stop waits for the metrics store before it goes on without it.
 STOP_FLUSH_TIMEOUT_S = 5.0
-SUBMIT = "replica.submit"
-ABORT = "replica.abort"
-REPLICA_UNAVAILABLE = "replica_unavailable"  # the error type of a request the replica cannot serve
-# In the version's metrics, a request that met replica_unavailable once its stream had begun.
-REPLICA_FAILED = "replica_failed"
 
 
 class DeviceFailed(RuntimeError):
     """The model thread's end when its device fails a probe (PROBE_AFTER_FAILED_STEPS)."""
-
-
-class ReplicaState(enum.StrEnum):
-    LOADING = "loading"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-def replica_channel_prefix(ref: VersionRef) -> str:
-    return f"switchyard.replica.{ref.model_name}.{ref.version}."
 
 
 @dataclass(slots=True)
@@ -238,7 +223,7 @@ class Replica:
         self.ref = ref
         self.replica_id = uuid.uuid4().hex[:12]
         self.state = ReplicaState.LOADING
-        self.channel_name = f"{replica_channel_prefix(ref)}{self.replica_id}"
+        self.channel_name = f"{replica_channel_prefix(ref.model_name, ref.version)}{self.replica_id}"
         self.error: str | None = None
         self._layer = layer
         self._replies = layer if replies is None else replies
@@ -616,7 +601,7 @@ class Replica:
                 self.metrics.record(requests=[RequestSample("error", error_type="replica_unavailable")])
                 await self._send(
                     message["reply_to"],
-                    {message["request_id"]: [_error_event("replica_unavailable", f"the replica is {state}")]},
+                    {message["request_id"]: [error_event("replica_unavailable", f"the replica is {state}")]},
                 )
                 return
             self._last_request_at = time.monotonic()
@@ -713,21 +698,21 @@ class Replica:
             arrival.tenant = message.get("tenant") or "default"
             arrival.cache_group = message.get("cache_group")
         except (TypeError, ValueError, KeyError) as exc:
-            arrival.error = _error_event("invalid_request_error", str(exc))
+            arrival.error = error_event("invalid_request_error", str(exc))
         except Exception as exc:
             if type(exc) is jinja2.TemplateError:
                 # The template's raise_exception refused the conversation (roles that do not alternate,
                 # say): the request's fault. Its subclasses (a template that does not parse, an undefined
                 # name) are the version's.
-                arrival.error = _error_event("invalid_request_error", str(exc))
+                arrival.error = error_event("invalid_request_error", str(exc))
             else:
                 logger.exception("replica %s: could not prepare request %s", self.replica_id, request_id)
-                arrival.error = _error_event("internal_error", "the replica could not admit it")
+                arrival.error = error_event("internal_error", "the replica could not admit it")
         return arrival
 
     async def _send(self, inbox: str, items: dict[str, list[dict[str, Any]]]) -> None:
         try:
-            await self._replies.send(inbox, _step_message(items))
+            await self._replies.send(inbox, step_message(items))
         except Exception:
             logger.exception("replica %s: could not deliver a step to %s", self.replica_id, inbox)
 
@@ -741,7 +726,7 @@ class Replica:
                 hub = self._local_hub
                 if hub is not None and inbox == hub.channel_name:
                     try:
-                        hub.deliver(_step_message(items))
+                        hub.deliver(step_message(items))
                     except Exception:
                         logger.exception("replica %s: could not deliver a step to %s", self.replica_id, inbox)
                 else:
@@ -777,7 +762,7 @@ class Replica:
         publish = self._step_publisher.publish_soon if soon else self._step_publisher.publish
         for inbox, items in result.events_by_inbox.items():
             try:
-                publish(inbox, _step_message(items))
+                publish(inbox, step_message(items))
             except Exception:
                 logger.exception("replica %s: could not deliver a step to %s", self.replica_id, inbox)
         if is_engine_empty:
@@ -1007,7 +992,7 @@ class Replica:
         engine = self._engine
         request_id, route = arrival.request_id, arrival.route
         if self._drain_ended is not None:  # prepared while the drain ran out: the replica is going away
-            result.add(route, request_id, _error_event("replica_unavailable", self._drain_ended))
+            result.add(route, request_id, error_event("replica_unavailable", self._drain_ended))
             ended.append(RequestSample("error", error_type="replica_unavailable"))
             return
         if arrival.error is not None:
@@ -1024,7 +1009,7 @@ class Replica:
                 arrival_time=time.monotonic() - max(0.0, time.time() - route.submitted_at),
             )
         except (TypeError, ValueError, KeyError) as exc:
-            result.add(route, request_id, _error_event("invalid_request_error", str(exc)))
+            result.add(route, request_id, error_event("invalid_request_error", str(exc)))
             ended.append(RequestSample("error", error_type="invalid_request_error"))
             return
         except Exception:
@@ -1033,7 +1018,7 @@ class Replica:
             logger.exception("replica %s: could not admit request %s", self.replica_id, request_id)
             with contextlib.suppress(Exception):
                 engine.abort(request_id)
-            result.add(route, request_id, _error_event("internal_error", "the replica could not admit it"))
+            result.add(route, request_id, error_event("internal_error", "the replica could not admit it"))
             ended.append(RequestSample("error", error_type="internal_error"))
             return
         num_prompt_tokens = arrival.num_prompt_tokens
@@ -1041,7 +1026,7 @@ class Replica:
         if self._fault_rng is not None and self._fault_rng.random() < self._error_rate:
             engine.abort(request_id)
             result.add(
-                route, request_id, _error_event(INJECTED_FAULT, "injected fault (fault injection is on)")
+                route, request_id, error_event(INJECTED_FAULT, "injected fault (fault injection is on)")
             )
             ended.append(
                 RequestSample("error", num_prompt_tokens=num_prompt_tokens, error_type=INJECTED_FAULT)
@@ -1058,7 +1043,7 @@ class Replica:
         failed = list(self._routes) if request_ids is None else [r for r in request_ids if r in self._routes]
         for request_id in failed:
             route = self._routes.pop(request_id)
-            result.add(route, request_id, _error_event(error_type, message))
+            result.add(route, request_id, error_event(error_type, message))
             with contextlib.suppress(Exception):
                 self._engine.abort(request_id)
             # replica_unavailable (the device failed, a drain ran out) is a rejection the metrics leave to
@@ -1127,17 +1112,9 @@ def _final_event(output: Any, route: _Route) -> dict[str, Any]:
     return event
 
 
-def _step_message(items: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    return {"type": STEP_MESSAGE, "items": [{"request_id": r, "events": e} for r, e in items.items()]}
-
-
 def _failure_message(exc: BaseException) -> str:
     """What a client whose request a failed step ended is told: the kind of failure, not its text, which
     may carry the device's memory figures, process ids, shapes or paths (the log has it whole), and
     which every tenant with a request in the batch would see."""
     cause = exc.__cause__ or exc  # engine.StepFailed wraps the forward pass's own exception
     return f"the replica failed on this request's step ({type(cause).__name__}); try again"
-
-
-def _error_event(error_type: str, message: str) -> dict[str, Any]:
-    return {"finish_reason": "error", "error": {"type": error_type, "message": message}}

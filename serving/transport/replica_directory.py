@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
+from serving.transport.protocol import STALE_AFTER_S
+
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL_S = 0.5
-STALE_AFTER_S = 1.5
 _FORGET_AFTER_S = 60.0
 _CACHE_S = 0.25
 # Routing may use a cache this old while a background read refreshes it: a replica's load figures are a

@@ -18,10 +18,10 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from serving.cancelling import cancel_and_wait
+from serving.transport.protocol import STEP_MESSAGE
 
 logger = logging.getLogger(__name__)
 
-STEP_MESSAGE = "replica.step"
 REPLIES_ALIAS = "replies"
 
 

@@ -241,7 +241,7 @@ async def test_an_over_quota_request_sends_nothing_to_a_replica(
 
     from serving.gateway import dispatch as dispatch_module
     from serving.gateway.auth import GatewayError, MemoryQuotaStore, reset_quota_store
-    from serving.replica.replica import SUBMIT
+    from serving.transport.protocol import SUBMIT
 
     if store == "redis":
         from serving.gateway.quota_redis import RedisQuotaStore
@@ -283,7 +283,8 @@ async def test_a_replica_that_misses_its_heartbeats_waits_out_the_open_breaker_w
 
     from serving.gateway.breaker import breaker
     from serving.runtime import Runtime
-    from serving.transport.replica_directory import MISSED_AFTER_S, STALE_AFTER_S, Heartbeat
+    from serving.transport.protocol import STALE_AFTER_S
+    from serving.transport.replica_directory import MISSED_AFTER_S, Heartbeat
 
     class Directory:  # what the other processes' heartbeats say (Redis in production)
         # Stale, but no older than a beat read from the directory's cache can be: not tripped for that.
@@ -319,7 +320,7 @@ async def test_a_retry_aborts_the_try_left_on_a_replica_that_went_silent(
 
     from serving.gateway import dispatch as dispatch_module
     from serving.gateway.breaker import breaker
-    from serving.replica.replica import ABORT, SUBMIT
+    from serving.transport.protocol import ABORT, SUBMIT
 
     acme = await sync_to_async(make_tenant)("acme")
     slow, good = await _a_replica_chosen_first(runtime, monkeypatch, "slow-replica", is_alive=True)
@@ -386,7 +387,7 @@ async def test_a_step_lost_on_the_way_ends_the_stream_in_an_error_and_frees_its_
     from asgiref.sync import sync_to_async
 
     from serving.gateway.breaker import breaker
-    from serving.replica.replica import ABORT, SUBMIT
+    from serving.transport.protocol import ABORT, SUBMIT
 
     acme = await sync_to_async(make_tenant)("acme")
     deliver = runtime.hub.deliver
@@ -492,7 +493,7 @@ async def test_a_retry_whose_replica_went_silent_is_aborted_there_when_the_strea
     from serving.gateway import dispatch as dispatch_module
     from serving.gateway.breaker import breaker
     from serving.gateway.dispatch import Dispatch
-    from serving.replica.replica import ABORT
+    from serving.transport.protocol import ABORT
 
     acme = await sync_to_async(make_tenant)("acme")
     (good,) = await runtime.candidates("demo-chat", "v1")
@@ -630,7 +631,7 @@ async def test_aborts_that_find_the_replicas_channel_full_are_sent_again(
     from channels.exceptions import ChannelFull
 
     from serving.gateway.dispatch import close_all
-    from serving.replica.replica import ABORT
+    from serving.transport.protocol import ABORT
 
     acme = await sync_to_async(make_tenant)("acme")
     (replica,) = runtime.replicas.values()
@@ -661,8 +662,8 @@ async def test_a_request_closed_while_its_retry_looks_for_a_replica_sends_nothin
     its retry: what the retry then sent, nothing would abort."""
     from asgiref.sync import sync_to_async
 
-    from serving.gateway.dispatch import REPLICA_LOST, Dispatch
-    from serving.replica.replica import SUBMIT
+    from serving.gateway.dispatch import Dispatch
+    from serving.transport.protocol import REPLICA_LOST, SUBMIT
 
     acme = await sync_to_async(make_tenant)("acme")
     script = [
@@ -706,7 +707,7 @@ async def test_an_abort_waiting_for_room_holds_up_neither_the_close_nor_the_quot
 
     from serving.gateway import dispatch as dispatch_module
     from serving.gateway.auth import quota_store
-    from serving.replica.replica import ABORT
+    from serving.transport.protocol import ABORT
 
     acme = await sync_to_async(make_tenant)("acme")
     (replica,) = runtime.replicas.values()

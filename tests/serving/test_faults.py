@@ -150,7 +150,8 @@ async def test_a_replica_with_refused_faults_fails_to_start_and_says_why(registe
     from asgiref.sync import sync_to_async
 
     from registry.selectors import version_ref
-    from serving.replica.replica import Replica, ReplicaState
+    from serving.replica.replica import Replica
+    from serving.transport.protocol import ReplicaState
 
     settings.DEBUG = False
     settings.ALLOW_FAULT_INJECTION = False

@@ -218,7 +218,7 @@ async def test_a_channel_layer_that_cannot_send_is_a_503_to_retry_not_a_500(
     from django.test import AsyncClient
 
     from serving.gateway.auth import quota_store
-    from serving.replica.replica import SUBMIT
+    from serving.transport.protocol import SUBMIT
 
     acme = await sync_to_async(make_tenant)("acme")
     send = runtime.layer.send
@@ -282,7 +282,7 @@ async def test_a_retry_that_may_have_reached_its_replica_is_aborted_there(
 
     from serving.gateway import dispatch as dispatch_module
     from serving.gateway.breaker import breaker
-    from serving.replica.replica import ABORT, SUBMIT
+    from serving.transport.protocol import ABORT, SUBMIT
     from tests.serving.test_dispatch import _run_scripted
 
     acme = await sync_to_async(make_tenant)("acme")

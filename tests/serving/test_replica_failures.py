@@ -17,7 +17,8 @@ from channels.layers import InMemoryChannelLayer
 from serving import runtime as runtime_module
 from serving.cancelling import cancel_and_wait
 from serving.replica import replica as replica_module
-from serving.replica.replica import ABORT, Replica, ReplicaState
+from serving.replica.replica import Replica
+from serving.transport.protocol import ABORT, ReplicaState
 from serving.transport.replica_directory import Heartbeat, HeartbeatPublisher, ReplicaDirectory
 from tests.serving.test_replica_pipeline import (
     HeldReplies,

@@ -14,8 +14,9 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.layers import InMemoryChannelLayer
 
-from serving.replica.replica import ABORT, SUBMIT, Replica
+from serving.replica.replica import Replica
 from serving.transport.channel_layers import StepPubSubChannelLayer
+from serving.transport.protocol import ABORT, SUBMIT
 from serving.transport.reply_hub import ReplyHub
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -532,7 +533,7 @@ def break_the_engine_thread(replica: Any) -> None:
 
 
 async def test_a_dead_engine_thread_fails_the_replica_and_a_drain_still_ends(registered_model) -> None:
-    from serving.replica.replica import ReplicaState
+    from serving.transport.protocol import ReplicaState
 
     replica, layer, _ = await _replica_sending_at_once()
     break_the_engine_thread(replica)
@@ -764,7 +765,8 @@ async def test_a_device_that_fails_every_step_and_its_probe_fails_the_replica(
     """A sticky device error (CUDA's illegal memory access, say) fails every call: the replica must not
     stay ready and fail every request routed to it. What it still holds ends as the replica's failure,
     which a gateway retries elsewhere, not the request's."""
-    from serving.replica.replica import PROBE_AFTER_FAILED_STEPS, ReplicaState
+    from serving.replica.replica import PROBE_AFTER_FAILED_STEPS
+    from serving.transport.protocol import ReplicaState
 
     settings.REPLICA_MAX_NUM_SEQS = 1  # "last" runs alone while "queued" waits behind it
     replica, layer, replies = await _replica_sending_at_once()

@@ -8,8 +8,8 @@ import asyncio
 from channels.layers import InMemoryChannelLayer
 
 from serving import runtime as runtime_module
-from serving.replica.replica import ReplicaState
 from serving.runtime import DRAIN_GRACE_S, Runtime
+from serving.transport.protocol import ReplicaState
 
 
 class FakeReplica:
