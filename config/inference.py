@@ -71,7 +71,7 @@ class InferenceHandler(ASGIHandler):
         finally:
             # Cancelled once, not again: what the task does after its cancellation (closing its
             # dispatches: an abort to the replica, the quota settled) must run to its end. A cancellation
-            # lost in a Redis read is caught where the stream reads (Dispatch._next_event).
+            # lost in a Redis read is caught where the stream reads (InFlightRequest._next_event).
             for task in (disconnected, responded):
                 if not task.done():
                     task.cancel()

@@ -17,6 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    # Deferred: the ASGI application imports this module before Django's apps are loaded, and the
+    # runtime reads models at import.
     from serving.cancelling import cancel_and_wait
     from serving.runtime import get_runtime, shutdown_runtime
 

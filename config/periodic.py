@@ -4,7 +4,8 @@
 task object a worker would run, called in-process) every `schedule` seconds on a one-thread executor,
 so the event loop never blocks on the database. A run that overruns its period delays the next one
 rather than piling runs up; a run that raises is logged and the schedule goes on. (Celery's own
-`worker -B` on a memory:// broker never runs periodic tasks: see ARCHITECTURE.md.)"""
+`worker -B` on a memory:// broker never runs periodic tasks: docs/architecture.md, "The embedded periodic
+scheduler".)"""
 
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def parse_schedule(schedule: Mapping[str, Mapping[str, Any]]) -> list[PeriodicEn
 
 def resolve_task(task_name: str) -> Any:
     """The registered Celery task of that name (task modules are imported first, as a worker would)."""
+    # Deferred: the Celery app is only needed to resolve a task by name, and importing it configures
+    # Celery for the whole process (the embedded scheduler runs without it).
     from config.celery import app
 
     app.loader.import_default_modules()

@@ -334,9 +334,7 @@ ROLLOUT_THRESHOLDS: dict[str, float] = {
     "min_truncation_increase": 0.05,
 }
 # Where the judge reads a version's window: f(*, model_name, version, start, end) -> window (dotted path).
-ROLLOUT_WINDOW_READER = os.environ.get(
-    "SWITCHYARD_ROLLOUT_WINDOW_READER", "serving.telemetry.metrics_reads.version_window"
-)
+ROLLOUT_WINDOW_READER = os.environ.get("SWITCHYARD_ROLLOUT_WINDOW_READER", "serving.selectors.version_window")
 # Is the candidate's replica ready? f(deployment) -> bool (dotted path; see rollouts.services).
 ROLLOUT_READINESS_CHECK = "rollouts.services.candidate_is_ready"
 ROLLOUT_PROVISION_TIMEOUT_S = int(os.environ.get("SWITCHYARD_ROLLOUT_PROVISION_TIMEOUT_S", "600"))

@@ -3,12 +3,12 @@ from django.urls import include, path
 from django.views.generic.base import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
-from serving.edge import infer_api as serving_api
+from serving.edge import probes
 from serving.telemetry.prometheus import metrics_view
 
 urlpatterns = [
-    path("healthz", serving_api.healthz, name="healthz"),
-    path("readyz", serving_api.readyz, name="readyz"),
+    path("healthz", probes.healthz, name="healthz"),
+    path("readyz", probes.readyz, name="readyz"),
     path("metrics", metrics_view, name="metrics"),
     path("v1/schema", SpectacularAPIView.as_view(), name="schema"),
     path("v1/", include("serving.urls")),

@@ -1,9 +1,8 @@
 """Chart shapes: the time ranges the model page offers, and one version's metrics window as a chart point.
 
-Pure functions of serving.telemetry.metrics_reads.VersionWindow (no database): latency percentiles in ms from
-merged
-histograms, rates per second over the window's own length, batch sizes and queue waits binned. The live
-feed and the page's first load share them, so a pushed point replaces a drawn one exactly."""
+Pure functions of serving.selectors.VersionWindow (no database): latency percentiles in ms from merged
+histograms, rates per second over the window's own length, batch sizes and queue waits binned. The live feed
+and the page's first load share them, so a pushed point replaces a drawn one exactly."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from typing import Any
 
 from django.conf import settings
 
-from serving.telemetry.metrics import WINDOW_S, floor_time
-from serving.telemetry.metrics_reads import VersionWindow
+from serving.selectors import WINDOW_S, VersionWindow, floor_time
 
 
 @dataclass(frozen=True, slots=True)

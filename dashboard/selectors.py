@@ -2,7 +2,7 @@
 
 Every figure comes from an existing reader: versions and traffic from the registry, deployment states
 and verdicts from rollouts, latency, rates and batch sizes from the metrics store
-(serving.telemetry.metrics_reads.version_series / version_windows: percentiles of merged histograms),
+(serving.selectors.version_series / version_windows: percentiles of merged histograms),
 replicas from
 the data plane's runtime (in-process replicas and, with Redis, heartbeats of replica processes).
 
@@ -24,9 +24,8 @@ from registry.selectors import model_versions_overview
 from rollouts import selectors as rollout_selectors
 from rollouts.models import Deployment
 from rollouts.services import JUDGE_ACTOR
-from serving.gateway.auth import MemoryQuotaStore, QuotaUsage, quota_store
-from serving.runtime import ReplicaHandle, get_runtime, started_runtime
-from serving.telemetry.metrics_reads import version_series, version_windows
+from serving import selectors as serving
+from serving.selectors import QuotaUsage, ReplicaHandle, version_series, version_windows
 from serving.throttle import Throttle
 
 logger = logging.getLogger(__name__)
@@ -124,8 +123,7 @@ def _last_minute_of(
 
 async def fleet_replicas() -> list[ReplicaHandle]:
     """Every replica this process knows: its own (embedded mode) and, with Redis, fresh heartbeats."""
-    runtime = await get_runtime()
-    return await runtime.all_replicas()
+    return await serving.fleet_replicas()
 
 
 _directory_unreadable = Throttle()
@@ -140,8 +138,7 @@ async def page_replicas() -> tuple[list[ReplicaHandle], bool]:
     except Exception:
         if _directory_unreadable.is_due():
             logger.warning("dashboard: the replica directory cannot be read", exc_info=True)
-    runtime = started_runtime()  # none: the data plane could not start (Redis down at this one's start)
-    return (runtime.local_replicas() if runtime is not None else []), False
+    return serving.local_replicas(), False
 
 
 def _replica_row(handle: ReplicaHandle) -> dict[str, Any]:
@@ -444,8 +441,7 @@ def tenants_page() -> dict[str, Any]:
 
     Usage and 429 counts come from the gateway's quota store: this process's counters in memory, or
     every gateway's in Redis. A store that cannot be read leaves them out (the page says so)."""
-    store = quota_store()
-    refusals = store.refusals()
+    refusals = serving.quota_refusals()
     tenants = list(
         Tenant.objects.select_related("quota").prefetch_related(
             "quota__allowed_models",
@@ -453,7 +449,7 @@ def tenants_page() -> dict[str, Any]:
         )
     )
     quotas: dict[int, Quota | None] = {t.pk: getattr(t, "quota", None) for t in tenants}
-    usage = store.usage(q for q in quotas.values() if q is not None)
+    usage = serving.quota_usage([q for q in quotas.values() if q is not None])
     rows = []
     for tenant in tenants:
         quota = quotas[tenant.pk]
@@ -468,8 +464,7 @@ def tenants_page() -> dict[str, Any]:
                 "num_refused_429": None if refusals is None else refusals.get(tenant.pk, 0),
             }
         )
-    counted_by = "this server process" if isinstance(store, MemoryQuotaStore) else "every gateway (Redis)"
-    return {"tenants": rows, "counted_by": counted_by}
+    return {"tenants": rows, "counted_by": serving.quota_counted_by()}
 
 
 def tenant_get(*, tenant_id: int) -> Tenant | None:

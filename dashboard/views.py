@@ -28,6 +28,7 @@ from dashboard.finders import PLOTLY_JS_PATH, PLOTLY_VERSION
 from registry.services import api_key_create
 from rollouts import selectors as rollout_selectors
 from rollouts import services as rollout_services
+from rollouts.steps import DeploymentError
 
 View = Callable[..., Any]
 
@@ -166,7 +167,7 @@ def _deployment_action(request: HttpRequest, deployment_id: int, action: str) ->
     }[action]
     try:
         done = service(deployment=deployment, actor=_actor(request), reason=reason)
-    except rollout_services.DeploymentError as exc:
+    except DeploymentError as exc:
         messages.error(request, str(exc))
     else:
         messages.success(request, f"Deployment {done.pk}: {done.get_state_display()}.")

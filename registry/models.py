@@ -54,8 +54,8 @@ class ModelVersion(models.Model):
         "format",
         "size_bytes",
         "files",
-        # Lineage and who registered it when (ARCHITECTURE.md). The parent may still become NULL when it
-        # is deleted (SET_NULL), which is an update, not a save.
+        # Lineage and who registered it when (docs/architecture.md, "The control plane"). The parent may still
+        # become NULL when it is deleted (SET_NULL), which is an update, not a save.
         "parent_id",
         "created_by",
         "created_at",

@@ -45,7 +45,7 @@ class DeploymentAdmin(admin.ModelAdmin):
 
 @admin.register(ScaleTarget)
 class ScaleTargetAdmin(admin.ModelAdmin):
-    """Read-only: the autoscaler writes the targets every tick (rollouts.services.autoscale)."""
+    """Read-only: the autoscaler writes the targets every tick (rollouts.scaling.autoscale)."""
 
     list_display = ("version", "replicas", "reason", "changed_at", "updated_at")
 

@@ -21,7 +21,7 @@ from rest_framework.views import APIView
 from registry import api as registry_api
 from registry.models import Model, is_valid_name
 from registry.selectors import TenantContext
-from rollouts import selectors, services
+from rollouts import selectors, services, steps
 from rollouts.models import Deployment
 
 CREATE_FIELDS = frozenset(
@@ -134,7 +134,7 @@ class DeploymentListView(APIView):
                 thresholds=body.get("thresholds"),
                 mirror_pct=body.get("mirror_pct"),
             )
-        except services.DeploymentError as exc:
+        except steps.DeploymentError as exc:
             raise Refused(exc.status, str(exc)) from exc
         return _accepted(deployment)
 
@@ -183,7 +183,7 @@ class _DeploymentActionView(APIView):
             deployment = type(self).deployment_action(
                 deployment=deployment, actor=_actor(request), reason=_reason(request)
             )
-        except services.DeploymentError as exc:
+        except steps.DeploymentError as exc:
             raise Refused(exc.status, str(exc)) from exc
         return _accepted(deployment)
 

@@ -14,6 +14,7 @@ from django.db.models import OuterRef, Prefetch, Subquery
 from django.utils.module_loading import import_string
 
 from registry.models import Model, ModelVersion
+from registry.selectors import versions_with_traffic
 from rollouts.judge import VersionWindow
 from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
 
@@ -24,10 +25,6 @@ class WindowReader(Protocol):
     def __call__(
         self, *, model_name: str, version: str, start: dt.datetime, end: dt.datetime
     ) -> VersionWindow: ...
-
-
-class HeartbeatsUnavailable(Exception):
-    """The replicas' heartbeats could not be read; the autoscaler holds every target where it is."""
 
 
 class MetricsUnavailable(Exception):
@@ -198,9 +195,8 @@ class _TailInMs:
 
 
 def as_version_window(window: Any) -> VersionWindow:
-    """The judge's view of serving.telemetry.metrics_reads.VersionWindow: counts as they are, p99s in ms (the
-    store
-    reports seconds, from merged histogram buckets), no mean output length when nothing completed."""
+    """The judge's view of serving.selectors.VersionWindow: counts as they are, p99s in ms (the store reports
+    seconds, from merged histogram buckets), no mean output length when nothing completed."""
     if isinstance(window, VersionWindow):
         return window
     try:
@@ -221,74 +217,6 @@ def as_version_window(window: Any) -> VersionWindow:
         )
     except AttributeError as exc:
         raise MetricsUnavailable(f"the metrics window lacks a field the judge needs: {exc}") from exc
-
-
-def fleet_redis() -> Any:
-    """A client for the hashes the fleet writes in Redis (heartbeats, gateway demand), for the judge's and
-    the autoscaler's ticks: a second to connect or answer, so that a tick holds rather than hangs."""
-    import redis
-
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0, socket_connect_timeout=1.0)
-
-
-def fleet_heartbeats() -> list[Any]:
-    """The latest heartbeat (serving.transport.replica_directory.Heartbeat) of every replica that sends one:
-    those
-    this process hosts (embedded mode; read from the judge's or autoscaler's thread, never touching the
-    runtimes' loops), and with Redis the hashes every replica process writes. Raises
-    HeartbeatsUnavailable when Redis cannot be read: no heartbeats would look like no load."""
-    from serving import runtime as data_plane  # rollouts may import serving; imported late, only here
-    from serving.transport.replica_directory import KEY_PREFIX, read_beats
-
-    beats = {
-        replica.replica_id: replica.heartbeat()
-        for rt in data_plane.live_runtimes()
-        for replica in list(rt.replicas.values())
-    }
-    if not settings.REDIS_URL:
-        return list(beats.values())
-    import redis
-
-    client = fleet_redis()
-    try:
-        keys = [key.decode() for key in client.scan_iter(f"{KEY_PREFIX}*")]
-        for beat in read_beats(client, keys):  # on this host's clock, whatever Redis's says
-            beats.setdefault(beat.replica_id, beat)
-    except redis.RedisError as exc:
-        raise HeartbeatsUnavailable(f"replica heartbeats unreadable ({exc})") from exc
-    finally:
-        client.close()
-    return list(beats.values())
-
-
-def fleet_demand() -> dict[tuple[str, str], float]:
-    """(model, version) -> seconds since a request last waited at a gateway for a replica of a version
-    that had none (serving.transport.replica_directory.DEMAND_KEY), on Redis' clock; empty without Redis.
-    Raises
-    HeartbeatsUnavailable when Redis cannot be read: no demand would let a waiting request's version stay
-    at zero."""
-    if not settings.REDIS_URL:
-        return {}
-    import redis
-
-    from serving.transport.replica_directory import DEMAND_KEY
-
-    client = fleet_redis()
-    try:
-        raw = client.hgetall(DEMAND_KEY)
-        seconds, micros = client.time()
-    except redis.RedisError as exc:
-        raise HeartbeatsUnavailable(f"gateway demand unreadable ({exc})") from exc
-    finally:
-        client.close()
-    demand: dict[tuple[str, str], float] = {}
-    for field, value in raw.items():
-        model_name, _, version = field.decode().partition(":")
-        try:
-            demand[(model_name, version)] = max(0.0, seconds + micros / 1e6 - float(value))
-        except ValueError:
-            logger.warning("skipping gateway demand %r for %s", value, field)
-    return demand
 
 
 def scale_targets() -> dict[tuple[str, str], int]:
@@ -322,8 +250,6 @@ def wanted_replicas() -> dict[tuple[str, str], int]:
     has none yet (the autoscaler has not ticked since it got traffic) its model's minimum, so a new
     canary's replica starts without waiting for the autoscaler (none for a model that scales to zero:
     its first request asks for one)."""
-    from registry.selectors import versions_with_traffic
-
     wanted = scale_targets()
     floor = max(1, int(settings.AUTOSCALER["min_replicas"]))
     bounds = scaling_bounds()

@@ -7,7 +7,6 @@ up by every gateway within its revalidation interval (serving.gateway.router.REV
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import logging
 import math
@@ -16,137 +15,40 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from registry.models import Alias, Model, ModelVersion, RoutingEntry, RoutingTable, is_valid_name
-from registry.selectors import versions_with_traffic
 from registry.services import (
     STABLE_ALIAS,
     RegistryError,
     alias_set,
-    routing_changed,
     routing_mirror_set,
     routing_table_set,
 )
 from rollouts import judge
-from rollouts.fleet.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
-from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
+from rollouts.models import Deployment, DeploymentEvent
 from rollouts.selectors import (
     MetricsUnavailable,
     WindowReader,
-    fleet_demand,
-    fleet_heartbeats,
-    fleet_redis,
-    scaling_bounds,
     window_reader,
 )
+from rollouts.steps import (
+    MAX_BAKE_SECONDS,
+    DeploymentConflict,
+    DeploymentError,
+    is_int,
+    resolve_thresholds,
+    validate_steps,
+)
+from serving.selectors import embedded_replica_ready, fleet_replica_ready
 
 logger = logging.getLogger(__name__)
 
 JUDGE_ACTOR = "rollout-judge"
 CANARY_ALIAS = "canary"
-MAX_STEPS = 20
-MAX_BAKE_SECONDS = 7 * 24 * 3600
 
 State = Deployment.State
-
-
-class DeploymentError(Exception):
-    """A request the rollouts refuse; `status` is the HTTP status the API answers with."""
-
-    status = 400
-
-
-class DeploymentConflict(DeploymentError):
-    status = 409
-
-
-# --- validation (pure: nothing is written before all of it passes) ----------------------------------
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    if not (_is_int(value) or isinstance(value, float)):
-        return False
-    try:
-        return math.isfinite(float(value))  # type: ignore[arg-type]
-    except OverflowError:  # an integer of hundreds of digits, which JSON allows
-        return False
-
-
-def validate_steps(steps: object) -> list[dict[str, int]]:
-    if not isinstance(steps, list) or not steps:
-        raise DeploymentError('steps must be a non-empty list like [{"pct": 5}, {"pct": 100}]')
-    if len(steps) > MAX_STEPS:
-        raise DeploymentError(f"at most {MAX_STEPS} steps")
-    pcts: list[int] = []
-    for i, step in enumerate(steps):
-        if not isinstance(step, dict) or set(step) != {"pct"}:
-            raise DeploymentError(f'step {i} must be an object with exactly one key, "pct"')
-        pct = step["pct"]
-        if not _is_int(pct) or not 1 <= pct <= 100:
-            raise DeploymentError(f"step {i}: pct must be an integer from 1 to 100, got {pct!r}")
-        if pcts and pct <= pcts[-1]:
-            raise DeploymentError(f"steps must be strictly increasing; step {i} ({pct}%) follows {pcts[-1]}%")
-        pcts.append(pct)
-    if pcts[-1] != 100:
-        raise DeploymentError(f"the last step must be 100%, got {pcts[-1]}%")
-    if len(pcts) == 1:
-        # At 100% the incumbent takes no traffic, so the judge has nothing to compare the canary with.
-        raise DeploymentError(
-            "a canary needs at least one step below 100% before the last, e.g. "
-            '[{"pct": 5}, {"pct": 100}]: at 100% the incumbent gets nothing for the judge to compare with'
-        )
-    return [{"pct": p} for p in pcts]
-
-
-_INT_THRESHOLDS = {"min_samples"}
-_PROBABILITY_THRESHOLDS = {"alpha", "min_rate_increase", "min_truncation_increase"}
-# A finite number can still overflow the judge: 1e308 x an incumbent's p99 is inf, which neither SQLite's
-# nor Postgres's JSON accepts, so every tick that saved its figures failed and the deployment never moved.
-# The bounds are far past any sensible setting. (min_samples is an integer, only ever compared: a huge
-# one holds a canary for good, which is how a benchmark keeps the judge from deciding.)
-_UPPER_BOUNDS: dict[str, float] = {
-    "ttft_sla_ms": 3_600_000.0,  # an hour
-    "tpot_sla_ms": 600_000.0,
-    "latency_ratio": 1000.0,
-    "min_output_length_ratio": 1.0,  # the canary's mean output may be held to the incumbent's, not above
-}
-
-
-def resolve_thresholds(overrides: object) -> dict[str, Any]:
-    """settings.ROLLOUT_THRESHOLDS with the deployment's overrides, checked name by name."""
-    if overrides is None:
-        overrides = {}
-    if not isinstance(overrides, dict):
-        raise DeploymentError("thresholds must be an object")
-    known = judge.Thresholds.names()
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise DeploymentError(
-            f"unknown threshold(s): {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}"
-        )
-    for name, value in overrides.items():
-        if name in _INT_THRESHOLDS:
-            if not _is_int(value) or value < 1:
-                raise DeploymentError(f"threshold {name} must be a positive integer, got {value!r}")
-        elif not _is_number(value):
-            raise DeploymentError(f"threshold {name} must be a number, got {value!r}")
-        elif name in _PROBABILITY_THRESHOLDS and not 0 <= value < 1:
-            raise DeploymentError(f"threshold {name} must be in [0, 1), got {value!r}")
-        elif name not in _PROBABILITY_THRESHOLDS and value <= 0:
-            raise DeploymentError(f"threshold {name} must be positive, got {value!r}")
-        if name in _UPPER_BOUNDS and value > _UPPER_BOUNDS[name]:
-            raise DeploymentError(f"threshold {name} may be at most {_UPPER_BOUNDS[name]:g}, got {value!r}")
-    if overrides.get("alpha") == 0:
-        raise DeploymentError("threshold alpha must be above 0")
-    resolved = {**settings.ROLLOUT_THRESHOLDS, **overrides}
-    return judge.Thresholds.from_dict(resolved).as_dict()
 
 
 # --- the readiness hook -------------------------------------------------------------------------------
@@ -168,7 +70,7 @@ def candidate_is_ready(deployment: Deployment) -> bool:
     model_name, version = deployment.model.name, deployment.candidate.version
     answers = [
         answer
-        for answer in (_embedded_replica_ready(model_name, version), _fleet_replica_ready(deployment))
+        for answer in (embedded_replica_ready(model_name, version), _fleet_replica_ready(deployment))
         if answer is not None
     ]
     if answers:
@@ -178,54 +80,11 @@ def candidate_is_ready(deployment: Deployment) -> bool:
     ).exists()
 
 
-def _embedded_replica_ready(model_name: str, version: str) -> bool | None:
-    """Is a replica of (model, version) that this process hosts ready? None when this process hosts no
-    replicas (no live runtime, or replicas run as processes). Called from the judge's thread: it only
-    reads the runtimes' state, never touches their loops."""
-    if not settings.EMBEDDED_REPLICAS:
-        return None
-    from serving import runtime as data_plane  # rollouts may import serving; imported late, only here
-
-    runtimes = data_plane.live_runtimes()
-    if not runtimes:
-        return None
-    for rt in runtimes:
-        replica = rt.replicas.get((model_name, version))
-        if replica is not None and replica.is_ready:
-            return True
-    return False
-
-
 def _fleet_replica_ready(deployment: Deployment) -> bool | None:
-    """Does a replica process of the candidate publish a fresh `ready` heartbeat (the hash the gateways
-    read: serving.transport.replica_directory)? None without Redis, when it cannot be read, or when it has no
-    fresh
-    heartbeat of the candidate nor of the incumbent (then this model is not served by processes that
-    publish heartbeats, and their absence says nothing)."""
-    if not settings.REDIS_URL:
-        return None
-    import redis
-
-    from serving.transport.replica_directory import Heartbeat, read_beats, version_key
-
-    model_name = deployment.model.name
-
-    def beats(version: str) -> list[Heartbeat]:
-        return read_beats(client, [version_key(model_name, version)])
-
-    client = fleet_redis()
-    try:
-        candidate = [beat for beat in beats(deployment.candidate.version) if beat.is_fresh]
-        if candidate:
-            return any(beat.is_ready for beat in candidate)
-        if any(beat.is_fresh for beat in beats(deployment.incumbent.version)):
-            return False
-        return None
-    except (redis.RedisError, ValueError, TypeError) as exc:
-        logger.warning("readiness of %s: replica heartbeats unreadable (%s)", deployment.candidate, exc)
-        return None
-    finally:
-        client.close()
+    """Does a replica process of the candidate publish a fresh `ready` heartbeat (serving.selectors)?"""
+    return fleet_replica_ready(
+        deployment.model.name, deployment.candidate.version, deployment.incumbent.version
+    )
 
 
 def _readiness_check() -> Any:
@@ -338,10 +197,10 @@ def deployment_create(
             raise DeploymentError("a shadow deployment takes mirror_pct, not steps")
         steps = []
         mirror_pct = 100 if mirror_pct is None else mirror_pct
-        if not _is_int(mirror_pct) or not 1 <= mirror_pct <= 100:  # type: ignore[operator]
+        if not is_int(mirror_pct) or not 1 <= mirror_pct <= 100:  # type: ignore[operator]
             raise DeploymentError(f"mirror_pct must be an integer from 1 to 100, got {mirror_pct!r}")
     bake_seconds = settings.ROLLOUT_BAKE_SECONDS if bake_seconds is None else bake_seconds
-    if not _is_int(bake_seconds) or not 0 <= bake_seconds <= MAX_BAKE_SECONDS:  # type: ignore[operator]
+    if not is_int(bake_seconds) or not 0 <= bake_seconds <= MAX_BAKE_SECONDS:  # type: ignore[operator]
         raise DeploymentError(
             f"bake_seconds must be a non-negative integer up to {MAX_BAKE_SECONDS}, got {bake_seconds!r}"
         )
@@ -781,225 +640,3 @@ def deployment_promote(*, deployment: Deployment, actor: str, reason: str = "") 
     except RegistryError as exc:
         raise DeploymentConflict(str(exc)) from exc
     return deployment
-
-
-# --- the autoscaler ------------------------------------------------------------------------------------
-
-
-AUTOSCALER_BEAT_MAX_AGE_S = 10.0
-
-
-def autoscale(
-    *,
-    heartbeats: list[Any] | None = None,
-    demand: dict[tuple[str, str], float] | None = None,
-    policy: ScalingPolicy | None = None,
-    now: float | None = None,
-) -> dict[tuple[str, str], int]:
-    """One autoscaler tick: each version that must serve (traffic, an alias, shadow copies), or that
-    lost its traffic and still serves pinned requests, gets a target from its ready replicas' heartbeats
-    (rollouts.fleet.autoscaler); every other version that had one gets 0. Returns the targets that changed.
-    `heartbeats` (Heartbeat objects) default to the fleet's, `demand` (version -> seconds since a request
-    last waited at a gateway for a replica of it) to the gateways'; raises HeartbeatsUnavailable when
-    they cannot be read, changing nothing."""
-    policy = policy or ScalingPolicy(**settings.AUTOSCALER)
-    now = time.time() if now is None else now
-    beats = fleet_heartbeats() if heartbeats is None else heartbeats
-    demand = fleet_demand() if demand is None else demand
-    signals: dict[tuple[str, str], list[ReplicaSignals]] = {}
-    idle_s: dict[tuple[str, str], float] = dict(demand)  # the least any replica or gateway says
-    reported: set[tuple[str, str]] = set()  # versions that a replica says, fresh, how idle they are
-    for beat in beats:
-        # A loading or draining replica is neither capacity nor load yet. Freshness is looser than the
-        # router's: a busy replica's beat may be late, and this host's clock may differ a little; the
-        # scale-down window covers a replica that is missed for a tick.
-        if now - beat.sent_at >= AUTOSCALER_BEAT_MAX_AGE_S:
-            continue
-        key = (beat.model_name, beat.version)
-        idle_s[key] = min(idle_s.get(key, math.inf), beat.idle_s)
-        reported.add(key)
-        if beat.state == "ready":
-            signals.setdefault(key, []).append(
-                ReplicaSignals(
-                    beat.num_waiting,
-                    beat.num_running,
-                    beat.capacity,
-                    beat.kv_cache_usage,
-                    beat.is_generative,
-                    step_s=beat.step_s,
-                    step_rate=beat.step_rate,
-                    base_step_s=beat.base_step_s,
-                )
-            )
-    with transaction.atomic():
-        return _write_targets(signals, idle_s, reported, policy, now)
-
-
-@transaction.atomic
-def scaling_bounds_set(*, model: Model, min_replicas: int | None, max_replicas: int | None) -> ScalingBounds:
-    """A model's own replica bounds; a bound not given keeps its current value (or the settings').
-    min_replicas 0 scales its idle versions to zero: every gateway learns it within a second, and holds a
-    request that finds no replica while one starts. Raises ValueError unless 0 <= min <= max, 1 <= max."""
-    current = ScalingBounds.objects.select_for_update().filter(model=model).first()
-    low, high = (
-        (current.min_replicas, current.max_replicas)
-        if current is not None
-        else (settings.AUTOSCALER["min_replicas"], settings.AUTOSCALER["max_replicas"])
-    )
-    low = low if min_replicas is None else min_replicas
-    high = high if max_replicas is None else max_replicas
-    if not 0 <= low <= high or high < 1:
-        raise ValueError(f"need 0 <= min <= max and max >= 1, got min {low}, max {high}")
-    bounds, _ = ScalingBounds.objects.update_or_create(
-        model=model, defaults={"min_replicas": low, "max_replicas": high}
-    )
-    routing_changed(model=model)
-    return bounds
-
-
-@transaction.atomic
-def scaling_bounds_clear(*, model: Model) -> None:
-    """Back to the settings' bounds (which never scale to zero)."""
-    if ScalingBounds.objects.filter(model=model).delete()[0]:
-        routing_changed(model=model)
-
-
-def _on_demand(
-    idle_s: dict[tuple[str, str], float],
-    reported: set[tuple[str, str]],
-    serving: dict[tuple[str, str], int],
-    policy: ScalingPolicy,
-) -> dict[tuple[str, str], int]:
-    """Versions without traffic, an alias or shadow copies whose replicas still served a request within
-    the idle time: the version a promotion (or a traffic edit) just took traffic from, while requests
-    pinned to it (X-Version-Pin) keep coming. They keep one replica until idle, so going back to them
-    meanwhile is a routing edit. Only a version that still has a replica qualifies: a pin cannot bring
-    back one that has none; nor a candidate its deployment just rolled back. (model, version) -> id."""
-    kept = [
-        key
-        for key in reported
-        if key not in serving and idle_s.get(key, math.inf) < policy.idle_before_zero_s
-    ]
-    if not kept:
-        return {}
-    # Not a candidate just rolled back: it was busy until the rollback, but nobody is to go back to it,
-    # and its replica would hold a device the incumbent, with all the traffic now, could use.
-    latest: dict[str, tuple[str, str]] = {}
-    for model_name, state, candidate in (
-        Deployment.objects.filter(model__name__in={m for m, _ in kept})
-        .order_by("model__name", "-created_at", "-pk")
-        .values_list("model__name", "state", "candidate__version")
-    ):
-        latest.setdefault(model_name, (state, candidate))
-    rolled_back = {(m, c) for m, (state, c) in latest.items() if state == Deployment.State.ROLLED_BACK}
-    kept = [key for key in kept if key not in rolled_back]
-    if not kept:
-        return {}
-    match = Q()
-    for model_name, version in kept:
-        match |= Q(model__name=model_name, version=version)
-    rows = ModelVersion.objects.filter(match).select_related("model")
-    return {(row.model.name, row.version): row.pk for row in rows}
-
-
-def _kept_warm() -> dict[tuple[str, str], str]:
-    """Versions that keep a replica however long they have been idle, with why: both versions of a
-    deployment in flight (it waits for its candidate's replica and judges both) and a version that shadow
-    copies go to (they never wait for a cold start)."""
-    kept: dict[tuple[str, str], str] = {}
-    for model_name, candidate, incumbent in Deployment.objects.filter(
-        state__in=Deployment.IN_FLIGHT_STATES
-    ).values_list("model__name", "candidate__version", "incumbent__version"):
-        kept[(model_name, candidate)] = kept[(model_name, incumbent)] = "a deployment in flight"
-    for model_name, version in RoutingTable.objects.filter(
-        mirror_version__isnull=False, mirror_pct__gt=0
-    ).values_list("model__name", "mirror_version__version"):
-        kept.setdefault((model_name, version), "shadow copies go to it")
-    return kept
-
-
-def _bounded_policy(policy: ScalingPolicy, bounds: tuple[int, int] | None) -> ScalingPolicy:
-    """The policy with a model's own bounds (ScalingBounds) over the defaults."""
-    if bounds is None:
-        return policy
-    return dataclasses.replace(policy, min_replicas=bounds[0], max_replicas=bounds[1])
-
-
-def _write_targets(
-    signals: dict[tuple[str, str], list[ReplicaSignals]],
-    idle_s: dict[tuple[str, str], float],
-    reported: set[tuple[str, str]],
-    policy: ScalingPolicy,
-    now: float,
-) -> dict[tuple[str, str], int]:
-    """autoscale's writes, in one transaction."""
-    serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_with_traffic()}
-    on_demand = _on_demand(idle_s, reported, serving, policy)
-    serving |= on_demand
-    bounds = scaling_bounds()
-    kept_warm = _kept_warm()
-    existing = {  # locked: a second tick running meanwhile (two workers) waits, then reads these rows
-        (t.version.model.name, t.version.version): t
-        # of=self: the registry's rows stay unlocked (a deployment locks its Model row)
-        for t in ScaleTarget.objects.select_for_update(of=("self",)).select_related("version__model")
-    }
-    changed: dict[tuple[str, str], int] = {}
-    for key, version_id in serving.items():
-        model_policy = _bounded_policy(policy, bounds.get(key[0]))
-        if key in on_demand:  # one replica while pinned requests keep coming, none once idle
-            model_policy = dataclasses.replace(model_policy, min_replicas=0, max_replicas=1, warm_buffer=0)
-        target = existing.get(key) or ScaleTarget(version_id=version_id, replicas=0)
-        why = kept_warm.get(key)
-        if why is None and key not in reported and target.replicas:
-            # Only a replica's word takes a version to zero: missed heartbeats, or a replica still loading
-            # (it beats once ready) however long ago its request left, are no evidence of idleness.
-            why = "no replica has said how long it has been idle"
-        advice = recommend(
-            signals.get(key, []), model_policy, idle_s=idle_s.get(key, math.inf), kept_warm_by=why
-        )
-        held = min(target.replicas, model_policy.max_replicas)
-        if not signals.get(key) and advice.replicas < held:
-            # None of its replicas is ready: they are starting (a restart, a lost node) and say nothing of
-            # the load yet. A lower target would stop the newest while they load, and the survivor would
-            # come up to the backlog and ask for them again.
-            advice = dataclasses.replace(
-                advice, replicas=held, reason=f"no ready replica: {held} kept while they start"
-            )
-        history = [
-            (float(t), int(n)) for t, n in target.recommendations if now - t <= policy.scale_down_window_s
-        ]
-        history.append((now, advice.replicas))
-        replicas_before = target.replicas
-        target.replicas = next_target(history, now=now, current=replicas_before, policy=model_policy)
-        target.recommendations = [list(entry) for entry in history]
-        target.reason = advice.reason
-        if target.replicas > advice.replicas:
-            target.reason = f"held by the scale-down window; now {advice.reason} asks for {advice.replicas}"
-        target.signals = {**advice.figures, "recommended": advice.replicas}
-        if target.replicas != replicas_before or target.pk is None:
-            target.changed_at = timezone.now()
-            changed[key] = target.replicas
-            logger.info(
-                "autoscaler: %s:%s %d -> %d replicas (%s)",
-                *key,
-                replicas_before,
-                target.replicas,
-                advice.reason,
-            )
-        target.save()
-    for key, target in existing.items():
-        if key not in serving and target.replicas:
-            logger.info(
-                "autoscaler: %s:%s %d -> 0 replicas (no traffic, alias or shadow copies)",
-                *key,
-                target.replicas,
-            )
-            target.replicas, target.reason, target.recommendations = (
-                0,
-                "no traffic, alias or shadow copies",
-                [],
-            )
-            target.changed_at = timezone.now()
-            target.save()
-            changed[key] = 0
-    return changed

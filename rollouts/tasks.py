@@ -10,7 +10,8 @@ import logging
 from celery import shared_task
 from django.db import IntegrityError
 
-from rollouts import selectors, services
+from rollouts import scaling, selectors, services
+from serving.selectors import HeartbeatsUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +36,11 @@ def rollout_judge_tick() -> int:
 
 @shared_task(name="rollouts.tasks.autoscaler_tick", ignore_result=True)
 def autoscaler_tick() -> int:
-    """One autoscaler tick (rollouts.services.autoscale); returns how many targets changed. Heartbeats
+    """One autoscaler tick (rollouts.scaling.autoscale); returns how many targets changed. Heartbeats
     that cannot be read change nothing."""
     try:
-        return len(services.autoscale())
-    except selectors.HeartbeatsUnavailable as exc:
+        return len(scaling.autoscale())
+    except HeartbeatsUnavailable as exc:
         logger.warning("autoscaler: holding every target: %s", exc)
     except IntegrityError:  # another tick created a version's first row meanwhile: the next tick reads it
         logger.info("autoscaler: a concurrent tick wrote first; this one is dropped")

@@ -22,9 +22,13 @@ from django.conf import settings
 
 from registry.selectors import VersionRef, versions_with_traffic
 from serving.cancelling import cancel_and_wait, raise_if_cancelling
-from serving.gateway import auth as gateway
+from serving.gateway import data_plane, shadow
 from serving.gateway.breaker import breaker
+from serving.gateway.data_plane import ReplicaHandle
+from serving.gateway.errors import GatewayError
 from serving.gateway.failures import GatewayFailures
+from serving.gateway.quota import LEASE_RENEW_EVERY_S
+from serving.gateway.quota_store import quota_store
 from serving.gateway.router import REVALIDATE_S, routing_cache
 from serving.replica.replica import Replica
 from serving.throttle import Throttle
@@ -37,27 +41,6 @@ logger = logging.getLogger(__name__)
 # How long a replica whose version left the routing table keeps admitting before it drains: every
 # gateway revalidates its routing table within REVALIDATE_S, twice that covers a slow database read.
 DRAIN_GRACE_S = 2 * REVALIDATE_S
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaHandle:
-    """What the router needs of a replica, wherever it runs."""
-
-    replica_id: str
-    model_name: str
-    version: str
-    channel_name: str
-    state: str
-    load: int  # queue_depth + num_running: what the router balances on
-    kv_cache_usage: float
-    is_ready: bool
-    is_local: bool
-    queue_depth: int = 0  # waiting for a slot in the running batch (Heartbeat.num_waiting)
-    num_running: int = 0
-    step_s: float = 0.0  # its steps' mean time lately (Heartbeat.step_s); 0: none ran, or not asked
-    # Its last heartbeat is recent (an in-process replica always is): a replica killed while it loaded
-    # leaves a "loading" beat for a minute, which must not read as one coming up.
-    is_fresh: bool = True
 
 
 COLD_START_POLL_S = 0.25  # how often a cold start looks for its replica's ready heartbeat
@@ -186,10 +169,10 @@ class Runtime:
         """Keeps this process's requests in flight counted against their tenants' concurrency; were the
         process to die, they would stop counting once their leases ran out."""
         while True:
-            await asyncio.sleep(gateway.LEASE_RENEW_EVERY_S)
+            await asyncio.sleep(LEASE_RENEW_EVERY_S)
             try:
-                async with asyncio.timeout(gateway.LEASE_RENEW_EVERY_S):  # a hung call must not end renewal
-                    await gateway.quota_store().arenew()
+                async with asyncio.timeout(LEASE_RENEW_EVERY_S):  # a hung call must not end renewal
+                    await quota_store().arenew()
             except Exception:
                 logger.warning("quota leases: renewal failed; will retry", exc_info=True)
 
@@ -410,7 +393,7 @@ async def get_runtime() -> Runtime:
     if runtime is not None:
         return runtime
     if loop in _shut_down:
-        raise gateway.GatewayError(503, "the server is shutting down", retry_after_s=1)
+        raise GatewayError(503, "the server is shutting down", retry_after_s=1)
     starting = _starting.get(loop)
     if starting is None:
         for stale_loop in [lp for lp in (*_runtimes, *_starting) if lp.is_closed()]:
@@ -422,10 +405,10 @@ async def get_runtime() -> Runtime:
     try:
         return await asyncio.shield(starting)
     except Exception as exc:  # its channel layer unreachable (Redis down at start): the next caller retries
-        if isinstance(exc, gateway.GatewayError):
+        if isinstance(exc, GatewayError):
             raise
         _warn_start_failed(exc)
-        raise gateway.GatewayError(503, "the data plane is unavailable: try again", retry_after_s=1) from exc
+        raise GatewayError(503, "the data plane is unavailable: try again", retry_after_s=1) from exc
 
 
 _start_failed_warning = Throttle()
@@ -464,8 +447,6 @@ def _logged_failure(message: str) -> Iterator[None]:
 
 
 async def shutdown_runtime() -> None:
-    from serving.gateway import shadow
-
     loop = asyncio.get_running_loop()
     _shut_down.add(loop)
     starting = _starting.pop(loop, None)
@@ -478,3 +459,7 @@ async def shutdown_runtime() -> None:
     if runtime is not None:
         await shadow.cancel_all()  # copies nobody waits for; their replicas are about to stop
         await runtime.stop()
+
+
+# The gateway reaches this loop's runtime through its DataPlane protocol (serving/gateway/data_plane.py).
+data_plane.provide(get_runtime)

@@ -81,15 +81,16 @@ def _no_background_key_writes(monkeypatch: pytest.MonkeyPatch) -> None:
 def _isolated_state(settings: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None]:
     """Each test gets its own artifact store and fresh per-process caches."""
     from serving.gateway import auth as gateway
+    from serving.gateway.quota_store import reset_quota_store
     from serving.gateway.router import routing_cache
 
     settings.ARTIFACT_ROOT = tmp_path / "artifacts"  # type: ignore[attr-defined]
     gateway.clear_auth_cache()
-    gateway.reset_quota_store()
+    reset_quota_store()
     routing_cache.clear()
     yield
     gateway.clear_auth_cache()
-    gateway.reset_quota_store()
+    reset_quota_store()
     routing_cache.clear()
 
 

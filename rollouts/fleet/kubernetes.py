@@ -1,5 +1,6 @@
 """The provisioner beyond one machine: a Kubernetes Deployment per model version, its `replicas` set to
-the autoscaler's target (rollouts.selectors.wanted_replicas), as ARCHITECTURE.md describes.
+the autoscaler's target (rollouts.selectors.wanted_replicas), as docs/architecture.md, "The control plane",
+describes.
 
 `manage.py run_provisioner --kubernetes` calls `KubernetesProvisioner.reconcile` every few seconds. It
 talks to the API server over HTTP (the in-cluster service account, or a URL and token given), asks

@@ -219,7 +219,7 @@ def _tick(
     now: float,
     last_request_at: float,
 ) -> int:
-    """One autoscaler tick, as rollouts.services.autoscale does it for one version."""
+    """One autoscaler tick, as rollouts.scaling.autoscale does it for one version."""
     ready = [r for r in replicas if r.is_ready]
     # What a replica's warm-up times: one sequence decoding over two blocks and a token (ModelRunner).
     base_step_s = config.latency.base_step_ms(2 * config.scheduler.block_size + 1) / 1000

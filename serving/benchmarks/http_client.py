@@ -4,10 +4,10 @@ client library.
 The client shares the machine with what it measures, and whatever it spends between writing a request
 and reading the first token's bytes counts in that request's TTFT. aiohttp (already leaner than httpx
 here) spent ~0.5 ms more of it per request than this, requests one at a time on a 2-core machine
-(docs/benchmarks.md, "Ninth machine"): building the request and parsing the stream line by line.
-This one writes the request in one call and times each event when the bytes carrying it were read,
-before any JSON is parsed. It speaks only what the benchmark needs: a POST with a JSON body, a response
-framed by Content-Length, chunked transfer coding or the connection's end, and server-sent events."""
+(docs/architecture.md, "The benchmark's own HTTP client"): building the request and parsing the stream line by
+line. This one writes the request in one call and times each event when the bytes carrying it were read,
+before any JSON is parsed. It speaks only what the benchmark needs: a POST with a JSON body, a response framed
+by Content-Length, chunked transfer coding or the connection's end, and server-sent events."""
 
 from __future__ import annotations
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import statistics
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from serving.benchmarks.engine_bench import BenchReport
+from serving.benchmarks.engine_results import BenchReport
 
 
 def _ms(seconds: float) -> str:

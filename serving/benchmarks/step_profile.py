@@ -8,8 +8,9 @@ time. On CUDA also the device's busy time per step (the sum of its kernels' time
 of the step: a share far below 1 means the step is bound by the host (Python, op dispatch, kernel
 launches), not by the accelerator, and CUDA graphs or fewer, larger ops are what would help.
 
-Written after the first run on a GPU machine (docs/benchmarks.md, "A GPU machine"), so that the next one
-starts from a command rather than a one-off script. On a CPU it still prints wall time and host ops."""
+Written after the first run on a GPU machine (docs/architecture.md, "The engine on a GPU is host-bound"), so
+that the next one starts from a command rather than a one-off script. On a CPU it still prints wall time and
+host ops."""
 
 from __future__ import annotations
 

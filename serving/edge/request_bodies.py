@@ -13,8 +13,8 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest
 
 from registry.parsers import refuse_lone_surrogates
-from serving.engine.sequence import MAX_LOGIT_BIAS
-from serving.gateway.auth import GatewayError
+from serving.gateway.errors import GatewayError
+from serving.transport.protocol import MAX_LOGIT_BIAS
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256

@@ -10,12 +10,11 @@ Retry-After) on a refusal worth retrying (a 429, a 503), and `"version"` on a re
 "error"` and the version that served it. `{"type": "cancel"}` stops the generation in
 flight and frees its blocks on the replica. One generation at a time per connection. A client that
 stops reading is cut off (serving/transport/reply_hub.py): its generation is aborted, and once it reads again
-it
-gets an error of type "slow_reader" and the connection closes with code 4408. A frame that is not a
-JSON text message gets an error and the connection closes: 1003 for a binary frame, 1007 for text that
-is not JSON (RFC 6455's codes for data the endpoint cannot take). A message over MAX_REQUEST_BYTES (the
-limit on an HTTP body) gets an error of type "request_too_large" and the close code 1009; the server
-itself closes with 1009 alone on a frame over four times that, which it will not buffer."""
+it gets an error of type "slow_reader" and the connection closes with code 4408. A frame that is not a JSON
+text message gets an error and the connection closes: 1003 for a binary frame, 1007 for text that is not JSON
+(RFC 6455's codes for data the endpoint cannot take). A message over MAX_REQUEST_BYTES (the limit on an HTTP
+body) gets an error of type "request_too_large" and the close code 1009; the server itself closes with 1009
+alone on a frame over four times that, which it will not buffer."""
 
 from __future__ import annotations
 
@@ -30,8 +29,9 @@ from django.conf import settings
 from registry.errors import error_body
 from registry.selectors import TenantContext
 from serving.edge.request_bodies import InferRequest, loads_json, parse_infer
-from serving.gateway.auth import GatewayError
-from serving.gateway.dispatch import Dispatch, authenticate, close_all, dispatch
+from serving.gateway.dispatch import authenticate, dispatch
+from serving.gateway.errors import GatewayError
+from serving.gateway.in_flight import InFlightRequest, close_all
 from serving.transport.protocol import SLOW_READER, SLOW_READER_MESSAGE
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
             await self._close(CLOSE_UNAUTHENTICATED)
             return None
 
-    async def _forward(self, handle: Dispatch) -> None:
+    async def _forward(self, handle: InFlightRequest) -> None:
         try:
             async for event in handle.events():
                 if "token" in event:
@@ -258,7 +258,7 @@ def _aborted(version: str | None, num_completion_tokens: int) -> dict[str, Any]:
     }
 
 
-def _final_error(handle: Dispatch, error: dict[str, Any]) -> dict[str, Any]:
+def _final_error(handle: InFlightRequest, error: dict[str, Any]) -> dict[str, Any]:
     """The error that ends a generation: it says so, as a done message would, and which version served it."""
     return {"type": "error", "finish_reason": "error", "version": handle.version, "error": error}
 

@@ -50,8 +50,8 @@ def prompt_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     """A function giving `tokenizer(text)["input_ids"]` for a prompt, faster where it can be: the Rust
     tokenizer's `encode_batch` called directly skips the Python that transformers wraps around it,
     ~165 -> ~80 us for a 100-word prompt warm and ~520 -> ~320 us in a thread that has just woken
-    (docs/benchmarks.md, "Tenth machine"). `encode_batch` rather than `encode`, because it releases the
-    GIL while it runs, so a model thread steps on meanwhile.
+    (docs/architecture.md, "Tokenizing off the model thread"). `encode_batch` rather than `encode`, because it
+    releases the GIL while it runs, so a model thread steps on meanwhile.
 
     Taken only where it gives the same ids: the two agree on probe texts and on the tokenizer's special
     tokens, and at each call the Rust tokenizer is set as the wrapper would set it for a plain call (no

@@ -14,9 +14,9 @@ Only plain nn.Linear modules are swapped (not subclasses, which may carry behavi
 only for fp32 on a CPU with oneDNN; a GPU keeps its own kernels.
 
 Whether it pays depends on the CPU and on the BLAS torch was built with (with the older conversions it
-was 17-45% slower on an AVX2-only AMD EPYC: docs/benchmarks.md, "Fourteenth machine"). So by default
-the runner times both on the model's own weights at load (`packing_pays`) and packs only when oneDNN
-clearly wins."""
+was 17-45% slower on an AVX2-only AMD EPYC: docs/architecture.md, "Packed Linear layers choose themselves").
+So by default the runner times both on the model's own weights at load (`packing_pays`) and packs only when
+oneDNN clearly wins."""
 
 from __future__ import annotations
 

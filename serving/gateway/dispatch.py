@@ -1,518 +1,32 @@
-"""From an admitted request to a stream of events: route, submit to a replica, wait, abort on exit.
+"""From an authenticated request to a request in flight: authorize, route, admit, place.
 
 Shared by every inference endpoint; the views only parse and format. A replica that dies before a
-request's first token gets the request retried once on another replica; after the first token the
-client gets a terminal error event instead (a retry would repeat text it has already seen)."""
+request's first token gets the request retried once on another replica (in_flight.py); after the first
+token the client gets a terminal error event instead (a retry would repeat text it has already seen).
+docs/architecture.md, "A request's path"."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
-import time
-import uuid
-from collections.abc import AsyncGenerator
-from typing import Any, NamedTuple
+from typing import Any
 
 from channels.db import database_sync_to_async
-from channels.exceptions import ChannelFull
-from django.conf import settings
 
 from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
-from serving.cancelling import raise_if_cancelling
-from serving.gateway import auth as gateway
-from serving.gateway import shadow
-from serving.gateway.auth import GatewayError, MaybeSent, Ticket
-from serving.gateway.breaker import breaker
-from serving.gateway.failures import GATEWAY_COUNTED
-from serving.gateway.router import choose_replica, choose_version, routing_cache, split_model_name
-from serving.runtime import ReplicaHandle, Runtime, get_runtime
+from serving.gateway import auth, shadow
+from serving.gateway.data_plane import data_plane
+from serving.gateway.errors import GatewayError
+from serving.gateway.in_flight import InFlightRequest, close_all
+from serving.gateway.quota import Charge, charge_estimate, check_choices_fit
+from serving.gateway.quota_store import quota_store
+from serving.gateway.router import choose_version, routing_cache, split_model_name
 from serving.telemetry import prompt_log
-from serving.transport.protocol import (
-    ABORT,
-    ACCEPT_TIMEOUT_S,
-    INACTIVITY_TIMEOUT_S,
-    NO_READY_REPLICA,
-    REPLICA_FAILURES,
-    REPLICA_LOST,
-    REPLICA_TIMEOUT,
-    SLOW_READER,
-    SLOW_READER_MESSAGE,
-    SUBMIT,
-    TOKENS_LOST,
-    TOKENS_LOST_MESSAGE,
-    ReplicaState,
-    error_event,
-)
 
 logger = logging.getLogger(__name__)
-
-LIVENESS_CHECK_S = 0.5
-ABORT_RETRY_FIRST_S = 0.005  # an abort that finds its replica's channel full is sent again after this,
-ABORT_RETRY_S = 5.0  # doubling, for up to this long
 _rng = random.Random()
-
-
-class Charge(NamedTuple):
-    """What a submission's admission charges: one request of `tokens` for the tenant, admitted only if
-    `room_for` such would be (QuotaStore.admit)."""
-
-    context: TenantContext
-    tokens: int
-    room_for: int = 1
-
-
-class Dispatch:
-    """An accepted request on its replica: iterate `events()` to the end, or close it to abort."""
-
-    def __init__(
-        self,
-        runtime: Runtime,
-        ticket: Ticket | None,  # None: admitted by submit(), or never charged (a shadow copy)
-        model_name: str,
-        version: str,
-        submission: dict[str, Any],
-        *,
-        cold_start: bool = False,  # the version may have no replica: wait for one to start
-        counts_failures: bool = False,  # a client's request to a version with traffic (dispatch())
-    ) -> None:
-        self._runtime = runtime
-        self._cold_start_allowed = cold_start
-        self._ticket = ticket
-        self.model_name = model_name
-        self.version = version
-        self._submission = submission
-        self.request_id = uuid.uuid4().hex
-        self._wire_id = self.request_id  # changes on a retry, so late events of the dead try are dropped
-        self._queue: asyncio.Queue[dict[str, Any]] = runtime.hub.open(self._wire_id, self._on_backlog)
-        self._reader: asyncio.Task[Any] | None = None  # the task iterating events()
-        self.is_cut_off = False  # its client fell too far behind (serving/transport/reply_hub.py)
-        self._cut_off_close: asyncio.Task[None] | None = None  # held: the loop keeps only weak refs
-        self.replica: ReplicaHandle | None = None
-        self.num_prompt_tokens = 0
-        self.num_completion_tokens = 0
-        self.num_retries = 0
-        self.is_finished = False
-        # The gateway ended it itself (the replica went silent or stopped beating): the replica may still
-        # be running it, so closing aborts it there as for an unfinished request.
-        self._gave_up = False
-        self._is_closed = False
-        # A failure of the replica or of finding one, the first of a retry's chain: if the request ends
-        # in it, no replica counts it, and the gateway counts it in the version's metrics (the judge's).
-        self._counts_failures = counts_failures
-        self._failure: str | None = None
-        self._is_failure_counted = False
-        self._first_event: dict[str, Any] | None = None  # an error that arrived in place of acceptance
-        self._text: list[str] | None = None  # kept only when a shadow copy will compare against it
-        self._text_done: asyncio.Future[str | None] | None = None
-
-    def capture_text(self) -> asyncio.Future[str | None]:
-        """A future for the whole text once the request ends normally (None if it fails or is aborted)."""
-        if self._text_done is None:
-            self._text = []
-            self._text_done = asyncio.get_running_loop().create_future()
-        return self._text_done
-
-    def _settle_text(self, text: str | None) -> None:
-        if self._text_done is not None and not self._text_done.done():
-            self._text_done.set_result(text)
-
-    def response_headers(self) -> dict[str, str]:
-        headers = {"X-Served-Version": self.version, "X-Request-Id": self.request_id}
-        if self.replica is not None:
-            headers["X-Served-Replica"] = self.replica.replica_id
-        return headers
-
-    async def submit(self, *, exclude: frozenset[str] = frozenset(), charge: Charge | None = None) -> None:
-        """Pick a replica, send, and wait until it accepts. `charge` (a tenant and the tokens to charge
-        it): admit the request too, in the same step as the send. Raises GatewayError (400, 429, 503)."""
-        try:
-            replicas = await self._runtime.candidates(self.model_name, self.version)
-        except Exception as exc:  # the replica directory (Redis) unreadable: a 503 to retry, not a 500
-            logger.warning("replica directory unreadable (%r): request refused with a 503", exc)
-            raise GatewayError(503, "the replica directory could not be read", retry_after_s=1) from exc
-        if (
-            self._cold_start_allowed
-            and self._runtime.can_cold_start
-            and not any(r.is_ready and r.replica_id not in exclude for r in replicas)
-        ):
-            if charge is not None:  # admitted now: a 429 does not wait, and the wait holds its slot
-                self._ticket = await gateway.quota_store().aadmit(
-                    charge.context, tokens=charge.tokens, room_for=charge.room_for
-                )
-                charge = None
-            replicas = await self._cold_start()
-        self._raise_if_closed()  # while the directory was read, or a replica started
-        candidates = [
-            r for r in replicas if r.is_ready and r.replica_id not in exclude and breaker.allows(r.replica_id)
-        ]
-        replica = choose_replica(candidates, rng=_rng)
-        while replica is not None and not breaker.claim(replica.replica_id):
-            candidates.remove(replica)  # half-open, and its one trial went to another request meanwhile
-            replica = choose_replica(candidates, rng=_rng)
-        if replica is None:
-            await self._refuse_if_over_quota(charge)
-            # Not one coming up (a restart): a loading replica that stopped beating is not coming.
-            if not any(r.state == ReplicaState.LOADING and r.is_fresh for r in replicas):
-                self._note_failure(NO_READY_REPLICA)
-            raise GatewayError(503, f"no ready replica for {self.model_name}:{self.version}", retry_after_s=2)
-        message = {
-            **self._submission,
-            "type": SUBMIT,
-            "request_id": self._wire_id,
-            "submitted_at": time.time(),
-        }
-        layer = self._runtime.layer
-        # Set before the send: a request cancelled during it may have reached the replica, and close()
-        # aborts it there. A refusal is known to have sent nothing: a 429 never touches a replica.
-        self.replica = replica
-        is_trial = breaker.is_open(replica.replica_id)  # claimed while half-open: this is its one trial
-        has_verdict = False  # whether the replica's breaker has been told how this went
-        try:
-            try:
-                if charge is None:
-                    await layer.send(replica.channel_name, message)
-                else:
-                    self._ticket = await gateway.quota_store().aadmit_and_send(
-                        charge.context,
-                        tokens=charge.tokens,
-                        room_for=charge.room_for,
-                        layer=layer,
-                        channel=replica.channel_name,
-                        message=message,
-                    )
-            except MaybeSent:
-                raise  # the replica stays set: closing aborts it there
-            except GatewayError:
-                self.replica = None
-                raise
-            except ChannelFull as exc:
-                self.replica = None
-                raise GatewayError(503, "the replica's queue is full", retry_after_s=1) from exc
-            except Exception as exc:  # the channel layer's server failed mid-send
-                # The type only: an encoder's error can quote the message, the client's prompt with it.
-                logger.warning(
-                    "request %s: could not be sent to its replica (%s)", self.request_id, type(exc).__name__
-                )
-                raise MaybeSent(503, "the request could not be sent to its replica", retry_after_s=1) from exc
-            first = await self._next_event(timeout_s=ACCEPT_TIMEOUT_S)
-            if first.get("finish_reason") == "error":
-                error = first["error"]
-                if error.get("type") == "invalid_request_error":
-                    breaker.record_accepted(replica.replica_id, is_trial=is_trial)  # it answered: alive
-                    has_verdict = True
-                    self.is_finished = True
-                    raise GatewayError(
-                        400, error.get("message", "invalid request"), served_by=self.response_headers()
-                    )
-                if error.get("type") not in REPLICA_FAILURES:
-                    self._first_event = first  # a request-level failure: the client sees it as a stream error
-                    return
-                self._note_failure(error.get("type"))
-                breaker.record_failure(replica.replica_id, is_trial=is_trial)
-                has_verdict = True
-                if self.num_retries == 0:
-                    await self._retry()
-                    return
-                raise GatewayError(
-                    503, error.get("message", "the replica refused the request"), retry_after_s=2
-                )
-            breaker.record_accepted(replica.replica_id, is_trial=is_trial)  # a half-open trial passed
-            has_verdict = True
-        finally:
-            if is_trial and not has_verdict:  # it says nothing of the replica: the next request may try
-                breaker.release(replica.replica_id)
-        if not first.get("accepted"):
-            # Its acceptance was lost on the way (published while the reply hub reconnected to Redis):
-            # what came first is already the stream, which the client must not lose.
-            self._first_event = first
-        self.num_prompt_tokens = int(first.get("num_prompt_tokens", 0))
-
-    def _raise_if_closed(self) -> None:
-        """Before a retry sends anything: another task may have closed this request while it waited (the
-        end of an n-choice stream closes every choice, one perhaps in its retry). Its close aborted what
-        it knew of; a try sent after it would run to max_tokens for nobody."""
-        if self._is_closed:
-            raise GatewayError(503, "the request was closed before its retry was sent")
-
-    def _note_failure(self, error_type: str) -> None:
-        # A replica that refused (replica_unavailable: draining, not ready) counts that itself, as a
-        # rejection; what the request then met (no other replica, a lost one) is the gateway's to count.
-        if self._failure is None and error_type in GATEWAY_COUNTED:
-            self._failure = error_type
-
-    def count_failure(self) -> None:
-        """The request ends in the replica failure noted on its way (if any): count it, once."""
-        if self._counts_failures and self._failure is not None and not self._is_failure_counted:
-            self._is_failure_counted = True
-            self._runtime.failures.record(self.model_name, self.version, self._failure)
-
-    async def _refuse_if_over_quota(self, charge: Charge | None) -> None:
-        """Over quota is still the answer with nothing to serve the request: 429 before 503."""
-        if charge is not None:
-            store = gateway.quota_store()
-            ticket = await store.aadmit(charge.context, tokens=charge.tokens, room_for=charge.room_for)
-            await store.arelease(ticket, used_tokens=0)
-
-    async def _cold_start(self) -> list[ReplicaHandle]:
-        """The version has scaled to zero: wait, up to COLD_START_TIMEOUT_S, until a replica started for
-        it reports ready, as Knative's activator holds a request. The client waits unanswered; if it
-        leaves, the view is cancelled and so is this wait."""
-        timeout_s = settings.COLD_START_TIMEOUT_S
-        logger.info("%s:%s has no replica: waiting for one to start", self.model_name, self.version)
-        try:
-            async with asyncio.timeout(timeout_s):
-                replicas = await self._runtime.wait_for_replica(self.model_name, self.version)
-        except TimeoutError:
-            self._note_failure(NO_READY_REPLICA)
-            raise GatewayError(
-                503,
-                f"no replica of {self.model_name}:{self.version} became ready within {timeout_s:g} s "
-                "(it had none, and one is starting)",
-                retry_after_s=5,
-            ) from None
-        # None: the routing moved its traffic away while it waited, and the split now sends it elsewhere.
-        if not replicas:
-            raise GatewayError(
-                503,
-                f"{self.model_name}:{self.version} takes no traffic any more (its routing changed while the "
-                "request waited for a replica to start): send it again",
-                retry_after_s=1,
-            )
-        return replicas
-
-    async def _retry(self) -> None:
-        assert self.replica is not None
-        failed = self.replica.replica_id
-        # A replica that went silent may be alive and slow: the try it holds would run on beside the retry.
-        await self._abort_on(self.replica)
-        self._raise_if_closed()
-        self._gave_up = False
-        self.num_retries += 1
-        self._runtime.hub.close(self._wire_id)
-        self._wire_id = f"{self.request_id}-{self.num_retries}"
-        self._queue = self._runtime.hub.open(self._wire_id, self._on_backlog)
-        await self.submit(exclude=frozenset({failed}))
-
-    async def _next_event(self, *, timeout_s: float) -> dict[str, Any]:
-        """The next event, checking every LIVENESS_CHECK_S that the replica still has a heartbeat."""
-        assert self.replica is not None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
-                # (Django cancels the stream when the client goes away).
-                async with asyncio.timeout(LIVENESS_CHECK_S):
-                    return await self._queue.get()
-            except TimeoutError:
-                is_alive = await self._runtime.is_alive(self.replica)
-                raise_if_cancelling()  # the client left during the check: the Redis read may have lost it
-                if not is_alive:
-                    self._gave_up = True
-                    return error_event(REPLICA_LOST, "the replica serving this request stopped")
-                if time.monotonic() > deadline:
-                    self._gave_up = True
-                    return error_event(REPLICA_TIMEOUT, "the replica stopped answering")
-
-    def _on_backlog(self) -> bool:
-        """The client has stopped reading: its reader is blocked in the server's send() while events pile
-        up. Cancelling the reader ends the stream, and its close() aborts the sequence on the replica.
-        True: cut off. False while nothing reads yet: the response has not begun (a stream's body, other
-        choices of an OpenAI `n` being dispatched), which is no client's doing; what waits is bounded by
-        max_tokens, and the reader, once it starts, is held to the cap from its first event on."""
-        if self._reader is None:
-            return False
-        logger.warning(
-            "request %s cut off: its client left over %d events unread",
-            self.request_id,
-            settings.STREAM_MAX_BACKLOG_EVENTS,
-        )
-        self.is_cut_off = True
-        if self._reader is not None and not self._reader.done():
-            self._reader.cancel()
-        else:
-            self._cut_off_close = asyncio.get_running_loop().create_task(self.close())
-        return True
-
-    def set_reader(self, reader: asyncio.Task[Any] | None) -> None:
-        """The task that passes this request's events on to its client, cancelled when the client falls
-        too far behind: by default the first to iterate events(). Set it where another task does, or
-        where the response sends something before it starts reading them."""
-        self._reader = reader
-
-    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
-        if self._reader is None:
-            self._reader = asyncio.current_task()
-        while not self.is_finished:
-            # A disconnect that a Redis call on the way here lost (serving/cancelling.py) would let a
-            # stream whose tokens keep coming run to max_tokens: _next_event checks only when idle.
-            raise_if_cancelling()
-            if self.is_cut_off:
-                yield error_event(SLOW_READER, SLOW_READER_MESSAGE)
-                return
-            if self._first_event is not None:
-                event, self._first_event = self._first_event, None
-            else:
-                event = await self._next_event(timeout_s=INACTIVITY_TIMEOUT_S)
-            if event.get("keepalive"):  # the replica still holds it (queued, or preempted): wait on
-                continue
-            is_replica_failure = event.get("error", {}).get("type") in REPLICA_FAILURES
-            if is_replica_failure and self.replica is not None:
-                self._note_failure(event["error"]["type"])
-                breaker.record_failure(self.replica.replica_id)
-                if self.num_completion_tokens == 0 and self.num_retries == 0:
-                    try:
-                        await self._retry()
-                        continue
-                    except GatewayError as exc:
-                        # A retry that may have reached its replica is aborted there when this closes:
-                        # one sent with no answer (MaybeSent), or one whose replica went silent after
-                        # it was sent (_next_event gave up on it).
-                        self._gave_up = self._gave_up or isinstance(exc, MaybeSent)
-                        event = error_event("replica_unavailable", exc.message)
-                self.count_failure()
-            if "finish_reason" in event and not self.num_prompt_tokens:
-                # Its acceptance was lost: the quota settles on the final event's usage.
-                self.num_prompt_tokens = int((event.get("usage") or {}).get("prompt_tokens", 0))
-            if self._has_lost_tokens(event):
-                logger.warning(
-                    "request %s: tokens lost on their way from replica %s (expected index %d, got %r)",
-                    self.request_id,
-                    self.replica.replica_id if self.replica is not None else None,
-                    self.num_completion_tokens,
-                    event.get("index", (event.get("usage") or {}).get("completion_tokens")),
-                )
-                self._gave_up = True  # the replica may still be generating: close() aborts it there
-                event = error_event(TOKENS_LOST, TOKENS_LOST_MESSAGE)
-            if "token" in event:
-                self.num_completion_tokens += 1
-                if self._text is not None:
-                    self._text.append(event["token"])
-            if "finish_reason" in event:
-                self.is_finished = True
-                ok = event["finish_reason"] != "error" and self._text is not None
-                self._settle_text("".join(self._text or ()) if ok else None)
-                if event["finish_reason"] != "error" and self.replica is not None:
-                    breaker.record_success(self.replica.replica_id)
-            yield event
-
-    def _has_lost_tokens(self, event: dict[str, Any]) -> bool:
-        """Whether a step before this event never arrived: a token whose index is not the next one, or
-        a final event whose usage counts more tokens than came."""
-        if "token" in event:
-            return event.get("index") != self.num_completion_tokens
-        if event.get("finish_reason") not in (None, "error"):
-            generated = (event.get("usage") or {}).get("completion_tokens")
-            return isinstance(generated, int) and generated > self.num_completion_tokens
-        return False
-
-    async def collect(self, *, logprobs: list[dict[str, Any]] | None = None) -> tuple[str, dict[str, Any]]:
-        """Run to the end and return the whole text and the final event; closes the request. A request
-        that failed, whatever text it had produced, raises GatewayError(503): an answer cut off part-way,
-        without usage, is not one a client can take for a result. `logprobs`: a list that gets each
-        token's entry, for a request that asked for them."""
-        pieces: list[str] = []
-        final: dict[str, Any] = {}
-        try:
-            async for event in self.events():
-                if "token" in event:
-                    pieces.append(event["token"])
-                    if logprobs is not None and "logprob" in event:
-                        logprobs.append(event["logprob"])
-                elif "finish_reason" in event:
-                    final = event
-        finally:
-            await self.close()
-        if final.get("finish_reason") == "error":
-            message = final.get("error", {}).get("message", "the replica failed")
-            raise GatewayError(503, message, retry_after_s=1)
-        return "".join(pieces), final
-
-    async def collect_vectors(self, result_field: str, count: int) -> tuple[list[str], dict[str, Any]]:
-        """A non-generative request's result: the `count` rows (base64 float32, serving/transport/vectors.py)
-        its
-        final event carries under `result_field`, and that event. Raises GatewayError(503) when the
-        replica failed or sent no such rows."""
-        _, final = await self.collect()
-        rows = final.get(result_field)
-        if not isinstance(rows, list) or len(rows) != count:
-            raise GatewayError(503, f"the replica returned no {result_field}")
-        return rows, final
-
-    async def close(self) -> None:
-        """Idempotent. A request that has not finished is aborted on its replica, freeing its blocks."""
-        if self._is_closed:
-            return
-        self._is_closed = True
-        self._settle_text(None)  # no-op when it finished normally
-        self._runtime.hub.close(self._wire_id)
-        num_unread = self._num_unread_tokens()
-        try:
-            if (not self.is_finished or self._gave_up) and self.replica is not None:
-                await self._abort_on(self.replica)
-        finally:  # a cancellation during the abort must not keep the slot (its lease renewed for ever)
-            ticket, self._ticket = self._ticket, None
-            if ticket is not None:
-                used = self.num_prompt_tokens + self.num_completion_tokens + num_unread
-                await gateway.quota_store().arelease(ticket, used_tokens=used)
-
-    def _num_unread_tokens(self) -> int:
-        """Tokens that reached this request but not its client (it stopped reading, or left): generated
-        all the same, so charged. Those the replica makes before the abort reaches it are not counted."""
-        unread = [] if self._first_event is None else [self._first_event]
-        while not self._queue.empty():
-            unread.append(self._queue.get_nowait())
-        return sum("token" in event for event in unread)
-
-    async def _abort_on(self, replica: ReplicaHandle) -> None:
-        """Abort the current try on `replica`: frees its blocks if it is still there, a no-op if not. A
-        channel full for a moment (many clients leaving at once send their aborts in one turn of the
-        loop, past its capacity) is waited out in the background, within ABORT_RETRY_S: an abort lost
-        there would leave its sequence running to max_tokens for nobody. Nothing waits for that: not a
-        retry on another replica, nor the quota's release, nor the response's end (the channel of a
-        replica that died stays full until it expires)."""
-        message = {"type": ABORT, "request_id": self._wire_id}
-        try:
-            await self._runtime.layer.send(replica.channel_name, message)
-        except ChannelFull:
-            task = asyncio.get_running_loop().create_task(
-                _send_when_there_is_room(self._runtime.layer, replica.channel_name, message, self.request_id),
-                name=f"abort-{self.request_id}",
-            )
-            _aborts_waiting.add(task)
-            task.add_done_callback(_aborts_waiting.discard)
-        except Exception:  # the replica gone with its channel, or the layer's server: nothing to free
-            pass
-
-
-_aborts_waiting: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references to tasks
-
-
-async def _send_when_there_is_room(
-    layer: Any, channel: str, message: dict[str, Any], request_id: str
-) -> None:
-    delay_s, deadline = ABORT_RETRY_FIRST_S, time.monotonic() + ABORT_RETRY_S
-    while time.monotonic() + delay_s <= deadline:
-        await asyncio.sleep(delay_s)  # the replica takes a message a turn: let it take some
-        try:
-            await layer.send(channel, message)
-            return
-        except ChannelFull:
-            delay_s = min(2 * delay_s, 0.5)
-        except Exception:
-            return
-    logger.warning("request %s: its replica's channel stayed full; abort not sent", request_id)
-
-
-async def close_all(handles: list[Dispatch]) -> None:
-    """Close every one (aborting what has not finished, releasing its quota), all the way through: a
-    close that raises does not stop the others, and a second cancellation of the caller (a slow-reader
-    cut-off landing while a disconnect is handled) does not cut the closing short."""
-    closing = asyncio.gather(*(handle.close() for handle in handles), return_exceptions=True)
-    for handle, outcome in zip(handles, await asyncio.shield(closing), strict=True):
-        if isinstance(outcome, BaseException):
-            logger.error("request %s: could not close it", handle.request_id, exc_info=outcome)
 
 
 def prompt_usage(final: dict[str, Any]) -> dict[str, int]:
@@ -522,12 +36,12 @@ def prompt_usage(final: dict[str, Any]) -> dict[str, int]:
 
 
 async def authenticate(authorization: str | None) -> TenantContext:
-    cached = gateway.authenticate_from_cache(authorization)
+    cached = auth.authenticate_from_cache(authorization)
     if cached is not None:
         return cached
     # Any worker thread will do (no hop to the one sync thread); Channels' wrapper closes that thread's
     # connection when the server dropped it or it is too old, as Django does around a request.
-    return await database_sync_to_async(gateway.authenticate, thread_sensitive=False)(authorization)
+    return await database_sync_to_async(auth.authenticate, thread_sensitive=False)(authorization)
 
 
 async def model_snapshot(context: TenantContext, path_model: str) -> RoutingSnapshot | None:
@@ -538,34 +52,8 @@ async def model_snapshot(context: TenantContext, path_model: str) -> RoutingSnap
     model_name = split_model_name(path_model)[0]
     snapshot = await routing_cache.aget(model_name)
     if snapshot is not None:
-        gateway.authorize_model(context, snapshot, pinned_version=None)
+        auth.authorize_model(context, snapshot, pinned_version=None)
     return snapshot
-
-
-def charge_estimate(
-    context: TenantContext,
-    *,
-    params: dict[str, Any],
-    text: str | None = None,
-    messages: list[dict[str, str]] | None = None,
-    inputs: list[str] | None = None,
-    num_choices: int = 1,
-) -> int:
-    """The tokens admission charges one request (one choice of `num_choices`) before it is tokenised."""
-    if text is not None:
-        input_chars = len(text)
-    elif messages is not None:
-        input_chars = sum(len(m["content"]) for m in messages)
-    else:
-        input_chars = sum(len(t) for t in inputs or ())
-    max_tokens = params.get("max_tokens", 1)
-    if max_tokens is None:  # to the end of the context: charged at the ceiling, settled when it ends,
-        # but never more than its choice's share of the tenant's whole minute, which would refuse every
-        # such request (or its last choice)
-        input_tokens = gateway.estimate_tokens(input_chars=input_chars, max_tokens=0)
-        budget = context.tokens_per_minute // max(1, num_choices)
-        max_tokens = max(1, min(settings.MAX_TOKENS_LIMIT, budget - input_tokens))
-    return gateway.estimate_tokens(input_chars=input_chars, max_tokens=max_tokens)
 
 
 async def dispatch(
@@ -582,7 +70,7 @@ async def dispatch(
     version: str | None = None,
     num_choices: int = 1,
     room_for: int = 1,
-) -> Dispatch:
+) -> InFlightRequest:
     """Route, admit and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a
     replica when it can; a prompt the replica refuses (too long for the model) comes back as a 400.
     Where admission and submission can go to Redis in one round trip, the replica is chosen before
@@ -601,7 +89,7 @@ async def dispatch(
         snapshot = await routing_cache.aget(model_name)
     if snapshot is None:
         raise GatewayError(404, f"model {model_name!r} not found")
-    gateway.authorize_model(context, snapshot, pinned_version=pin, alias=alias)
+    auth.authorize_model(context, snapshot, pinned_version=pin, alias=alias)
     if snapshot.kind != kind:
         raise GatewayError(
             400, f"model {model_name!r} is of kind {snapshot.kind}; this endpoint serves {kind} models"
@@ -611,8 +99,8 @@ async def dispatch(
     tokens = charge_estimate(
         context, params=params, text=text, messages=messages, inputs=inputs, num_choices=num_choices
     )
-    runtime = await get_runtime()  # before admission: a cancellation while it starts holds no slot
-    store = gateway.quota_store()
+    runtime = await data_plane()  # before admission: a cancellation while it starts holds no slot
+    store = quota_store()
     ticket = (
         None
         if store.sends_with_admission(context)
@@ -632,7 +120,7 @@ async def dispatch(
     # replicas to: a pin to a version without traffic would wait for nothing.
     cold_start = snapshot.scales_to_zero and snapshot.serves(version)
     # A version without traffic (a pin to one) says nothing the judge could use when it has no replica.
-    handle = Dispatch(
+    handle = InFlightRequest(
         runtime,
         ticket,
         model_name,
@@ -656,3 +144,50 @@ async def dispatch(
         await handle.close()
         raise
     return handle
+
+
+async def dispatch_choices(n: int, **request: Any) -> list[InFlightRequest]:
+    """The n choices of one request. The first is routed as any request; the others go to its version
+    (not a pin: the platform chose it), each admitted against the quota as a request of its own. A
+    seeded request's choice i draws from seed + i, so that its choices differ and each reproduces. More
+    choices than the tenant's quota admits at once is a 400: refused with a 429, the client would retry
+    a request that can never be admitted."""
+    context: TenantContext = request["context"]
+    if n > 1:
+        payload = {k: request.get(k) for k in ("text", "messages", "inputs")}
+        check_choices_fit(
+            context, n=n, tokens=charge_estimate(context, params=request["params"], num_choices=n, **payload)
+        )
+        request["num_choices"] = n
+    # Admitted only with room for all n: a 429 comes before any choice reaches a replica, and its
+    # Retry-After is the wait for all of them.
+    first = await dispatch(**request, room_for=n)
+    if n == 1:
+        return [first]
+    params = request.pop("params")
+    seed = params.get("seed")
+
+    def params_for(index: int) -> dict[str, Any]:
+        return params if seed is None else {**params, "seed": (seed + index) % 2**63}
+
+    tasks = [
+        asyncio.create_task(dispatch(**request, params=params_for(i), version=first.version))
+        for i in range(1, n)
+    ]
+    try:
+        await asyncio.wait(tasks)  # never raises for a task's own failure
+    except BaseException:  # cancelled: the client left while the other choices were dispatched
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+        await close_all([first, *_dispatched(tasks)])
+        raise
+    failure = next((t.exception() for t in tasks if not t.cancelled() and t.exception() is not None), None)
+    if failure is not None:
+        await close_all([first, *_dispatched(tasks)])
+        raise failure
+    return [first, *_dispatched(tasks)]
+
+
+def _dispatched(tasks: list[asyncio.Task[InFlightRequest]]) -> list[InFlightRequest]:
+    return [task.result() for task in tasks if not task.cancelled() and task.exception() is None]

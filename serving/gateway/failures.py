@@ -1,11 +1,11 @@
 """Requests that fail where no replica can count them, counted into their version's metrics by the gateway.
 
-A replica counts every request that ends on it (serving.telemetry.metrics), and the rollout judge reads those
-counts. Some requests never end on one: their replica died or went silent and the one retry found no
-other, or the version had no ready replica at all. Without these counts a canary whose replicas crash
-would look healthier the more they crash. The gateway records each such request as one that ended in an
-error, under a replica id of its own ("gateway-<host>-<pid>"); the store merges its rows with the
-replicas' on read, so every reader (the judge, the dashboard, /metrics) sees them.
+A replica counts every request that ends on it (serving/telemetry/recorder.py), and the rollout judge reads
+those counts. Some requests never end on one: their replica died or went silent and the one retry found no
+other, or the version had no ready replica at all. Without these counts a canary whose replicas crash would
+look healthier the more they crash. The gateway records each such request as one that ended in an error, under
+a replica id of its own ("gateway-<host>-<pid>"); the store merges its rows with the replicas' on read, so
+every reader (the judge, the dashboard, /metrics) sees them.
 
 A request counted here is normally not counted by a replica too: a dead replica counts nothing, and one
 that was only silent sees the gateway's abort, which it counts as an abort (not a request). (One that
@@ -20,7 +20,8 @@ import os
 import socket
 import threading
 
-from serving.telemetry.metrics import MetricsRecorder, RequestSample, register_recorder, unregister_recorder
+from registry.models import ModelVersion
+from serving.telemetry.recorder import MetricsRecorder, RequestSample, register_recorder, unregister_recorder
 from serving.transport.protocol import NO_READY_REPLICA, REPLICA_LOST, REPLICA_TIMEOUT
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,6 @@ class GatewayFailures:
         """Write what was recorded since the last flush. Returns the number of windows written. Counts of
         a version that no longer exists are dropped; on a database error they stay for the next flush,
         and (once every version has been tried) the error propagates."""
-        from registry.models import ModelVersion
-
         with self._lock:
             recorders = list(self._recorders.items())
         unresolved = [(key, r) for key, r in recorders if r.version_id == 0]

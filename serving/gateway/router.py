@@ -18,7 +18,7 @@ from channels.db import database_sync_to_async
 
 from registry.models import is_valid_name
 from registry.selectors import RoutingSnapshot, routing_revision, routing_snapshot
-from serving.gateway.auth import GatewayError
+from serving.gateway.errors import GatewayError
 
 logger = logging.getLogger(__name__)
 

@@ -19,16 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import threading
-from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from serving.cancelling import cancel_and_wait
+from serving.gateway.data_plane import DataPlane
+from serving.gateway.errors import GatewayError
+from serving.gateway.in_flight import InFlightRequest, close_all
+from serving.telemetry.shadow_copies import count_shadow_copy
 from serving.transport.protocol import SHADOW_RESULT
-
-if TYPE_CHECKING:
-    from serving.gateway.dispatch import Dispatch
-    from serving.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +39,6 @@ _in_flight: set[asyncio.Task[None]] = set()
 # MAX_IN_FLIGHT (a long or slowly read primary would otherwise keep new copies out, and leave the
 # candidate a sample of short requests).
 _waiting: set[asyncio.Task[None]] = set()
-_counts: Counter[tuple[str, str, str]] = Counter()  # (model, version, started | skipped)
-_counts_lock = threading.Lock()
-
-
-def copy_counts() -> dict[tuple[str, str, str], int]:
-    with _counts_lock:
-        return dict(_counts)
-
-
-def _count(model_name: str, version: str, outcome: str) -> None:
-    with _counts_lock:
-        _counts[(model_name, version, outcome)] += 1
 
 
 def is_comparable(params: dict[str, Any]) -> bool:
@@ -66,12 +52,14 @@ def should_mirror(mirror: tuple[str, int] | None, served_version: str, rng: rand
     return rng.random() * 100 < mirror[1]
 
 
-def start_mirror(primary: Dispatch, *, runtime: Runtime, version: str, submission: dict[str, Any]) -> bool:
+def start_mirror(
+    primary: InFlightRequest, *, runtime: DataPlane, version: str, submission: dict[str, Any]
+) -> bool:
     """Run a copy of `primary` on `version` in the background. False when skipped (too many running)."""
     if len(_in_flight) - len(_waiting) >= MAX_IN_FLIGHT:
-        _count(primary.model_name, version, "skipped")
+        count_shadow_copy(primary.model_name, version, "skipped")
         return False
-    _count(primary.model_name, version, "started")
+    count_shadow_copy(primary.model_name, version, "started")
     params = submission.get("params", {})
     comparable = is_comparable(params)
     primary_text = primary.capture_text() if comparable else None
@@ -88,17 +76,14 @@ def start_mirror(primary: Dispatch, *, runtime: Runtime, version: str, submissio
 
 
 async def _run(
-    runtime: Runtime,
+    runtime: DataPlane,
     model_name: str,
     version: str,
     submission: dict[str, Any],
     primary_text: asyncio.Future[str | None] | None,
 ) -> None:
-    from serving.gateway.auth import GatewayError
-    from serving.gateway.dispatch import Dispatch, close_all
-
     # Counted as the primaries are: in a shadow deployment the judge reads only these.
-    handle = Dispatch(runtime, None, model_name, version, submission, counts_failures=True)
+    handle = InFlightRequest(runtime, None, model_name, version, submission, counts_failures=True)
     try:
         await handle.submit()
         text, final = await handle.collect()

@@ -4,29 +4,27 @@ Three threads. The engine runs on its own model thread, step after step (schedul
 for as long as it holds work; it is not thread-safe, so requests and aborts wait in an inbox that the
 model thread empties at the start of each step. The event loop thread does the rest of the I/O: it
 takes submissions and aborts from the replica's channel, heartbeats and flushes metrics; a preparing
-thread, between the two, fills the inbox. (It used to be one executor
-call per step from the loop, with the sends awaited in between: on a loaded 2-core machine the model sat
-idle ~1.4 ms a step for two thread hand-offs and a Redis round trip; docs/benchmarks.md, "Sixth
-machine".)
+thread, between the two, fills the inbox. (It used to be one executor call per step from the loop, with
+the sends awaited in between: on a loaded 2-core machine the model sat idle ~1.4 ms a step for two
+thread hand-offs and a Redis round trip; docs/architecture.md, "The engine on a thread of its own".)
 
 What each step produced goes out in order while the model thread runs the next step. On Redis the
 model thread publishes it itself, without waiting for Redis's reply (serving/transport/channel_layers.py):
-handed
-to the loop thread first, a first token waited a median ~0.8 ms for that thread to wake and win the GIL
-(docs/benchmarks.md, "Seventh machine"). On the in-memory layer, which only the event loop may touch,
-the loop thread sends it.
+handed to the loop thread first, a first token waited a median ~0.8 ms for that thread to wake and win the GIL
+(docs/architecture.md, "Steps published from the model thread"). On the in-memory layer, which only the event
+loop may touch, the loop thread sends it.
 
 A submission is made ready for the engine (its sampling parameters checked, a chat rendered, the prompt
 tokenized) on the preparing thread, while the model thread runs the step in progress; the model thread
 only adds it. Tokenizing there cost each new request's step ~0.1-0.5 ms for a short prompt here, and a
-prompt of 32,768 characters (the gateway's limit) held every running sequence ~9 ms (docs/benchmarks.md,
-"Ninth machine").
+prompt of 32,768 characters (the gateway's limit) held every running sequence ~9 ms (docs/architecture.md,
+"Tokenizing off the model thread").
 
 After each step the new events of every request go out as ONE message per receiving server process
-(inbox), never one per token: see ARCHITECTURE.md's transport measurements. Acceptances (or refusals) of
-the requests a step admits go out as its forward pass starts (on Redis written by the publisher's own
-thread during the pass, and always before the step's tokens), so the gateway sends the response's
-headers while the prompt is prefilled rather than on the first token's path.
+(inbox), never one per token: docs/architecture.md, "One message per step and inbox". Acceptances (or
+refusals) of the requests a step admits go out as its forward pass starts (on Redis written by the publisher's
+own thread during the pass, and always before the step's tokens), so the gateway sends the response's headers
+while the prompt is prefilled rather than on the first token's path.
 
 A version of a non-generative model (an embedding model, a classifier) gets the same replica over an
 EncoderEngine (serving/engine/encoder.py): its inputs wait in a dynamic batcher, and the model thread
@@ -46,10 +44,9 @@ import sys
 import threading
 import time
 import uuid
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +58,19 @@ from registry import artifacts
 from registry.models import Model
 from registry.selectors import VersionRef
 from serving.cancelling import cancel_and_wait
+from serving.replica.config import encoder_config_from_settings, engine_config_from_settings
 from serving.replica.faults import Faults, check_fault_injection_allowed, configured_faults
-from serving.telemetry import metrics as m
-from serving.telemetry.metrics import (
+from serving.replica.step_result import (
+    Arrival,
+    Outgoing,
+    Route,
+    StepResult,
+    failure_message,
+    final_event,
+    request_sample,
+)
+from serving.telemetry import metric_window as m
+from serving.telemetry.recorder import (
     MetricsRecorder,
     RequestSample,
     StepSample,
@@ -81,12 +88,12 @@ from serving.transport.protocol import (
     SUBMIT,
     ReplicaState,
     error_event,
+    max_tokens_for,
     replica_channel_prefix,
     step_message,
 )
 from serving.transport.replica_directory import Heartbeat, HeartbeatPublisher, RecentSteps
 from serving.transport.reply_hub import ReplyHub
-from serving.transport.vectors import encode_vectors
 
 logger = logging.getLogger(__name__)
 
@@ -113,94 +120,6 @@ STOP_FLUSH_TIMEOUT_S = 5.0
 
 class DeviceFailed(RuntimeError):
     """The model thread's end when its device fails a probe (PROBE_AFTER_FAILED_STEPS)."""
-
-
-@dataclass(slots=True)
-class _Route:
-    """Where a request's events go, and what the replica needs to word its final event."""
-
-    reply_to: str
-    submitted_at: float  # wall clock, so a gateway in another process can be compared
-    seq: Any = None  # the engine's Sequence, read for its queue wait when it ends
-    last_token_at: float | None = None  # monotonic, for inter-token latency
-    # Its gateway asked for keepalives (KEEPALIVE_S). A gateway older than them would pass one on to its
-    # client as the stream's end: it gets none.
-    wants_keepalives: bool = False
-
-
-@dataclass(slots=True)
-class _Arrival:
-    """A submission made ready for the engine off the model thread, or the error that ends it there."""
-
-    request_id: str
-    route: _Route
-    prompt_ids: list[int] | list[list[int]] = field(default_factory=list)  # an encoder's: one per input
-    # The tokens the request is charged for: the gateway settles the tenant's tokens/min quota with it.
-    num_prompt_tokens: int = 0
-    params: Any = None  # the engine's SamplingParams
-    tenant: str = "default"
-    cache_group: str | None = None
-    error: dict[str, Any] | None = None  # an error event: no engine work; the model thread emits it in order
-
-
-@dataclass(slots=True)
-class _Outgoing:
-    """What the model thread hands the loop: events to send, and whether the engine was left empty."""
-
-    result: _StepResult
-    is_engine_empty: bool = False
-    num_taken: int = 0  # inbox items the model thread had taken, all told, when it produced this
-    delivered: threading.Event | None = None
-
-
-@dataclass(slots=True)
-class _StepResult:
-    events_by_inbox: dict[str, dict[str, list[dict[str, Any]]]] = field(
-        default_factory=lambda: defaultdict(dict)
-    )
-    # For the metrics, recorded once the events are out.
-    model_time_s: float | None = None  # None: no forward pass
-    itl_s: list[float] = field(default_factory=list)
-    ended: list[RequestSample] = field(default_factory=list)
-    starts_a_stream: bool = False  # it holds an acceptance or a first token
-
-    def add(self, route: _Route, request_id: str, event: dict[str, Any]) -> None:
-        self.events_by_inbox[route.reply_to].setdefault(request_id, []).append(event)
-        if "accepted" in event or event.get("index") == 0:
-            self.starts_a_stream = True
-
-    def merge_events(self, other: _StepResult) -> None:
-        for inbox, items in other.events_by_inbox.items():
-            for request_id, events in items.items():
-                self.events_by_inbox[inbox].setdefault(request_id, []).extend(events)
-
-
-def engine_config_from_settings() -> Any:
-    from serving.engine.engine import EngineConfig
-
-    return EngineConfig(
-        max_num_seqs=settings.REPLICA_MAX_NUM_SEQS,
-        max_num_batched_tokens=settings.REPLICA_MAX_NUM_BATCHED_TOKENS,
-        kv_cache_bytes=settings.REPLICA_KV_CACHE_BYTES,  # None: sized from the device (the engine)
-        gpu_memory_fraction=settings.REPLICA_GPU_MEMORY_FRACTION,
-        cpu_memory_fraction=settings.REPLICA_CPU_MEMORY_FRACTION,
-        compile=settings.REPLICA_COMPILE,
-        pack_linear=settings.REPLICA_PACK_LINEAR,
-        forward=settings.REPLICA_FORWARD,
-        attention=settings.REPLICA_ATTENTION,
-        max_running_per_tenant=settings.REPLICA_MAX_RUNNING_PER_TENANT,
-        max_kv_share_per_tenant=settings.REPLICA_MAX_KV_SHARE_PER_TENANT,
-    )
-
-
-def encoder_config_from_settings(*, device: str | None = None) -> Any:
-    from serving.engine.encoder import EncoderConfig
-
-    return EncoderConfig(
-        max_batch_size=settings.REPLICA_EMBED_MAX_BATCH_SIZE,
-        max_wait_s=settings.REPLICA_EMBED_MAX_WAIT_S,
-        device=device,
-    )
 
 
 class Replica:
@@ -230,7 +149,7 @@ class Replica:
         # Embedded, a step sent through the in-memory layer is deep-copied, queued, and waits for the
         # hub's task to wake: Python on the loop, holding the GIL while the model thread runs the next
         # step. Handed to the hub directly, the loop used ~8% less CPU while streaming
-        # (docs/benchmarks.md, "Thirteenth machine").
+        # (docs/architecture.md, "The GIL in the embedded server").
         self._local_hub = local_hub
         # The model thread's own publisher where the reply layer offers one (Redis); else the loop sends.
         make_publisher = getattr(self._replies, "blocking_publisher", None)
@@ -250,7 +169,7 @@ class Replica:
         self._inbox = threading.Condition()
         # Prepared, not yet handed to the engine; or a submission as it came (a dict), for the model
         # thread to prepare itself: see _arrive.
-        self._submissions: list[_Arrival | dict[str, Any]] = []
+        self._submissions: list[Arrival | dict[str, Any]] = []
         self._aborts: list[str] = []
         self._num_preparing = 0  # arrived, still being prepared (under the inbox's lock)
         self._is_model_waiting = False  # the model thread waits for work, its engine empty (same lock)
@@ -266,9 +185,9 @@ class Replica:
         self._drain_ended: str | None = None
         self._is_end_pending = False
         self._engine_run: asyncio.Future[None] | None = None
-        self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()  # model thread -> loop, in step order
+        self._outbox: asyncio.Queue[Outgoing] = asyncio.Queue()  # model thread -> loop, in step order
         self._unsent = threading.Semaphore(MAX_UNSENT)
-        self._routes: dict[str, _Route] = {}  # every request the engine holds (model thread only)
+        self._routes: dict[str, Route] = {}  # every request the engine holds (model thread only)
         self._keepalive_due = time.monotonic() + KEEPALIVE_S  # model thread only
         self._idle = asyncio.Event()  # nothing queued, nothing running, everything sent
         self._idle.set()
@@ -309,7 +228,7 @@ class Replica:
         loop = self._loop = asyncio.get_running_loop()
         if self._publisher is not None:
             # Beating "loading" from the start: gateways see a replica on its way (a restart), whose
-            # 503s meanwhile are not counted as the version having none (Dispatch.submit).
+            # 503s meanwhile are not counted as the version having none (InFlightRequest.submit).
             self._tasks.append(loop.create_task(self._beat(), name=f"replica-{self.replica_id}-heartbeat"))
         try:
             self._arm_faults()
@@ -366,6 +285,8 @@ class Replica:
         )
 
     def _load(self) -> Any:
+        # Deferred: the runtime, which every web process imports (a gateway-only one too), imports this
+        # module; the engine brings torch, which only a process that hosts a replica may load.
         from serving.engine.loading import MODEL_LOAD_LOCK
 
         if self._torch_threads is not None:
@@ -384,6 +305,7 @@ class Replica:
         # was being built failed to find transformers' own AttentionInterface. Engines are built one at a
         # time; their warm-ups, below, overlap.
         with MODEL_LOAD_LOCK:
+            # Deferred, as MODEL_LOAD_LOCK above: the engine brings torch.
             from serving.engine.encoder import EncoderConfig, EncoderEngine
             from serving.engine.engine import Engine
 
@@ -652,20 +574,21 @@ class Replica:
                 self._aborts.append(abort)
             self._inbox.notify()
 
-    def _prepare(self, message: dict[str, Any]) -> _Arrival:
+    def _prepare(self, message: dict[str, Any]) -> Arrival:
         """Everything about a submission the engine itself need not do: never raises, a failure is the
         arrival's error. Reads the tokenizer only (concurrent reads are safe; nothing here sets its
         truncation or padding, the one thing that would not be)."""
+        # Deferred (torch, via the engine's package): see _load.
         from serving.engine.chat import encode_chat_prompt
         from serving.engine.sequence import SamplingParams
 
         request_id = str(message.get("request_id"))
-        route = _Route(
+        route = Route(
             str(message.get("reply_to")),
             message.get("submitted_at") or time.time(),
             wants_keepalives=message.get("keepalives") is True,
         )
-        arrival = _Arrival(request_id, route)
+        arrival = Arrival(request_id, route)
         try:
             raw = message["params"]
             fields = {**raw, "stop": tuple(raw.get("stop") or ())}
@@ -692,9 +615,8 @@ class Replica:
                 arrival.num_prompt_tokens = len(arrival.prompt_ids)
                 if to_context:  # as far as the context goes, and as far as the KV cache could hold
                     room = self._engine.max_output_tokens(arrival.num_prompt_tokens)
-                    arrival.params = dataclasses.replace(
-                        arrival.params, max_tokens=max(1, min(settings.MAX_TOKENS_LIMIT, room))
-                    )
+                    max_tokens = max_tokens_for(None, room=room, limit=settings.MAX_TOKENS_LIMIT)
+                    arrival.params = dataclasses.replace(arrival.params, max_tokens=max_tokens)
             arrival.tenant = message.get("tenant") or "default"
             arrival.cache_group = message.get("cache_group")
         except (TypeError, ValueError, KeyError) as exc:
@@ -741,7 +663,7 @@ class Replica:
     # --- the model thread --------------------------------------------------------------------------
 
     def _emit(
-        self, result: _StepResult, *, is_engine_empty: bool = False, num_taken: int = 0, soon: bool = False
+        self, result: StepResult, *, is_engine_empty: bool = False, num_taken: int = 0, soon: bool = False
     ) -> None:
         """Send a step's events: published from this thread where it has a publisher (`soon`: by the
         publisher's thread, still before anything published later), else handed to the loop. The loop
@@ -753,9 +675,9 @@ class Replica:
                 # starts a stream (an acceptance, a first token) the model thread lets the loop finish
                 # first: the gateway's response start and first chunk go out uncontended, and the prefill
                 # runs without them. Other steps do not wait: at 64 streams waiting for every delivery
-                # cost 2-7% of the throughput (docs/benchmarks.md, "Thirteenth machine").
+                # cost 2-7% of the throughput (docs/architecture.md, "The GIL in the embedded server").
                 delivered = threading.Event() if result.starts_a_stream else None
-                self._hand_to_loop(_Outgoing(result, is_engine_empty, num_taken, delivered))
+                self._hand_to_loop(Outgoing(result, is_engine_empty, num_taken, delivered))
                 if delivered is not None:
                     delivered.wait(START_DELIVERY_WAIT_S)
             return
@@ -768,9 +690,9 @@ class Replica:
         if is_engine_empty:
             # Idle is what a drain waits for before the process exits: nothing may be left unwritten.
             self._step_publisher.flush()
-            self._hand_to_loop(_Outgoing(_StepResult(), is_engine_empty, num_taken))
+            self._hand_to_loop(Outgoing(StepResult(), is_engine_empty, num_taken))
 
-    def _hand_to_loop(self, outgoing: _Outgoing) -> None:
+    def _hand_to_loop(self, outgoing: Outgoing) -> None:
         assert self._loop is not None
         while not self._unsent.acquire(timeout=0.25):
             if self._stopping or self._loop.is_closed():
@@ -820,7 +742,7 @@ class Replica:
                 # and new ones. A failure anywhere else may have left any request half done: all fail.
                 logger.exception("replica %s: engine step failed", self.replica_id)
                 # engine.StepFailed names the requests of the failed forward pass; anything else, all.
-                result = self._fail_all(_failure_message(exc), getattr(exc, "request_ids", None))
+                result = self._fail_all(failure_message(exc), getattr(exc, "request_ids", None))
                 num_failed_in_a_row += 1
                 if num_failed_in_a_row >= PROBE_AFTER_FAILED_STEPS:
                     num_failed_in_a_row = 0
@@ -845,11 +767,11 @@ class Replica:
             with _logged_failure("replica %s: could not record a step's stats", self.replica_id):
                 self._account(result)
             if is_engine_empty:  # after the account, so whoever waits for idle reads the final stats
-                self._emit(_StepResult(), is_engine_empty=True, num_taken=num_taken)
+                self._emit(StepResult(), is_engine_empty=True, num_taken=num_taken)
             if broken is not None:  # its requests have their errors: the thread ends, and the replica fails
                 raise DeviceFailed(f"its device failed a probe after failed steps: {broken!r}") from broken
 
-    def _end_drained(self) -> _StepResult | None:
+    def _end_drained(self) -> StepResult | None:
         """end_drain() on the model thread: every request held ends with its message."""
         if self._drain_ended is None or not self._routes:
             return None
@@ -875,12 +797,12 @@ class Replica:
         )
         return None
 
-    def _step(self, submissions: list[_Arrival | dict[str, Any]], aborts: list[str]) -> _StepResult:
+    def _step(self, submissions: list[Arrival | dict[str, Any]], aborts: list[str]) -> StepResult:
         engine = self._engine
-        result = _StepResult()
+        result = StepResult()
         ended: list[RequestSample] = []  # this step's, handed to the result that goes out last
         for arrival in submissions:
-            self._admit(arrival if isinstance(arrival, _Arrival) else self._prepare(arrival), result, ended)
+            self._admit(arrival if isinstance(arrival, Arrival) else self._prepare(arrival), result, ended)
         # After the admissions: a request and its abort can come in one inbox (a client that left while
         # its prompt was being prepared), and the abort must find it.
         for request_id in aborts:
@@ -898,7 +820,7 @@ class Replica:
             # forward pass (not by this thread, which has the pass to start), and the gateway then
             # starts its response while it runs.
             self._emit(result, soon=True)
-            result = _StepResult()
+            result = StepResult()
         model_time_s: float | None = None
         itl_s: list[float] = []
         if engine.seconds_until_ready() == 0:
@@ -935,8 +857,8 @@ class Replica:
                         }
                     result.add(route, output.request_id, event)
                 if output.is_finished:
-                    result.add(route, output.request_id, _final_event(output, route))
-                    ended.append(_request_sample(output, route))
+                    result.add(route, output.request_id, final_event(output, route))
+                    ended.append(request_sample(output, route))
                     finished.append(output.request_id)
             # Only once every event of the step is built: should one raise (an encoder's vectors, say),
             # _fail_all still finds each request of the step, those that finished in it too, and ends it
@@ -947,7 +869,7 @@ class Replica:
         result.model_time_s, result.itl_s, result.ended = model_time_s, itl_s, ended
         return result
 
-    def _add_keepalives(self, result: _StepResult) -> None:
+    def _add_keepalives(self, result: StepResult) -> None:
         """Every KEEPALIVE_S, a keepalive for each request held that has no event in this step: one
         queued behind a full batch for longer than the gateway's inactivity timeout is not lost."""
         now = time.monotonic()
@@ -958,7 +880,7 @@ class Replica:
             if route.wants_keepalives and request_id not in result.events_by_inbox.get(route.reply_to, {}):
                 result.add(route, request_id, {"keepalive": True})
 
-    def _account(self, result: _StepResult) -> None:
+    def _account(self, result: StepResult) -> None:
         """What the heartbeat reports, and the step's sample."""
         stats = self._engine.stats()
         self.num_waiting, self.num_running, self.kv_cache_usage = (
@@ -988,7 +910,7 @@ class Replica:
                 step.close_reason, step.fill_time_s = str(batch.reason), batch.fill_time_s
             self.metrics.record(step=step)
 
-    def _admit(self, arrival: _Arrival, result: _StepResult, ended: list[RequestSample]) -> None:
+    def _admit(self, arrival: Arrival, result: StepResult, ended: list[RequestSample]) -> None:
         engine = self._engine
         request_id, route = arrival.request_id, arrival.route
         if self._drain_ended is not None:  # prepared while the drain ran out: the replica is going away
@@ -1037,9 +959,9 @@ class Replica:
 
     def _fail_all(
         self, message: str, request_ids: list[str] | None = None, *, error_type: str = "internal_error"
-    ) -> _StepResult:
+    ) -> StepResult:
         """End `request_ids` (None: every request the replica holds) with an error of `error_type`."""
-        result, samples = _StepResult(), []
+        result, samples = StepResult(), []
         failed = list(self._routes) if request_ids is None else [r for r in request_ids if r in self._routes]
         for request_id in failed:
             route = self._routes.pop(request_id)
@@ -1062,59 +984,3 @@ def _logged_failure(message: str, *args: object) -> Iterator[None]:
         yield
     except Exception:
         logger.exception(message, *args)
-
-
-def _request_sample(output: Any, route: _Route) -> RequestSample:
-    arrival, first, finished = output.arrival_time, output.first_token_time, output.finished_time
-    finished = finished if finished is not None else time.monotonic()
-    num_output_tokens = output.num_output_tokens
-    first_scheduled = route.seq.first_scheduled_time if route.seq is not None else None
-    return RequestSample(
-        finish_reason=str(output.finish_reason),
-        num_prompt_tokens=output.num_prompt_tokens,
-        num_output_tokens=num_output_tokens,
-        ttft_s=first - arrival if first is not None else None,
-        tpot_s=(finished - first) / (num_output_tokens - 1)
-        if first is not None and num_output_tokens > 1
-        else None,
-        e2e_s=finished - arrival,
-        queue_wait_s=first_scheduled - arrival if first_scheduled is not None else None,
-        is_generative=getattr(output, "vectors", None) is None,
-    )
-
-
-def _final_event(output: Any, route: _Route) -> dict[str, Any]:
-    ttft = output.first_token_time - output.arrival_time if output.first_token_time is not None else None
-    total = (output.finished_time or time.monotonic()) - output.arrival_time
-    # From the gateway's submission to the first forward pass that held the request: the replica's part
-    # of the time before any model work (receiving, tokenizing, waiting for a step), as TGI's queue time.
-    first_scheduled = route.seq.first_scheduled_time if route.seq is not None else None
-    queue = first_scheduled - output.arrival_time if first_scheduled is not None else None
-    event: dict[str, Any] = {
-        "finish_reason": str(output.finish_reason),
-        "usage": {
-            "prompt_tokens": output.num_prompt_tokens,
-            "completion_tokens": output.num_output_tokens,
-            "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
-            "cached_prompt_tokens": output.num_cached_prompt_tokens,
-        },
-        "timings": {
-            "queue_s": round(queue, 6) if queue is not None else None,
-            "ttft_s": round(ttft, 6) if ttft is not None else None,
-            "total_s": round(total, 6),
-        },
-    }
-    vectors = getattr(output, "vectors", None)  # a non-generative model's result
-    if vectors is not None:
-        event[output.result_field] = encode_vectors(vectors)
-        if output.labels is not None:
-            event["labels"] = list(output.labels)
-    return event
-
-
-def _failure_message(exc: BaseException) -> str:
-    """What a client whose request a failed step ended is told: the kind of failure, not its text, which
-    may carry the device's memory figures, process ids, shapes or paths (the log has it whole), and
-    which every tenant with a request in the batch would see."""
-    cause = exc.__cause__ or exc  # engine.StepFailed wraps the forward pass's own exception
-    return f"the replica failed on this request's step ({type(cause).__name__}); try again"

@@ -17,9 +17,9 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from serving.models import MetricWindow
-from serving.telemetry import metrics as m
+from serving.telemetry import metric_window as m
 from serving.telemetry.histogram import Histogram
-from serving.telemetry.metrics import GaugeStat, MetricsWindow, floor_time
+from serving.telemetry.metric_window import GaugeStat, MetricsWindow, floor_time
 
 MAX_SERIES_POINTS = 10_000
 

@@ -1,7 +1,7 @@
 """Writes to the metrics store: replicas' flushes, the 1-minute roll-up and retention.
 
 Schedule `metrics_maintain` every minute or so (Celery beat, or the embedded scheduler); flushes come
-from the replicas themselves (serving.telemetry.metrics.MetricsRecorder.flush)."""
+from the replicas themselves (serving.telemetry.recorder.MetricsRecorder.flush)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from serving.models import MetricWindow
-from serving.telemetry.metrics import MetricsWindow, floor_time
+from serving.telemetry.metric_window import MetricsWindow, floor_time
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,10 @@ from prometheus_client.utils import floatToGoString
 
 from registry.authentication import bearer_token
 from registry.errors import error_body, error_response
-from serving.telemetry import metrics as m
+from serving.telemetry import metric_window as m
 from serving.telemetry.histogram import Histogram
+from serving.telemetry.recorder import MetricsRecorder, RecorderSnapshot, live_recorders
+from serving.telemetry.shadow_copies import shadow_copy_counts
 
 SECONDS_BOUNDS = (
     0.001,
@@ -117,7 +119,7 @@ _GAUGES = (
 
 
 class SwitchyardCollector:
-    def __init__(self, source: Callable[[], list[m.MetricsRecorder]] = m.live_recorders) -> None:
+    def __init__(self, source: Callable[[], list[MetricsRecorder]] = live_recorders) -> None:
         self._source = source
 
     def collect(self) -> Iterator[Metric]:
@@ -158,22 +160,20 @@ class SwitchyardCollector:
 
 
 class ShadowCollector:
-    """Shadow copies this gateway process started or skipped (serving.gateway.shadow)."""
+    """Shadow copies this gateway process started or skipped (serving/telemetry/shadow_copies.py)."""
 
     def collect(self) -> Iterator[Metric]:
-        from serving.gateway import shadow
-
         counter = CounterMetricFamily(
             "switchyard_shadow_copies",
             "Requests copied to a shadow version by this process, or skipped (too many in flight).",
             labels=("model", "version", "outcome"),
         )
-        for (model_name, version, outcome), value in sorted(shadow.copy_counts().items()):
+        for (model_name, version, outcome), value in sorted(shadow_copy_counts().items()):
             counter.add_metric([model_name, version, outcome], value)
         yield counter
 
 
-def _labels(snapshot: m.RecorderSnapshot) -> list[str]:
+def _labels(snapshot: RecorderSnapshot) -> list[str]:
     return [snapshot.model_name, snapshot.version, snapshot.replica_id]
 
 

@@ -111,8 +111,8 @@ def _input_text(submission: dict[str, Any]) -> str | list[str] | list[dict[str, 
 
 
 def maybe_log(handle: Any, *, tenant: str, submission: dict[str, Any]) -> bool:
-    """Sample this request (a Dispatch that has been accepted); if it is drawn, write its record once it
-    ends. True when drawn."""
+    """Sample this request (an InFlightRequest that has been accepted); if it is drawn, write its record
+    once it ends. True when drawn."""
     rate = settings.LOG_PROMPTS_SAMPLE_RATE
     if rate <= 0 or _rng.random() >= rate:
         return False

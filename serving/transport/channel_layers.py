@@ -14,16 +14,16 @@ id) and dies with it: a submission in flight when a replica stops is lost either
 liveness check retries it elsewhere (serving/gateway/dispatch.py). So on plain channels (only replicas receive
 on those) a receive here is the blocking pop alone. Process-local channels, groups and flushing are the
 core layer's own. The token stream does not come this way: it uses the pub/sub layer
-(settings.CHANNEL_LAYERS["replies"], ARCHITECTURE.md).
+(settings.CHANNEL_LAYERS["replies"]; docs/architecture.md, "One message per step and inbox").
 
 A replica's steps are published from its model thread rather than handed to its event loop first: on
 a loaded 2-core machine the loop thread took a median ~0.8 ms to wake and win the GIL from the model
-thread, on every first token's path (docs/benchmarks.md, "Seventh machine"). The model thread writes the
-PUBLISH and goes on with the next step; Redis's replies (subscriber counts) are read back at the next
-publish, so the thread never waits for a round trip. What need not go out before the step's forward pass
-(its acceptances) the publisher's own thread writes meanwhile (`publish_soon`): written by the model
-thread, it held up each new request's prefill (the replica's queue_s, one request at a time, a median
-1.64 against 1.47 ms over four runs alternated; docs/benchmarks.md, "Eleventh machine")."""
+thread, on every first token's path (docs/architecture.md, "Steps published from the model thread"). The model
+thread writes the PUBLISH and goes on with the next step; Redis's replies (subscriber counts) are read back at
+the next publish, so the thread never waits for a round trip. What need not go out before the step's forward
+pass (its acceptances) the publisher's own thread writes meanwhile (`publish_soon`): written by the model
+thread, it held up each new request's prefill (the replica's queue_s, one request at a time, a median 1.64
+against 1.47 ms over four runs alternated; docs/architecture.md, "Steps published from the model thread")."""
 
 from __future__ import annotations
 

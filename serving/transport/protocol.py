@@ -51,6 +51,12 @@ REPLICA_FAILED = "replica_failed"  # a request that met replica_unavailable once
 # retrying it would hide a bad version from the metrics the rollout judge reads.
 REPLICA_FAILURES = frozenset({REPLICA_LOST, REPLICA_UNAVAILABLE, REPLICA_TIMEOUT})
 
+# Limits the gateway's edge checks before anything is sent, so that a replica never refuses a request
+# for them; the engine keeps its own copies (it imports nothing of the project), and
+# tests/serving/transport/test_protocol.py holds the two equal.
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI's logit_bias
+
 # The timing contract, kept together because each bound is set against another.
 # A replica sends a request it holds an event at least this often, a keepalive when it has no token
 # (waiting for a slot, or preempted), well under the gateway's inactivity timeout, after which the

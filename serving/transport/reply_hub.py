@@ -2,10 +2,10 @@
 
 Replicas send one message per engine step to each inbox, carrying the new events of every request that
 inbox waits on; the hub hands each event to the queue of the request it belongs to. One message per
-step rather than per token is what keeps the channel layer off the critical path (ARCHITECTURE.md).
-With Redis the steps travel on the pub/sub layer (settings.CHANNEL_LAYERS["replies"]): one PUBLISH per
-step and inbox, against four round trips for a core-layer send; submissions and aborts stay on the core
-layer, which queues them."""
+step rather than per token is what keeps the channel layer off the critical path (docs/architecture.md, "One
+message per step and inbox"). With Redis the steps travel on the pub/sub layer
+(settings.CHANNEL_LAYERS["replies"]): one PUBLISH per step and inbox, against four round trips for a
+core-layer send; submissions and aborts stay on the core layer, which queues them."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from serving.runtime import ReplicaHandle
+from serving.gateway.data_plane import ReplicaHandle
 
 PASSWORD = "correct-horse-battery"
 
@@ -91,7 +91,7 @@ def record_traffic(
 ) -> None:
     """Write `num_requests` requests of one version into the metrics store, `ago_s` seconds ago, through
     the replica's own recorder and flush."""
-    from serving.telemetry.metrics import MetricsRecorder, RequestSample, StepSample
+    from serving.telemetry.recorder import MetricsRecorder, RequestSample, StepSample
 
     mv = model.versions.get(version=version)
     recorder = MetricsRecorder(

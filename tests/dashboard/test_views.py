@@ -308,7 +308,8 @@ def _usage_cell(html: str, field: str) -> str:
 
 
 def test_tenants_page_shows_usage_against_quota(staff_client: Client, make_tenant: Any) -> None:
-    from serving.gateway.auth import MemoryQuotaStore, reset_quota_store
+    from serving.gateway.quota_memory import MemoryQuotaStore
+    from serving.gateway.quota_store import reset_quota_store
 
     store = MemoryQuotaStore(lambda: 1000.0)  # a stopped clock: nothing refills during the test
     reset_quota_store(store)
@@ -329,7 +330,7 @@ def test_tenants_page_shows_usage_against_quota(staff_client: Client, make_tenan
 def test_tenants_page_reads_usage_from_redis(
     staff_client: Client, make_tenant: Any, redis_url: str, settings: Any
 ) -> None:
-    from serving.gateway.auth import quota_store, reset_quota_store
+    from serving.gateway.quota_store import quota_store, reset_quota_store
 
     settings.REDIS_URL = redis_url
     reset_quota_store()
@@ -348,8 +349,8 @@ def test_tenants_page_reads_usage_from_redis(
 
 
 def test_tenants_page_says_when_usage_cannot_be_read(staff_client: Client, make_tenant: Any) -> None:
-    from serving.gateway.auth import reset_quota_store
     from serving.gateway.quota_redis import RedisQuotaStore
+    from serving.gateway.quota_store import reset_quota_store
 
     reset_quota_store(RedisQuotaStore("redis://127.0.0.1:1/15"))  # nothing listens on port 1
     make_tenant("acme")
@@ -392,7 +393,8 @@ def test_creating_an_api_key_needs_staff_and_csrf(client: Client, make_user: Any
 
 
 def test_tenants_page_counts_429s(staff_client: Client, make_tenant: Any) -> None:
-    from serving.gateway.auth import GatewayError, quota_store
+    from serving.gateway.errors import GatewayError
+    from serving.gateway.quota_store import quota_store
 
     acme = make_tenant("acme", max_concurrent_requests=1)
     quota_store().admit(acme.context, tokens=1)

@@ -132,6 +132,7 @@ def test_create_demo_model_writes_safetensors_and_a_tokenizer(tmp_path: Path) ->
 def test_revoke_api_key_by_prefix_or_whole_key_and_the_gateway_refuses_it(make_tenant) -> None:
     from registry.services import api_key_create
     from serving.gateway import auth as gateway
+    from serving.gateway.errors import GatewayError
 
     acme = make_tenant("acme")
     tenant = Tenant.objects.get(name="acme")
@@ -145,7 +146,7 @@ def test_revoke_api_key_by_prefix_or_whole_key_and_the_gateway_refuses_it(make_t
     assert tenant_context_for_api_key(acme.key) is None
     assert tenant_context_for_api_key(second) is not None  # another key of the tenant stays
     gateway.clear_auth_cache()
-    with pytest.raises(gateway.GatewayError) as refused:
+    with pytest.raises(GatewayError) as refused:
         gateway.authenticate(f"Bearer {acme.key}")
     assert refused.value.status == 401
     _run("revoke_api_key", second)  # the whole key

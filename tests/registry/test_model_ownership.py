@@ -72,7 +72,8 @@ async def test_another_tenants_model_is_not_found_on_any_endpoint_before_any_rep
 
 def test_a_change_of_owner_counts_at_the_routing_caches_next_check(tenants) -> None:
     from registry.selectors import tenant_context
-    from serving.gateway.auth import GatewayError, authorize_model
+    from serving.gateway.auth import authorize_model
+    from serving.gateway.errors import GatewayError
 
     globex = tenant_context(tenant=tenants["globex"].tenant)  # as a gateway has it cached
     authorize_model(globex, routing_cache.get("demo-chat", max_age_s=0), pinned_version=None)

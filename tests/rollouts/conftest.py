@@ -80,3 +80,12 @@ def routing_state(model: Any) -> tuple[int, dict[str, int], dict[str, str]]:
     snapshot = routing_snapshot(model_name=model.name)
     assert snapshot is not None
     return snapshot.revision, snapshot.weights, snapshot.aliases
+
+
+@pytest.fixture
+def staff_client(client):  # type: ignore[no-untyped-def]
+    """The test client logged in as staff user `alice` (deployments record "staff:alice")."""
+    from django.contrib.auth import get_user_model
+
+    client.force_login(get_user_model().objects.create_user("alice", is_staff=True))
+    return client

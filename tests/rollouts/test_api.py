@@ -36,13 +36,6 @@ def post(client, path: str, body: Any = None, **headers: str):  # type: ignore[n
 
 
 @pytest.fixture
-def staff_client(client):  # type: ignore[no-untyped-def]
-    user = get_user_model().objects.create_user("alice", is_staff=True)
-    client.force_login(user)
-    return client
-
-
-@pytest.fixture
 def chat(make_model):  # type: ignore[no-untyped-def]
     return make_model()
 

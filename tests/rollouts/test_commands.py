@@ -82,9 +82,9 @@ def test_set_scaling_bounds_a_models_versions_and_clear_goes_back_to_the_default
     make_model: Any, settings: Any
 ) -> None:
     from rollouts.fleet.autoscaler import ScalingPolicy
+    from rollouts.scaling import autoscale
     from rollouts.selectors import wanted_replicas
-    from rollouts.services import autoscale
-    from tests.rollouts.test_autoscaler import beat
+    from tests.rollouts.fleet.test_autoscaler import beat
 
     make_model("chat")
     make_model("embed", versions=("v1",))

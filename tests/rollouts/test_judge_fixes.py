@@ -14,6 +14,7 @@ from registry.models import Alias
 from rollouts import services
 from rollouts.judge import VerdictKind
 from rollouts.models import Deployment
+from rollouts.steps import resolve_thresholds
 from tests.rollouts.conftest import FakeMetrics, routing_state, window
 
 pytestmark = pytest.mark.django_db
@@ -34,14 +35,6 @@ def tick(deployment: Deployment, seconds: float, metrics: FakeMetrics):  # type:
 
 def post(client, path: str, body: Any = None, **headers: str):  # type: ignore[no-untyped-def]
     return client.post(path, data=json.dumps(body or {}), content_type="application/json", headers=headers)
-
-
-@pytest.fixture
-def staff_client(client):  # type: ignore[no-untyped-def]
-    from django.contrib.auth import get_user_model
-
-    client.force_login(get_user_model().objects.create_user("alice", is_staff=True))
-    return client
 
 
 def ramping_at_1pct(model: Any, settings: Any) -> Deployment:
@@ -164,7 +157,7 @@ def test_a_stored_single_step_deployment_is_promoted_on_advance_not_stuck(make_m
         incumbent=model.versions.get(version="v1"),
         steps=[{"pct": 100}],
         bake_seconds=0,
-        thresholds=services.resolve_thresholds(None),
+        thresholds=resolve_thresholds(None),
         state=State.RAMPING,
         step_started_at=T0,
         created_by="test",

@@ -88,8 +88,8 @@ class Load:
             self._routed.notify_all()
 
     async def _client(self, index: int, max_tokens: int) -> None:
-        from serving.gateway.auth import GatewayError
         from serving.gateway.dispatch import dispatch
+        from serving.gateway.errors import GatewayError
 
         rng = random.Random(index)
         params = {"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}

@@ -12,6 +12,7 @@ from registry.selectors import routing_snapshot, versions_with_traffic
 from rollouts import selectors, services
 from rollouts.judge import VerdictKind
 from rollouts.models import Deployment, DeploymentEvent
+from rollouts.steps import DeploymentConflict
 from tests.rollouts.conftest import FakeMetrics, routing_state, window
 
 pytestmark = pytest.mark.django_db
@@ -286,9 +287,9 @@ def test_manual_rollback_and_promote_and_refusals_after_the_end(ramping) -> None
     assert deployment.state == State.ROLLED_BACK
     assert routing_state(model)[1] == {"v1": 100}
     assert deployment.events.get(to_state="rolling_back").reason == "pager went off"
-    with pytest.raises(services.DeploymentConflict, match="rolled_back"):
+    with pytest.raises(DeploymentConflict, match="rolled_back"):
         services.deployment_rollback(deployment=deployment, actor="staff:bob")
-    with pytest.raises(services.DeploymentConflict):
+    with pytest.raises(DeploymentConflict):
         services.deployment_promote(deployment=deployment, actor="staff:bob")
 
     second = create(model, version="v3")
@@ -305,7 +306,7 @@ def test_manual_rollback_and_promote_and_refusals_after_the_end(ramping) -> None
 def test_a_second_deployment_in_flight_is_a_conflict_and_writes_nothing(ramping) -> None:
     model, _ = ramping
     before = (Deployment.objects.count(), DeploymentEvent.objects.count(), AliasEvent.objects.count())
-    with pytest.raises(services.DeploymentConflict, match="already has deployment"):
+    with pytest.raises(DeploymentConflict, match="already has deployment"):
         create(model, version="v3")
     after = (Deployment.objects.count(), DeploymentEvent.objects.count(), AliasEvent.objects.count())
     assert after == before
@@ -398,7 +399,7 @@ def test_the_judge_reads_the_real_metrics_store_through_its_selector(ramping) ->
     replicas' samples flushed to the store come out as the judge's windows, p99s in ms."""
     import time
 
-    from serving.telemetry.metrics import MetricsRecorder, RequestSample
+    from serving.telemetry.recorder import MetricsRecorder, RequestSample
 
     model, deployment = ramping
     bucket = (int(time.time()) // 5 + 1) * 5  # a whole 5 s row after the step started
@@ -439,7 +440,7 @@ def test_a_judge_tick_holding_its_deployment_does_not_hold_back_metrics_flushes(
     from django.db import connection, transaction
 
     from rollouts import services as rollout_services
-    from serving.telemetry.metrics import MetricsWindow
+    from serving.telemetry.metric_window import MetricsWindow
     from serving.telemetry.metrics_store import metrics_flush
 
     if connection.vendor != "postgresql":

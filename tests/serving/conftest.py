@@ -81,3 +81,9 @@ async def serve_encoders(settings: Any) -> Any:
 def replica_of(runtime: Any, model_name: str) -> Any:
     (replica,) = [r for r in runtime.replicas.values() if r.ref.model_name == model_name]
     return replica
+
+
+@pytest.fixture
+def acme(make_tenant, registered_model, runtime):  # type: ignore[no-untyped-def]
+    """Tenant `acme`, with the demo model registered and this loop's runtime started."""
+    return make_tenant("acme")

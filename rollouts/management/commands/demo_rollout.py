@@ -200,8 +200,8 @@ class Command(BaseCommand):
 
     async def _client(self, index: int, load: Load, max_tokens: int) -> None:
         from registry.selectors import TenantContext
-        from serving.gateway.auth import GatewayError
         from serving.gateway.dispatch import dispatch
+        from serving.gateway.errors import GatewayError
 
         context = TenantContext.unlimited("demo-load")
         rng = random.Random(index)

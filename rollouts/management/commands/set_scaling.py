@@ -2,7 +2,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from registry.models import Model
-from rollouts.services import scaling_bounds_clear, scaling_bounds_set
+from rollouts.scaling import scaling_bounds_clear, scaling_bounds_set
 
 
 class Command(BaseCommand):

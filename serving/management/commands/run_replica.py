@@ -15,7 +15,7 @@ DRAIN_REPORT_INTERVAL_S = 5.0
 def engine_config_from_options(options: dict[str, object]) -> Any:
     """The replica's settings (SWITCHYARD_*), with this command's flags over them; what has no flag
     (SWITCHYARD_PACK_LINEAR) comes from the settings alone."""
-    from serving.replica.replica import engine_config_from_settings
+    from serving.replica.config import engine_config_from_settings
 
     config = engine_config_from_settings()
     kv_cache_mb = options.get("kv_cache_mb")  # None: the settings' size, or sized from the device

@@ -20,8 +20,8 @@ class Command(BaseCommand):
     def handle(self, *args: object, **options: object) -> None:
         from config.asgi import application
 
-        # uvicorn rather than daphne (docs/benchmarks.md, "Fifth machine"): less of every request's time
-        # to first token, about half the CPU per SSE event, and backpressure: its send() waits while a
+        # uvicorn rather than daphne (docs/architecture.md, "uvicorn over daphne"): less of every request's
+        # time to first token, about half the CPU per SSE event, and backpressure: its send() waits while a
         # client is not reading, which is what lets a stream see a slow reader's backlog and cut it off
         # (serving/transport/reply_hub.py) where daphne buffers for it without bound.
         config = uvicorn.Config(

@@ -1,0 +1,197 @@
+"""OpenAI request bodies, checked field by field before anything is sent: completions, chat and
+embeddings. Features we do not implement (echo, tools, images, response formats other than text) are
+refused with a 400 rather than silently ignored; sent as null, a field reads as absent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+
+from serving.edge.request_bodies import (
+    SAMPLING_FIELDS,
+    check_max_tokens,
+    is_int,
+    parse_sampling,
+    parse_text_inputs,
+)
+from serving.gateway.errors import GatewayError
+from serving.transport.protocol import MAX_LOGPROBS
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+# Accepted and ignored: they do not change what we generate.
+_IGNORED = frozenset({"user", "stream_options", "service_tier", "store", "metadata"})
+
+
+_COMMON = SAMPLING_FIELDS | {"model", "n"}
+
+
+COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "logprobs"}
+
+
+CHAT_FIELDS = (
+    _COMMON
+    | _IGNORED
+    | {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+    }
+)
+
+
+MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions; chat's top_logprobs go to the engine's 20
+
+
+MAX_CHOICES = 16  # n: choices of one request, each a sequence of its own on the replica
+
+
+def _refuse_unsupported(fields: dict[str, Any], allowed: frozenset[str], what: str = "field(s)") -> None:
+    """GatewayError(400) naming the fields outside `allowed`. One sent as null reads as absent, as every
+    parameter does (the openai client sends null for one passed as None)."""
+    unknown = sorted(name for name, value in fields.items() if name not in allowed and value is not None)
+    if unknown:
+        raise GatewayError(400, f"unsupported {what}: {', '.join(unknown)}")
+
+
+def _model(body: dict[str, Any], allowed: frozenset[str]) -> str:
+    """The body's model, after refusing fields the endpoint does not know."""
+    _refuse_unsupported(body, allowed)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError(400, "model must be a non-empty string")
+    return model
+
+
+def _common(
+    body: dict[str, Any], allowed: frozenset[str], *, default_max_tokens: int | None = 16
+) -> tuple[str, dict[str, Any], bool]:
+    model = _model(body, allowed)
+    n = body.get("n")
+    if n is not None and (not is_int(n) or not 1 <= n <= MAX_CHOICES):
+        raise GatewayError(400, f"n must be an integer from 1 to {MAX_CHOICES}")
+    if body.get("echo"):
+        raise GatewayError(400, "echo is not supported")
+    include_usage = wants_stream_usage(body)
+    sampling = parse_sampling(body, default_max_tokens=default_max_tokens)
+    sampling["n"] = n or 1
+    return model, sampling, include_usage
+
+
+def wants_stream_usage(body: dict[str, Any]) -> bool:
+    """stream_options.include_usage: an object whose one field (null is absent) is a boolean."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise GatewayError(400, "stream_options must be an object")
+    _refuse_unsupported(options, frozenset({"include_usage"}), "stream_options field(s)")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise GatewayError(400, "stream_options.include_usage must be true or false")
+    # as OpenAI: a client that asks for stream usage without a stream gets no usage
+    if body.get("stream") is not True:
+        raise GatewayError(400, "stream_options is only allowed when stream is true")
+    return bool(include_usage)
+
+
+def parse_completion(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, str]:
+    model, sampling, include_usage = _common(body, COMPLETION_FIELDS)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and logprobs is not False:  # false: none, as some clients send it
+        if not is_int(logprobs) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise GatewayError(400, f"logprobs must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}")
+        sampling["logprobs"] = logprobs
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise GatewayError(400, "prompt must be a non-empty string (one prompt per request)")
+    if len(prompt) > settings.MAX_INPUT_CHARS:
+        raise GatewayError(
+            400, f"prompt is {len(prompt)} characters; the limit is {settings.MAX_INPUT_CHARS}"
+        )
+    return model, sampling, include_usage, prompt
+
+
+def parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, list[dict[str, str]]]:
+    if "max_completion_tokens" in body:  # OpenAI's newer name; null is absent, as for max_tokens
+        body = dict(body)
+        max_completion_tokens = body.pop("max_completion_tokens")
+        if max_completion_tokens is not None:
+            # Each checked before they are compared: true == 1 in Python, but true is no token count.
+            if body.get("max_tokens") is not None:
+                check_max_tokens(body["max_tokens"])
+            check_max_tokens(max_completion_tokens, "max_completion_tokens")
+            if body.get("max_tokens") is not None and body["max_tokens"] != max_completion_tokens:
+                raise GatewayError(400, "max_tokens and max_completion_tokens differ: send one of them")
+            body["max_tokens"] = max_completion_tokens
+    # OpenAI's chat default: no max_tokens runs to the end of the answer or of the context.
+    model, sampling, include_usage = _common(body, CHAT_FIELDS, default_max_tokens=None)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:  # text is what we make anyway
+        raise GatewayError(
+            400, 'response_format: only {"type": "text"} is supported (no JSON mode or schema)'
+        )
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise GatewayError(400, "logprobs must be true or false")
+    if top is not None and (not is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise GatewayError(400, f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}")
+    if top is not None and not logprobs:
+        raise GatewayError(400, "top_logprobs needs logprobs set to true")
+    if logprobs:
+        sampling["logprobs"] = top or 0
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise GatewayError(400, "messages must be a non-empty list")
+    clean = []
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or an object is unhashable
+            raise GatewayError(400, f"messages[{i}] needs a role of {', '.join(sorted(CHAT_ROLES))}")
+        # "developer" is what OpenAI's newer models call the system prompt; chat templates know "system".
+        clean.append({"role": "system" if role == "developer" else role, "content": _text(message, i)})
+    if sum(len(m["content"]) for m in clean) > settings.MAX_INPUT_CHARS:
+        raise GatewayError(400, f"messages are over the {settings.MAX_INPUT_CHARS}-character limit")
+    return model, sampling, include_usage, clean
+
+
+def _text(message: dict[str, Any], i: int) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": …}), joined."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise GatewayError(
+                    400, f"messages[{i}].content[{j}] is not a text part: only text content is supported"
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise GatewayError(400, f"messages[{i}].content must be a string or a list of text parts")
+
+
+EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
+
+
+def parse_embeddings(body: dict[str, Any]) -> tuple[str, list[str], str]:
+    model = _model(body, EMBEDDING_FIELDS)
+    encoding = body.get("encoding_format")
+    if encoding is None:  # absent or null; anything else is checked, false and "" included
+        encoding = "float"
+    if encoding not in ("float", "base64"):
+        raise GatewayError(400, 'encoding_format must be "float" or "base64"')
+    if body.get("dimensions") is not None:
+        raise GatewayError(400, "dimensions is not supported: the model's own dimension is returned")
+    return model, parse_text_inputs(body.get("input")), encoding

@@ -1,0 +1,73 @@
+"""What the gateway needs of its process's data plane, and how it gets it without importing the root.
+
+The runtime (serving/runtime.py) is the composition root: it holds the reply hub, the channel layer,
+this process's embedded replicas and the replica directory, and it imports both sides. The gateway
+sees it only as a DataPlane, which the root provides when the app loads (serving/apps.py), so that no
+gateway module imports the runtime, the replica side or the engine (docs/architecture.md, "Import
+rules").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from serving.gateway.failures import GatewayFailures
+from serving.transport.reply_hub import ReplyHub
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaHandle:
+    """What the router needs of a replica, wherever it runs."""
+
+    replica_id: str
+    model_name: str
+    version: str
+    channel_name: str
+    state: str
+    load: int  # queue_depth + num_running: what the router balances on
+    kv_cache_usage: float
+    is_ready: bool
+    is_local: bool
+    queue_depth: int = 0  # waiting for a slot in the running batch (Heartbeat.num_waiting)
+    num_running: int = 0
+    step_s: float = 0.0  # its steps' mean time lately (Heartbeat.step_s); 0: none ran, or not asked
+    # Its last heartbeat is recent (an in-process replica always is): a replica killed while it loaded
+    # leaves a "loading" beat for a minute, which must not read as one coming up.
+    is_fresh: bool = True
+
+
+class DataPlane(Protocol):
+    """One event loop's data plane, as a request in flight uses it."""
+
+    layer: Any  # the channel layer submissions and aborts go out on
+    hub: ReplyHub  # this process's inbox: every request's events come back through it
+    failures: GatewayFailures  # requests that fail where no replica can count them
+
+    @property
+    def can_cold_start(self) -> bool: ...
+
+    async def candidates(
+        self, model_name: str, version: str, *, refresh: bool = False
+    ) -> list[ReplicaHandle]: ...
+
+    async def wait_for_replica(self, model_name: str, version: str) -> list[ReplicaHandle]: ...
+
+    async def is_alive(self, handle: ReplicaHandle) -> bool: ...
+
+
+_provider: Callable[[], Awaitable[DataPlane]] | None = None
+
+
+def provide(getter: Callable[[], Awaitable[DataPlane]]) -> None:
+    """Called once by the composition root: `getter` returns this loop's data plane, started."""
+    global _provider
+    _provider = getter
+
+
+async def data_plane() -> DataPlane:
+    """This loop's data plane, started (the runtime's get_runtime)."""
+    if _provider is None:
+        raise RuntimeError("no data plane provided: serving.apps registers serving.runtime's at app load")
+    return await _provider()
