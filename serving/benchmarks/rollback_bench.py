@@ -27,27 +27,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from serving.benchmarks.rollback_platform import MODEL, Platform, throwaway_postgres
+from serving.benchmarks.rollback_traffic import Obedience, Traffic, obedience, p99, parse_time
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL = "demo-chat"
 SETTLE_S = 1.5  # how long past the limit a run keeps watching where requests go
 MIN_CANARY_REQUESTS = 5  # served by the canary on every gateway before it is rolled back
 TERMINAL_STATES = frozenset({"promoted", "rolled_back", "completed"})
@@ -56,289 +48,7 @@ TERMINAL_STATES = frozenset({"promoted", "rolled_back", "completed"})
 # --- the platform: serve processes on one state directory ---------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def throwaway_postgres(url: str) -> Iterator[str]:
-    """A new, empty database on the server of `url` for the duration; its URL."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    import psycopg
-
-    name = f"switchyard_bench_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
-    finally:
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-
-
-@dataclass
-class Platform:
-    """`manage.py serve` processes sharing one state directory (artifacts, secret key, SQLite file) or
-    one database. Start with `start()`; `close()` stops them."""
-
-    state_dir: Path
-    num_gateways: int = 1
-    env_overrides: dict[str, str] = field(default_factory=dict)
-    database_url: str | None = None  # None: the SQLite file in state_dir
-    urls: list[str] = field(default_factory=list)
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    demo_key: str = ""
-
-    @property
-    def env(self) -> dict[str, str]:
-        env = {**os.environ, "SWITCHYARD_STATE_DIR": str(self.state_dir), **self.env_overrides}
-        for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "DJANGO_SETTINGS_MODULE", "ARTIFACT_ROOT"):
-            env.pop(name, None)
-        if self.database_url:
-            env["DATABASE_URL"] = self.database_url
-        return env
-
-    def manage(self, *args: str) -> str:
-        result = subprocess.run(
-            [sys.executable, "manage.py", *args],
-            cwd=REPO_ROOT,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stderr[-3000:]}")
-        return result.stdout
-
-    def prepare(self) -> None:
-        """Migrate and seed (demo-chat v1 stable, the demo tenant); keeps the demo key."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.manage("migrate", "--noinput", "-v0")
-        self.demo_key = self.manage("seed_demo").strip().splitlines()[-1]
-
-    def register(self, version: str) -> None:
-        """Another version of demo-chat with v1's weights (a healthy candidate, unless faults say else)."""
-        self.manage("register_model", MODEL, version, "--from", str(self.state_dir / "demo-model"))
-
-    def tenant_key(self, name: str) -> str:
-        """A tenant with room for any bench load, allowed to pin and to deploy demo-chat, and a key."""
-        self.manage(
-            "create_tenant",
-            name,
-            "--requests-per-second=100000",
-            "--tokens-per-minute=1000000000",
-            "--max-concurrent=1000",
-            "--may-pin",
-            "--may-deploy",
-            # demo-chat is the platform's: a tenant deploys it only when granted it
-            f"--deploy-model={MODEL}",
-        )
-        return self.manage("create_api_key", "--tenant", name).strip().splitlines()[-1]
-
-    def start(self, *, timeout_s: float = 180.0) -> None:
-        for index in range(self.num_gateways):
-            port = free_port()
-            log = (self.state_dir / f"gateway-{index}.log").open("ab")
-            self.processes.append(
-                subprocess.Popen(
-                    [sys.executable, "manage.py", "serve", "--port", str(port)],
-                    cwd=REPO_ROOT,
-                    env=self.env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-            log.close()  # the child holds its own descriptor
-            self.urls.append(f"http://127.0.0.1:{port}")
-        for url in self.urls:
-            self.poll(lambda url=url: httpx.get(f"{url}/readyz", timeout=5).status_code == 200, timeout_s)
-
-    def stop(self) -> None:
-        for process in self.processes:
-            process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self.processes.clear()
-        self.urls.clear()
-
-    def poll(self, predicate: Callable[[], bool], timeout_s: float, *, every_s: float = 0.1) -> None:
-        """Poll a condition of the servers (other processes: there is no event to wait on)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for process in self.processes:
-                if process.poll() is not None:
-                    raise RuntimeError(f"a server exited with {process.returncode}; see {self.state_dir}")
-            with contextlib.suppress(httpx.HTTPError):
-                if predicate():
-                    return
-            time.sleep(every_s)
-        raise TimeoutError(f"condition not met within {timeout_s} s")
-
-    def api(self, method: str, path: str, key: str, *, gateway: int = 0, body: Any = None) -> Any:
-        response = httpx.request(
-            method,
-            f"{self.urls[gateway]}{path}",
-            headers={"Authorization": f"Bearer {key}"},
-            json=body,
-            timeout=30,
-        )
-        if response.status_code >= 400:
-            raise RuntimeError(f"{method} {path}: {response.status_code} {response.text}")
-        return response.json()
-
-
 # --- traffic -------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One request as a client saw it; times are wall clock (time.time()), as the servers' are."""
-
-    client: int
-    gateway: int
-    pin: str | None
-    sent_at: float
-    status: int
-    version: str | None  # X-Served-Version, or the version named by a 503 "no ready replica"
-    tpot_s: float | None
-
-
-class Traffic:
-    """Client threads, each sending its next request when the last one ends (and no sooner than
-    `min_interval_s` after the last one began), keeping every outcome as a Sample."""
-
-    def __init__(
-        self,
-        platform: Platform,
-        key: str,
-        *,
-        clients: Sequence[tuple[int, str | None]],  # (gateway, pinned version or None) per client
-        max_tokens: int = 1,
-        min_interval_s: float = 0.0,
-    ) -> None:
-        self._platform = platform
-        self._key = key
-        self._clients = list(clients)
-        self._max_tokens = max_tokens
-        self._min_interval_s = min_interval_s
-        self._samples: list[Sample] = []
-        self._changed = threading.Condition()
-        self._stopping = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self.errors: list[str] = []
-
-    def __enter__(self) -> Traffic:
-        for index, (gateway, pin) in enumerate(self._clients):
-            thread = threading.Thread(target=self._run, args=(index, gateway, pin), daemon=True)
-            thread.start()
-            self._threads.append(thread)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stopping.set()
-        for thread in self._threads:
-            thread.join(timeout=60)
-
-    def samples(self, *, gateway: int | None = None, pinned: bool | None = None) -> list[Sample]:
-        with self._changed:
-            samples = list(self._samples)
-        return [
-            s
-            for s in samples
-            if (gateway is None or s.gateway == gateway) and (pinned is None or (s.pin is not None) == pinned)
-        ]
-
-    def wait_for(self, predicate: Callable[[Traffic], bool], timeout_s: float) -> None:
-        """Until predicate(self) holds; re-checked as each request ends."""
-        deadline = time.monotonic() + timeout_s
-        with self._changed:  # an RLock: the predicate may read samples()
-            while not predicate(self):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"traffic condition not met within {timeout_s} s")
-                self._changed.wait(left)
-
-    def _run(self, index: int, gateway: int, pin: str | None) -> None:
-        headers = {"Authorization": f"Bearer {self._key}"}
-        if pin is not None:
-            headers["X-Version-Pin"] = pin
-        body = {"input": "A request arrives at the gateway", "max_tokens": self._max_tokens, "temperature": 0}
-        url = f"{self._platform.urls[gateway]}/v1/models/{MODEL}/infer"
-        with httpx.Client(timeout=60, headers=headers) as client:
-            while not self._stopping.is_set():
-                sent_at = time.time()
-                try:
-                    response = client.post(url, json=body)
-                except httpx.HTTPError as exc:
-                    self.errors.append(f"client {index}: {exc!r}")
-                    time.sleep(0.1)
-                    continue
-                sample = Sample(
-                    index, gateway, pin, sent_at, response.status_code, *_version_and_tpot(response)
-                )
-                with self._changed:
-                    self._samples.append(sample)
-                    self._changed.notify_all()
-                if response.status_code == 429:
-                    time.sleep(0.05)
-                wait_s = self._min_interval_s - (time.time() - sent_at)
-                if wait_s > 0:
-                    self._stopping.wait(wait_s)  # pacing, not synchronization
-
-
-def _version_and_tpot(response: httpx.Response) -> tuple[str | None, float | None]:
-    if response.status_code == 200:
-        body = response.json()
-        timings, usage = body.get("timings") or {}, body.get("usage") or {}
-        tokens = usage.get("completion_tokens") or 0
-        tpot_s = None
-        if timings.get("ttft_s") is not None and tokens > 1:
-            tpot_s = (timings["total_s"] - timings["ttft_s"]) / (tokens - 1)
-        return response.headers.get("X-Served-Version"), tpot_s
-    if response.status_code == 503:
-        message = (response.json().get("error") or {}).get("message", "")
-        if message.startswith("no ready replica for "):
-            return message.rpartition(":")[2], None
-    return None, None
-
-
-@dataclass(frozen=True, slots=True)
-class Obedience:
-    """Where one gateway's requests went around a routing change at `since`."""
-
-    lag_s: float  # the last request routed to the canary was sent this long after `since` (0: before)
-    num_canary_before: int  # requests routed to the canary in the 2 s before `since`
-    num_after_limit: int  # requests sent more than `limit_s` after `since` (none went to the canary)
-    num_canary_after_limit: int
-
-
-def obedience(samples: Sequence[Sample], *, since: float, canary: str, limit_s: float = 1.0) -> Obedience:
-    routed = [s.sent_at for s in samples if s.version == canary]
-    after = [s for s in samples if s.sent_at > since + limit_s]
-    return Obedience(
-        lag_s=max(0.0, max(routed, default=since) - since),
-        num_canary_before=sum(1 for t in routed if since - 2.0 <= t <= since),
-        num_after_limit=len(after),
-        num_canary_after_limit=sum(1 for s in after if s.version == canary),
-    )
-
-
-def p99(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-
-
-def _time(value: str | None) -> float | None:
-    return datetime.fromisoformat(value).timestamp() if value else None
 
 
 # --- scenario: rollback call across gateways --------------------------------------------------------
@@ -525,7 +235,7 @@ def judged_rollout(
     ramped = next((e for e in events if e["to_state"] == "ramping"), None)
     decision = next((e for e in events if e["to_state"] == "rolling_back"), None)
     rollback = detail.get("rollback") or {}
-    decided_at = _time(rollback.get("decided_at"))
+    decided_at = parse_time(rollback.get("decided_at"))
     canary = None
     if decided_at is not None:
         traffic.wait_for(lambda t: any(s.sent_at > decided_at + 1.0 + SETTLE_S for s in t.samples()), 60)
@@ -534,9 +244,9 @@ def judged_rollout(
     return JudgeRun(
         candidate=candidate,
         state=detail["state"],
-        ramped_at=_time(ramped["at"]) if ramped else None,
+        ramped_at=parse_time(ramped["at"]) if ramped else None,
         decided_at=decided_at,
-        committed_at=_time(rollback.get("committed_at")),
+        committed_at=parse_time(rollback.get("committed_at")),
         reason=last["reason"],
         figures=last.get("figures") or {},
         canary=canary,

@@ -28,7 +28,6 @@ from serving.gateway.quota import Charge, Ticket
 from serving.gateway.quota_store import quota_store
 from serving.gateway.router import choose_replica
 from serving.transport.protocol import (
-    ABORT,
     ACCEPT_TIMEOUT_S,
     INACTIVITY_TIMEOUT_S,
     NO_READY_REPLICA,
@@ -37,11 +36,14 @@ from serving.transport.protocol import (
     REPLICA_TIMEOUT,
     SLOW_READER,
     SLOW_READER_MESSAGE,
-    SUBMIT,
     TOKENS_LOST,
     TOKENS_LOST_MESSAGE,
+    Abort,
+    EventKind,
     ReplicaState,
+    Submit,
     error_event,
+    event_kind,
 )
 
 logger = logging.getLogger(__name__)
@@ -146,12 +148,7 @@ class InFlightRequest:
             if not any(r.state == ReplicaState.LOADING and r.is_fresh for r in replicas):
                 self._note_failure(NO_READY_REPLICA)
             raise GatewayError(503, f"no ready replica for {self.model_name}:{self.version}", retry_after_s=2)
-        message = {
-            **self._submission,
-            "type": SUBMIT,
-            "request_id": self._wire_id,
-            "submitted_at": time.time(),
-        }
+        message = Submit(request_id=self._wire_id, submitted_at=time.time(), **self._submission).to_wire()
         layer = self._runtime.layer
         # Set before the send: a request cancelled during it may have reached the replica, and close()
         # aborts it there. A refusal is known to have sent nothing: a 429 never touches a replica.
@@ -212,7 +209,7 @@ class InFlightRequest:
         finally:
             if is_trial and not has_verdict:  # it says nothing of the replica: the next request may try
                 breaker.release(replica.replica_id)
-        if not first.get("accepted"):
+        if event_kind(first) is not EventKind.ACCEPTED:
             # Its acceptance was lost on the way (published while the reply hub reconnected to Redis):
             # what came first is already the stream, which the client must not lose.
             self._first_event = first
@@ -344,7 +341,8 @@ class InFlightRequest:
                 event, self._first_event = self._first_event, None
             else:
                 event = await self._next_event(timeout_s=INACTIVITY_TIMEOUT_S)
-            if event.get("keepalive"):  # the replica still holds it (queued, or preempted): wait on
+            # A keepalive: the replica still holds it (queued, or preempted); wait on.
+            if event_kind(event) is EventKind.KEEPALIVE:
                 continue
             is_replica_failure = event.get("error", {}).get("type") in REPLICA_FAILURES
             if is_replica_failure and self.replica is not None:
@@ -460,7 +458,7 @@ class InFlightRequest:
         there would leave its sequence running to max_tokens for nobody. Nothing waits for that: not a
         retry on another replica, nor the quota's release, nor the response's end (the channel of a
         replica that died stays full until it expires)."""
-        message = {"type": ABORT, "request_id": self._wire_id}
+        message = Abort(self._wire_id).to_wire()
         try:
             await self._runtime.layer.send(replica.channel_name, message)
         except ChannelFull:

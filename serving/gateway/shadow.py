@@ -26,7 +26,7 @@ from serving.gateway.data_plane import DataPlane
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest, close_all
 from serving.telemetry.shadow_copies import count_shadow_copy
-from serving.transport.protocol import SHADOW_RESULT
+from serving.transport.protocol import ShadowResult
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +112,7 @@ async def _run(
     if expected is None:  # the primary failed or its client went away: nothing to compare
         return
     try:
-        await runtime.layer.send(
-            handle.replica.channel_name, {"type": SHADOW_RESULT, "matched": text == expected}
-        )
+        await runtime.layer.send(handle.replica.channel_name, ShadowResult(text == expected).to_wire())
     except Exception:
         logger.warning("shadow result for %s:%s not delivered", model_name, version, exc_info=True)
 

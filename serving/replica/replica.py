@@ -86,11 +86,16 @@ from serving.transport.protocol import (
     REPLICA_UNAVAILABLE,
     SHADOW_RESULT,
     SUBMIT,
+    Abort,
     ReplicaState,
+    ShadowResult,
+    accepted_event,
     error_event,
+    keepalive_event,
     max_tokens_for,
     replica_channel_prefix,
     step_message,
+    token_event,
 )
 from serving.transport.replica_directory import Heartbeat, HeartbeatPublisher, RecentSteps
 from serving.transport.reply_hub import ReplyHub
@@ -530,9 +535,9 @@ class Replica:
             self._arrive(submission=message)
         elif kind == ABORT:
             if not self._has_engine_ended:  # else nothing holds the request any more: nothing to abort
-                self._arrive(abort=message["request_id"])
+                self._arrive(abort=Abort.from_wire(message).request_id)
         elif kind == SHADOW_RESULT:
-            matched = bool(message.get("matched"))
+            matched = ShadowResult.from_wire(message).matched
             self.metrics.count({m.SHADOW_COMPARED: 1, m.SHADOW_MATCHED: int(matched)})
 
     @property
@@ -846,7 +851,7 @@ class Replica:
                     route.last_token_at = now
                 for i, _ in enumerate(output.new_token_ids):
                     index = output.num_output_tokens - len(output.new_token_ids) + i
-                    event = {"token": output.new_text if i == 0 else "", "index": index}
+                    event = token_event(output.new_text if i == 0 else "", index)
                     if output.logprobs is not None and i < len(output.logprobs):
                         entry = output.logprobs[i]
                         event["logprob"] = {
@@ -878,7 +883,7 @@ class Replica:
         self._keepalive_due = now + KEEPALIVE_S
         for request_id, route in self._routes.items():
             if route.wants_keepalives and request_id not in result.events_by_inbox.get(route.reply_to, {}):
-                result.add(route, request_id, {"keepalive": True})
+                result.add(route, request_id, keepalive_event())
 
     def _account(self, result: StepResult) -> None:
         """What the heartbeat reports, and the step's sample."""
@@ -944,7 +949,7 @@ class Replica:
             ended.append(RequestSample("error", error_type="internal_error"))
             return
         num_prompt_tokens = arrival.num_prompt_tokens
-        result.add(route, request_id, {"accepted": True, "num_prompt_tokens": num_prompt_tokens})
+        result.add(route, request_id, accepted_event(num_prompt_tokens))
         if self._fault_rng is not None and self._fault_rng.random() < self._error_rate:
             engine.abort(request_id)
             result.add(

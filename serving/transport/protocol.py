@@ -9,6 +9,7 @@ because a rolling upgrade mixes versions of both sides.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, fields
 from typing import Any
 
 # Message types on the channel layers.
@@ -93,3 +94,108 @@ def max_tokens_for(requested: int | None, *, room: int, limit: int) -> int:
     if requested is not None:
         return requested
     return max(1, min(limit, room))
+
+
+# --- the messages as typed records (docs/architecture.md, "The wire protocol") ---------------------------
+# Each has its wire form (`to_wire`, a JSON-ready dict) and is read back with `from_wire`, which ignores
+# fields it does not know: a rolling upgrade mixes versions of both sides.
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """A request for a replica. Exactly one of input (a text), messages (a chat) or inputs (an encoder's
+    texts); params are the sampling fields as the edge checked them (max_tokens None: to the end of the
+    context)."""
+
+    request_id: str  # "<id>", or "<id>-<retry>" for a retry's try
+    submitted_at: float  # wall clock, so that a gateway in another process can be compared
+    reply_to: str  # the gateway process's inbox
+    params: dict[str, Any]
+    input: str | None = None
+    messages: list[dict[str, str]] | None = None
+    inputs: list[str] | None = None
+    tenant: str = "default"
+    cache_group: str | None = None
+    keepalives: bool = False  # the gateway understands keepalive events
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": SUBMIT, **_fields_of(self)}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> Submit:
+        return cls(**_known(cls, wire))
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Stop a request and free its KV blocks; a no-op for one the replica no longer holds."""
+
+    request_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": ABORT, "request_id": self.request_id}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> Abort:
+        return cls(str(wire["request_id"]))
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowResult:
+    """Whether a mirrored copy's text matched its primary's (only for reproducible sampling)."""
+
+    matched: bool
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": SHADOW_RESULT, "matched": self.matched}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> ShadowResult:
+        return cls(bool(wire.get("matched")))
+
+
+class EventKind(enum.StrEnum):
+    """What a replica's event is. On the wire they are told apart by their keys, which old gateways and
+    replicas rely on; `event_kind` reads that."""
+
+    ACCEPTED = "accepted"
+    TOKEN = "token"
+    KEEPALIVE = "keepalive"
+    FINAL = "final"
+    ERROR = "error"
+
+
+def event_kind(event: dict[str, Any]) -> EventKind:
+    if event.get("finish_reason") == "error":
+        return EventKind.ERROR
+    if "finish_reason" in event:
+        return EventKind.FINAL
+    if event.get("accepted"):
+        return EventKind.ACCEPTED
+    if event.get("keepalive"):
+        return EventKind.KEEPALIVE
+    return EventKind.TOKEN
+
+
+def accepted_event(num_prompt_tokens: int) -> dict[str, Any]:
+    """The replica has the request; the tokens its prompt counts (what the tenant's quota settles)."""
+    return {"accepted": True, "num_prompt_tokens": num_prompt_tokens}
+
+
+def keepalive_event() -> dict[str, Any]:
+    """The replica still holds the request (queued for a slot, or preempted) and has no token for it."""
+    return {"keepalive": True}
+
+
+def token_event(text: str, index: int) -> dict[str, Any]:
+    """Token `index` of the output; a step's later tokens carry "" (its text came with the first)."""
+    return {"token": text, "index": index}
+
+
+def _fields_of(record: Any) -> dict[str, Any]:
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+def _known(cls: type, wire: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in wire.items() if k in names}

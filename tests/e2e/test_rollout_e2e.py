@@ -16,14 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from serving.benchmarks.rollback_bench import (
-    Platform,
-    RollbackRun,
-    Sample,
-    Traffic,
-    canary_then_rollback,
-    throwaway_postgres,
-)
+from serving.benchmarks.rollback_bench import RollbackRun, canary_then_rollback
+from serving.benchmarks.rollback_platform import Platform, throwaway_postgres
+from serving.benchmarks.rollback_traffic import Sample, Traffic
 
 pytestmark = pytest.mark.live_server_process
 NUM_RUNS = 3

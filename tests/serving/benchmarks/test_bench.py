@@ -28,7 +28,7 @@ from serving.benchmarks.workload import (
 from tests.serving.benchmarks.scripted_http import SSE_HEAD, ScriptedServer, chunk
 
 if TYPE_CHECKING:
-    from serving.benchmarks.serve_bench import CompareRound
+    from serving.benchmarks.serve_compare import CompareRound
 
 SMALL = WorkloadSpec(
     num_requests=4,
@@ -185,12 +185,8 @@ def test_the_bench_command_refuses_unknown_systems(demo_model_dir: Path) -> None
 
 
 def test_paired_ttft_added_pairs_requests_by_id_and_ignores_incomplete_ones() -> None:
-    from serving.benchmarks.serve_bench import (
-        HttpRun,
-        paired_ttft_added_ms,
-        path_ttft_ms,
-        replica_ttft_added_ms,
-    )
+    from serving.benchmarks.http_run import HttpRun
+    from serving.benchmarks.serve_compare import paired_ttft_added_ms, path_ttft_ms, replica_ttft_added_ms
 
     # Prompts of very different cost: a difference of medians would mix them, the pairing does not.
     alone = {"a": 0.010, "b": 0.200, "c": 0.050}
@@ -218,7 +214,8 @@ def round_of(
 ) -> CompareRound:
     """A round whose replica waited `seed` ms before each request's first forward pass (no such timings
     without `queue`)."""
-    from serving.benchmarks.serve_bench import CompareRound, HttpRun
+    from serving.benchmarks.http_run import HttpRun
+    from serving.benchmarks.serve_compare import CompareRound
 
     records = [_record(i, 0.0, t) for i, t in api_ttft_s.items()]
     run = HttpRun(records=records, inter_token_s=[], replica_ttft_s=dict(alone_ttft_s))
@@ -229,7 +226,7 @@ def round_of(
 
 
 def test_repeated_rounds_pool_their_requests_into_one_figure() -> None:
-    from serving.benchmarks.serve_bench import pooled_ttft_added_ms, rounds_report
+    from serving.benchmarks.serve_compare import pooled_ttft_added_ms, rounds_report
 
     # Request ids repeat between rounds (each round's workload numbers its own): pairing stays per round.
     rounds = [
@@ -252,7 +249,7 @@ def test_repeated_rounds_pool_their_requests_into_one_figure() -> None:
 
 
 def test_a_figure_a_round_lacks_is_left_out_of_its_median() -> None:
-    from serving.benchmarks.serve_bench import rounds_report
+    from serving.benchmarks.serve_compare import rounds_report
 
     # The first round's replica sent no queue_s: its column is NaN there, and the median is the others'.
     rounds = [
@@ -304,7 +301,8 @@ def _sse_reply(replica_ttft_s: float) -> list[bytes]:
 
 
 async def test_interleaved_requests_alternate_which_path_runs_first_and_pair_up_by_request() -> None:
-    from serving.benchmarks.serve_bench import TextRequest, run_interleaved
+    from serving.benchmarks.http_run import TextRequest
+    from serving.benchmarks.serve_interleaved import run_interleaved
 
     requests = [TextRequest(f"req-{i}", float(i), f"prompt {i}", 1) for i in range(4)]
     refusal = [b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\n\r\n", b"{}"]
@@ -336,7 +334,8 @@ async def test_interleaved_requests_alternate_which_path_runs_first_and_pair_up_
 
 
 async def test_interleaved_blocks_run_each_path_in_turn_and_mark_pairs_no_other_run_came_between() -> None:
-    from serving.benchmarks.serve_bench import TextRequest, run_interleaved
+    from serving.benchmarks.http_run import TextRequest
+    from serving.benchmarks.serve_interleaved import run_interleaved
 
     requests = [TextRequest(f"req-{i}", float(i), f"prompt {i}", 1) for i in range(5)]
     server = ScriptedServer([_sse_reply(0.009)] + [_sse_reply(0.001 * (i + 1)) for i in range(5)])
@@ -370,7 +369,7 @@ async def test_interleaved_blocks_run_each_path_in_turn_and_mark_pairs_no_other_
 
 
 def test_the_interleaved_report_separates_a_shift_of_every_request_from_outliers() -> None:
-    from serving.benchmarks.serve_bench import (
+    from serving.benchmarks.serve_interleaved import (
         Pair,
         bootstrap_interval,
         interleaved_report,
@@ -410,7 +409,7 @@ def test_the_interleaved_report_separates_a_shift_of_every_request_from_outliers
 
 
 def test_the_interleaved_report_reads_the_warm_pairs_apart() -> None:
-    from serving.benchmarks.serve_bench import Pair, interleaved_report
+    from serving.benchmarks.serve_interleaved import Pair, interleaved_report
 
     # The first pair of each block pays 8 ms for a run that followed the other path's; the rest 2 ms.
     pairs = [
@@ -452,7 +451,7 @@ def test_interleaved_refuses_a_rate_or_rounds() -> None:
 
 
 def test_a_duration_sends_every_request_that_arrives_in_it() -> None:
-    from serving.benchmarks.serve_bench import LoadSpec, make_text_workload
+    from serving.benchmarks.serve_workload import LoadSpec, make_text_workload
 
     timed = make_text_workload(LoadSpec(rate_per_s=4.0, duration_s=10.0, seed=5))
     assert 20 < len(timed) < 60  # ~40 at 4/s
@@ -473,7 +472,7 @@ def _count_like_a_tokenizer(text: str) -> int:
 
 
 def test_prompt_lengths_in_tokens_are_met_exactly_where_the_words_allow() -> None:
-    from serving.benchmarks.serve_bench import LoadSpec, make_text_workload
+    from serving.benchmarks.serve_workload import LoadSpec, make_text_workload
 
     spec = LoadSpec(num_requests=40, min_prompt_len=3, max_prompt_len=50, seed=2)
     by_words = make_text_workload(spec)
@@ -485,7 +484,8 @@ def test_prompt_lengths_in_tokens_are_met_exactly_where_the_words_allow() -> Non
 
 
 def test_prompt_lengths_in_tokens_on_a_real_tokenizer(demo_model_dir: Path) -> None:
-    from serving.benchmarks.serve_bench import LoadSpec, _token_counter, make_text_workload
+    from serving.benchmarks.serve_bench import _token_counter
+    from serving.benchmarks.serve_workload import LoadSpec, make_text_workload
 
     count_tokens = _token_counter(demo_model_dir)
     requests = make_text_workload(
@@ -518,7 +518,9 @@ def test_bench_serve_options_that_contradict_each_other_are_refused() -> None:
 
 
 async def test_a_stream_the_model_ends_early_counts_at_its_length() -> None:
-    from serving.benchmarks.serve_bench import HttpRun, TextRequest, http_report, run_http_load, summarize
+    from serving.benchmarks.http_run import HttpRun, TextRequest
+    from serving.benchmarks.serve_bench import http_report
+    from serving.benchmarks.serve_workload import run_http_load, summarize
 
     sla = {"sla_ttft_s": 60.0, "sla_tpot_s": 60.0}
 
@@ -564,7 +566,9 @@ def _failed(request_id: str, sent_s: float) -> RequestRecord:
 
 
 def test_requests_that_failed_count_against_the_sla() -> None:
-    from serving.benchmarks.serve_bench import HttpRun, http_report, summarize
+    from serving.benchmarks.http_run import HttpRun
+    from serving.benchmarks.serve_bench import http_report
+    from serving.benchmarks.serve_workload import summarize
 
     sla = {"sla_ttft_s": 1.0, "sla_tpot_s": 1.0}
     # 60 fast requests and 40 that failed (503, 429, timeouts): far from meeting the SLA at p99.
@@ -599,7 +603,9 @@ def test_requests_that_failed_count_against_the_sla() -> None:
 
 
 def test_every_throughput_divides_by_one_run_duration() -> None:
-    from serving.benchmarks.serve_bench import HttpRun, http_report, summarize
+    from serving.benchmarks.http_run import HttpRun
+    from serving.benchmarks.serve_bench import http_report
+    from serving.benchmarks.serve_workload import summarize
 
     # Sent at 0.5 s and 1.0 s: the first completes at 4.1 s (2 tokens), the second times out at 10.5 s.
     run = HttpRun([_record("ok", 0.5, 4.0), _failed("late", 1.0)], [], spans_s=[(0.5, 4.1), (1.0, 10.5)])
@@ -622,7 +628,8 @@ DONE = b'data: {"finish_reason": "length"}\n\n'
 
 
 async def test_a_stream_that_ends_incomplete_is_counted_by_why() -> None:
-    from serving.benchmarks.serve_bench import TextRequest, run_http_load
+    from serving.benchmarks.http_run import TextRequest
+    from serving.benchmarks.serve_workload import run_http_load
 
     requests = [TextRequest(f"req-{i}", 0.0, "x", 2) for i in range(4)]
     replies = [
@@ -647,7 +654,8 @@ async def test_a_stream_that_ends_incomplete_is_counted_by_why() -> None:
 
 
 async def test_each_request_counts_once_under_its_outcome() -> None:
-    from serving.benchmarks.serve_bench import TextRequest, run_http_load
+    from serving.benchmarks.http_run import TextRequest
+    from serving.benchmarks.serve_workload import run_http_load
 
     requests = [TextRequest(f"req-{i}", 0.0, "x", 1) for i in range(4)]
     replies = [
@@ -665,7 +673,8 @@ async def test_each_request_counts_once_under_its_outcome() -> None:
 
 
 async def test_inter_token_gaps_count_only_for_requests_that_complete() -> None:
-    from serving.benchmarks.serve_bench import TextRequest, run_http_load
+    from serving.benchmarks.http_run import TextRequest
+    from serving.benchmarks.serve_workload import run_http_load
 
     requests = [TextRequest("complete", 0.0, "x", 3), TextRequest("cut", 0.0, "y", 3)]
     # Two gaps between tokens in each stream; the second ends without its final event.
@@ -681,7 +690,7 @@ async def test_inter_token_gaps_count_only_for_requests_that_complete() -> None:
 
 
 def test_the_seed_fixes_prompts_and_lengths_at_any_rate() -> None:
-    from serving.benchmarks.serve_bench import LoadSpec, make_text_workload
+    from serving.benchmarks.serve_workload import LoadSpec, make_text_workload
 
     def drawn(rate: float | None) -> list[tuple[str, int]]:
         requests = make_text_workload(LoadSpec(num_requests=20, rate_per_s=rate, seed=4))
@@ -693,7 +702,8 @@ def test_the_seed_fixes_prompts_and_lengths_at_any_rate() -> None:
 
 
 def test_a_rate_that_is_not_positive_is_refused() -> None:
-    from serving.benchmarks.serve_bench import LoadSpec, make_text_workload, run_serve_from_options
+    from serving.benchmarks.serve_bench import run_serve_from_options
+    from serving.benchmarks.serve_workload import LoadSpec, make_text_workload
 
     for rate in (0.0, -2.0, math.nan):
         with pytest.raises(ValueError, match="--rate must be a positive number"):
@@ -754,7 +764,7 @@ def test_the_bench_platform_takes_none_of_the_shells_own_configuration_and_leave
     import subprocess
     import sys
 
-    from serving.benchmarks.serve_bench import Platform
+    from serving.benchmarks.serve_platform import Platform
 
     monkeypatch.setenv("SWITCHYARD_MAX_RUNNING_PER_TENANT", "16")
     monkeypatch.setenv("SWITCHYARD_COMPILE", "1")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from serving.benchmarks.http_run import TextRequest
 from serving.benchmarks.openai_load import (
     CompletionStream,
     Usage,
@@ -20,7 +21,8 @@ from serving.benchmarks.openai_load import (
     read_stream,
     run_openai_load,
 )
-from serving.benchmarks.serve_bench import TextRequest, http_report, run_serve_from_options, summarize
+from serving.benchmarks.serve_bench import http_report, run_serve_from_options
+from serving.benchmarks.serve_workload import summarize
 from serving.benchmarks.workload import RequestRecord
 from tests.serving.benchmarks.scripted_http import SSE_HEAD, ScriptedServer, chunk
 

@@ -39,3 +39,43 @@ def test_max_tokens_none_runs_to_the_room_left_within_the_limit() -> None:
 def test_the_timing_contract_holds() -> None:
     assert protocol.KEEPALIVE_S < protocol.INACTIVITY_TIMEOUT_S
     assert protocol.HEARTBEAT_INTERVAL_S < protocol.STALE_AFTER_S
+
+
+def test_a_submission_reads_back_as_it_was_sent_and_ignores_fields_it_does_not_know() -> None:
+    sent = protocol.Submit(
+        request_id="abc-1",
+        submitted_at=1.5,
+        reply_to="switchyard.inbox.x",
+        params={"max_tokens": None, "temperature": 0.0},
+        messages=[{"role": "user", "content": "hi"}],
+        tenant="acme",
+        cache_group="acme",
+        keepalives=True,
+    )
+    wire = sent.to_wire()
+    assert wire["type"] == "replica.submit"
+    # A newer gateway's field: an older replica reads the rest.
+    assert protocol.Submit.from_wire({**wire, "service_tier": "flex"}) == sent
+
+
+def test_an_abort_and_a_shadow_result_keep_their_wire_shape() -> None:
+    # Replicas of the previous release read these keys: the shape is the contract.
+    assert protocol.Abort("abc").to_wire() == {"type": "replica.abort", "request_id": "abc"}
+    assert protocol.ShadowResult(True).to_wire() == {"type": "replica.shadow_result", "matched": True}
+    assert (
+        protocol.Abort.from_wire({"type": "replica.abort", "request_id": "abc", "extra": 1}).request_id
+        == "abc"
+    )
+
+
+def test_every_event_is_told_apart_by_its_keys() -> None:
+    kinds = {
+        protocol.EventKind.ACCEPTED: protocol.accepted_event(7),
+        protocol.EventKind.TOKEN: protocol.token_event("hi", 0),
+        protocol.EventKind.KEEPALIVE: protocol.keepalive_event(),
+        protocol.EventKind.FINAL: {"finish_reason": "stop", "usage": {}},
+        protocol.EventKind.ERROR: protocol.error_event(protocol.REPLICA_LOST, "gone"),
+    }
+    assert {kind: protocol.event_kind(event) for kind, event in kinds.items()} == {k: k for k in kinds}
+    assert protocol.accepted_event(7) == {"accepted": True, "num_prompt_tokens": 7}
+    assert protocol.token_event("", 3) == {"token": "", "index": 3}
