@@ -20,7 +20,6 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from registry.selectors import VersionRef, versions_with_traffic
 from serving.cancelling import cancel_and_wait, raise_if_cancelling
 from serving.gateway import data_plane, shadow
 from serving.gateway.breaker import breaker
@@ -31,6 +30,7 @@ from serving.gateway.quota import LEASE_RENEW_EVERY_S
 from serving.gateway.quota_store import quota_store
 from serving.gateway.router import REVALIDATE_S, routing_cache
 from serving.replica.replica import Replica
+from serving.replica.supervisor import ReplicaSupervisor
 from serving.throttle import Throttle
 from serving.transport.protocol import ReplicaState
 from serving.transport.replica_directory import Heartbeat, ReplicaDirectory
@@ -95,17 +95,22 @@ class Runtime:
         self.layer = layer  # submissions and aborts
         self.replies = layer if replies is None else replies  # the replicas' steps, to self.hub
         self.hub = ReplyHub(self.replies)
-        self.replicas: dict[tuple[str, str], Replica] = {}
-        self._draining: dict[str, Replica] = {}  # by replica id: no new work, finishing what they hold
-        self._unwanted_since: dict[tuple[str, str], float] = {}  # out of the routing table, not yet draining
+        # The embedded replicas (make serve): one per version with traffic. Empty with replica processes.
+        self.supervisor = ReplicaSupervisor(
+            layer=self.layer, replies=self.replies, hub=self.hub, drain_grace_s=DRAIN_GRACE_S
+        )
         self.directory = ReplicaDirectory(settings.REDIS_URL) if settings.REDIS_URL else None
         self._cold_starts: dict[tuple[str, str], _ColdStart] = {}  # versions requests wait for a replica of
         self._supervisor: asyncio.Task[None] | None = None
         self._route_refresher: asyncio.Task[None] | None = None
-        self._synced = asyncio.Event()
         self.failures = GatewayFailures()  # requests that failed where no replica counts them
         self._failure_flusher: asyncio.Task[None] | None = None
         self._lease_renewer: asyncio.Task[None] | None = None
+
+    @property
+    def replicas(self) -> dict[tuple[str, str], Replica]:
+        """This process's serving replicas by (model, version); draining ones are the supervisor's."""
+        return self.supervisor.replicas
 
     async def start(self, *, embedded_replicas: bool) -> None:
         await self.hub.start()
@@ -120,10 +125,10 @@ class Runtime:
         )
         if embedded_replicas:
             self._supervisor = asyncio.get_running_loop().create_task(
-                self._supervise(), name="replica-supervisor"
+                self.supervisor.run(), name="replica-supervisor"
             )
         else:
-            self._synced.set()
+            self.supervisor.synced.set()
 
     async def stop(self) -> None:
         for cold in self._cold_starts.values():
@@ -137,13 +142,13 @@ class Runtime:
         await cancel_and_wait(loops)  # logs those that had failed
         # All at once: each waits out its step and a metrics flush bounded at 5 s, which one after another
         # would add up past a supervisor's kill deadline; and one that fails stops none of the others.
-        stopping = [*self.replicas.values(), *self._draining.values()]
+        stopping = [*self.replicas.values(), *self.supervisor.draining.values()]
         outcomes = await asyncio.gather(*(replica.stop() for replica in stopping), return_exceptions=True)
         for replica, outcome in zip(stopping, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 logger.error("replica %s: its stop failed", replica.replica_id, exc_info=outcome)
         self.replicas.clear()
-        self._draining.clear()
+        self.supervisor.draining.clear()
         try:
             async with asyncio.timeout(5.0):  # a database that does not answer must not hold the shutdown
                 flushed = await self.flush_failures()
@@ -254,7 +259,7 @@ class Runtime:
 
     async def is_alive(self, handle: ReplicaHandle) -> bool:
         if handle.is_local:
-            local = {r.replica_id: r for r in (*self.replicas.values(), *self._draining.values())}
+            local = {r.replica_id: r for r in (*self.replicas.values(), *self.supervisor.draining.values())}
             replica = local.get(handle.replica_id)
             return replica is not None and replica.state in (ReplicaState.READY, ReplicaState.DRAINING)
         assert self.directory is not None
@@ -270,7 +275,8 @@ class Runtime:
     def local_replicas(self) -> list[ReplicaHandle]:
         """This process's replicas, draining ones included."""
         return [
-            _local_handle(r, with_step_time=True) for r in (*self.replicas.values(), *self._draining.values())
+            _local_handle(r, with_step_time=True)
+            for r in (*self.replicas.values(), *self.supervisor.draining.values())
         ]
 
     async def all_replicas(self) -> list[ReplicaHandle]:
@@ -286,7 +292,7 @@ class Runtime:
 
     async def wait_ready(self) -> bool:
         """Wait for the supervisor's first pass and for every replica it started to finish loading."""
-        await self._synced.wait()
+        await self.supervisor.synced.wait()
         results = [await replica.wait_loaded() for replica in list(self.replicas.values())]
         return all(results)
 
@@ -303,57 +309,6 @@ class Runtime:
             except Exception:
                 logger.exception("routing refresher: revalidation failed; requests revalidate in line")
             await asyncio.sleep(REVALIDATE_S / 4)
-
-    async def _supervise(self) -> None:
-        """Keep one replica per version that has traffic; pick up new versions without a restart."""
-        while True:
-            try:
-                wanted = await database_sync_to_async(versions_with_traffic, thread_sensitive=False)()
-                await self._reconcile(wanted)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("replica supervisor: sync failed; keeping the replicas it has")
-            self._synced.set()
-            await asyncio.sleep(settings.REPLICA_SYNC_INTERVAL_S)
-
-    async def _reconcile(self, wanted: list[VersionRef]) -> None:
-        wanted_keys = {(ref.model_name, ref.version): ref for ref in wanted}
-        for key, ref in wanted_keys.items():
-            replica = self.replicas.get(key)
-            if replica is not None and replica.state is not ReplicaState.STOPPED:
-                continue  # a FAILED replica stays down until an operator acts; the error is logged
-            replica = Replica(
-                ref,
-                layer=self.layer,
-                replies=self.replies,
-                torch_threads=settings.REPLICA_TORCH_THREADS or settings.EMBEDDED_TORCH_THREADS,
-                local_hub=self.hub,
-            )
-            self.replicas[key] = replica
-            asyncio.get_running_loop().create_task(replica.start(), name=f"replica-start-{ref.version}")
-        now = time.monotonic()
-        for key in list(self._unwanted_since):
-            if key in wanted_keys or key not in self.replicas:
-                del self._unwanted_since[key]
-        for key in set(self.replicas) - set(wanted_keys):
-            # Gateways learn of a routing edit up to REVALIDATE_S later; until every one has, a request
-            # may still be routed here, so the replica keeps admitting for at least DRAIN_GRACE_S (up
-            # to one supervisor period more) first.
-            since = self._unwanted_since.setdefault(key, now)
-            if now - since < DRAIN_GRACE_S:
-                continue
-            del self._unwanted_since[key]
-            replica = self.replicas.pop(key)
-            replica.drain()
-            self._draining[replica.replica_id] = replica
-            asyncio.get_running_loop().create_task(self._drain_then_stop(replica), name=f"drain-{key[1]}")
-
-    async def _drain_then_stop(self, replica: Replica) -> None:
-        """Scale-down waits for the requests already accepted, then frees the model."""
-        await replica.wait_idle()
-        await replica.stop()
-        self._draining.pop(replica.replica_id, None)
 
 
 _runtimes: dict[asyncio.AbstractEventLoop, Runtime] = {}  # started

@@ -37,14 +37,14 @@ async def test_an_unrouted_version_keeps_admitting_for_the_grace_period_then_dra
     replica = FakeReplica()
     runtime.replicas[("demo-chat", "v2")] = replica  # type: ignore[assignment]
 
-    await runtime._reconcile([])  # the edit: v2 has no traffic any more
+    await runtime.supervisor.reconcile([])  # the edit: v2 has no traffic any more
     clock[0] += DRAIN_GRACE_S * 0.9
-    await runtime._reconcile([])
+    await runtime.supervisor.reconcile([])
     assert replica.state is ReplicaState.READY  # a gateway with the old table may still route here
     assert ("demo-chat", "v2") in runtime.replicas
 
     clock[0] += DRAIN_GRACE_S * 0.2
-    await runtime._reconcile([])
+    await runtime.supervisor.reconcile([])
     assert replica.state is ReplicaState.DRAINING
     assert ("demo-chat", "v2") not in runtime.replicas
     await asyncio.wait_for(replica.stopped.wait(), timeout=5)
@@ -60,11 +60,11 @@ async def test_a_version_routed_again_within_the_grace_period_is_never_drained(m
     runtime.replicas[("demo-chat", "v2")] = replica  # type: ignore[assignment]
     ref = VersionRef("demo-chat", "v2", version_id=2, artifact_uri="unused", sha256="unused", files={})
 
-    await runtime._reconcile([])
+    await runtime.supervisor.reconcile([])
     clock[0] += DRAIN_GRACE_S * 0.5
-    await runtime._reconcile([ref])  # traffic back (a quick promote after a mistaken rollback)
+    await runtime.supervisor.reconcile([ref])  # traffic back (a quick promote after a mistaken rollback)
     clock[0] += DRAIN_GRACE_S * 0.6
-    await runtime._reconcile([])  # out again: the grace period starts over
+    await runtime.supervisor.reconcile([])  # out again: the grace period starts over
     assert replica.state is ReplicaState.READY
 
 
