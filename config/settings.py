@@ -333,6 +333,9 @@ ROLLOUT_THRESHOLDS: dict[str, float] = {
     "min_output_length_ratio": 0.5,
     "min_truncation_increase": 0.05,
 }
+# This loop's data plane, started: () -> awaitable DataPlane (serving/gateway/data_plane.py). The gateway
+# names the composition root here rather than importing it (docs/architecture.md, "Import rules").
+DATA_PLANE = "serving.runtime.get_runtime"
 # Where the judge reads a version's window: f(*, model_name, version, start, end) -> window (dotted path).
 ROLLOUT_WINDOW_READER = os.environ.get("SWITCHYARD_ROLLOUT_WINDOW_READER", "serving.selectors.version_window")
 # Is the candidate's replica ready? f(deployment) -> bool (dotted path; see rollouts.services).

@@ -21,7 +21,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from serving.cancelling import cancel_and_wait, raise_if_cancelling
-from serving.gateway import data_plane, shadow
+from serving.gateway import shadow
 from serving.gateway.breaker import breaker
 from serving.gateway.data_plane import ReplicaHandle
 from serving.gateway.errors import GatewayError
@@ -414,7 +414,3 @@ async def shutdown_runtime() -> None:
     if runtime is not None:
         await shadow.cancel_all()  # copies nobody waits for; their replicas are about to stop
         await runtime.stop()
-
-
-# The gateway reaches this loop's runtime through its DataPlane protocol (serving/gateway/data_plane.py).
-data_plane.provide(get_runtime)

@@ -192,8 +192,6 @@ def test_importing_the_gateway_and_the_edge_loads_no_torch() -> None:
     code = (
         "import os, sys, django\n"
         "os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'config.settings')\n"
-        "import serving.apps\n"
-        "serving.apps.ServingConfig.ready = lambda self: None  # the root, which hosts replicas, stays out\n"
         "django.setup()\n"
         "import serving.gateway.dispatch, serving.edge.openai_api, serving.edge.infer_api\n"
         "import serving.edge.websocket\n"
@@ -211,6 +209,7 @@ def test_every_dotted_path_in_settings_names_something_real() -> None:
 
     paths = [
         settings.EMBEDDED_SCHEDULER_STARTER,
+        settings.DATA_PLANE,
         settings.ROLLOUT_READINESS_CHECK,
         settings.ROLLOUT_WINDOW_READER,
         *settings.MIDDLEWARE,

@@ -2,16 +2,20 @@
 
 The runtime (serving/runtime.py) is the composition root: it holds the reply hub, the channel layer,
 this process's embedded replicas and the replica directory, and it imports both sides. The gateway
-sees it only as a DataPlane, which the root provides when the app loads (serving/apps.py), so that no
-gateway module imports the runtime, the replica side or the engine (docs/architecture.md, "Import
-rules").
+sees it only as a DataPlane, got through the dotted path settings.DATA_PLANE, so that no gateway
+module imports the runtime, the replica side or the engine (docs/architecture.md, "Import rules"), and
+no process that never serves a request loads the root for it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
+
+from django.conf import settings
+from django.utils.module_loading import import_string
 
 from serving.gateway.failures import GatewayFailures
 from serving.transport.reply_hub import ReplyHub
@@ -57,17 +61,11 @@ class DataPlane(Protocol):
     async def is_alive(self, handle: ReplicaHandle) -> bool: ...
 
 
-_provider: Callable[[], Awaitable[DataPlane]] | None = None
-
-
-def provide(getter: Callable[[], Awaitable[DataPlane]]) -> None:
-    """Called once by the composition root: `getter` returns this loop's data plane, started."""
-    global _provider
-    _provider = getter
+@functools.cache
+def _getter(path: str) -> Callable[[], Awaitable[DataPlane]]:
+    return cast(Callable[[], Awaitable[DataPlane]], import_string(path))
 
 
 async def data_plane() -> DataPlane:
-    """This loop's data plane, started (the runtime's get_runtime)."""
-    if _provider is None:
-        raise RuntimeError("no data plane provided: serving.apps registers serving.runtime's at app load")
-    return await _provider()
+    """This loop's data plane, started (settings.DATA_PLANE: the runtime's get_runtime)."""
+    return await _getter(settings.DATA_PLANE)()
