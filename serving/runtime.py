@@ -55,6 +55,7 @@ class _ColdStart:
 
 def _local_handle(replica: Replica, *, with_step_time: bool = False) -> ReplicaHandle:
     """`with_step_time`: for the dashboard; routing, on every request's way, has no use for it."""
+    report = replica.load_report
     return ReplicaHandle(
         replica_id=replica.replica_id,
         model_name=replica.ref.model_name,
@@ -62,13 +63,13 @@ def _local_handle(replica: Replica, *, with_step_time: bool = False) -> ReplicaH
         channel_name=replica.channel_name,
         state=str(replica.state),
         load=replica.load,
-        kv_cache_usage=replica.kv_cache_usage,
+        kv_cache_usage=report.kv_cache_usage,
         is_ready=replica.is_ready,
         is_local=True,
         # Counted as the heartbeat counts it: arrivals not yet handed to the engine wait too.
-        queue_depth=replica.load - replica.num_running,
-        num_running=replica.num_running,
-        step_s=replica.recent_steps.read(time.monotonic()).mean_s if with_step_time else 0.0,
+        queue_depth=replica.load - report.num_running,
+        num_running=report.num_running,
+        step_s=report.recent_steps.read(time.monotonic()).mean_s if with_step_time else 0.0,
     )
 
 

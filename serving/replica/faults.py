@@ -9,10 +9,14 @@ itself, SWITCHYARD_FAULTS="demo-chat:v3=delay_ms:40,error_rate:0.2;demo-chat:v4=
 from __future__ import annotations
 
 import functools
+import logging
 import math
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 
 from django.conf import settings
+
+logger = logging.getLogger(__name__)
 
 
 class FaultInjectionRefused(Exception):
@@ -89,4 +93,34 @@ def configured_faults(model_name: str, version: str) -> Faults | None:
     faults = parse_faults(spec).get((model_name, version))
     if faults is not None and faults.is_active:
         check_fault_injection_allowed()
+    return faults
+
+
+@dataclass(slots=True)
+class ArmedFaults:
+    """The faults a running replica applies: read by its model thread at every step and admission. Empty
+    (nothing injected) until arm_faults() fills it at start."""
+
+    step_delay_s: float = 0.0
+    error_rate: float = 0.0
+    rng: random.Random | None = field(default=None, repr=False)
+
+    def fails_admission(self) -> bool:
+        """Whether the request being admitted ends in an injected_fault error instead of its tokens."""
+        return self.rng is not None and self.rng.random() < self.error_rate
+
+
+def arm_faults(armed: ArmedFaults, faults: Faults | None, model_name: str, version: str) -> Faults | None:
+    """Fill `armed` from `faults` (None: what SWITCHYARD_FAULTS sets for the version) and return the faults
+    applied. Raises FaultInjectionRefused when injection is not allowed: the replica fails to start,
+    saying why."""
+    if faults is None:
+        faults = configured_faults(model_name, version)
+    if faults is None or not faults.is_active:
+        return faults
+    check_fault_injection_allowed()
+    armed.step_delay_s = faults.step_delay_ms / 1000
+    armed.error_rate = faults.error_rate
+    armed.rng = random.Random(faults.seed)
+    logger.warning("replica %s:%s: FAULT INJECTION on: %s", model_name, version, faults)
     return faults

@@ -1,7 +1,7 @@
 """The records the replica's threads pass between them: where a request's events go (Route), a submission
 made ready off the model thread (Arrival), one step's events by inbox with what its metrics need
-(StepResult), what the model thread hands the loop (Outgoing); and how an ended request becomes its final
-event and its metrics sample."""
+(StepResult), what the model thread hands the loop (Outgoing); and how a step's output becomes token
+events, and an ended request its final event and its metrics sample."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serving.telemetry.recorder import RequestSample
+from serving.transport.protocol import ErrorEvent, Event, FinalEvent, TokenEvent, token_event
 from serving.transport.vectors import encode_vectors
 
 
@@ -40,7 +41,7 @@ class Arrival:
     params: Any = None  # the engine's SamplingParams
     tenant: str = "default"
     cache_group: str | None = None
-    error: dict[str, Any] | None = None  # an error event: no engine work; the model thread emits it in order
+    error: ErrorEvent | None = None  # an error event: no engine work; the model thread emits it in order
 
 
 @dataclass(slots=True)
@@ -55,16 +56,14 @@ class Outgoing:
 
 @dataclass(slots=True)
 class StepResult:
-    events_by_inbox: dict[str, dict[str, list[dict[str, Any]]]] = field(
-        default_factory=lambda: defaultdict(dict)
-    )
+    events_by_inbox: dict[str, dict[str, list[Event]]] = field(default_factory=lambda: defaultdict(dict))
     # For the metrics, recorded once the events are out.
     model_time_s: float | None = None  # None: no forward pass
     itl_s: list[float] = field(default_factory=list)
     ended: list[RequestSample] = field(default_factory=list)
     starts_a_stream: bool = False  # it holds an acceptance or a first token
 
-    def add(self, route: Route, request_id: str, event: dict[str, Any]) -> None:
+    def add(self, route: Route, request_id: str, event: Event) -> None:
         self.events_by_inbox[route.reply_to].setdefault(request_id, []).append(event)
         if "accepted" in event or event.get("index") == 0:
             self.starts_a_stream = True
@@ -73,6 +72,26 @@ class StepResult:
         for inbox, items in other.events_by_inbox.items():
             for request_id, events in items.items():
                 self.events_by_inbox[inbox].setdefault(request_id, []).extend(events)
+
+
+def token_events(output: Any) -> list[TokenEvent]:
+    """The tokens one step added to a request (an engine's RequestOutput) as token events: the step's new
+    text on the first, each with its logprobs where the request asked for them."""
+    events = []
+    for i, _ in enumerate(output.new_token_ids):
+        event = token_event(
+            output.new_text if i == 0 else "", output.num_output_tokens - len(output.new_token_ids) + i
+        )
+        if output.logprobs is not None and i < len(output.logprobs):
+            entry = output.logprobs[i]
+            event["logprob"] = {
+                "token": entry.token,
+                "logprob": entry.logprob,
+                "top": entry.top,
+                "bytes": entry.bytes,
+            }
+        events.append(event)
+    return events
 
 
 def request_sample(output: Any, route: Route) -> RequestSample:
@@ -94,14 +113,14 @@ def request_sample(output: Any, route: Route) -> RequestSample:
     )
 
 
-def final_event(output: Any, route: Route) -> dict[str, Any]:
+def final_event(output: Any, route: Route) -> FinalEvent:
     ttft = output.first_token_time - output.arrival_time if output.first_token_time is not None else None
     total = (output.finished_time or time.monotonic()) - output.arrival_time
     # From the gateway's submission to the first forward pass that held the request: the replica's part
     # of the time before any model work (receiving, tokenizing, waiting for a step), as TGI's queue time.
     first_scheduled = route.seq.first_scheduled_time if route.seq is not None else None
     queue = first_scheduled - output.arrival_time if first_scheduled is not None else None
-    event: dict[str, Any] = {
+    event: FinalEvent = {
         "finish_reason": str(output.finish_reason),
         "usage": {
             "prompt_tokens": output.num_prompt_tokens,
@@ -117,7 +136,11 @@ def final_event(output: Any, route: Route) -> dict[str, Any]:
     }
     vectors = getattr(output, "vectors", None)  # a non-generative model's result
     if vectors is not None:
-        event[output.result_field] = encode_vectors(vectors)
+        rows = encode_vectors(vectors)
+        if output.result_field == "scores":  # a classifier's
+            event["scores"] = rows
+        else:
+            event["embeddings"] = rows
         if output.labels is not None:
             event["labels"] = list(output.labels)
     return event

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict
 
 # Message types on the channel layers.
 SUBMIT = "replica.submit"  # gateway -> replica: a request (to switchyard.replica.<model>.<version>.<id>)
@@ -76,12 +76,76 @@ def replica_channel_prefix(model_name: str, version: str) -> str:
     return f"switchyard.replica.{model_name}.{version}."
 
 
-def error_event(error_type: str, message: str) -> dict[str, Any]:
+# --- a request's events, in a step message -----------------------------------------------------------
+# Each is its own wire form (JSON objects told apart by their keys: event_kind), so the records are
+# TypedDicts: the type checker holds both sides to one shape, and nothing is converted on the way.
+
+
+class AcceptedEvent(TypedDict):
+    accepted: Literal[True]
+    num_prompt_tokens: int
+
+
+class KeepaliveEvent(TypedDict):
+    keepalive: Literal[True]
+
+
+class TokenLogprob(TypedDict):
+    token: str
+    logprob: float
+    top: list[Any]
+    bytes: list[int] | None
+
+
+class TokenEvent(TypedDict):
+    token: str  # a step's later tokens carry "": its text came with the first
+    index: int
+    logprob: NotRequired[TokenLogprob]  # only for a request that asked for logprobs
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    cached_prompt_tokens: int
+
+
+class Timings(TypedDict):
+    queue_s: float | None
+    ttft_s: float | None
+    total_s: float
+
+
+class FinalEvent(TypedDict):
+    finish_reason: str  # stop, length (never "error": that is an ErrorEvent)
+    usage: Usage
+    timings: Timings
+    # A non-generative model's result: base64 float32 rows (serving/transport/vectors.py), with a
+    # classifier's labels.
+    embeddings: NotRequired[list[str]]
+    scores: NotRequired[list[str]]
+    labels: NotRequired[list[str]]
+
+
+class ErrorDetail(TypedDict):
+    type: str
+    message: str
+
+
+class ErrorEvent(TypedDict):
+    finish_reason: Literal["error"]
+    error: ErrorDetail
+
+
+Event = AcceptedEvent | KeepaliveEvent | TokenEvent | FinalEvent | ErrorEvent
+
+
+def error_event(error_type: str, message: str) -> ErrorEvent:
     """A final event that ends a request in an error, as both sides word it."""
     return {"finish_reason": "error", "error": {"type": error_type, "message": message}}
 
 
-def step_message(items: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def step_message(items: dict[str, list[Event]]) -> dict[str, Any]:
     """One step's events, grouped by request id, as one message to one inbox."""
     return {"type": STEP_MESSAGE, "items": [{"request_id": r, "events": e} for r, e in items.items()]}
 
@@ -108,9 +172,10 @@ class Submit:
     context)."""
 
     request_id: str  # "<id>", or "<id>-<retry>" for a retry's try
-    submitted_at: float  # wall clock, so that a gateway in another process can be compared
     reply_to: str  # the gateway process's inbox
     params: dict[str, Any]
+    # Wall clock, so that a gateway in another process can be compared; 0: not said (the replica's arrival)
+    submitted_at: float = 0.0
     input: str | None = None
     messages: list[dict[str, str]] | None = None
     inputs: list[str] | None = None
@@ -165,7 +230,7 @@ class EventKind(enum.StrEnum):
     ERROR = "error"
 
 
-def event_kind(event: dict[str, Any]) -> EventKind:
+def event_kind(event: Event | dict[str, Any]) -> EventKind:
     if event.get("finish_reason") == "error":
         return EventKind.ERROR
     if "finish_reason" in event:
@@ -177,17 +242,17 @@ def event_kind(event: dict[str, Any]) -> EventKind:
     return EventKind.TOKEN
 
 
-def accepted_event(num_prompt_tokens: int) -> dict[str, Any]:
+def accepted_event(num_prompt_tokens: int) -> AcceptedEvent:
     """The replica has the request; the tokens its prompt counts (what the tenant's quota settles)."""
     return {"accepted": True, "num_prompt_tokens": num_prompt_tokens}
 
 
-def keepalive_event() -> dict[str, Any]:
+def keepalive_event() -> KeepaliveEvent:
     """The replica still holds the request (queued for a slot, or preempted) and has no token for it."""
     return {"keepalive": True}
 
 
-def token_event(text: str, index: int) -> dict[str, Any]:
+def token_event(text: str, index: int) -> TokenEvent:
     """Token `index` of the output; a step's later tokens carry "" (its text came with the first)."""
     return {"token": text, "index": index}
 

@@ -19,6 +19,7 @@ from django.conf import settings
 
 from serving.cancelling import cancel_and_wait
 from serving.transport.protocol import STEP_MESSAGE
+from serving.transport.receiving import receive_forever
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class ReplyHub:
     async def start(self) -> None:
         if self._task is None:
             self.channel_name = await self._layer.new_channel("switchyard.inbox.")
-            self._task = asyncio.get_running_loop().create_task(self._receive_forever(), name="reply-hub")
+            receiving = receive_forever(self._layer, self.channel_name, self._take, reader="reply hub")
+            self._task = asyncio.get_running_loop().create_task(receiving, name="reply-hub")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -61,18 +63,8 @@ class ReplyHub:
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    async def _receive_forever(self) -> None:
-        assert self.channel_name is not None
-        while True:
-            try:
-                message = await self._layer.receive(self.channel_name)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("reply hub: receive failed; retrying")
-                await asyncio.sleep(0.1)
-                continue
-            self.deliver(message)
+    async def _take(self, message: dict[str, Any]) -> None:
+        self.deliver(message)
 
     def deliver(self, message: dict[str, Any]) -> None:
         """Hand a step's events to the queues of the requests they belong to. On the loop: from the

@@ -44,8 +44,8 @@ async def test_an_in_process_replica_reports_what_its_heartbeat_would() -> None:
     replica = Replica(ref, layer=None)  # not started: nothing loads, no thread runs
     runtime = Runtime(layer=None)
     runtime.replicas[("chat", "v1")] = replica
-    replica.num_waiting, replica.num_running = 2, 3
-    replica._submissions.append({})  # arrived, not yet handed to the engine: waiting too
+    replica.load_report.num_waiting, replica.load_report.num_running = 2, 3
+    replica.inbox.count_in(None)  # arrived, not yet handed to the engine: waiting too
     (handle,) = await runtime.all_replicas()
     beat = replica.heartbeat()
     assert (handle.queue_depth, handle.num_running) == (beat.num_waiting, beat.num_running) == (3, 3)

@@ -177,17 +177,17 @@ async def test_a_request_queued_behind_a_full_batch_longer_than_the_inactivity_t
 
     from serving.gateway import in_flight
     from serving.gateway.breaker import breaker
-    from serving.replica import replica
+    from serving.replica import model_loop
     from serving.runtime import get_runtime
 
     settings.REPLICA_MAX_NUM_SEQS = 1
     # 15 keepalives to a timeout: a stall of the loaded machine must not pass for a lost request.
     monkeypatch.setattr(in_flight, "INACTIVITY_TIMEOUT_S", 1.5)
-    monkeypatch.setattr(replica, "KEEPALIVE_S", 0.1)
+    monkeypatch.setattr(model_loop, "KEEPALIVE_S", 0.1)
     runtime = await get_runtime()
     assert await runtime.wait_ready()
     (served,) = runtime.replicas.values()
-    served._step_delay_s = 0.08  # 30 tokens: ~2.4 s a request
+    served.armed_faults.step_delay_s = 0.08  # 30 tokens: ~2.4 s a request
     tenant = await sync_to_async(make_tenant)("acme")
     body = {"input": "hello", "max_tokens": 30, "temperature": 0}
 

@@ -16,6 +16,7 @@ from channels.layers import InMemoryChannelLayer
 
 from serving import runtime as runtime_module
 from serving.cancelling import cancel_and_wait
+from serving.replica import model_loop as model_loop_module
 from serving.replica import replica as replica_module
 from serving.replica.replica import Replica
 from serving.transport.protocol import ABORT, ReplicaState
@@ -202,7 +203,7 @@ async def test_a_final_event_that_cannot_be_built_still_ends_its_request(
     def broken(output: Any, route: Any) -> dict[str, Any]:
         raise ValueError("vectors that cannot be encoded")
 
-    monkeypatch.setattr(replica_module, "final_event", broken)
+    monkeypatch.setattr(model_loop_module, "final_event", broken)
     try:
         await _submit(layer, replica, "r1", max_tokens=3)
         events = await replies.ended("r1")
@@ -213,7 +214,7 @@ async def test_a_final_event_that_cannot_be_built_still_ends_its_request(
                 "message": "the replica failed on this request's step (ValueError); try again",
             },
         }
-        assert replica._routes == {}
+        assert replica.model_loop.routes == {}
         assert replica.is_ready  # the step failed, not the replica
     finally:
         await replica.stop()
@@ -388,7 +389,7 @@ async def test_a_drain_past_its_deadline_ends_what_it_holds_and_goes_idle(regist
         }
         assert len([e for e in events if "token" in e]) < 500
         assert replica.engine.kv_cache.num_free_blocks == baseline
-        assert replica._routes == {}
+        assert replica.model_loop.routes == {}
         # Its stream had begun: an error its client saw, in the error rate the rollout judge reads, not a
         # refusal before any model work (the gateway retries only those).
         counters = replica.metrics.snapshot().totals.counters

@@ -16,7 +16,7 @@ from channels.layers import InMemoryChannelLayer
 
 from serving.replica.replica import Replica
 from serving.transport.channel_layers import StepPubSubChannelLayer
-from serving.transport.protocol import ABORT, SUBMIT
+from serving.transport.protocol import ABORT, SUBMIT, Submit
 from serving.transport.reply_hub import ReplyHub
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -124,7 +124,7 @@ async def test_the_engine_runs_a_request_to_its_end_while_the_sends_are_held(reg
         # Nothing has been sent, not even the acceptance, and the model thread finishes regardless.
         assert await asyncio.to_thread(finished.wait, 30)
         assert replies.messages == []
-        assert not replica._idle.is_set()  # idle waits for the sends: a drain must not lose them
+        assert not replica.outbox.is_idle  # idle waits for the sends: a drain must not lose them
         replies.let_go()
         await asyncio.wait_for(replica.wait_idle(), timeout=10)
         _assert_one_whole_stream(replies.events("r1"), num_tokens=12)
@@ -151,7 +151,7 @@ async def test_the_heartbeat_says_how_long_steps_take_and_what_one_sequence_cost
         # The model slows down after its warm-up (here: 20 ms more a step, as a busier device would):
         # the base follows its steps of one sequence, not the warm-up's figure.
         assert quiet.base_step_s < 0.02
-        replica._step_delay_s = 0.02
+        replica.armed_faults.step_delay_s = 0.02
         finished, _ = _watch_steps(replica)
         await _submit(layer, replica, "r2", max_tokens=30)  # more slow steps than fast ones before
         assert await asyncio.to_thread(finished.wait, 30)
@@ -172,7 +172,7 @@ async def test_a_step_that_fails_leaves_no_step_running(registered_model, monkey
         await asyncio.wait_for(replica.wait_idle(), timeout=10)
         assert replies.events("r1")[-1]["finish_reason"] == "error"
         # A whole window on, the replica reads as idle, not as busy with a step that never ended.
-        assert replica.recent_steps.read(time.monotonic() + 10) == (0.0, 0.0)
+        assert replica.load_report.recent_steps.read(time.monotonic() + 10) == (0.0, 0.0)
     finally:
         await replica.stop()
 
@@ -219,9 +219,9 @@ async def test_embedded_a_stream_starts_on_the_loop_before_the_forward_pass_that
     registered_model, monkeypatch
 ) -> None:
     """The acceptance is delivered before the prefill runs, and the first token before the next step."""
-    from serving.replica import replica as replica_module
+    from serving.replica import outbox as outbox_module
 
-    monkeypatch.setattr(replica_module, "START_DELIVERY_WAIT_S", 30.0)  # as long as the loop takes
+    monkeypatch.setattr(outbox_module, "START_DELIVERY_WAIT_S", 30.0)  # as long as the loop takes
     replica, layer, hub, queue = await _replica_with_a_local_hub(HeldReplies())
     delivered: list[dict[str, Any]] = []  # every event the hub was handed, on the loop
     delivered_at_step: list[int] = []  # how many of them there were when each step began
@@ -249,15 +249,15 @@ async def test_embedded_a_stream_starts_on_the_loop_before_the_forward_pass_that
 
 
 async def test_the_model_thread_waits_when_the_loop_falls_behind(registered_model, monkeypatch) -> None:
-    from serving.replica import replica as replica_module
+    from serving.replica import outbox as outbox_module
 
-    monkeypatch.setattr(replica_module, "MAX_UNSENT", 3)
+    monkeypatch.setattr(outbox_module, "MAX_UNSENT", 3)
     replies = HeldReplies()
     replica, layer = await _started_replica(replies)
     try:
         finished, num_steps = _watch_steps(replica)
         blocked = threading.Event()
-        semaphore = replica._unsent
+        semaphore = replica.outbox._unsent
 
         class Watched:
             def acquire(self, timeout: float) -> bool:
@@ -269,7 +269,7 @@ async def test_the_model_thread_waits_when_the_loop_falls_behind(registered_mode
             def release(self) -> None:
                 semaphore.release()
 
-        replica._unsent = Watched()  # type: ignore[assignment]
+        replica.outbox._unsent = Watched()  # type: ignore[assignment]
         await _submit(layer, replica, "r1", max_tokens=40)
         assert await asyncio.to_thread(blocked.wait, 30)
         # The acceptance and two steps wait to be sent; the third step's events wait in the model thread.
@@ -381,7 +381,7 @@ async def test_an_abort_that_reaches_the_engine_with_its_submission_still_aborts
         assert release.wait(30)
         return step()
 
-    put, abort_put = replica._prepare_and_put, threading.Event()
+    put, abort_put = replica.preparer.put, threading.Event()
 
     def put_and_tell(submission: Any, abort: str | None) -> None:
         put(submission, abort)
@@ -389,7 +389,7 @@ async def test_an_abort_that_reaches_the_engine_with_its_submission_still_aborts
             abort_put.set()
 
     replica.engine.step = held_step
-    replica._prepare_and_put = put_and_tell  # type: ignore[method-assign]
+    replica.preparer.put = put_and_tell  # type: ignore[method-assign]
     try:
         await _submit(layer, replica, "runner", max_tokens=4)
         assert await asyncio.to_thread(in_step.wait, 30)  # the model thread is inside a step
@@ -485,7 +485,7 @@ async def test_a_failed_forward_pass_fails_its_batch_and_the_waiting_request_run
             },
         }
         _assert_one_whole_stream(replies.events("r2"), num_tokens=4)
-        assert replica.is_ready and replica._routes == {}
+        assert replica.is_ready and replica.model_loop.routes == {}
         assert replica.engine.stats().kv_cache_usage == 0.0  # r1's blocks freed
     finally:
         await replica.stop()
@@ -503,7 +503,7 @@ async def test_an_abort_taken_in_a_step_whose_forward_pass_fails_is_still_counte
     failures: list[str] = []
 
     def fails_once_r1_has_gone(batch: Any) -> Any:
-        if not failures and "r1" not in replica._routes:  # the step that took r1's abort runs r2
+        if not failures and "r1" not in replica.model_loop.routes:  # the step that took r1's abort runs r2
             failures.append("r2")
             raise RuntimeError("out of memory")
         return execute(batch)
@@ -529,7 +529,7 @@ def break_the_engine_thread(replica: Any) -> None:
         raise RuntimeError("a bug")
 
     replica.engine.step = broken
-    replica._fail_all = broken
+    replica.model_loop.fail = broken
 
 
 async def test_a_dead_engine_thread_fails_the_replica_and_a_drain_still_ends(registered_model) -> None:
@@ -595,7 +595,7 @@ async def test_on_redis_the_model_thread_publishes_each_step_itself(registered_m
     thread, reach the gateway's inbox whole and in order, and idle (what a drain waits for) comes only
     after the last of them is out."""
     replica, layer, replies, inbox = await _replica_replying_on_redis(redis_url)
-    publisher = replica._step_publisher
+    publisher = replica.outbox.step_publisher
     assert publisher is not None
     publishing_threads: set[str] = set()
     publish = publisher.publish
@@ -629,11 +629,11 @@ async def test_on_redis_what_is_left_to_the_publishers_thread_is_out_before_the_
     """A drain waits for idle and then the process exits: a refusal left to the publisher's thread
     (here one that never runs) must have been written by then."""
     replica, layer, replies, inbox = await _replica_replying_on_redis(redis_url)
-    assert replica._step_publisher is not None
+    assert replica.outbox.step_publisher is not None
     idle_writer = threading.Thread(target=lambda: None)  # one that has already ended: it writes nothing
     idle_writer.start()
     idle_writer.join()
-    replica._step_publisher._writer = idle_writer
+    replica.outbox.step_publisher._writer = idle_writer
     await replica.start()
     assert replica.is_ready, replica.error
     try:
@@ -664,7 +664,7 @@ async def test_on_redis_stopping_a_replica_does_not_block_the_event_loop_on_its_
     """An embedded replica shares its loop with every stream of the server: closing the step publisher
     (joining its writer, reading Redis's last replies) must not hold that loop."""
     replica, _, replies, _ = await _replica_replying_on_redis(redis_url)
-    publisher = replica._step_publisher
+    publisher = replica.outbox.step_publisher
     assert publisher is not None
     await replica.start()
     assert replica.is_ready, replica.error
@@ -700,13 +700,13 @@ async def test_an_idle_model_thread_prepares_a_submission_itself_and_a_busy_one_
     way a bad request gets its error, and a request aborted as it arrives is aborted."""
     replica, layer, replies = await _replica_sending_at_once()
     prepared_on: dict[str, str] = {}
-    prepare = replica._prepare
+    prepare = replica.preparer.prepare
 
-    def watched(message: dict[str, Any]) -> Any:
-        prepared_on[message["request_id"]] = threading.current_thread().name
-        return prepare(message)
+    def watched(submit: Submit) -> Any:
+        prepared_on[submit.request_id] = threading.current_thread().name
+        return prepare(submit)
 
-    replica._prepare = watched  # type: ignore[method-assign]
+    replica.preparer.prepare = watched  # type: ignore[method-assign]
     accepted = asyncio.Event()
     send = replies.send
 
@@ -753,9 +753,8 @@ async def _model_thread_waiting(replica: Replica) -> None:
     the inbox's lock), so this looks every millisecond, for at most 10 s."""
     async with asyncio.timeout(10):
         while True:
-            with replica._inbox:
-                if replica._is_model_waiting:
-                    return
+            if replica.inbox.is_model_waiting:
+                return
             await asyncio.sleep(0.001)
 
 
@@ -765,7 +764,7 @@ async def test_a_device_that_fails_every_step_and_its_probe_fails_the_replica(
     """A sticky device error (CUDA's illegal memory access, say) fails every call: the replica must not
     stay ready and fail every request routed to it. What it still holds ends as the replica's failure,
     which a gateway retries elsewhere, not the request's."""
-    from serving.replica.replica import PROBE_AFTER_FAILED_STEPS
+    from serving.replica.model_loop import PROBE_AFTER_FAILED_STEPS
     from serving.transport.protocol import ReplicaState
 
     settings.REPLICA_MAX_NUM_SEQS = 1  # "last" runs alone while "queued" waits behind it
@@ -784,10 +783,10 @@ async def test_a_device_that_fails_every_step_and_its_probe_fails_the_replica(
 
         async def taken(send: Any) -> None:
             """Send, and wait until the model thread has taken it (idle is set from the start)."""
-            num_queued = replica._num_queued
+            num_queued = replica.inbox.num_queued
             await send
             async with asyncio.timeout(10):
-                while replica._num_queued == num_queued:
+                while replica.inbox.num_queued == num_queued:
                     await asyncio.sleep(0.01)
             await asyncio.wait_for(replica.wait_idle(), timeout=30)
 
@@ -802,7 +801,7 @@ async def test_a_device_that_fails_every_step_and_its_probe_fails_the_replica(
         await _submit(layer, replica, "last", max_tokens=4)
         await _submit(layer, replica, "queued", max_tokens=4)
         async with asyncio.timeout(10):  # both in the inbox, to be taken together once the pass fails
-            while len(replica._submissions) < 2:
+            while len(replica.inbox._submissions) < 2:
                 await asyncio.sleep(0.01)
         let_go.set()
         await asyncio.wait_for(replica.wait_engine_ended(), timeout=30)  # run_replica then exits non-zero
@@ -827,7 +826,7 @@ async def test_a_request_that_fails_every_step_it_is_in_does_not_fail_a_replica_
 ) -> None:
     """A client retrying a request that always fails (a shape the model cannot take, say): its steps
     fail one after another, but the probe, which holds none of it, passes."""
-    from serving.replica.replica import PROBE_AFTER_FAILED_STEPS
+    from serving.replica.model_loop import PROBE_AFTER_FAILED_STEPS
 
     replica, layer, replies = await _replica_sending_at_once()
     runner = replica.engine.runner
@@ -862,12 +861,12 @@ async def test_requests_waiting_for_a_slot_get_keepalives_when_their_gateway_ask
     """One running at a time: r2 and r3 wait behind r1. r2's gateway asked for keepalives and gets them
     between its acceptance and its first token; r3's did not (a gateway older than them would pass one
     on as the stream's end) and gets none."""
-    from serving.replica import replica as replica_module
+    from serving.replica import model_loop as model_loop_module
 
     settings.REPLICA_MAX_NUM_SEQS = 1
-    monkeypatch.setattr(replica_module, "KEEPALIVE_S", 0.05)
+    monkeypatch.setattr(model_loop_module, "KEEPALIVE_S", 0.05)
     replica, layer, replies = await _replica_sending_at_once()
-    replica._step_delay_s = 0.02
+    replica.armed_faults.step_delay_s = 0.02
     try:
         await _submit(layer, replica, "r1", max_tokens=20)
         await _submit(layer, replica, "r2", max_tokens=2, keepalives=True)
@@ -914,3 +913,21 @@ async def test_the_reply_hub_stops_though_its_receive_lost_the_first_cancellatio
     done, _ = await asyncio.wait({stopping}, timeout=5)
     assert done == {stopping}, "the stop waits for ever on a receive that lost its cancellation"
     assert layer.lost.is_set()
+
+
+async def test_a_malformed_submission_is_answered_and_the_replica_serves_on(registered_model) -> None:
+    """A submission missing a field the wire requires (its params) gets its error at once, from the loop,
+    instead of leaving its gateway to wait out the acceptance timeout; the next one is served."""
+    replica, layer, replies = await _replica_sending_at_once()
+    try:
+        await layer.send(
+            replica.channel_name, {"type": SUBMIT, "request_id": "bad", "reply_to": INBOX, "input": "hi"}
+        )
+        await _submit(layer, replica, "good", max_tokens=3)
+        await asyncio.wait_for(replica.wait_idle(), timeout=30)
+        (refusal,) = replies.events("bad")
+        assert refusal["error"]["type"] == "invalid_request_error"
+        assert "malformed submission" in refusal["error"]["message"]
+        _assert_one_whole_stream(replies.events("good"), num_tokens=3)
+    finally:
+        await replica.stop()

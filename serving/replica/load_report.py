@@ -1,0 +1,45 @@
+"""What a replica reports of its load in its heartbeat: its engine's queue, batch and KV-cache use, its
+capacity, the recent steps' time and a step's fixed cost. The model thread writes it after each step; the
+event loop reads it to beat. Each figure is one int or float replaced whole, so a beat reads no torn
+value (it may read one step's queue with the previous step's batch, which a beat a second later mends)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+from serving.transport.replica_directory import RecentSteps
+
+# Steps of one decoding sequence it takes before their median, not the warm-up's, is a step's base.
+MIN_BASE_SAMPLES = 8
+
+
+class LoadReport:
+    def __init__(self) -> None:
+        self.num_waiting = 0
+        self.num_running = 0
+        self.kv_cache_usage = 0.0
+        self.capacity = 0  # set once the engine is built
+        self.base_step_s = 0.0  # a step with one sequence decoding, set once the engine is warm
+        self.recent_steps = RecentSteps()
+        self._one_sequence_steps: deque[float] = deque(maxlen=64)  # the model thread's
+
+    def account(self, stats: Any, model_time_s: float | None) -> None:
+        """A step's engine stats (Engine.stats()), and its model time when a forward pass ran."""
+        self.num_waiting, self.num_running, self.kv_cache_usage = (
+            stats.num_waiting,
+            stats.num_running,
+            stats.kv_cache_usage,
+        )
+        if model_time_s is None:
+            return
+        self.recent_steps.add(time.monotonic(), model_time_s)
+        if stats.num_scheduled_seqs == 1 and stats.num_batched_tokens == 1:
+            # One sequence decoding: what the warm-up timed, here without the warm-up's company (the
+            # replicas of an embedded server warm up together) and with all of the step's own work. The
+            # median of the latest, so that neither one lucky step nor one slow one sets it.
+            self._one_sequence_steps.append(model_time_s)
+            if len(self._one_sequence_steps) >= MIN_BASE_SAMPLES:
+                self.base_step_s = statistics.median(self._one_sequence_steps)
