@@ -16,6 +16,7 @@ from serving.edge.sse import sse_events, sse_response
 from serving.gateway.dispatch import authenticate, dispatch, model_snapshot, prompt_usage
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest
+from serving.gateway.results import collect, collect_vectors
 from serving.gateway.router import split_model_name
 from serving.throttle import Throttle
 from serving.transport.vectors import decode_vector
@@ -61,7 +62,7 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
     if body.stream:
         return sse_response(sse_events(handle), [handle])
     try:
-        text, final = await handle.collect()
+        text, final = await collect(handle)
     except GatewayError as exc:
         return failed_dispatch(handle, exc)
     return JsonResponse(
@@ -94,7 +95,7 @@ async def _classify(
         snapshot=snapshot,
     )
     try:
-        rows, final = await handle.collect_vectors("scores", len(inputs))
+        rows, final = await collect_vectors(handle, "scores", len(inputs))
         predictions = [_ranked(final.get("labels"), decode_vector(row), top_k) for row in rows]
     except GatewayError as exc:
         return failed_dispatch(handle, exc)

@@ -35,6 +35,7 @@ from serving.edge.sse import sse_frame, sse_response
 from serving.gateway.dispatch import authenticate, dispatch, dispatch_choices, prompt_usage
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest, close_all
+from serving.gateway.results import collect, collect_vectors
 
 
 async def _stream(
@@ -120,12 +121,12 @@ async def _collect(
 ) -> list[tuple[str, dict[str, Any]]]:
     """Every choice's text and final event; the first failure (GatewayError) ends the others."""
     if len(handles) == 1:
-        return [await handles[0].collect(logprobs=logprobs[0])]
+        return [await collect(handles[0], logprobs=logprobs[0])]
     failure: GatewayError | None = None
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [
-                group.create_task(h.collect(logprobs=lp)) for h, lp in zip(handles, logprobs, strict=True)
+                group.create_task(collect(h, logprobs=lp)) for h, lp in zip(handles, logprobs, strict=True)
             ]
     except* GatewayError as errors:
         failure = errors.exceptions[0]  # type: ignore[assignment]
@@ -217,7 +218,7 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
     except GatewayError as exc:
         return error_response(exc.status, exc.message, headers=exc.headers)
     try:
-        vectors, final = await handle.collect_vectors("embeddings", len(inputs))
+        vectors, final = await collect_vectors(handle, "embeddings", len(inputs))
     except GatewayError as exc:
         return failed_dispatch(handle, exc)
     return JsonResponse(

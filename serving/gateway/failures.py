@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import threading
+from dataclasses import dataclass
 
 from registry.models import ModelVersion
 from serving.telemetry.recorder import MetricsRecorder, RequestSample, register_recorder, unregister_recorder
@@ -95,3 +96,25 @@ class GatewayFailures:
             recorders, self._recorders = list(self._recorders.values()), {}
         for recorder in recorders:
             unregister_recorder(recorder)
+
+
+@dataclass(slots=True)
+class FailureNote:
+    """The failure a request met on its way, the first of a retry's chain, if it is one the gateway
+    counts (GATEWAY_COUNTED): a replica that refused (replica_unavailable: draining, not ready) counts
+    that itself, as a rejection; what the request then met (no other replica, a lost one) is the
+    gateway's to count, once, if the request ends in it. `counts`: only a client's request to a version
+    with traffic is counted (not a shadow copy)."""
+
+    counts: bool
+    error_type: str | None = None
+    is_counted: bool = False
+
+    def note(self, error_type: str | None) -> None:
+        if self.error_type is None and error_type in GATEWAY_COUNTED:
+            self.error_type = error_type
+
+    def count_once(self, failures: GatewayFailures, model_name: str, version: str) -> None:
+        if self.counts and self.error_type is not None and not self.is_counted:
+            self.is_counted = True
+            failures.record(model_name, version, self.error_type)

@@ -20,13 +20,16 @@ from channels.exceptions import ChannelFull
 from django.conf import settings
 
 from serving.cancelling import raise_if_cancelling
+from serving.gateway.aborts import send_abort
 from serving.gateway.breaker import breaker
+from serving.gateway.cold_start import ColdStartTimedOut, wait_for_a_replica
 from serving.gateway.data_plane import DataPlane, ReplicaHandle
 from serving.gateway.errors import GatewayError, MaybeSent
-from serving.gateway.failures import GATEWAY_COUNTED
+from serving.gateway.failures import FailureNote
 from serving.gateway.quota import Charge, Ticket
 from serving.gateway.quota_store import quota_store
 from serving.gateway.router import choose_replica
+from serving.gateway.text_capture import TextCapture
 from serving.transport.protocol import (
     ACCEPT_TIMEOUT_S,
     INACTIVITY_TIMEOUT_S,
@@ -38,7 +41,6 @@ from serving.transport.protocol import (
     SLOW_READER_MESSAGE,
     TOKENS_LOST,
     TOKENS_LOST_MESSAGE,
-    Abort,
     EventKind,
     ReplicaState,
     Submit,
@@ -49,8 +51,6 @@ from serving.transport.protocol import (
 logger = logging.getLogger(__name__)
 
 LIVENESS_CHECK_S = 0.5
-ABORT_RETRY_FIRST_S = 0.005  # an abort that finds its replica's channel full is sent again after this,
-ABORT_RETRY_S = 5.0  # doubling, for up to this long
 _rng = random.Random()
 
 
@@ -89,25 +89,15 @@ class InFlightRequest:
         # be running it, so closing aborts it there as for an unfinished request.
         self._gave_up = False
         self._is_closed = False
-        # A failure of the replica or of finding one, the first of a retry's chain: if the request ends
-        # in it, no replica counts it, and the gateway counts it in the version's metrics (the judge's).
-        self._counts_failures = counts_failures
-        self._failure: str | None = None
-        self._is_failure_counted = False
+        # A failure of the replica or of finding one: if the request ends in it, no replica counts it,
+        # and the gateway counts it in the version's metrics (the judge's).
+        self._failure = FailureNote(counts=counts_failures)
         self._first_event: dict[str, Any] | None = None  # an error that arrived in place of acceptance
-        self._text: list[str] | None = None  # kept only when a shadow copy will compare against it
-        self._text_done: asyncio.Future[str | None] | None = None
+        self._text = TextCapture()
 
     def capture_text(self) -> asyncio.Future[str | None]:
         """A future for the whole text once the request ends normally (None if it fails or is aborted)."""
-        if self._text_done is None:
-            self._text = []
-            self._text_done = asyncio.get_running_loop().create_future()
-        return self._text_done
-
-    def _settle_text(self, text: str | None) -> None:
-        if self._text_done is not None and not self._text_done.done():
-            self._text_done.set_result(text)
+        return self._text.future()
 
     def response_headers(self) -> dict[str, str]:
         headers = {"X-Served-Version": self.version, "X-Request-Id": self.request_id}
@@ -143,10 +133,10 @@ class InFlightRequest:
             candidates.remove(replica)  # half-open, and its one trial went to another request meanwhile
             replica = choose_replica(candidates, rng=_rng)
         if replica is None:
-            await self._refuse_if_over_quota(charge)
+            await _refuse_if_over_quota(charge)
             # Not one coming up (a restart): a loading replica that stopped beating is not coming.
             if not any(r.state == ReplicaState.LOADING and r.is_fresh for r in replicas):
-                self._note_failure(NO_READY_REPLICA)
+                self._failure.note(NO_READY_REPLICA)
             raise GatewayError(503, f"no ready replica for {self.model_name}:{self.version}", retry_after_s=2)
         message = Submit(request_id=self._wire_id, submitted_at=time.time(), **self._submission).to_wire()
         layer = self._runtime.layer
@@ -157,31 +147,14 @@ class InFlightRequest:
         has_verdict = False  # whether the replica's breaker has been told how this went
         try:
             try:
-                if charge is None:
-                    await layer.send(replica.channel_name, message)
-                else:
-                    self._ticket = await quota_store().aadmit_and_send(
-                        charge.context,
-                        tokens=charge.tokens,
-                        room_for=charge.room_for,
-                        layer=layer,
-                        channel=replica.channel_name,
-                        message=message,
-                    )
+                ticket = await _send(layer, replica.channel_name, message, charge, request_id=self.request_id)
             except MaybeSent:
                 raise  # the replica stays set: closing aborts it there
             except GatewayError:
                 self.replica = None
                 raise
-            except ChannelFull as exc:
-                self.replica = None
-                raise GatewayError(503, "the replica's queue is full", retry_after_s=1) from exc
-            except Exception as exc:  # the channel layer's server failed mid-send
-                # The type only: an encoder's error can quote the message, the client's prompt with it.
-                logger.warning(
-                    "request %s: could not be sent to its replica (%s)", self.request_id, type(exc).__name__
-                )
-                raise MaybeSent(503, "the request could not be sent to its replica", retry_after_s=1) from exc
+            if ticket is not None:
+                self._ticket = ticket
             first = await self._next_event(timeout_s=ACCEPT_TIMEOUT_S)
             if first.get("finish_reason") == "error":
                 error = first["error"]
@@ -195,7 +168,7 @@ class InFlightRequest:
                 if error.get("type") not in REPLICA_FAILURES:
                     self._first_event = first  # a request-level failure: the client sees it as a stream error
                     return
-                self._note_failure(error.get("type"))
+                self._failure.note(error.get("type"))
                 breaker.record_failure(replica.replica_id, is_trial=is_trial)
                 has_verdict = True
                 if self.num_retries == 0:
@@ -222,51 +195,16 @@ class InFlightRequest:
         if self._is_closed:
             raise GatewayError(503, "the request was closed before its retry was sent")
 
-    def _note_failure(self, error_type: str) -> None:
-        # A replica that refused (replica_unavailable: draining, not ready) counts that itself, as a
-        # rejection; what the request then met (no other replica, a lost one) is the gateway's to count.
-        if self._failure is None and error_type in GATEWAY_COUNTED:
-            self._failure = error_type
-
     def count_failure(self) -> None:
         """The request ends in the replica failure noted on its way (if any): count it, once."""
-        if self._counts_failures and self._failure is not None and not self._is_failure_counted:
-            self._is_failure_counted = True
-            self._runtime.failures.record(self.model_name, self.version, self._failure)
-
-    async def _refuse_if_over_quota(self, charge: Charge | None) -> None:
-        """Over quota is still the answer with nothing to serve the request: 429 before 503."""
-        if charge is not None:
-            store = quota_store()
-            ticket = await store.aadmit(charge.context, tokens=charge.tokens, room_for=charge.room_for)
-            await store.arelease(ticket, used_tokens=0)
+        self._failure.count_once(self._runtime.failures, self.model_name, self.version)
 
     async def _cold_start(self) -> list[ReplicaHandle]:
-        """The version has scaled to zero: wait, up to COLD_START_TIMEOUT_S, until a replica started for
-        it reports ready, as Knative's activator holds a request. The client waits unanswered; if it
-        leaves, the view is cancelled and so is this wait."""
-        timeout_s = settings.COLD_START_TIMEOUT_S
-        logger.info("%s:%s has no replica: waiting for one to start", self.model_name, self.version)
         try:
-            async with asyncio.timeout(timeout_s):
-                replicas = await self._runtime.wait_for_replica(self.model_name, self.version)
-        except TimeoutError:
-            self._note_failure(NO_READY_REPLICA)
-            raise GatewayError(
-                503,
-                f"no replica of {self.model_name}:{self.version} became ready within {timeout_s:g} s "
-                "(it had none, and one is starting)",
-                retry_after_s=5,
-            ) from None
-        # None: the routing moved its traffic away while it waited, and the split now sends it elsewhere.
-        if not replicas:
-            raise GatewayError(
-                503,
-                f"{self.model_name}:{self.version} takes no traffic any more (its routing changed while the "
-                "request waited for a replica to start): send it again",
-                retry_after_s=1,
-            )
-        return replicas
+            return await wait_for_a_replica(self._runtime, self.model_name, self.version)
+        except ColdStartTimedOut:
+            self._failure.note(NO_READY_REPLICA)
+            raise
 
     async def _retry(self) -> None:
         assert self.replica is not None
@@ -346,7 +284,7 @@ class InFlightRequest:
                 continue
             is_replica_failure = event.get("error", {}).get("type") in REPLICA_FAILURES
             if is_replica_failure and self.replica is not None:
-                self._note_failure(event["error"]["type"])
+                self._failure.note(event["error"]["type"])
                 breaker.record_failure(self.replica.replica_id)
                 if self.num_completion_tokens == 0 and self.num_retries == 0:
                     try:
@@ -362,7 +300,7 @@ class InFlightRequest:
             if "finish_reason" in event and not self.num_prompt_tokens:
                 # Its acceptance was lost: the quota settles on the final event's usage.
                 self.num_prompt_tokens = int((event.get("usage") or {}).get("prompt_tokens", 0))
-            if self._has_lost_tokens(event):
+            if _has_lost_tokens(event, num_seen=self.num_completion_tokens):
                 logger.warning(
                     "request %s: tokens lost on their way from replica %s (expected index %d, got %r)",
                     self.request_id,
@@ -374,64 +312,20 @@ class InFlightRequest:
                 event = error_event(TOKENS_LOST, TOKENS_LOST_MESSAGE)
             if "token" in event:
                 self.num_completion_tokens += 1
-                if self._text is not None:
-                    self._text.append(event["token"])
+                self._text.add(event["token"])
             if "finish_reason" in event:
                 self.is_finished = True
-                ok = event["finish_reason"] != "error" and self._text is not None
-                self._settle_text("".join(self._text or ()) if ok else None)
+                self._text.settle(ok=event["finish_reason"] != "error")
                 if event["finish_reason"] != "error" and self.replica is not None:
                     breaker.record_success(self.replica.replica_id)
             yield event
-
-    def _has_lost_tokens(self, event: dict[str, Any]) -> bool:
-        """Whether a step before this event never arrived: a token whose index is not the next one, or
-        a final event whose usage counts more tokens than came."""
-        if "token" in event:
-            return event.get("index") != self.num_completion_tokens
-        if event.get("finish_reason") not in (None, "error"):
-            generated = (event.get("usage") or {}).get("completion_tokens")
-            return isinstance(generated, int) and generated > self.num_completion_tokens
-        return False
-
-    async def collect(self, *, logprobs: list[dict[str, Any]] | None = None) -> tuple[str, dict[str, Any]]:
-        """Run to the end and return the whole text and the final event; closes the request. A request
-        that failed, whatever text it had produced, raises GatewayError(503): an answer cut off part-way,
-        without usage, is not one a client can take for a result. `logprobs`: a list that gets each
-        token's entry, for a request that asked for them."""
-        pieces: list[str] = []
-        final: dict[str, Any] = {}
-        try:
-            async for event in self.events():
-                if "token" in event:
-                    pieces.append(event["token"])
-                    if logprobs is not None and "logprob" in event:
-                        logprobs.append(event["logprob"])
-                elif "finish_reason" in event:
-                    final = event
-        finally:
-            await self.close()
-        if final.get("finish_reason") == "error":
-            message = final.get("error", {}).get("message", "the replica failed")
-            raise GatewayError(503, message, retry_after_s=1)
-        return "".join(pieces), final
-
-    async def collect_vectors(self, result_field: str, count: int) -> tuple[list[str], dict[str, Any]]:
-        """A non-generative request's result: the `count` rows (base64 float32, serving/transport/vectors.py)
-        its final event carries under `result_field`, and that event. Raises GatewayError(503) when the
-        replica failed or sent no such rows."""
-        _, final = await self.collect()
-        rows = final.get(result_field)
-        if not isinstance(rows, list) or len(rows) != count:
-            raise GatewayError(503, f"the replica returned no {result_field}")
-        return rows, final
 
     async def close(self) -> None:
         """Idempotent. A request that has not finished is aborted on its replica, freeing its blocks."""
         if self._is_closed:
             return
         self._is_closed = True
-        self._settle_text(None)  # no-op when it finished normally
+        self._text.settle(ok=False)  # no-op when it finished normally
         self._runtime.hub.close(self._wire_id)
         num_unread = self._num_unread_tokens()
         try:
@@ -452,43 +346,54 @@ class InFlightRequest:
         return sum("token" in event for event in unread)
 
     async def _abort_on(self, replica: ReplicaHandle) -> None:
-        """Abort the current try on `replica`: frees its blocks if it is still there, a no-op if not. A
-        channel full for a moment (many clients leaving at once send their aborts in one turn of the
-        loop, past its capacity) is waited out in the background, within ABORT_RETRY_S: an abort lost
-        there would leave its sequence running to max_tokens for nobody. Nothing waits for that: not a
-        retry on another replica, nor the quota's release, nor the response's end (the channel of a
-        replica that died stays full until it expires)."""
-        message = Abort(self._wire_id).to_wire()
-        try:
-            await self._runtime.layer.send(replica.channel_name, message)
-        except ChannelFull:
-            task = asyncio.get_running_loop().create_task(
-                _send_when_there_is_room(self._runtime.layer, replica.channel_name, message, self.request_id),
-                name=f"abort-{self.request_id}",
-            )
-            _aborts_waiting.add(task)
-            task.add_done_callback(_aborts_waiting.discard)
-        except Exception:  # the replica gone with its channel, or the layer's server: nothing to free
-            pass
+        """Abort the current try on `replica` (serving/gateway/aborts.py)."""
+        await send_abort(self._runtime.layer, replica.channel_name, self._wire_id, request_id=self.request_id)
 
 
-_aborts_waiting: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references to tasks
+async def _send(
+    layer: Any, channel_name: str, message: dict[str, Any], charge: Charge | None, *, request_id: str
+) -> Ticket | None:
+    """Send a submission; with `charge`, admit it too, in the same step (its ticket). Raises
+    GatewayError when nothing was sent (over quota, the channel full), MaybeSent when it may have been."""
+    try:
+        if charge is None:
+            await layer.send(channel_name, message)
+            return None
+        return await quota_store().aadmit_and_send(
+            charge.context,
+            tokens=charge.tokens,
+            room_for=charge.room_for,
+            layer=layer,
+            channel=channel_name,
+            message=message,
+        )
+    except GatewayError:
+        raise
+    except ChannelFull as exc:
+        raise GatewayError(503, "the replica's queue is full", retry_after_s=1) from exc
+    except Exception as exc:  # the channel layer's server failed mid-send
+        # The type only: an encoder's error can quote the message, the client's prompt with it.
+        logger.warning("request %s: could not be sent to its replica (%s)", request_id, type(exc).__name__)
+        raise MaybeSent(503, "the request could not be sent to its replica", retry_after_s=1) from exc
 
 
-async def _send_when_there_is_room(
-    layer: Any, channel: str, message: dict[str, Any], request_id: str
-) -> None:
-    delay_s, deadline = ABORT_RETRY_FIRST_S, time.monotonic() + ABORT_RETRY_S
-    while time.monotonic() + delay_s <= deadline:
-        await asyncio.sleep(delay_s)  # the replica takes a message a turn: let it take some
-        try:
-            await layer.send(channel, message)
-            return
-        except ChannelFull:
-            delay_s = min(2 * delay_s, 0.5)
-        except Exception:
-            return
-    logger.warning("request %s: its replica's channel stayed full; abort not sent", request_id)
+async def _refuse_if_over_quota(charge: Charge | None) -> None:
+    """Over quota is still the answer with nothing to serve the request: 429 before 503."""
+    if charge is not None:
+        store = quota_store()
+        ticket = await store.aadmit(charge.context, tokens=charge.tokens, room_for=charge.room_for)
+        await store.arelease(ticket, used_tokens=0)
+
+
+def _has_lost_tokens(event: dict[str, Any], *, num_seen: int) -> bool:
+    """Whether a step before this event never arrived: a token whose index is not the next one, or
+    a final event whose usage counts more tokens than came."""
+    if "token" in event:
+        return event.get("index") != num_seen
+    if event.get("finish_reason") not in (None, "error"):
+        generated = (event.get("usage") or {}).get("completion_tokens")
+        return isinstance(generated, int) and generated > num_seen
+    return False
 
 
 async def close_all(handles: list[InFlightRequest]) -> None:

@@ -25,6 +25,7 @@ from serving.cancelling import cancel_and_wait
 from serving.gateway.data_plane import DataPlane
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest, close_all
+from serving.gateway.results import collect
 from serving.telemetry.shadow_copies import count_shadow_copy
 from serving.transport.protocol import ShadowResult
 
@@ -86,7 +87,7 @@ async def _run(
     handle = InFlightRequest(runtime, None, model_name, version, submission, counts_failures=True)
     try:
         await handle.submit()
-        text, final = await handle.collect()
+        text, final = await collect(handle)
     except GatewayError as exc:
         if exc.status == 503:
             handle.count_failure()

@@ -289,7 +289,7 @@ async def test_a_replica_process_beats_loading_while_it_loads_and_its_503s_are_n
             await handle.submit()
         assert refused.value.status == 503
         await handle.close()
-        assert handle._failure is None  # not the version's failure: its replica is on its way
+        assert handle._failure.error_type is None  # not the version's failure: its replica is on its way
         loaded.set()
         await starting
         async with asyncio.timeout(10):  # its next beat says so
@@ -334,6 +334,6 @@ async def test_a_loading_beat_that_stopped_is_not_a_replica_on_its_way(
         with pytest.raises(GatewayError, match="no ready replica"):
             await handle.submit()
         await handle.close()
-        assert handle._failure == "no_ready_replica"
+        assert handle._failure.error_type == "no_ready_replica"
     finally:
         await client.aclose()

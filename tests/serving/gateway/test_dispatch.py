@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from serving.gateway.breaker import CircuitBreaker
+from serving.gateway.results import collect
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -364,7 +365,7 @@ async def test_a_request_that_fails_after_some_text_is_an_error_not_a_partial_an
     handle = await _hello(acme, max_tokens=2)
     one_token_then(handle, monkeypatch, "internal_error", "the step failed")
     with pytest.raises(GatewayError) as failed:
-        await handle.collect()
+        await collect(handle)
     assert failed.value.status == 503 and failed.value.message == "the step failed"
     assert failed.value.headers == {"Retry-After": "1"}
 
@@ -712,7 +713,7 @@ async def test_an_abort_waiting_for_room_holds_up_neither_the_close_nor_the_quot
     from asgiref.sync import sync_to_async
     from channels.exceptions import ChannelFull
 
-    from serving.gateway import in_flight
+    from serving.gateway import aborts
     from serving.gateway.quota_store import quota_store
     from serving.transport.protocol import ABORT
 
@@ -730,7 +731,7 @@ async def test_an_abort_waiting_for_room_holds_up_neither_the_close_nor_the_quot
     monkeypatch.setattr(runtime.layer, "send", full_for_aborts)
     await asyncio.wait_for(handle.close(), timeout=1)  # not the 5 s the abort may retry for
     assert quota_store().usage([acme.context])[acme.context.tenant_id].num_in_flight == 0
-    (waiting,) = in_flight._aborts_waiting
+    (waiting,) = aborts._aborts_waiting
     is_full = False  # room again: the abort goes through, and the sequence ends
     await asyncio.wait_for(waiting, timeout=10)
     await asyncio.wait_for(replica.wait_idle(), timeout=10)
