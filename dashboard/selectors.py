@@ -22,8 +22,8 @@ from dashboard import charts, verdicts
 from registry.models import ApiKey, Model, Quota, Tenant, is_valid_name
 from registry.selectors import model_versions_overview
 from rollouts import selectors as rollout_selectors
+from rollouts.judge_tick import JUDGE_ACTOR
 from rollouts.models import Deployment
-from rollouts.services import JUDGE_ACTOR
 from serving import selectors as serving
 from serving.selectors import QuotaUsage, ReplicaHandle, version_series, version_windows
 from serving.throttle import Throttle

@@ -1,5 +1,5 @@
 """Deployments of a candidate version against the incumbent, and the log of every transition.
-Writes go through rollouts.services."""
+Writes go through rollouts.services (create, rollback, promote) and rollouts.judge_tick (the judge's tick)."""
 
 from __future__ import annotations
 

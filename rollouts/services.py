@@ -1,4 +1,6 @@
-"""Writes for rollouts: create a deployment, run one judge tick on it, roll it back, promote it.
+"""Writes for rollouts: create a deployment, roll it back, promote it; and the default readiness hook
+the judge asks whether the candidate is up. The judge's tick is rollouts.judge_tick; the writes both
+are made of (events, transitions, routing edits, the row lock) are rollouts.transitions.
 
 Every state change writes a DeploymentEvent with its reason and figures, in the same transaction as the
 routing or alias edit it describes. Traffic moves only through registry.services (routing_table_set,
@@ -8,15 +10,11 @@ up by every gateway within its revalidation interval (serving.gateway.router.REV
 from __future__ import annotations
 
 import datetime as dt
-import logging
-import math
-import time
 from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
-from django.utils.module_loading import import_string
 
 from registry.models import Alias, Model, ModelVersion, RoutingEntry, RoutingTable, is_valid_name
 from registry.services import (
@@ -24,15 +22,8 @@ from registry.services import (
     RegistryError,
     alias_set,
     routing_mirror_set,
-    routing_table_set,
 )
-from rollouts import judge
-from rollouts.models import Deployment, DeploymentEvent
-from rollouts.selectors import (
-    MetricsUnavailable,
-    WindowReader,
-    window_reader,
-)
+from rollouts.models import Deployment
 from rollouts.steps import (
     MAX_BAKE_SECONDS,
     DeploymentConflict,
@@ -41,11 +32,9 @@ from rollouts.steps import (
     resolve_thresholds,
     validate_steps,
 )
+from rollouts.transitions import locked, log_event, noted, route, transition
 from serving.selectors import embedded_replica_ready, fleet_replica_ready
 
-logger = logging.getLogger(__name__)
-
-JUDGE_ACTOR = "rollout-judge"
 CANARY_ALIAS = "canary"
 
 State = Deployment.State
@@ -84,83 +73,6 @@ def _fleet_replica_ready(deployment: Deployment) -> bool | None:
     """Does a replica process of the candidate publish a fresh `ready` heartbeat (serving.selectors)?"""
     return fleet_replica_ready(
         deployment.model.name, deployment.candidate.version, deployment.incumbent.version
-    )
-
-
-def _readiness_check() -> Any:
-    return import_string(settings.ROLLOUT_READINESS_CHECK)
-
-
-# --- helpers that write -------------------------------------------------------------------------------
-
-
-def _event(
-    deployment: Deployment,
-    *,
-    to_state: str,
-    actor: str,
-    reason: str,
-    figures: dict[str, Any] | None = None,
-    from_state: str | None = None,
-    at: dt.datetime | None = None,
-) -> DeploymentEvent:
-    return DeploymentEvent.objects.create(
-        deployment=deployment,
-        at=at or timezone.now(),
-        from_state=deployment.state if from_state is None else from_state,
-        to_state=to_state,
-        actor=actor,
-        reason=reason,
-        figures=figures or {},
-    )
-
-
-def _transition(
-    deployment: Deployment,
-    to_state: str,
-    *,
-    actor: str,
-    reason: str,
-    figures: dict[str, Any] | None = None,
-    at: dt.datetime | None = None,
-) -> None:
-    _event(deployment, to_state=to_state, actor=actor, reason=reason, figures=figures, at=at)
-    deployment.state = to_state
-    deployment.save()
-
-
-def _route(deployment: Deployment, weights: dict[str, int]) -> dict[str, Any]:
-    """One routing edit; returns the revision and how long the edit took."""
-    started = time.perf_counter()
-    table = routing_table_set(model=deployment.model, weights=weights)
-    return {
-        "routing": weights,
-        "routing_revision": table.revision,
-        "edit_ms": round((time.perf_counter() - started) * 1000.0, 3),
-    }
-
-
-def _noted(edit: dict[str, Any]) -> str:
-    """A routing edit as an event's reason names it."""
-    return f"(routing revision {edit['routing_revision']}, edit {edit['edit_ms']:.1f} ms)"
-
-
-def _split(deployment: Deployment, pct: int) -> dict[str, int]:
-    if pct >= 100:
-        return {deployment.candidate.version: 100}
-    return {deployment.candidate.version: pct, deployment.incumbent.version: 100 - pct}
-
-
-def _locked(deployment: Deployment) -> Deployment:
-    """The deployment's row, locked for the rest of the transaction (SQLite: the settings open every
-    transaction IMMEDIATE, which takes the database's write lock up front). Its row only (of=self): the
-    joined model and versions locked FOR UPDATE too would hold back, for a whole judge tick, every
-    metrics flush of either version (a row's foreign key takes a KEY SHARE lock on the version) and
-    anything else that locks the model. Creates lock the model themselves; routing edits their table."""
-    return (
-        Deployment.objects.select_for_update(of=("self",))
-        .select_related("model", "candidate", "incumbent")
-        .get(pk=deployment.pk)
     )
 
 
@@ -245,7 +157,7 @@ def deployment_create(
         if strategy == Deployment.Strategy.CANARY
         else f"mirror {mirror_pct}%"
     )
-    _event(
+    log_event(
         deployment,
         from_state="",
         to_state=State.PENDING,
@@ -253,11 +165,12 @@ def deployment_create(
         reason=f"{strategy} of {version} against {stable.version.version}: {plan}, bake {bake_seconds} s",
         figures={"thresholds": resolved_thresholds},
     )
-    _provision(deployment, actor=created_by)
+    provision(deployment, actor=created_by)
     return deployment
 
 
-def _provision(deployment: Deployment, *, actor: str) -> None:
+def provision(deployment: Deployment, *, actor: str) -> None:
+    """Point the canary alias at the candidate; the judge's tick then waits for its replicas."""
     alias_set(
         model=deployment.model,
         name=CANARY_ALIAS,
@@ -266,227 +179,11 @@ def _provision(deployment: Deployment, *, actor: str) -> None:
         reason=f"deployment {deployment.pk}: provision the candidate",
     )
     deployment.provisioning_started_at = timezone.now()
-    _transition(
+    transition(
         deployment,
         State.PROVISIONING,
         actor=actor,
         reason=f"canary alias -> {deployment.candidate.version}; waiting for a ready replica",
-    )
-
-
-# --- the judge's tick ---------------------------------------------------------------------------------
-
-
-@transaction.atomic
-def deployment_judge(
-    *,
-    deployment: Deployment,
-    now: dt.datetime | None = None,
-    read_window: WindowReader | None = None,
-) -> judge.Verdict | None:
-    """One judge tick for one deployment: finish provisioning when the candidate is ready; while ramping
-    (or shadowing), compare the candidate's window with the incumbent's over [step start, now) and act on
-    the verdict. Returns the verdict, or None when there was nothing to judge."""
-    now = now or timezone.now()
-    deployment = _locked(deployment)
-    if deployment.state == State.PENDING:
-        _provision(deployment, actor=JUDGE_ACTOR)
-        return None
-    if deployment.state == State.PROVISIONING:
-        _tick_provisioning(deployment, now=now)
-        return None
-    if deployment.state == State.ROLLING_BACK:  # only if a rollback was interrupted mid-way
-        _rollback(
-            deployment, actor=JUDGE_ACTOR, reason="finishing an interrupted rollback", figures={}, now=now
-        )
-        return None
-    if deployment.state not in (State.RAMPING, State.SHADOWING):
-        return None
-
-    verdict = _verdict(deployment, now=now, read_window=read_window)
-    deployment.last_judged_at = now
-    deployment.last_verdict = {
-        "verdict": verdict.kind.value,
-        "reason": verdict.reason,
-        "figures": verdict.figures,
-    }
-    if verdict.kind == judge.VerdictKind.ROLLBACK:
-        _rollback(
-            deployment, actor=JUDGE_ACTOR, reason=f"judge: {verdict.reason}", figures=verdict.figures, now=now
-        )
-    elif verdict.kind == judge.VerdictKind.ADVANCE:
-        _advance(deployment, verdict=verdict, now=now)
-    else:
-        deployment.save(update_fields=["last_judged_at", "last_verdict", "step_looks", "updated_at"])
-        _note_overdue_step(deployment, verdict=verdict, now=now)
-    return verdict
-
-
-def _note_overdue_step(deployment: Deployment, *, verdict: judge.Verdict, now: dt.datetime) -> None:
-    """A hold inside the bake window is routine and writes nothing (last_verdict shows it). A step still
-    held once its window is over is one an operator should see in the history, with the judge's
-    reasons: written once per step, at the first tick past the window."""
-    if deployment.state != State.RAMPING or deployment.step_started_at is None:
-        return
-    elapsed_s = (now - deployment.step_started_at).total_seconds()
-    if elapsed_s < deployment.bake_seconds:
-        return
-    if deployment.events.filter(
-        actor=JUDGE_ACTOR,
-        to_state=State.RAMPING,
-        at__gte=deployment.step_started_at,
-        reason__contains="held past",
-    ).exists():
-        return
-    step = deployment.current_step
-    _event(
-        deployment,
-        to_state=State.RAMPING,
-        actor=JUDGE_ACTOR,
-        reason=(
-            f"judge: step {step + 1}/{len(deployment.steps)} ({deployment.steps[step]['pct']}%) held past "
-            f"its {deployment.bake_seconds:g} s bake window: {verdict.reason}"
-        ),
-        figures=verdict.figures,
-        at=now,
-    )
-
-
-def _tick_provisioning(deployment: Deployment, *, now: dt.datetime) -> None:
-    if _readiness_check()(deployment):
-        deployment.step_looks = 0
-        if deployment.strategy == Deployment.Strategy.SHADOW:
-            deployment.step_started_at = now
-            routing_mirror_set(
-                model=deployment.model, version=deployment.candidate, pct=int(deployment.mirror_pct or 0)
-            )
-            _transition(
-                deployment,
-                State.SHADOWING,
-                actor=JUDGE_ACTOR,
-                reason=f"candidate ready; mirroring {deployment.mirror_pct}% of traffic to it",
-                figures={"mirror_pct": deployment.mirror_pct},
-                at=now,
-            )
-            return
-        pct = int(deployment.steps[0]["pct"])
-        edit = _route(deployment, _split(deployment, pct))
-        deployment.current_step = 0
-        deployment.step_started_at = now
-        _transition(
-            deployment,
-            State.RAMPING,
-            actor=JUDGE_ACTOR,
-            reason=f"candidate ready; step 1/{len(deployment.steps)}: {pct}% of traffic",
-            figures=edit,
-            at=now,
-        )
-        return
-    started = deployment.provisioning_started_at or deployment.created_at
-    waited_s = (now - started).total_seconds()
-    limit_s = settings.ROLLOUT_PROVISION_TIMEOUT_S
-    if waited_s > limit_s:
-        _rollback(
-            deployment,
-            actor=JUDGE_ACTOR,
-            reason=f"candidate not ready after {waited_s:.0f} s (limit {limit_s} s)",
-            figures={"waited_s": round(waited_s, 3)},
-            now=now,
-        )
-
-
-def num_looks(*, bake_seconds: float) -> int:
-    """How many times the judge tests a step's window before it can advance: once per tick over the
-    bake window, plus the tick that ends it. The judge divides alpha by it (rollouts.judge)."""
-    return math.ceil(bake_seconds / settings.ROLLOUT_JUDGE_INTERVAL_S) + 1
-
-
-def _verdict(deployment: Deployment, *, now: dt.datetime, read_window: WindowReader | None) -> judge.Verdict:
-    thresholds = judge.Thresholds.from_dict(deployment.thresholds)
-    start = deployment.step_started_at or now
-    bake_elapsed_s = max(0.0, (now - start).total_seconds())
-    try:
-        read = read_window or window_reader()
-        with transaction.atomic():  # a failed read must not poison the transaction we write in
-            canary = read(
-                model_name=deployment.model.name, version=deployment.candidate.version, start=start, end=now
-            )
-            incumbent = read(
-                model_name=deployment.model.name, version=deployment.incumbent.version, start=start, end=now
-            )
-    except Exception as exc:  # the store is down or the contract drifted: hold, never act blind
-        if not isinstance(exc, MetricsUnavailable):
-            logger.exception("rollout judge: reading metrics for deployment %s failed", deployment.pk)
-        return judge.Verdict(
-            judge.VerdictKind.INSUFFICIENT_DATA,
-            (f"metrics unavailable: {exc}",),
-            {"bake_elapsed_s": round(bake_elapsed_s, 3), "bake_seconds": deployment.bake_seconds},
-        )
-    planned = num_looks(bake_seconds=deployment.bake_seconds)
-    verdict = judge.decide(
-        canary,
-        incumbent,
-        thresholds=thresholds,
-        bake_elapsed_s=bake_elapsed_s,
-        bake_seconds=deployment.bake_seconds,
-        num_looks=planned,
-        # Counted, not derived from the clock: ticks that waited for min_samples ran no test, and
-        # counting them would leave a slow step's first real look at a vanishing alpha.
-        look=deployment.step_looks + 1,
-    )
-    if verdict.kind != judge.VerdictKind.INSUFFICIENT_DATA:
-        if bake_elapsed_s >= deployment.bake_seconds and deployment.step_looks < planned:
-            deployment.step_looks = planned  # it spent what the plan had left (judge.decide)
-        else:
-            deployment.step_looks += 1
-    verdict.figures["window"] = {"start": start.isoformat(), "end": now.isoformat()}
-    if deployment.strategy == Deployment.Strategy.SHADOW:
-        compared, matched = canary.num_shadow_compared, canary.num_shadow_matched
-        verdict.figures["output_match"] = {
-            "compared": compared,
-            "matched": matched,
-            "rate": round(matched / compared, 4) if compared else None,
-        }
-    if deployment.strategy == Deployment.Strategy.CANARY:
-        verdict.figures["step"] = deployment.current_step
-        verdict.figures["pct"] = deployment.current_pct
-    return verdict
-
-
-def _advance(deployment: Deployment, *, verdict: judge.Verdict, now: dt.datetime) -> None:
-    if deployment.strategy == Deployment.Strategy.SHADOW:
-        _park_canary_alias(deployment, actor=JUDGE_ACTOR, outcome="completed")
-        deployment.finished_at = now
-        _transition(
-            deployment,
-            State.COMPLETED,
-            actor=JUDGE_ACTOR,
-            reason=f"judge: shadow healthy: {verdict.reason}; traffic unchanged",
-            figures=verdict.figures,
-            at=now,
-        )
-        return
-    next_step = deployment.current_step + 1
-    # A step list validated before single-step canaries were refused may end at the current step.
-    pct = int(deployment.steps[next_step]["pct"]) if next_step < len(deployment.steps) else 100
-    if pct >= 100:
-        _promote(
-            deployment, actor=JUDGE_ACTOR, reason=f"judge: {verdict.reason}", figures=verdict.figures, now=now
-        )
-        return
-    edit = _route(deployment, _split(deployment, pct))
-    previous_pct = deployment.current_pct
-    deployment.current_step = next_step
-    deployment.step_started_at = now
-    deployment.step_looks = 0
-    _transition(
-        deployment,
-        State.RAMPING,
-        actor=JUDGE_ACTOR,
-        reason=f"judge: {verdict.reason}; step {next_step + 1}/{len(deployment.steps)}: "
-        f"{previous_pct}% -> {pct}%",
-        figures={**verdict.figures, **edit},
-        at=now,
     )
 
 
@@ -498,7 +195,7 @@ def _stop_mirroring(deployment: Deployment) -> None:
         routing_mirror_set(model=deployment.model, version=None)
 
 
-def _park_canary_alias(deployment: Deployment, *, actor: str, outcome: str) -> None:
+def park_canary_alias(deployment: Deployment, *, actor: str, outcome: str) -> None:
     """Point `canary` back at the incumbent (logged), so the candidate keeps no alias and, with no
     traffic either, its replicas drain. (Deleting the alias would delete its logged history.) A shadow
     deployment's mirroring stops with it."""
@@ -514,18 +211,20 @@ def _park_canary_alias(deployment: Deployment, *, actor: str, outcome: str) -> N
         )
 
 
-def _rollback(
+def roll_back(
     deployment: Deployment, *, actor: str, reason: str, figures: dict[str, Any], now: dt.datetime
 ) -> None:
+    """The rollback itself, inside a transaction that holds the deployment's row (locked()): the
+    operator's deployment_rollback() and the judge's tick both end here."""
     decided_at = now
     # Before its first step the table is still the operator's (a split between older versions, say):
     # routing it all to the incumbent would drop the rest. Only a share the candidate was given by hand
     # moves, to the incumbent, since the candidate is being rolled back.
     ramped = deployment.state not in (State.PENDING, State.PROVISIONING)
-    _transition(deployment, State.ROLLING_BACK, actor=actor, reason=reason, figures=figures, at=decided_at)
+    transition(deployment, State.ROLLING_BACK, actor=actor, reason=reason, figures=figures, at=decided_at)
     # Aliases first, the routing edit last: all of it commits at once, and the revision recorded is then
     # the one gateways will see.
-    _park_canary_alias(deployment, actor=actor, outcome="rolled back")
+    park_canary_alias(deployment, actor=actor, outcome="rolled back")
     edit: dict[str, Any] = {}
     what = "mirroring stopped; traffic was never moved"
     if deployment.strategy == Deployment.Strategy.CANARY and not ramped:
@@ -539,10 +238,10 @@ def _rollback(
         if moved:
             incumbent = deployment.incumbent.version
             weights[incumbent] = weights.get(incumbent, 0) + moved
-            edit = _route(deployment, weights)
+            edit = route(deployment, weights)
             what = (
                 f"the candidate's {moved}% (not the deployment's) to {incumbent}, the rest as it was "
-                + _noted(edit)
+                + noted(edit)
             )
     elif deployment.strategy == Deployment.Strategy.CANARY:
         stable = Alias.objects.filter(model=deployment.model, name=STABLE_ALIAS).first()
@@ -554,21 +253,22 @@ def _rollback(
                 actor=actor,
                 reason=f"deployment {deployment.pk} rolled back",
             )
-        edit = _route(deployment, {deployment.incumbent.version: 100})
-        what = f"traffic 100% to {deployment.incumbent.version} {_noted(edit)}"
+        edit = route(deployment, {deployment.incumbent.version: 100})
+        what = f"traffic 100% to {deployment.incumbent.version} {noted(edit)}"
     deployment.rollback_decided_at = decided_at
     deployment.rollback_edit_ms = edit.get("edit_ms")
     deployment.finished_at = timezone.now()
-    _transition(deployment, State.ROLLED_BACK, actor=actor, reason=what, figures=edit)
+    transition(deployment, State.ROLLED_BACK, actor=actor, reason=what, figures=edit)
     deployment_id = deployment.pk
     transaction.on_commit(
         lambda: Deployment.objects.filter(pk=deployment_id).update(rollback_committed_at=timezone.now())
     )
 
 
-def _promote(
+def promote(
     deployment: Deployment, *, actor: str, reason: str, figures: dict[str, Any], now: dt.datetime
 ) -> None:
+    """The promotion itself, under the row's lock as roll_back(): from deployment_promote() or the tick."""
     _stop_mirroring(deployment)
     alias_set(
         model=deployment.model,
@@ -577,11 +277,11 @@ def _promote(
         actor=actor,
         reason=f"deployment {deployment.pk} promoted",
     )
-    edit = _route(deployment, {deployment.candidate.version: 100})
+    edit = route(deployment, {deployment.candidate.version: 100})
     if deployment.steps:
         deployment.current_step = len(deployment.steps) - 1
     deployment.finished_at = now
-    _transition(
+    transition(
         deployment,
         State.PROMOTED,
         actor=actor,
@@ -602,9 +302,9 @@ def deployment_rollback(*, deployment: Deployment, actor: str, reason: str = "")
     """Send all traffic back to the incumbent now (one routing edit) and release the candidate. Before
     the first step, only what the candidate was given by hand goes back, and the rest stays."""
     decided_at = timezone.now()
-    deployment = _locked(deployment)
+    deployment = locked(deployment)
     _refuse_unless_in_flight(deployment, "roll back")
-    _rollback(
+    roll_back(
         # The default names no one: the event's actor says who, as each reader may know it (a tenant
         # sharing a platform model sees neither another tenant's name nor a staff login).
         deployment,
@@ -619,7 +319,7 @@ def deployment_rollback(*, deployment: Deployment, actor: str, reason: str = "")
 @transaction.atomic
 def deployment_promote(*, deployment: Deployment, actor: str, reason: str = "") -> Deployment:
     """Skip the remaining steps: 100% to the candidate and the `stable` alias moved to it (logged)."""
-    deployment = _locked(deployment)
+    deployment = locked(deployment)
     _refuse_unless_in_flight(deployment, "promote")
     if deployment.state == State.ROLLING_BACK:
         raise DeploymentConflict(f"deployment {deployment.pk} is rolling back; cannot promote it")
@@ -630,7 +330,7 @@ def deployment_promote(*, deployment: Deployment, actor: str, reason: str = "") 
             "promote it once it takes traffic (ramping or shadowing)"
         )
     try:
-        _promote(
+        promote(
             deployment,
             actor=actor,
             reason=reason or "promotion requested",  # as a rollback's: the actor says who

@@ -10,7 +10,7 @@ import logging
 from celery import shared_task
 from django.db import IntegrityError
 
-from rollouts import scaling, selectors, services
+from rollouts import judge_tick, scaling, selectors
 from serving.selectors import HeartbeatsUnavailable
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def rollout_judge_tick() -> int:
         if deployment is None:
             continue
         try:
-            services.deployment_judge(deployment=deployment)
+            judge_tick.deployment_judge(deployment=deployment)
         except Exception:
             logger.exception("rollout judge: deployment %s failed this tick", deployment_id)
             continue

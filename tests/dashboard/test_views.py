@@ -187,7 +187,7 @@ def test_model_page_ranges(staff_client: Client, chat: Any) -> None:
 
 
 def test_rollout_page_shows_steps_traffic_verdicts_and_buttons(staff_client: Client, deployment: Any) -> None:
-    from rollouts.services import deployment_judge
+    from rollouts.judge_tick import deployment_judge
     from tests.rollouts.conftest import FakeMetrics
 
     response = staff_client.get("/dashboard/models/chat/rollout/")
@@ -278,7 +278,7 @@ def test_rollback_calls_the_rollouts_service(make_user: Any, deployment: Any, mo
 
 def test_promote_calls_the_rollouts_service(make_user: Any, deployment: Any) -> None:
     from registry.selectors import routing_snapshot
-    from rollouts.services import deployment_judge
+    from rollouts.judge_tick import deployment_judge
     from tests.rollouts.conftest import FakeMetrics
 
     client = _csrf_client(make_user)

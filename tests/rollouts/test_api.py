@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from registry.models import Alias, AliasEvent, RoutingEntry, RoutingTable
-from rollouts import services
+from rollouts import judge_tick, services
 from rollouts.models import Deployment, DeploymentEvent
 from tests.rollouts.conftest import FakeMetrics
 
@@ -89,7 +89,9 @@ def test_tenant_allowed_to_deploy_promotes(client, chat, make_tenant) -> None:
     deployment_id = response.json()["deployment_id"]
     assert Deployment.objects.get(pk=deployment_id).created_by == "tenant:acme"
     # Promotion waits for a ready candidate: one judge tick takes it from provisioning to ramping.
-    services.deployment_judge(deployment=Deployment.objects.get(pk=deployment_id), read_window=FakeMetrics())
+    judge_tick.deployment_judge(
+        deployment=Deployment.objects.get(pk=deployment_id), read_window=FakeMetrics()
+    )
 
     promoted = post(client, f"/v1/deployments/{deployment_id}/promote", **acme.auth)
     assert promoted.status_code == 202
@@ -250,7 +252,7 @@ def test_the_default_reasons_name_no_one_another_tenant_may_not_know(client, cha
     globex = make_tenant("globex", may_deploy=True, allowed_models=[chat], deployable_models=[chat])
     deployment_id = post(client, "/v1/deployments", BODY, **acme.auth).json()["deployment_id"]
     deployment = Deployment.objects.get(pk=deployment_id)
-    services.deployment_judge(deployment=deployment, read_window=FakeMetrics())  # ramping: promotable
+    judge_tick.deployment_judge(deployment=deployment, read_window=FakeMetrics())  # ramping: promotable
     response = post(client, f"/v1/deployments/{deployment_id}/{end}", **globex.auth)
     assert response.status_code == 202, response.content
     events = client.get(f"/v1/deployments/{deployment_id}", headers=acme.auth).json()["events"]
@@ -272,7 +274,9 @@ def test_a_threshold_too_large_for_a_float_is_a_400(staff_client, chat) -> None:
 
 def test_versions_endpoint_reports_state_from_deployments(staff_client, chat) -> None:
     deployment_id = post(staff_client, "/v1/deployments", BODY).json()["deployment_id"]
-    services.deployment_judge(deployment=Deployment.objects.get(pk=deployment_id), read_window=FakeMetrics())
+    judge_tick.deployment_judge(
+        deployment=Deployment.objects.get(pk=deployment_id), read_window=FakeMetrics()
+    )
     rows = {r["version"]: r for r in staff_client.get("/v1/models/chat/versions").json()}
     assert (rows["v1"]["traffic_pct"], rows["v1"]["state"]) == (99, "incumbent")
     assert (rows["v2"]["traffic_pct"], rows["v2"]["state"]) == (1, "ramping")

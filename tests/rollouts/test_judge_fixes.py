@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from registry.models import Alias
-from rollouts import services
+from rollouts import judge_tick, services
 from rollouts.judge import VerdictKind
 from rollouts.models import Deployment
 from rollouts.steps import resolve_thresholds
@@ -28,7 +28,7 @@ def at(seconds: float) -> dt.datetime:
 
 
 def tick(deployment: Deployment, seconds: float, metrics: FakeMetrics):  # type: ignore[no-untyped-def]
-    verdict = services.deployment_judge(deployment=deployment, now=at(seconds), read_window=metrics)
+    verdict = judge_tick.deployment_judge(deployment=deployment, now=at(seconds), read_window=metrics)
     deployment.refresh_from_db()
     return verdict
 
@@ -207,7 +207,7 @@ def test_with_replica_processes_and_redis_down_the_candidate_gets_no_traffic(mak
     model = make_model()
     deployment = services.deployment_create(model=model, version="v2", created_by="test")
 
-    services.deployment_judge(deployment=deployment, read_window=FakeMetrics())  # now: not timed out
+    judge_tick.deployment_judge(deployment=deployment, read_window=FakeMetrics())  # now: not timed out
     deployment.refresh_from_db()
 
     assert deployment.state == State.PROVISIONING
@@ -229,7 +229,7 @@ def test_with_replica_processes_and_no_heartbeat_the_candidate_gets_no_traffic(
     try:
         model = make_model()
         deployment = services.deployment_create(model=model, version="v2", created_by="test")
-        services.deployment_judge(deployment=deployment, read_window=FakeMetrics())  # now: not timed out
+        judge_tick.deployment_judge(deployment=deployment, read_window=FakeMetrics())  # now: not timed out
         deployment.refresh_from_db()
         assert deployment.state == State.PROVISIONING
         assert routing_state(model)[1] == {"v1": 100}

@@ -28,7 +28,7 @@ from django.db import OperationalError, close_old_connections
 from registry.models import AliasEvent, Model
 from registry.selectors import TenantContext, routing_snapshot
 from registry.services import model_version_register
-from rollouts import services
+from rollouts import judge_tick, services
 from rollouts.models import Deployment
 from rollouts.tasks import rollout_judge_tick
 from tests.rollouts.conftest import routing_state
@@ -228,8 +228,8 @@ async def test_a_healthy_candidate_under_load_is_promoted_by_the_judge(embedded_
 
     assert deployment.state == State.PROMOTED, [(e.to_state, e.reason) for e in events]
     assert [(e.to_state, e.actor) for e in events][-2:] == [
-        ("ramping", services.JUDGE_ACTOR),
-        ("promoted", services.JUDGE_ACTOR),
+        ("ramping", judge_tick.JUDGE_ACTOR),
+        ("promoted", judge_tick.JUDGE_ACTOR),
     ]
     advance = events[-1].figures
     assert advance["canary"]["num_requests"] >= 10 and advance["incumbent"]["num_requests"] >= 10
@@ -239,7 +239,7 @@ async def test_a_healthy_candidate_under_load_is_promoted_by_the_judge(embedded_
     moved = await sync_to_async(_retrying_locked)(
         lambda: AliasEvent.objects.get(alias__name="stable", to_version__version="v2")
     )
-    assert (moved.actor, moved.reason) == (services.JUDGE_ACTOR, f"deployment {deployment.pk} promoted")
+    assert (moved.actor, moved.reason) == (judge_tick.JUDGE_ACTOR, f"deployment {deployment.pk} promoted")
     assert load.num_by_version["v2"] > 0 and load.num_errors == 0  # in time: _run_rollout has a deadline
 
 
@@ -255,7 +255,7 @@ async def test_a_slow_candidate_under_load_is_rolled_back_by_the_judge_naming_tp
 
     assert deployment.state == State.ROLLED_BACK, [(e.to_state, e.reason) for e in events]
     decision = next(e for e in events if e.to_state == "rolling_back")
-    assert decision.actor == services.JUDGE_ACTOR
+    assert decision.actor == judge_tick.JUDGE_ACTOR
     assert decision.reason.startswith("judge: ") and "TPOT" in decision.reason
     assert decision.figures["canary"]["tpot_p99_ms"] >= STEP_DELAY_MS
     assert decision.figures["canary"]["tpot_p99_ms"] > decision.figures["tpot_limit_ms"] >= TPOT_SLA_MS
@@ -323,12 +323,12 @@ def test_embedded_the_candidate_is_ready_when_a_replica_here_is(provisioning, no
 def test_the_judge_keeps_provisioning_until_the_replica_is_ready(provisioning, no_redis, monkeypatch) -> None:
     loading = SimpleNamespace(is_ready=False)
     with hosted_replicas(monkeypatch, {("chat", "v2"): loading}):
-        services.deployment_judge(deployment=provisioning)
+        judge_tick.deployment_judge(deployment=provisioning)
         provisioning.refresh_from_db()
         assert provisioning.state == State.PROVISIONING
         assert routing_snapshot(model_name="chat").weights == {"v1": 100}
         loading.is_ready = True
-        services.deployment_judge(deployment=provisioning)
+        judge_tick.deployment_judge(deployment=provisioning)
         provisioning.refresh_from_db()
     assert provisioning.state == State.RAMPING
     assert routing_snapshot(model_name="chat").weights == {"v1": 99, "v2": 1}

@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from registry.models import AliasEvent, ModelVersion
 from registry.selectors import routing_snapshot, versions_with_traffic
-from rollouts import selectors, services
+from rollouts import judge_tick, selectors, services, transitions
 from rollouts.judge import VerdictKind
 from rollouts.models import Deployment, DeploymentEvent
 from rollouts.steps import DeploymentConflict
@@ -41,7 +41,7 @@ def events(deployment: Deployment) -> list[tuple[str, str, str]]:
 
 
 def tick(deployment: Deployment, seconds: float, metrics: FakeMetrics):  # type: ignore[no-untyped-def]
-    verdict = services.deployment_judge(deployment=deployment, now=at(seconds), read_window=metrics)
+    verdict = judge_tick.deployment_judge(deployment=deployment, now=at(seconds), read_window=metrics)
     deployment.refresh_from_db()
     return verdict
 
@@ -245,7 +245,7 @@ def test_unreadable_metrics_hold_the_deployment_as_is(ramping) -> None:
     def broken(**kwargs):  # type: ignore[no-untyped-def]
         raise ConnectionError("metrics store down")
 
-    verdict = services.deployment_judge(deployment=deployment, now=at(600), read_window=broken)
+    verdict = judge_tick.deployment_judge(deployment=deployment, now=at(600), read_window=broken)
     deployment.refresh_from_db()
     assert verdict.kind is VerdictKind.INSUFFICIENT_DATA
     assert "metrics unavailable" in verdict.reason
@@ -418,7 +418,7 @@ def test_the_judge_reads_the_real_metrics_store_through_its_selector(ramping) ->
         recorder.record(requests=[RequestSample("length", num_output_tokens=64)] * 3, now=bucket + 3)
         assert recorder.flush() == 1
 
-    verdict = services.deployment_judge(deployment=deployment, now=step_start + dt.timedelta(seconds=10))
+    verdict = judge_tick.deployment_judge(deployment=deployment, now=step_start + dt.timedelta(seconds=10))
 
     assert verdict.kind is VerdictKind.ROLLBACK
     canary, incumbent = verdict.figures["canary"], verdict.figures["incumbent"]
@@ -452,7 +452,7 @@ def test_a_judge_tick_holding_its_deployment_does_not_hold_back_metrics_flushes(
     def tick() -> None:
         try:
             with transaction.atomic():
-                rollout_services._locked(deployment)
+                transitions.locked(deployment)
                 locked.set()
                 release.wait(10)
         finally:

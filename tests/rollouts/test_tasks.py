@@ -18,7 +18,7 @@ from celery.schedules import crontab, schedule
 from django.conf import settings
 
 from config import periodic as scheduler
-from rollouts import services
+from rollouts import judge_tick, services
 from rollouts.models import Deployment
 from tests.conftest import REPO_ROOT, require_service
 
@@ -57,14 +57,14 @@ def test_a_tick_judges_every_deployment_in_flight_and_survives_one_failing(
 
     first = services.deployment_create(model=make_model("alpha"), version="v2", created_by="t")
     second = services.deployment_create(model=make_model("beta"), version="v2", created_by="t")
-    real_judge = services.deployment_judge
+    real_judge = judge_tick.deployment_judge
 
     def judge_or_fail(*, deployment, **kwargs):  # type: ignore[no-untyped-def]
         if deployment.pk == first.pk:
             raise RuntimeError("boom")
         return real_judge(deployment=deployment, **kwargs)
 
-    monkeypatch.setattr(services, "deployment_judge", judge_or_fail)
+    monkeypatch.setattr(judge_tick, "deployment_judge", judge_or_fail)
     assert rollout_judge_tick() == 1
     assert Deployment.objects.get(pk=second.pk).state == "ramping"
     assert Deployment.objects.get(pk=first.pk).state == "provisioning"

@@ -244,7 +244,7 @@ class Command(BaseCommand):
         t0: float,
     ) -> bool:
         from registry.models import Model
-        from rollouts import selectors, services
+        from rollouts import judge_tick, selectors, services
 
         @sync_to_async
         def create() -> int:
@@ -315,8 +315,8 @@ class Command(BaseCommand):
                 f"  rollback: {_edit(rollback['edit_ms'])}, committed "
                 f"{1000 * (committed - decided):.0f} ms after the decision; {last_note}",
             )
-        by_judge = detail["events"][-1]["actor"] == services.JUDGE_ACTOR or (
-            state == "rolled_back" and detail["events"][-2]["actor"] == services.JUDGE_ACTOR
+        by_judge = detail["events"][-1]["actor"] == judge_tick.JUDGE_ACTOR or (
+            state == "rolled_back" and detail["events"][-2]["actor"] == judge_tick.JUDGE_ACTOR
         )
         ok = state == expected and by_judge
         self._say(
