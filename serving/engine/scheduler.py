@@ -4,12 +4,12 @@ for the tokens it has not computed yet (one when decoding), and a long prompt is
 
 from __future__ import annotations
 
-import collections
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from serving.engine.admission import Admission
 from serving.engine.fairness import VirtualTokenCounter
 from serving.engine.kv_cache import KVCacheManager
 from serving.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -96,25 +96,36 @@ class Scheduler:
         self.kv_cache = kv_cache
         self._clock = clock
         self._requests: dict[str, Sequence] = {}  # every unfinished sequence
-        self._running: dict[str, Sequence] = {}  # in admission order: the last is preempted first
-        self._waiting_by_tenant: dict[str, collections.deque[Sequence]] = {}  # FIFO each; never empty
-        self._num_waiting = 0
-        self._tenant_to_num_running: dict[str, int] = {}
         self._vtc = VirtualTokenCounter(
             prompt_token_weight=config.prompt_token_weight, output_token_weight=config.output_token_weight
         )
-        self._num_watermark_blocks = math.ceil(config.watermark_fraction * kv_cache.num_blocks)
+        # The waiting and running sequences, and who is admitted or preempted (admission.py).
+        self._admission = Admission(
+            kv_cache,
+            vtc=self._vtc,
+            clock=clock,
+            max_num_seqs=config.max_num_seqs,
+            max_running_per_tenant=config.max_running_per_tenant,
+            max_blocks_per_tenant=config.max_blocks_per_tenant,
+            is_chunked_prefill_enabled=config.is_chunked_prefill_enabled,
+            num_watermark_blocks=math.ceil(config.watermark_fraction * kv_cache.num_blocks),
+        )
+        self._running = self._admission.running  # the same dict, read here every step
         self.num_steps = 0
-        self.num_preemptions = 0
         self._last_output = SchedulerOutput([], [], 0)
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return self._admission.num_waiting
 
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted since start."""
+        return self._admission.num_preemptions
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -134,7 +145,7 @@ class Scheduler:
         return SchedulerStats(
             num_steps=self.num_steps,
             num_running=len(self._running),
-            num_waiting=self._num_waiting,
+            num_waiting=self._admission.num_waiting,
             num_scheduled_seqs=len(self._last_output.scheduled),
             num_batched_tokens=self._last_output.num_batched_tokens,
             num_preempted=len(self._last_output.preempted),
@@ -175,7 +186,7 @@ class Scheduler:
                 "can ever be available to it"
             )
         self._requests[seq.request_id] = seq
-        self._enqueue(seq, is_preempted=False)
+        self._admission.enqueue(seq, is_preempted=False)
 
     @property
     def max_blocks_per_sequence(self) -> int:
@@ -200,12 +211,7 @@ class Scheduler:
         if seq is None:
             return None
         if seq.status is SequenceStatus.WAITING:
-            queue = self._waiting_by_tenant[seq.tenant_id]
-            # By identity: Sequence equality compares every field.
-            del queue[next(i for i, queued in enumerate(queue) if queued is seq)]
-            if not queue:
-                del self._waiting_by_tenant[seq.tenant_id]
-            self._num_waiting -= 1
+            self._admission.remove_waiting(seq)
             del self._requests[request_id]
             self._mark_finished(seq, reason)
         else:
@@ -217,6 +223,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         kv = self.kv_cache
+        admission = self._admission
         bs = cfg.block_size
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
@@ -233,7 +240,7 @@ class Scheduler:
                 prefilling.append(seq)
                 continue
             if seq.num_computed_tokens >= len(seq.block_table) * bs:  # its last block is full
-                if not self._make_room(seq, preempted):
+                if not admission.make_room(seq, preempted):
                     continue
                 kv.allocate(seq, 1)
             scheduled.append(ScheduledSequence(seq, 1))
@@ -249,9 +256,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             num_remaining = len(seq.token_ids) - seq.num_computed_tokens
-            num_free_slots = self._num_free_slots(seq)
+            num_free_slots = admission.num_free_slots(seq)
             if num_free_slots == 0:
-                self._preempt(seq)
+                admission.preempt(seq)
                 preempted.append(seq)
                 continue
             num_new = min(num_remaining, budget, num_free_slots)
@@ -263,8 +270,10 @@ class Scheduler:
 
         # A step that had to preempt admits nobody: blocks are short, and the victims would come
         # straight back in.
-        if self._num_waiting and budget and not preempted and len(self._running) < cfg.max_num_seqs:
-            budget = self._admit(budget, scheduled)
+        if admission.num_waiting and budget and not preempted and len(self._running) < cfg.max_num_seqs:
+            for seq, num_new in admission.admit(budget):
+                scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
 
         self.num_steps += 1
         output = SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget)
@@ -325,133 +334,9 @@ class Scheduler:
 
     # --- helpers ----------------------------------------------------------------------------------
 
-    def _enqueue(self, seq: Sequence, *, is_preempted: bool) -> None:
-        tenant = seq.tenant_id
-        queue = self._waiting_by_tenant.get(tenant)
-        if queue is None:
-            if not is_preempted and not self._tenant_to_num_running.get(tenant):
-                # Back from idle (a preempted sequence's tenant never left): no credit for the idle time.
-                self._vtc.lift(tenant, active_tenant_ids=self._active_tenant_ids())
-            queue = self._waiting_by_tenant[tenant] = collections.deque()
-        if is_preempted:
-            queue.appendleft(seq)  # it was admitted before everything still waiting
-        else:
-            queue.append(seq)
-        self._num_waiting += 1
-
-    def _active_tenant_ids(self) -> list[str]:
-        """Tenants with a sequence waiting or running."""
-        running = [tenant for tenant, num_running in self._tenant_to_num_running.items() if num_running]
-        return [*self._waiting_by_tenant, *running]
-
-    def _admit(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
-        """Admit waiting sequences, least-served tenant first, while seats, budget and blocks allow."""
-        cfg = self.config
-        kv = self.kv_cache
-        bs = cfg.block_size
-        # Blocks that running sequences still need to finish their known tokens and take one more step.
-        num_reserved = 0
-        tenant_to_num_reserved: dict[str, int] = collections.defaultdict(int)
-        for seq in self._running.values():
-            num_short = (len(seq.token_ids) + bs) // bs - len(seq.block_table)
-            if num_short > 0:
-                num_reserved += num_short
-                tenant_to_num_reserved[seq.tenant_id] += num_short
-        skipped: set[str] = set()
-        while budget and len(self._running) < cfg.max_num_seqs:
-            candidates = [t for t in self._waiting_by_tenant if t not in skipped]
-            if not candidates:
-                break
-            tenant = self._vtc.least_served(candidates)
-            num_tenant_running = self._tenant_to_num_running.get(tenant, 0)
-            if cfg.max_running_per_tenant is not None and num_tenant_running >= cfg.max_running_per_tenant:
-                skipped.add(tenant)
-                continue
-            queue = self._waiting_by_tenant[tenant]
-            seq = queue[0]
-            prefix = kv.match_prefix(seq)
-            num_remaining = len(seq.token_ids) - prefix.num_tokens
-            num_new = min(num_remaining, budget)
-            if num_new < num_remaining and not cfg.is_chunked_prefill_enabled:
-                break  # the least-served tenant's head waits for a fuller budget; nobody jumps it
-            num_eventual = (len(seq.token_ids) + bs) // bs  # blocks to finish its tokens and step once
-            if (
-                cfg.max_blocks_per_tenant is not None
-                and num_tenant_running
-                and kv.num_blocks_by_tenant.get(tenant, 0) + tenant_to_num_reserved[tenant] + num_eventual
-                > cfg.max_blocks_per_tenant
-            ):
-                skipped.add(tenant)
-                continue
-            # With others running, admit only if that cannot force a preemption on the next step,
-            # plus a small watermark for the decodes after it; alone, it always fits (checked in add).
-            num_taken_eventually = kv.num_blocks_needed(seq, num_eventual * bs - prefix.num_tokens, prefix)
-            if self._running and (
-                num_taken_eventually + num_reserved + self._num_watermark_blocks > kv.num_free_blocks
-            ):
-                break
-            num_taken_now = kv.num_blocks_needed(seq, num_new, prefix)
-            if not self._running and num_taken_now > kv.num_free_blocks:
-                break
-            queue.popleft()
-            if not queue:
-                del self._waiting_by_tenant[tenant]
-            self._num_waiting -= 1
-            kv.allocate(seq, num_new, prefix)
-            num_reserved += num_taken_eventually - num_taken_now
-            tenant_to_num_reserved[tenant] += max(0, num_eventual - len(seq.block_table))
-            seq.status = SequenceStatus.RUNNING
-            self._running[seq.request_id] = seq
-            self._tenant_to_num_running[tenant] = num_tenant_running + 1
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = self._clock()
-            if seq.num_preemptions == 0:  # recompute is our doing, not the tenant's
-                self._vtc.charge_prompt(tenant, seq.num_prompt_tokens)
-            scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
-        return budget
-
-    def _make_room(self, seq: Sequence, preempted: list[Sequence]) -> bool:
-        """Preempt until `seq` gets one more slot; False if `seq` itself had to go."""
-        kv = self.kv_cache
-        cap = self.config.max_blocks_per_tenant
-        while True:
-            num_needed = kv.num_blocks_needed(seq, 1)
-            if cap is not None and kv.num_blocks_by_tenant.get(seq.tenant_id, 0) + num_needed > cap:
-                victim = next(s for s in reversed(self._running.values()) if s.tenant_id == seq.tenant_id)
-            elif num_needed > kv.num_free_blocks:
-                victim = next(reversed(self._running.values()))
-            else:
-                return True
-            self._preempt(victim)
-            preempted.append(victim)
-            if victim is seq:
-                return False
-
-    def _num_free_slots(self, seq: Sequence) -> int:
-        """Tokens `seq` could still compute this step without preempting anyone."""
-        kv = self.kv_cache
-        num_blocks = kv.num_free_blocks
-        cap = self.config.max_blocks_per_tenant
-        if cap is not None:
-            num_blocks = min(num_blocks, cap - kv.num_blocks_by_tenant.get(seq.tenant_id, 0))
-        return len(seq.block_table) * kv.block_size - seq.num_computed_tokens + num_blocks * kv.block_size
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute later: drop the blocks and go back to the front of the tenant's queue."""
-        del self._running[seq.request_id]
-        self._tenant_to_num_running[seq.tenant_id] -= 1
-        self.kv_cache.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self._enqueue(seq, is_preempted=True)
-
     def _finish_running(self, seq: Sequence, reason: FinishReason) -> None:
-        del self._running[seq.request_id]
+        self._admission.remove_running(seq)
         del self._requests[seq.request_id]
-        self._tenant_to_num_running[seq.tenant_id] -= 1
         self._mark_finished(seq, reason)
 
     def _mark_finished(self, seq: Sequence, reason: FinishReason) -> None:
@@ -466,7 +351,7 @@ class Scheduler:
         bs = self.config.block_size
         assert output.num_batched_tokens <= self.config.max_num_batched_tokens, "token budget respected"
         assert len(self._running) <= self.config.max_num_seqs, "max_num_seqs respected"
-        assert self._num_waiting + len(self._running) == len(self._requests), "each request in one place"
+        assert self.num_waiting + len(self._running) == len(self._requests), "each request in one place"
         for item in output.scheduled:
             seq = item.seq
             assert item.num_new_tokens >= 1
@@ -476,26 +361,9 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Full O(requests + blocks) check of scheduler and KV cache state; for tests."""
         cfg = self.config
-        waiting = [seq for queue in self._waiting_by_tenant.values() for seq in queue]
-        assert all(queue for queue in self._waiting_by_tenant.values()), "no empty tenant queues"
-        assert len(waiting) == self._num_waiting
-        waiting_ids = {seq.request_id for seq in waiting}
-        assert len(waiting_ids) == len(waiting), "no request waits twice"
-        assert not waiting_ids & self._running.keys(), "no request both waiting and running"
-        assert waiting_ids | self._running.keys() == self._requests.keys()
-        for seq in waiting:
-            assert seq.status is SequenceStatus.WAITING
-            assert not seq.block_table
-            assert not seq.num_computed_tokens
+        self._admission.check_invariants(self._requests.keys())
         for seq in self._running.values():
             assert seq.status is SequenceStatus.RUNNING
             assert len(seq.block_table) * cfg.block_size >= seq.num_computed_tokens
             assert seq.num_computed_tokens < len(seq.token_ids) <= cfg.max_model_len
-        running_by_tenant = collections.Counter(seq.tenant_id for seq in self._running.values())
-        assert all(self._tenant_to_num_running.get(t, 0) == n for t, n in running_by_tenant.items())
-        assert sum(self._tenant_to_num_running.values()) == len(self._running)
-        if cfg.max_running_per_tenant is not None:
-            assert all(n <= cfg.max_running_per_tenant for n in running_by_tenant.values())
-        if cfg.max_blocks_per_tenant is not None:
-            assert all(n <= cfg.max_blocks_per_tenant for n in self.kv_cache.num_blocks_by_tenant.values())
         self.kv_cache.check_invariants(self._running.values())
