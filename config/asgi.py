@@ -17,9 +17,10 @@ from config.routing import websocket_urlpatterns  # noqa: E402
 
 if settings.SERVE_STATIC:
     # The embedded server has no web server in front of it; production serves collected static files.
-    from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+    # Paths that leave the static root are a 404, not SuspiciousFileOperation's 500 (config/unrouted.py).
+    from config.unrouted import ContainedStaticFilesHandler
 
-    django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
+    django_asgi_app = ContainedStaticFilesHandler(django_asgi_app)
 
 application = ProtocolTypeRouter(
     {

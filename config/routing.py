@@ -13,8 +13,9 @@ from urllib.parse import ParseResult
 from channels.auth import AuthMiddlewareStack
 from channels.security.websocket import AllowedHostsOriginValidator, OriginValidator
 from django.conf import settings
-from django.urls import URLPattern, path
+from django.urls import URLPattern, path, re_path
 
+from config.unrouted import unrouted_websocket
 from dashboard.consumers import LiveFeedConsumer, OverviewFeedConsumer
 from serving.edge.websocket import InferenceStreamConsumer
 
@@ -41,4 +42,6 @@ websocket_urlpatterns: list[URLPattern] = [
     api_route("v1/models/<str:model>/stream", InferenceStreamConsumer),
     session_route("dashboard/ws/models/<str:model>/", LiveFeedConsumer),
     session_route("dashboard/ws/overview/", OverviewFeedConsumer),
+    # Last: any other path is a 404 to the handshake, not Channels' "No route found" (a 500).
+    re_path(r"(?s)^.*$", unrouted_websocket),
 ]

@@ -82,6 +82,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "registry.login_throttle.LoginThrottleMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -240,6 +241,22 @@ MAX_INPUT_CHARS = int(os.environ.get("SWITCHYARD_MAX_INPUT_CHARS", "32768"))
 MAX_REQUEST_BYTES = int(os.environ.get("SWITCHYARD_MAX_REQUEST_BYTES", str(256 * 1024)))
 MAX_TOKENS_LIMIT = int(os.environ.get("SWITCHYARD_MAX_TOKENS_LIMIT", "4096"))
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
+# The HTTP server's own limits (serving/edge/http_limits.py): a request line and headers past these are
+# answered 431 unread; headers that take longer than EDGE_HEADER_TIMEOUT_S to arrive, 408; a body that
+# takes longer than EDGE_BODY_TIMEOUT_S after its headers ends the connection. Past EDGE_MAX_CONNECTIONS
+# concurrent connections a new request gets a 503.
+EDGE_MAX_HEADERS = int(os.environ.get("SWITCHYARD_EDGE_MAX_HEADERS", "100"))
+EDGE_MAX_HEADER_BYTES = int(os.environ.get("SWITCHYARD_EDGE_MAX_HEADER_BYTES", str(32 * 1024)))
+EDGE_HEADER_TIMEOUT_S = float(os.environ.get("SWITCHYARD_EDGE_HEADER_TIMEOUT_S", "10"))
+EDGE_BODY_TIMEOUT_S = float(os.environ.get("SWITCHYARD_EDGE_BODY_TIMEOUT_S", "30"))
+EDGE_MAX_CONNECTIONS = int(os.environ.get("SWITCHYARD_EDGE_MAX_CONNECTIONS", "2000"))
+# Failed sign-ins (API keys per client address and key prefix; the staff login per address and user name):
+# past AUTH_FAILURE_LIMIT within AUTH_FAILURE_WINDOW_S, 429 with Retry-After (registry/auth_throttle.py).
+AUTH_FAILURE_LIMIT = int(os.environ.get("SWITCHYARD_AUTH_FAILURE_LIMIT", "10"))
+AUTH_FAILURE_WINDOW_S = float(os.environ.get("SWITCHYARD_AUTH_FAILURE_WINDOW_S", "60"))
+# A WebSocket that has not authenticated (a header at the handshake, or its first auth message) this
+# long after it opened is closed with 4401 (serving/edge/websocket.py).
+WS_AUTH_DEADLINE_S = float(os.environ.get("SWITCHYARD_WS_AUTH_DEADLINE_S", "10"))
 # A stream whose client has this many events unread beyond what the sockets hold is cut off and its
 # sequence aborted (serving/transport/reply_hub.py).
 STREAM_MAX_BACKLOG_EVENTS = int(os.environ.get("SWITCHYARD_STREAM_MAX_BACKLOG_EVENTS", "256"))

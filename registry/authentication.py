@@ -7,6 +7,7 @@ from typing import Any
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 
+from registry.auth_throttle import api_key_attempt, api_key_failures
 from registry.selectors import TenantContext, tenant_context_for_api_key
 
 
@@ -38,8 +39,15 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         if not header:
             return None
         token = bearer_token(header)
+        attempt = api_key_attempt(request.META.get("REMOTE_ADDR"), token)
+        wait_s = api_key_failures.retry_after_s(attempt)
+        if wait_s is not None:  # the right key too: registry/auth_throttle.py
+            raise exceptions.Throttled(
+                wait=wait_s, detail="too many failed API key attempts; try again later"
+            )
         context = tenant_context_for_api_key(token) if token else None
         if context is None:
+            api_key_failures.record(attempt)
             raise exceptions.AuthenticationFailed("invalid API key")
         return TenantPrincipal(context), context
 

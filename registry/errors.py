@@ -18,11 +18,13 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "method_not_allowed",
     406: "not_acceptable",
+    408: "request_timeout",
     409: "conflict_error",
     413: "request_too_large",
     415: "unsupported_media_type",
     422: "unprocessable_error",
     429: "rate_limit_error",
+    431: "request_headers_too_large",
     500: "internal_error",
     503: "service_unavailable",
 }

@@ -80,18 +80,19 @@ def _no_background_key_writes(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True)
 def _isolated_state(settings: pytest.FixtureRequest, tmp_path: Path) -> Iterator[None]:
     """Each test gets its own artifact store and fresh per-process caches."""
+    from registry.auth_throttle import api_key_failures, login_failures
     from serving.gateway import auth as gateway
     from serving.gateway.quota_store import reset_quota_store
     from serving.gateway.router import routing_cache
 
     settings.ARTIFACT_ROOT = tmp_path / "artifacts"  # type: ignore[attr-defined]
-    gateway.clear_auth_cache()
-    reset_quota_store()
-    routing_cache.clear()
+    for clear in (gateway.clear_auth_cache, reset_quota_store, routing_cache.clear):
+        clear()
+    api_key_failures.clear()  # the suite's clients all come from one address
+    login_failures.clear()
     yield
-    gateway.clear_auth_cache()
-    reset_quota_store()
-    routing_cache.clear()
+    for clear in (gateway.clear_auth_cache, reset_quota_store, routing_cache.clear):
+        clear()
 
 
 @dataclass

@@ -40,7 +40,9 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
     if request.method != "POST":
         return error_response(405, "use POST", headers={"Allow": "POST"})
     try:
-        context = await authenticate(request.headers.get("Authorization"))
+        context = await authenticate(
+            request.headers.get("Authorization"), client=request.META.get("REMOTE_ADDR")
+        )
         snapshot = await model_snapshot(context, model)
         if snapshot is None:
             raise GatewayError(404, f"model {split_model_name(model)[0]!r} not found")

@@ -149,7 +149,9 @@ async def _serve(
     if request.method != "POST":
         return error_response(405, "use POST", headers={"Allow": "POST"})
     try:
-        context = await authenticate(request.headers.get("Authorization"))
+        context = await authenticate(
+            request.headers.get("Authorization"), client=request.META.get("REMOTE_ADDR")
+        )
         model, sampling, include_usage, payload = parse(parse_json_body(request))
         params = {k: v for k, v in sampling.items() if k not in ("stream", "n")}
         params["stop"] = list(params["stop"])
@@ -205,7 +207,9 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
     if request.method != "POST":
         return error_response(405, "use POST", headers={"Allow": "POST"})
     try:
-        context = await authenticate(request.headers.get("Authorization"))
+        context = await authenticate(
+            request.headers.get("Authorization"), client=request.META.get("REMOTE_ADDR")
+        )
         model, inputs, encoding = parse_embeddings(parse_json_body(request))
         handle = await dispatch(
             context=context,

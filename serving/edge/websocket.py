@@ -51,11 +51,14 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
     # (the quota's release, a Redis round trip), which a client's next infer waits out, not a 409.
     has_ended: bool = False
     is_closing: bool = False  # this side closed the socket: messages still queued behind that are dropped
+    auth_deadline: asyncio.Task[None] | None = None  # closes a socket that never authenticates
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if self.auth_deadline is not None:
+                self.auth_deadline.cancel()
             # However the consumer ended: a handler that raised (a send to a socket the client had just
             # dropped) ends it before disconnect() runs, and the generation would run on, holding its
             # blocks and its quota slot.
@@ -67,15 +70,32 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                 return str(value.decode("latin-1"))
         return None
 
+    def _client(self) -> str | None:
+        client = self.scope.get("client")
+        return str(client[0]) if client else None
+
     async def connect(self) -> None:
         await self.accept()
         authorization = self._header(b"authorization")
         if authorization is not None:
             await self._authenticate(authorization)
+        if self.context is None and not self.is_closing:
+            # An open socket costs the server a task and buffers whoever holds it; one that has not said
+            # who it is within the deadline is closed as unauthenticated.
+            self.auth_deadline = asyncio.get_running_loop().create_task(self._close_unless_authenticated())
+
+    async def _close_unless_authenticated(self) -> None:
+        deadline_s = settings.WS_AUTH_DEADLINE_S
+        await asyncio.sleep(deadline_s)
+        if self.context is None and not self.is_closing:
+            await self._error(
+                GatewayError(401, f"authenticate within {deadline_s:g} s of opening the socket")
+            )
+            await self._close(CLOSE_UNAUTHENTICATED)
 
     async def _authenticate(self, authorization: str) -> None:
         try:
-            self.context = await authenticate(authorization)
+            self.context = await authenticate(authorization, client=self._client())
             self.authorization = authorization
         except GatewayError as exc:
             await self._error(exc)
@@ -192,7 +212,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         handshake: every later message would be refused anyway. A check that could not be made (the
         database down, for a key not seen lately) is a 503 for this request, and the socket stays."""
         try:
-            return await authenticate(self.authorization)
+            return await authenticate(self.authorization, client=self._client())
         except GatewayError as exc:
             if exc.status != 401:
                 raise

@@ -14,6 +14,8 @@ from typing import Any
 
 from channels.db import database_sync_to_async
 
+from registry.auth_throttle import api_key_attempt, api_key_failures
+from registry.authentication import bearer_token
 from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
 from serving.gateway import auth, shadow
@@ -35,13 +37,24 @@ def prompt_usage(final: dict[str, Any]) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
 
 
-async def authenticate(authorization: str | None) -> TenantContext:
-    cached = auth.authenticate_from_cache(authorization)
-    if cached is not None:
-        return cached
-    # Any worker thread will do (no hop to the one sync thread); Channels' wrapper closes that thread's
-    # connection when the server dropped it or it is too old, as Django does around a request.
-    return await database_sync_to_async(auth.authenticate, thread_sensitive=False)(authorization)
+async def authenticate(authorization: str | None, *, client: str | None = None) -> TenantContext:
+    """The caller's tenant. `client`: its address, under which failed keys are counted, and refused
+    with a 429 once too many (registry/auth_throttle.py), right key or not."""
+    attempt = api_key_attempt(client, bearer_token(authorization))
+    wait_s = api_key_failures.retry_after_s(attempt)
+    if wait_s is not None:
+        raise GatewayError(429, "too many failed API key attempts; try again later", retry_after_s=wait_s)
+    try:
+        cached = auth.authenticate_from_cache(authorization)
+        if cached is not None:
+            return cached
+        # Any worker thread will do (no hop to the one sync thread); Channels' wrapper closes that
+        # thread's connection when the server dropped it or it is too old, as Django does around a request.
+        return await database_sync_to_async(auth.authenticate, thread_sensitive=False)(authorization)
+    except GatewayError as exc:
+        if exc.status == 401:
+            api_key_failures.record(attempt)
+        raise
 
 
 async def model_snapshot(context: TenantContext, path_model: str) -> RoutingSnapshot | None:

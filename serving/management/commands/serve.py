@@ -5,6 +5,8 @@ import uvicorn
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
+from serving.edge.http_limits import LimitedHttpToolsProtocol
+
 # How long a stop (SIGTERM, Ctrl-C) waits for responses in flight before it closes their connections.
 GRACEFUL_SHUTDOWN_S = 8
 WS_FRAME_GUARD = 4
@@ -29,7 +31,10 @@ class Command(BaseCommand):
             host=str(options["host"]),
             port=int(options["port"]),  # type: ignore[call-overload]
             loop="asyncio",
-            http="httptools",
+            # uvicorn's httptools protocol with the edge's limits on headers and read times
+            # (serving/edge/http_limits.py); limit_concurrency answers 503 past the connection cap.
+            http=LimitedHttpToolsProtocol,
+            limit_concurrency=settings.EDGE_MAX_CONNECTIONS,
             ws="websockets-sansio",
             # Above the consumer's limit (MAX_REQUEST_BYTES), so that a message a little over it gets the
             # JSON error there before the close; a frame past this is not even buffered, and closes 1009.

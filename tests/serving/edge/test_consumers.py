@@ -317,7 +317,7 @@ async def test_a_key_that_cannot_be_checked_now_closes_with_try_again_later_not_
     from serving.edge import websocket as consumers
     from serving.gateway.errors import GatewayError
 
-    async def database_down(authorization: str):  # type: ignore[no-untyped-def]
+    async def database_down(authorization: str, **_: object):  # type: ignore[no-untyped-def]
         raise GatewayError(503, "the API key could not be checked right now", retry_after_s=2)
 
     monkeypatch.setattr(consumers, "authenticate", database_down)
