@@ -13,6 +13,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from registry.safetensors_header import SafetensorsHeaderError, check_safetensors
+
 # Pickle-based weight formats can run code on load; we never accept them.
 FORBIDDEN_SUFFIXES = frozenset(
     {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".h5", ".msgpack"}
@@ -74,8 +76,49 @@ def validate_source_dir(source_dir: Path) -> list[Path]:
         raise ArtifactError(f"no *.safetensors weights in {source_dir}")
     if not (source_dir / "config.json").is_file():
         raise ArtifactError(f"no config.json in {source_dir}")
+    for path in files:
+        if path.suffix == ".safetensors":
+            try:
+                check_safetensors(path)
+            except SafetensorsHeaderError as exc:
+                raise ArtifactError(f"{path.name} is not a valid safetensors file: {exc}") from None
     _check_references(source_dir, files)
+    _check_no_code_references(source_dir, files)
     return files
+
+
+# Keys by which a config asks transformers for code from the artifact or a hub repository (auto_map:
+# "configuration_x.MyConfig", or "org/repo--modeling.MyModel"). Refused whatever they name: the loader
+# never enables trust_remote_code, and a config that needs it would be served by some other class.
+CODE_KEYS = frozenset({"auto_map", "trust_remote_code", "custom_pipelines"})
+
+
+def _check_no_code_references(root: Path, files: list[Path]) -> None:
+    # The configs (config.json, tokenizer_config.json, generation_config.json, …), not a vocabulary,
+    # whose keys are tokens: one spelled "auto_map" is no request for code.
+    for path in (p for p in files if p.suffix == ".json" and "config" in p.name):
+        key = _code_key(_json(path))
+        if key is not None:
+            raise ArtifactError(
+                f"{path.relative_to(root)} sets {key!r}, which asks for custom code; "
+                "trust_remote_code is never enabled: refusing it"
+            )
+
+
+def _code_key(data: object) -> str | None:
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if key in CODE_KEYS and value not in (None, False, {}, []):
+                return str(key)
+            found = _code_key(value)
+            if found is not None:
+                return found
+    elif isinstance(data, list):
+        for item in data:
+            found = _code_key(item)
+            if found is not None:
+                return found
+    return None
 
 
 def _check_references(root: Path, files: list[Path]) -> None:

@@ -1,0 +1,104 @@
+"""Registration refuses what a replica could not load safely, before anything is copied: a file named
+.safetensors that is not one (a renamed pickle), a header that does not hold together, and a config that
+asks for custom code (auto_map), which the loader would otherwise serve with some other class."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from registry.artifacts import ArtifactError, validate_source_dir
+from registry.safetensors_header import SafetensorsHeaderError, check_safetensors
+
+
+def _copy(demo_model_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "model"
+    shutil.copytree(demo_model_dir, target)
+    return target
+
+
+def _weights(model_dir: Path) -> Path:
+    (weights,) = model_dir.glob("*.safetensors")
+    return weights
+
+
+def _safetensors(header: dict[str, object], data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def test_the_demo_model_passes(demo_model_dir: Path) -> None:
+    assert check_safetensors(_weights(demo_model_dir)) > 0
+    validate_source_dir(demo_model_dir)
+
+
+def test_a_pickle_renamed_safetensors_is_refused(demo_model_dir: Path, tmp_path: Path) -> None:
+    model = _copy(demo_model_dir, tmp_path)
+    _weights(model).write_bytes(pickle.dumps({"weight": [1.0, 2.0]}))
+    with pytest.raises(ArtifactError, match="not a valid safetensors file"):
+        validate_source_dir(model)
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "why"),
+    [
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "cover"),
+        ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "shape and dtype"),
+        ({"w": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "unknown dtype"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            "does not start",
+        ),
+        ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, "shape"),
+    ],
+)
+def test_a_header_that_does_not_hold_together_is_refused(
+    tmp_path: Path, header: dict[str, object], data: bytes, why: str
+) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(_safetensors(header, data))
+    with pytest.raises(SafetensorsHeaderError, match=why):
+        check_safetensors(path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=256))
+def test_random_bytes_never_pass_for_safetensors_nor_crash_the_check(tmp_path_factory, blob: bytes) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path_factory.mktemp("blob") / "model.safetensors"
+    path.write_bytes(blob)
+    try:
+        check_safetensors(path)
+    except SafetensorsHeaderError:
+        return
+    # Only an empty-tensor file can be this short and valid: a header that is an object, nothing after.
+    assert json.loads(blob[8:]) is not None
+
+
+@pytest.mark.parametrize(
+    ("file", "key"),
+    [
+        ("config.json", {"auto_map": {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}}),
+        ("tokenizer_config.json", {"auto_map": {"AutoTokenizer": ["org/repo--tokenization.T", None]}}),
+        ("config.json", {"trust_remote_code": True}),
+    ],
+)
+def test_a_config_that_asks_for_custom_code_is_refused(
+    demo_model_dir: Path, tmp_path: Path, file: str, key: dict[str, object]
+) -> None:
+    model = _copy(demo_model_dir, tmp_path)
+    path = model / file
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, **key}))
+    with pytest.raises(ArtifactError, match="custom code"):
+        validate_source_dir(model)
