@@ -144,6 +144,9 @@ else:
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = os.environ.get("REDIS_URL") or None
+# The HMAC key of the submission layer's messages, which every gateway and replica of a deployment share:
+# by default the SECRET_KEY they share already (docs/reliability.md, "The wire").
+WIRE_SECRET = os.environ.get("SWITCHYARD_WIRE_SECRET") or SECRET_KEY
 if REDIS_URL:
     # redis-py 8 times out an idle blocking read after 5 s unless told otherwise.
     _REDIS_HOSTS = [{"address": REDIS_URL, "socket_timeout": None}]
@@ -151,7 +154,9 @@ if REDIS_URL:
         # Submissions and aborts: queued, so a replica busy for a moment still gets them.
         "default": {
             "BACKEND": "serving.transport.channel_layers.OneTripRedisChannelLayer",
-            "CONFIG": {"hosts": _REDIS_HOSTS, "serializer_format": "json"},
+            # Each message carries an HMAC from the shared secret; a replica drops one that does not match
+            # (serving/transport/wire_signing.py).
+            "CONFIG": {"hosts": _REDIS_HOSTS, "serializer_format": "json", "signing_key": WIRE_SECRET},
         },
         # The token stream, replica -> gateway inbox: one PUBLISH per engine step and inbox, delivered
         # on a connection the gateway already holds (~0.2 ms round trip against ~0.9 ms on the core

@@ -7,10 +7,13 @@ import asyncio
 import contextlib
 import logging
 import threading
+from typing import Any
 
 from channels.db import database_sync_to_async
+from django.conf import settings
 from django.db import connections
 
+from serving.telemetry import metric_window as m
 from serving.telemetry.recorder import MetricsRecorder
 
 logger = logging.getLogger(__name__)
@@ -23,6 +26,19 @@ async def flush_metrics(metrics: MetricsRecorder) -> int:
     except Exception:
         logger.warning("replica %s: metrics flush failed; will retry", metrics.replica_id, exc_info=True)
         return 0
+
+
+async def flush_metrics_periodically(metrics: MetricsRecorder, *, layer: Any, channel_name: str) -> None:
+    """Every METRICS_FLUSH_INTERVAL_S for as long as the replica serves. The messages the signed Redis
+    layer dropped on the replica's channel since the last flush (serving/transport/wire_signing.py) are
+    counted with them, as the version's `forged`."""
+    while True:
+        await asyncio.sleep(settings.METRICS_FLUSH_INTERVAL_S)
+        forged = getattr(layer, "forged", None)  # only the signed layer has it
+        num_forged = forged.pop(channel_name, 0) if forged is not None else 0
+        if num_forged:
+            metrics.count({m.FORGED: num_forged})
+        await flush_metrics(metrics)
 
 
 async def flush_metrics_at_stop(metrics: MetricsRecorder) -> None:

@@ -18,8 +18,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from django.conf import settings
-
 from registry.models import Model
 from registry.selectors import VersionRef
 from serving.cancelling import cancel_and_wait
@@ -27,7 +25,7 @@ from serving.replica.engine_loading import engine_capacity, load_engine
 from serving.replica.faults import ArmedFaults, Faults, arm_faults
 from serving.replica.inbox import Inbox
 from serving.replica.load_report import LoadReport
-from serving.replica.metrics_flush import flush_metrics, flush_metrics_at_stop
+from serving.replica.metrics_flush import flush_metrics, flush_metrics_at_stop, flush_metrics_periodically
 from serving.replica.model_loop import DeviceFailed, ModelLoop
 from serving.replica.outbox import Outbox
 from serving.replica.preparer import Preparer
@@ -157,15 +155,16 @@ class Replica:
         register_recorder(self.metrics)
         self._engine_run = loop.run_in_executor(self._executor, self.model_loop.run)
         self._engine_run.add_done_callback(self._engine_ended)
+        # Read for as long as it runs: ended, the replica would go on beating ready with nothing reading
+        # its channel, and every request routed to it would wait out its timeout.
+        reader = f"replica {self.replica_id}"
         coros = [
-            (
-                receive_forever(
-                    self._layer, self.channel_name, self._take, reader=f"replica {self.replica_id}"
-                ),
-                "listen",
-            ),
+            (receive_forever(self._layer, self.channel_name, self._take, reader=reader), "listen"),
             (self.outbox.deliver(), "deliver"),
-            (self._flush_periodically(), "metrics"),
+            (
+                flush_metrics_periodically(self.metrics, layer=self._layer, channel_name=self.channel_name),
+                "metrics",
+            ),
         ]
         for coro, name in coros:
             self._tasks.append(loop.create_task(coro, name=f"replica-{self.replica_id}-{name}"))
@@ -297,11 +296,6 @@ class Replica:
     async def flush_metrics(self) -> int:
         """Write pending metrics to the store now (they go every METRICS_FLUSH_INTERVAL_S anyway)."""
         return await flush_metrics(self.metrics)
-
-    async def _flush_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(settings.METRICS_FLUSH_INTERVAL_S)
-            await flush_metrics(self.metrics)
 
     # --- I/O on the event loop ---------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ ABORTED = "aborted"
 REJECTED = "rejected"
 SHADOW_COMPARED = "shadow.compared"
 SHADOW_MATCHED = "shadow.matched"
+FORGED = "forged"  # submission-layer messages dropped for an HMAC that did not match
 FINISH_PREFIX = "finish."
 ERROR_PREFIX = "errors."
 REJECTED_PREFIX = "rejected."

@@ -148,7 +148,7 @@ async def test_a_task_that_failed_does_not_cut_the_stop_short(registered_model, 
     async def broken() -> None:
         raise RuntimeError("a bug in a replica's task")
 
-    monkeypatch.setattr(Replica, "_flush_periodically", lambda self: broken())
+    monkeypatch.setattr(replica_module, "flush_metrics_periodically", lambda *_, **__: broken())
     replica = await _replica(InMemoryChannelLayer(), WatchedReplies(), publisher=publisher)
     (failed,) = [task for task in replica._tasks if task.get_name().endswith("-metrics")]
     with pytest.raises(RuntimeError):
