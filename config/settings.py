@@ -259,6 +259,9 @@ EDGE_MAX_CONNECTIONS = int(os.environ.get("SWITCHYARD_EDGE_MAX_CONNECTIONS", "20
 # past AUTH_FAILURE_LIMIT within AUTH_FAILURE_WINDOW_S, 429 with Retry-After (registry/auth_throttle.py).
 AUTH_FAILURE_LIMIT = int(os.environ.get("SWITCHYARD_AUTH_FAILURE_LIMIT", "10"))
 AUTH_FAILURE_WINDOW_S = float(os.environ.get("SWITCHYARD_AUTH_FAILURE_WINDOW_S", "60"))
+# A replica's step running longer than this is taken for hung: the replica fails, ends its requests with a
+# terminal error and exits (run_replica) or is replaced (embedded). 0 turns the watchdog off.
+REPLICA_STEP_WATCHDOG_S = float(os.environ.get("SWITCHYARD_REPLICA_STEP_WATCHDOG_S", "60"))
 # A WebSocket that has not authenticated (a header at the handshake, or its first auth message) this
 # long after it opened is closed with 4401 (serving/edge/websocket.py).
 WS_AUTH_DEADLINE_S = float(os.environ.get("SWITCHYARD_WS_AUTH_DEADLINE_S", "10"))

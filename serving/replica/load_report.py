@@ -10,7 +10,9 @@ import time
 from collections import deque
 from typing import Any
 
-from serving.transport.replica_directory import RecentSteps
+from registry.models import Model
+from registry.selectors import VersionRef
+from serving.transport.replica_directory import Heartbeat, RecentSteps
 
 # Steps of one decoding sequence it takes before their median, not the warm-up's, is a step's base.
 MIN_BASE_SAMPLES = 8
@@ -43,3 +45,34 @@ class LoadReport:
             self._one_sequence_steps.append(model_time_s)
             if len(self._one_sequence_steps) >= MIN_BASE_SAMPLES:
                 self.base_step_s = statistics.median(self._one_sequence_steps)
+
+    def heartbeat(
+        self,
+        ref: VersionRef,
+        replica_id: str,
+        channel_name: str,
+        state: str,
+        *,
+        num_pending: int,
+        idle_s: float,
+    ) -> Heartbeat:
+        """The replica's beat: this report, with what the replica knows of itself. `num_pending`: its
+        arrivals not yet handed to the engine, which wait too."""
+        steps = self.recent_steps.read(time.monotonic())
+        return Heartbeat(
+            replica_id=replica_id,
+            model_name=ref.model_name,
+            version=ref.version,
+            channel_name=channel_name,
+            state=str(state),
+            num_waiting=self.num_waiting + num_pending,
+            num_running=self.num_running,
+            kv_cache_usage=self.kv_cache_usage,
+            sent_at=time.time(),
+            capacity=self.capacity,
+            is_generative=ref.kind == Model.Kind.CAUSAL_LM,
+            idle_s=idle_s,
+            step_s=steps.mean_s,
+            step_rate=steps.per_s,
+            base_step_s=self.base_step_s,
+        )

@@ -77,6 +77,9 @@ class ModelLoop:
         self._replica_id = replica_id
         self.engine: Any = None  # set once loaded, before run()
         self.routes: dict[str, Route] = {}  # every request the engine holds
+        # Monotonic, while a step runs (from taking the inbox to recording it): the watchdog reads it.
+        self.step_started_at: float | None = None
+        self.is_abandoned = False  # the watchdog took the step for hung (abandon())
         self._keepalive_due = time.monotonic() + KEEPALIVE_S
 
     def run(self) -> None:
@@ -86,9 +89,11 @@ class ModelLoop:
         num_taken = 0  # inbox items taken, all told: the outbox compares it with the inbox's num_queued
         num_failed_in_a_row = 0
         while True:
+            self.step_started_at = None
             taken = self._inbox.take(engine.seconds_until_ready, self._outbox.is_loop_closed)
             if taken is None:
                 return
+            self.step_started_at = time.monotonic()
             num_taken += len(taken)
             broken: Exception | None = None  # the device's failure, which the probe confirmed
             # Before the step: no forward pass for requests that are ending.
@@ -107,6 +112,8 @@ class ModelLoop:
                 if num_failed_in_a_row >= PROBE_AFTER_FAILED_STEPS:
                     num_failed_in_a_row = 0
                     broken = self._probe()
+            if self.is_abandoned:  # a step the watchdog gave up on came back: its requests have ended
+                return
             if ended is not None:
                 result.merge_events(ended)
             if broken is not None:
@@ -147,6 +154,22 @@ class ModelLoop:
             # begun ends in an error its client sees, which the version's error rate must count.
             has_begun = route.last_token_at is not None
             counted_as = REPLICA_FAILED if error_type == REPLICA_UNAVAILABLE and has_begun else error_type
+            samples.append(RequestSample("error", error_type=counted_as))
+        self._metrics.record(requests=samples)
+        return result
+
+    def abandon(self, message: str) -> StepResult:
+        """The watchdog's end of a hung step, on the event loop's thread: every request held ends with
+        `message` (a gateway retries one that has no token yet elsewhere), and the model thread, should
+        its step ever return, returns without a word. The engine is not touched: the hung thread is in
+        it. (A step that returns in the instant this runs may still emit its events; the gateway drops
+        those of a request that has ended.)"""
+        self.is_abandoned = True
+        routes, self.routes = self.routes, {}
+        result, samples = StepResult(), []
+        for request_id, route in routes.items():
+            result.add(route, request_id, error_event(REPLICA_UNAVAILABLE, message))
+            counted_as = REPLICA_FAILED if route.last_token_at is not None else REPLICA_UNAVAILABLE
             samples.append(RequestSample("error", error_type=counted_as))
         self._metrics.record(requests=samples)
         return result

@@ -104,22 +104,35 @@ class Outbox:
         """A submission's only event, its error, sent at once: it never reached the model thread."""
         await self.send(reply_to, {request_id: [error_event(error_type, message)]})
 
+    async def send_result(self, result: StepResult) -> None:
+        """A step's events to every inbox they go to, now, on the loop."""
+        for inbox, items in result.events_by_inbox.items():
+            hub = self._local_hub
+            if hub is not None and inbox == hub.channel_name:
+                try:
+                    hub.deliver(step_message(items))
+                except Exception:
+                    logger.exception("replica %s: could not deliver a step to %s", self._replica_id, inbox)
+            else:
+                await self.send(inbox, items)
+
+    async def refuse_malformed(self, message: dict[str, Any], exc: TypeError) -> None:
+        """A submission that lacks a field the wire requires: answered, where it says where to, rather
+        than left to wait out its gateway's acceptance timeout."""
+        reply_to, request_id = message.get("reply_to"), message.get("request_id")
+        if not isinstance(reply_to, str) or request_id is None:
+            logger.warning(
+                "replica %s: dropped a submission with no reply address: %s", self._replica_id, exc
+            )
+            return
+        await self.refuse(reply_to, str(request_id), "invalid_request_error", f"malformed submission: {exc}")
+
     async def deliver(self) -> None:
         """Send what the model thread handed over, one item after another: a step's events never overtake
         the acceptances before them, nor the previous step's."""
         while True:
             outgoing = await self._queue.get()
-            for inbox, items in outgoing.result.events_by_inbox.items():
-                hub = self._local_hub
-                if hub is not None and inbox == hub.channel_name:
-                    try:
-                        hub.deliver(step_message(items))
-                    except Exception:
-                        logger.exception(
-                            "replica %s: could not deliver a step to %s", self._replica_id, inbox
-                        )
-                else:
-                    await self.send(inbox, items)
+            await self.send_result(outgoing.result)
             if outgoing.delivered is not None:
                 # Scheduled after the tasks the delivery woke (the streams' SSE writes), so it runs last.
                 asyncio.get_running_loop().call_soon(outgoing.delivered.set)

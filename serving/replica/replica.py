@@ -18,7 +18,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from registry.models import Model
+from django.conf import settings
+
 from registry.selectors import VersionRef
 from serving.cancelling import cancel_and_wait
 from serving.replica.engine_loading import engine_capacity, load_engine
@@ -29,6 +30,7 @@ from serving.replica.metrics_flush import flush_metrics, flush_metrics_at_stop, 
 from serving.replica.model_loop import DeviceFailed, ModelLoop
 from serving.replica.outbox import Outbox
 from serving.replica.preparer import Preparer
+from serving.replica.watchdog import end_hung_step, watch_steps
 from serving.telemetry import metric_window as m
 from serving.telemetry.recorder import MetricsRecorder, RequestSample, register_recorder, unregister_recorder
 from serving.transport.protocol import (
@@ -115,6 +117,8 @@ class Replica:
         self._beat_lock = asyncio.Lock()
         self._engine_run: asyncio.Future[None] | None = None
         self._settled = asyncio.Event()  # loading ended, ready or failed
+        self._failed = asyncio.Event()  # failed while serving: its engine thread died, or a step hung
+        self.is_hung = False  # the watchdog took a step for hung: its thread will not be waited for
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -166,6 +170,9 @@ class Replica:
                 "metrics",
             ),
         ]
+        if (deadline_s := settings.REPLICA_STEP_WATCHDOG_S) > 0:
+            watching = watch_steps(self.model_loop, deadline_s=deadline_s, on_hung=self._step_hung)
+            coros.append((watching, "watchdog"))
         for coro, name in coros:
             self._tasks.append(loop.create_task(coro, name=f"replica-{self.replica_id}-{name}"))
         logger.info("replica %s:%s ready on %s", self.ref.model_name, self.ref.version, self.channel_name)
@@ -192,6 +199,20 @@ class Replica:
         self.error = str(error) if isinstance(error, DeviceFailed) else f"the engine thread died: {error!r}"
         logger.error("replica %s: %s", self.replica_id, self.error, exc_info=run.exception())
         self.outbox.mark_idle()
+        self._failed.set()
+
+    async def _step_hung(self, elapsed_s: float) -> None:
+        """The watchdog's verdict (serving/replica/watchdog.py): fail, and end what the thread held."""
+        self.state, self.is_hung = ReplicaState.FAILED, True
+        deadline_s = settings.REPLICA_STEP_WATCHDOG_S
+        self.error = f"a step has run {elapsed_s:.1f} s, past the watchdog's {deadline_s:g} s"
+        logger.error("replica %s: %s; failing it", self.replica_id, self.error)
+        await end_hung_step(self.model_loop, self.outbox, "the replica's step hung; try again")
+        self._failed.set()
+
+    async def wait_failed(self) -> None:
+        """Until it fails while serving (state FAILED): its engine thread died, or a step hung."""
+        await self._failed.wait()
 
     async def wait_loaded(self) -> bool:
         """Wait until loading has ended; True when the replica is ready."""
@@ -239,7 +260,7 @@ class Replica:
         # listener in BZPOPMIN, the heartbeat): cancel_and_wait cancels it again.
         await cancel_and_wait(self._tasks)  # logs those that had failed, by name (the replica's id in it)
         self.inbox.stop()  # the model thread returns once its step, if it is in one, ends
-        if self._engine_run is not None and not self._engine_run.done():
+        if self._engine_run is not None and not self._engine_run.done() and not self.is_hung:
             # The step under way records what it did when it ends: flushed before that, it would be lost.
             await asyncio.wait({self._engine_run}, timeout=STOP_FLUSH_TIMEOUT_S)
         # Withdrawn first: gateways stop choosing the replica now, whatever the metrics store does.
@@ -259,28 +280,22 @@ class Replica:
         # A load or step already running in the model thread cannot be interrupted: wait for it, so that
         # nothing of this replica (a half-built model, transformers' global loading state) outlives stop.
         await self.preparer.shutdown()
-        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        if self.is_hung:  # its thread may never come back; the process exits without it (run_replica)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        else:
+            await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
         await self.outbox.close()
 
     def heartbeat(self) -> Heartbeat:
-        report = self.load_report
-        steps = report.recent_steps.read(time.monotonic())
-        return Heartbeat(
-            replica_id=self.replica_id,
-            model_name=self.ref.model_name,
-            version=self.ref.version,
-            channel_name=self.channel_name,
-            state=str(ReplicaState.DRAINING if self._is_leaving and self.is_ready else self.state),
-            num_waiting=report.num_waiting + self.inbox.num_pending,
-            num_running=report.num_running,
-            kv_cache_usage=report.kv_cache_usage,
-            sent_at=time.time(),
-            capacity=report.capacity,
-            is_generative=self.ref.kind == Model.Kind.CAUSAL_LM,
-            idle_s=time.monotonic() - self._last_request_at if self._last_request_at else 0.0,
-            step_s=steps.mean_s,
-            step_rate=steps.per_s,
-            base_step_s=report.base_step_s,
+        state = ReplicaState.DRAINING if self._is_leaving and self.is_ready else self.state
+        idle_s = time.monotonic() - self._last_request_at if self._last_request_at else 0.0
+        return self.load_report.heartbeat(
+            self.ref,
+            self.replica_id,
+            self.channel_name,
+            state,
+            num_pending=self.inbox.num_pending,
+            idle_s=idle_s,
         )
 
     async def _beat(self) -> None:
@@ -307,7 +322,8 @@ class Replica:
             except (
                 TypeError
             ) as exc:  # a field missing: answered, if it says where, rather than left to time out
-                await self._refuse_malformed(message, exc)
+                self.metrics.record(requests=[RequestSample("error", error_type="invalid_request_error")])
+                await self.outbox.refuse_malformed(message, exc)
                 return
             if self.state is not ReplicaState.READY or self._has_engine_ended:
                 # With no engine running (its thread died) this is a refusal too: in the inbox nothing
@@ -326,16 +342,6 @@ class Replica:
         elif kind == SHADOW_RESULT:
             matched = ShadowResult.from_wire(message).matched
             self.metrics.count({m.SHADOW_COMPARED: 1, m.SHADOW_MATCHED: int(matched)})
-
-    async def _refuse_malformed(self, message: dict[str, Any], exc: TypeError) -> None:
-        self.metrics.record(requests=[RequestSample("error", error_type="invalid_request_error")])
-        reply_to, request_id = message.get("reply_to"), message.get("request_id")
-        if not isinstance(reply_to, str) or request_id is None:
-            logger.warning("replica %s: dropped a submission with no reply address: %s", self.replica_id, exc)
-            return
-        await self.outbox.refuse(
-            reply_to, str(request_id), "invalid_request_error", f"malformed submission: {exc}"
-        )
 
     @property
     def _has_engine_ended(self) -> bool:

@@ -52,7 +52,13 @@ class ReplicaSupervisor:
         wanted_keys = {(ref.model_name, ref.version): ref for ref in wanted}
         for key, ref in wanted_keys.items():
             replica = self.replicas.get(key)
-            if replica is not None and replica.state is not ReplicaState.STOPPED:
+            if replica is not None and replica.is_hung:
+                # Its step hung (the watchdog): replaced, since a new thread may serve where that one
+                # stopped. It is idle (its requests ended), and its stop does not wait for the hung
+                # thread, whose memory stays with it.
+                self.draining[replica.replica_id] = replica
+                asyncio.get_running_loop().create_task(self._drain_then_stop(replica), name=f"hung-{key[1]}")
+            elif replica is not None and replica.state is not ReplicaState.STOPPED:
                 continue  # a FAILED replica stays down until an operator acts; the error is logged
             replica = Replica(
                 ref,

@@ -1,6 +1,7 @@
 import asyncio
 import dataclasses
 import math
+import os
 import signal
 from typing import Any
 
@@ -31,6 +32,8 @@ def engine_config_from_options(options: dict[str, object]) -> Any:
 
 
 class Command(BaseCommand):
+    _hung = False  # its replica's step hung (the watchdog): the process must exit without joining it
+
     help = (
         "Run one replica of a model version as its own process, on the Redis channel layer: load (digest "
         "checked), warm up, heartbeat, serve; SIGTERM drains (admits nothing new, finishes what it holds)."
@@ -116,6 +119,13 @@ class Command(BaseCommand):
                 drain_timeout_s,
             )
         )
+        if code and self._hung:
+            # A hung step's thread cannot be stopped, and the interpreter would wait for it at exit
+            # (it joins the executor's threads): the replica has stopped, so the process ends here.
+            self.stderr.write(f"replica of {ref.model_name}:{ref.version} failed (see above)")
+            self.stderr.flush()
+            self.stdout.flush()
+            os._exit(1)
         if code:
             raise CommandError(f"replica of {ref.model_name}:{ref.version} failed (see above)")
 
@@ -155,6 +165,7 @@ class Command(BaseCommand):
         try:
             code = await self._run(replica, stop_requested, drain_timeout_s)
         finally:
+            self._hung = replica.is_hung
             await replica.stop()  # withdraws its heartbeat, whatever it said last; waits out a load
             await replica.wait_loaded()  # start() ended too (stopped while it loaded)
             await publisher.close()
@@ -184,15 +195,16 @@ class Command(BaseCommand):
             f"replica {replica.replica_id} of {replica.ref.model_name}:{replica.ref.version} ready"
         )
         self.stdout.flush()
-        engine_ended = asyncio.ensure_future(replica.wait_engine_ended())
-        await asyncio.wait({stopping, engine_ended}, return_when=asyncio.FIRST_COMPLETED)
+        failed = asyncio.ensure_future(replica.wait_failed())
+        await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
         if not stopping.done():
-            # The engine thread died: the replica would beat "failed" for ever, and a supervisor restarts
-            # only a process that has exited (the provisioner; Kubernetes without a liveness probe).
+            # The engine thread died, or a step hung (the watchdog): the replica would beat "failed" for
+            # ever, and a supervisor restarts only a process that has exited (the provisioner; Kubernetes
+            # without a liveness probe).
             stopping.cancel()
             self.stderr.write(f"{replica.error or 'the engine thread ended'}; exiting")
             return 1
-        engine_ended.cancel()
+        failed.cancel()
         await replica.announce_drain()  # the heartbeat now says draining: gateways stop choosing it
         self.stdout.write("draining")
         self.stdout.flush()

@@ -413,7 +413,7 @@ class _DrainingReplica:
     async def start(self) -> None:
         pass
 
-    async def wait_engine_ended(self) -> None:
+    async def wait_failed(self) -> None:
         await asyncio.Event().wait()
 
     async def announce_drain(self) -> None:
