@@ -259,6 +259,9 @@ EDGE_MAX_CONNECTIONS = int(os.environ.get("SWITCHYARD_EDGE_MAX_CONNECTIONS", "20
 # past AUTH_FAILURE_LIMIT within AUTH_FAILURE_WINDOW_S, 429 with Retry-After (registry/auth_throttle.py).
 AUTH_FAILURE_LIMIT = int(os.environ.get("SWITCHYARD_AUTH_FAILURE_LIMIT", "10"))
 AUTH_FAILURE_WINDOW_S = float(os.environ.get("SWITCHYARD_AUTH_FAILURE_WINDOW_S", "60"))
+# SIGTERM to the web process: no new connections or requests; streams in flight run on for up to this
+# long, then those still open end with a final error event (serving/management/commands/serve.py).
+SHUTDOWN_DRAIN_S = float(os.environ.get("SWITCHYARD_SHUTDOWN_DRAIN_S", "30"))
 # A replica's step running longer than this is taken for hung: the replica fails, ends its requests with a
 # terminal error and exits (run_replica) or is replaced (embedded). 0 turns the watchdog off.
 REPLICA_STEP_WATCHDOG_S = float(os.environ.get("SWITCHYARD_REPLICA_STEP_WATCHDOG_S", "60"))

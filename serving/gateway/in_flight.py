@@ -37,6 +37,7 @@ from serving.transport.protocol import (
     REPLICA_FAILURES,
     REPLICA_LOST,
     REPLICA_TIMEOUT,
+    SERVER_SHUTTING_DOWN,
     SLOW_READER,
     SLOW_READER_MESSAGE,
     TOKENS_LOST,
@@ -282,6 +283,8 @@ class InFlightRequest:
             # A keepalive: the replica still holds it (queued, or preempted); wait on.
             if event_kind(event) is EventKind.KEEPALIVE:
                 continue
+            if event.get("error", {}).get("type") == SERVER_SHUTTING_DOWN:
+                self._gave_up = True  # the replica still runs it: close() aborts it there
             is_replica_failure = event.get("error", {}).get("type") in REPLICA_FAILURES
             if is_replica_failure and self.replica is not None:
                 self._failure.note(event["error"]["type"])

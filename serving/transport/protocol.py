@@ -43,6 +43,10 @@ SLOW_READER_MESSAGE = "the client fell too far behind the stream"
 # counts it.
 TOKENS_LOST = "tokens_lost"
 TOKENS_LOST_MESSAGE = "part of the response was lost on its way from the replica"
+# The gateway's process is stopping and its drain ran out: streams still open end with this (the
+# replica's sequence is aborted). Not the version's fault either.
+SERVER_SHUTTING_DOWN = "server_shutting_down"
+SERVER_SHUTTING_DOWN_MESSAGE = "the server is shutting down; send the request again"
 # Only in the version's metrics, never in an event:
 NO_READY_REPLICA = "no_ready_replica"
 REPLICA_FAILED = "replica_failed"  # a request that met replica_unavailable once its stream had begun

@@ -60,6 +60,19 @@ class ReplyHub:
         self._queues[request_id] = (queue, on_backlog)
         return queue
 
+    @property
+    def num_open(self) -> int:
+        """Requests this process still streams."""
+        return len(self._queues)
+
+    def end_all(self, event: dict[str, Any]) -> int:
+        """Hand `event` (a final one) to every request this process still streams: the server's drain
+        ran out (serving/management/commands/serve.py). Returns how many there were."""
+        queues = [queue for queue, _ in self._queues.values()]
+        for queue in queues:
+            queue.put_nowait(event)
+        return len(queues)
+
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 

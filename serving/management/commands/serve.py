@@ -1,14 +1,24 @@
 import asyncio
+import logging
+import time
 from typing import Any
 
 import uvicorn
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from serving.edge.http_limits import LimitedHttpToolsProtocol
+from serving.runtime import started_runtime
+from serving.transport.protocol import SERVER_SHUTTING_DOWN, SERVER_SHUTTING_DOWN_MESSAGE, error_event
 
-# How long a stop (SIGTERM, Ctrl-C) waits for responses in flight before it closes their connections.
-GRACEFUL_SHUTDOWN_S = 8
+logger = logging.getLogger(__name__)
+
+# After the drain (settings.SHUTDOWN_DRAIN_S) and its final events: how long the rest of a stop waits for
+# responses still open before it cancels them.
+GRACEFUL_SHUTDOWN_S = 5
+FINAL_EVENT_GRACE_S = 0.5
+DRAIN_POLL_S = 0.1
 WS_FRAME_GUARD = 4
 
 
@@ -44,10 +54,17 @@ class Command(BaseCommand):
             access_log=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        asyncio.run(_AnnouncingServer(config, self.stdout).serve())
+        asyncio.run(_Server(config, self.stdout).serve())
 
 
-class _AnnouncingServer(uvicorn.Server):  # type: ignore[misc]
+class _Server(uvicorn.Server):  # type: ignore[misc]
+    """uvicorn's server, which says where it listens once it does, and stops by draining: SIGTERM stops
+    new connections and new requests on kept-alive ones, lets the streams in flight (SSE and WebSocket)
+    run on for up to SHUTDOWN_DRAIN_S, then ends those still open with a final error event
+    (server_shutting_down) before it closes the connections (docs/reliability.md, "Shutdown").
+    uvicorn's own shutdown closed every WebSocket at once (1012) and cut SSE bodies mid-stream once its
+    graceful timeout ran out."""
+
     def __init__(self, config: uvicorn.Config, stdout: Any) -> None:
         super().__init__(config)
         self._stdout = stdout
@@ -57,3 +74,22 @@ class _AnnouncingServer(uvicorn.Server):  # type: ignore[misc]
         if self.started:
             self._stdout.write(f"Switchyard listening on http://{self.config.host}:{self.config.port}/")
             self._stdout.flush()
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        for server in self.servers:
+            server.close()  # no new connections
+        for connection in list(self.server_state.connections):
+            if isinstance(connection, HttpToolsProtocol):
+                connection.shutdown()  # idle: closed; mid-response: closed once it is sent
+        runtime = started_runtime()
+        if runtime is not None:
+            deadline = time.monotonic() + settings.SHUTDOWN_DRAIN_S
+            # Polled: the streams end in the replicas' time, and nothing announces the last one.
+            while runtime.hub.num_open and time.monotonic() < deadline and not self.force_exit:
+                await asyncio.sleep(DRAIN_POLL_S)
+            cut = runtime.hub.end_all(error_event(SERVER_SHUTTING_DOWN, SERVER_SHUTTING_DOWN_MESSAGE))
+            if cut:
+                logger.warning("shutdown: the drain ran out; ended %d streams with a final error", cut)
+                # Their final events go out before the connections close.
+                await asyncio.sleep(FINAL_EVENT_GRACE_S)
+        await super().shutdown(sockets=sockets)
