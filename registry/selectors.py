@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from django.db.models import Prefetch
@@ -25,6 +27,9 @@ class TenantContext:
     may_pin: bool
     may_deploy: bool
     deployable_model_names: frozenset[str] = frozenset()  # platform models it may deploy besides its own
+    # The hash of the API key that authenticated it ("" for none): the gateway watches it for
+    # revocation while the caller's streams run (serving/gateway/key_watch.py).
+    api_key_hash: str = field(default="", compare=False)
 
     def may_use(self, model_name: str, *, owner_id: int | None) -> bool:
         """Its own model (Model.owner), and a model the quota names; with none named, any model but
@@ -116,8 +121,17 @@ def tenant_context_for_api_key(raw_key: str) -> TenantContext | None:
     for api_key in candidates:
         if hmac.compare_digest(api_key.key_hash, presented_hash):
             api_key_mark_used(api_key=api_key)  # at most once a minute: the admin's "last used"
-            return tenant_context(tenant=api_key.tenant)
+            return dataclasses.replace(tenant_context(tenant=api_key.tenant), api_key_hash=presented_hash)
     return None
+
+
+def live_api_key_hashes(key_hashes: Iterable[str]) -> set[str]:
+    """Which of these key hashes still authenticate: not revoked, their tenant active. One query."""
+    wanted = set(key_hashes)
+    if not wanted:
+        return set()
+    live = ApiKey.objects.filter(key_hash__in=wanted, revoked_at__isnull=True, tenant__is_active=True)
+    return set(live.values_list("key_hash", flat=True))
 
 
 def tenant_context(*, tenant: Tenant) -> TenantContext:

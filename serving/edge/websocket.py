@@ -32,7 +32,7 @@ from serving.edge.request_bodies import InferRequest, loads_json, parse_infer
 from serving.gateway.dispatch import authenticate, dispatch
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest, close_all
-from serving.transport.protocol import SLOW_READER, SLOW_READER_MESSAGE
+from serving.transport.protocol import KEY_REVOKED, SLOW_READER, SLOW_READER_MESSAGE
 
 logger = logging.getLogger(__name__)
 CLOSE_UNAUTHENTICATED = 4401
@@ -229,6 +229,8 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                 self.has_ended = True  # before the send: the client may answer it at once
                 if event.get("finish_reason") == "error":
                     await self.send_json(_final_error(handle, event.get("error", {})))
+                    if event.get("error", {}).get("type") == KEY_REVOKED:  # as a key refused at the handshake
+                        await self._close(CLOSE_UNAUTHENTICATED)
                 else:
                     await self.send_json({"type": "done", "version": handle.version, **event})
         except Exception:  # in this task nobody else would see it, and the client would wait for ever

@@ -22,6 +22,7 @@ from serving.gateway import auth, shadow
 from serving.gateway.data_plane import data_plane
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest, close_all
+from serving.gateway.key_watch import key_watch
 from serving.gateway.quota import Charge, charge_estimate, check_choices_fit
 from serving.gateway.quota_store import quota_store
 from serving.gateway.router import choose_version, routing_cache, split_model_name
@@ -149,6 +150,7 @@ async def dispatch(
             if exc.status == 503:
                 handle.count_failure()
             raise
+        key_watch().watch(context.api_key_hash, handle)  # a revoked key's streams end (key_watch.py)
         prompt_log.maybe_log(handle, tenant=context.tenant_name, submission=submission)  # off by default
         if shadow.should_mirror(snapshot.mirror, version, _rng):
             assert snapshot.mirror is not None

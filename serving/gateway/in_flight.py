@@ -33,6 +33,8 @@ from serving.gateway.text_capture import TextCapture
 from serving.transport.protocol import (
     ACCEPT_TIMEOUT_S,
     INACTIVITY_TIMEOUT_S,
+    KEY_REVOKED,
+    KEY_REVOKED_MESSAGE,
     NO_READY_REPLICA,
     REPLICA_FAILURES,
     REPLICA_LOST,
@@ -99,6 +101,10 @@ class InFlightRequest:
     def capture_text(self) -> asyncio.Future[str | None]:
         """A future for the whole text once the request ends normally (None if it fails or is aborted)."""
         return self._text.future()
+
+    def end_revoked(self) -> None:
+        """Its API key was revoked (key_watch.py): the stream's next event is its final error."""
+        self._queue.put_nowait(error_event(KEY_REVOKED, KEY_REVOKED_MESSAGE))
 
     def response_headers(self) -> dict[str, str]:
         headers = {"X-Served-Version": self.version, "X-Request-Id": self.request_id}
@@ -283,7 +289,7 @@ class InFlightRequest:
             # A keepalive: the replica still holds it (queued, or preempted); wait on.
             if event_kind(event) is EventKind.KEEPALIVE:
                 continue
-            if event.get("error", {}).get("type") == SERVER_SHUTTING_DOWN:
+            if event.get("error", {}).get("type") in (SERVER_SHUTTING_DOWN, KEY_REVOKED):
                 self._gave_up = True  # the replica still runs it: close() aborts it there
             is_replica_failure = event.get("error", {}).get("type") in REPLICA_FAILURES
             if is_replica_failure and self.replica is not None:

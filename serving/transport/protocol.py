@@ -47,6 +47,9 @@ TOKENS_LOST_MESSAGE = "part of the response was lost on its way from the replica
 # replica's sequence is aborted). Not the version's fault either.
 SERVER_SHUTTING_DOWN = "server_shutting_down"
 SERVER_SHUTTING_DOWN_MESSAGE = "the server is shutting down; send the request again"
+# The API key behind a stream was revoked while it ran (serving/gateway/key_watch.py); as a 401's type.
+KEY_REVOKED = "authentication_error"
+KEY_REVOKED_MESSAGE = "the API key was revoked"
 # Only in the version's metrics, never in an event:
 NO_READY_REPLICA = "no_ready_replica"
 REPLICA_FAILED = "replica_failed"  # a request that met replica_unavailable once its stream had begun
