@@ -1,9 +1,12 @@
 """The architecture's rules that a test can keep."""
 
 import ast
+import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from tests.conftest import REPO_ROOT
 from tests.import_graph import Import, is_under, read_graph
@@ -68,6 +71,26 @@ def test_manage_py_check_is_clean() -> None:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_deploy_checks_pass_with_production_settings(tmp_path: Path) -> None:
+    """Django's deployment checklist (HTTPS, HSTS, secure cookies, the secret's strength, DEBUG off) on
+    the settings a production environment gets: SECRET_KEY set, which turns the HTTPS-only defaults on."""
+    env = {
+        **os.environ,
+        "SECRET_KEY": secrets.token_urlsafe(50),
+        "SWITCHYARD_STATE_DIR": str(tmp_path),
+        "ALLOWED_HOSTS": "switchyard.example.com",
+    }
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
 
