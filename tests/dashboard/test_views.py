@@ -47,6 +47,8 @@ def test_signed_in_non_staff_users_get_403(client: Client, make_user: Any, deplo
     client.force_login(make_user("mallory", is_staff=False))
     for url in _pages(deployment.pk):
         assert client.get(url).status_code == 403, url
+    admin = client.get("/admin/registry/apikey/")  # the admin sends a user who is not staff to its login
+    assert admin.status_code == 302 and admin["Location"].startswith("/admin/login/")
 
 
 def test_staff_see_every_page(staff_client: Client, chat_with_traffic: Any, deployment: Any) -> None:

@@ -70,6 +70,21 @@ async def test_another_tenants_model_is_not_found_on_any_endpoint_before_any_rep
         assert response.json()["error"]["message"] == "model 'acme-ft' not found"
 
 
+async def test_another_tenants_model_is_not_found_over_a_websocket(tenants) -> None:
+    from channels.testing import WebsocketCommunicator
+
+    from config.asgi import application
+
+    auth = [(b"authorization", f"Bearer {tenants['globex'].key}".encode())]
+    socket = WebsocketCommunicator(application, "/v1/models/acme-ft/stream", headers=auth)
+    connected, _ = await socket.connect(timeout=10)
+    assert connected
+    await socket.send_json_to({"type": "infer", "input": "hi", "max_tokens": 2})
+    error = await socket.receive_json_from(timeout=10)
+    await socket.disconnect()
+    assert error["type"] == "error" and error["error"]["message"] == "model 'acme-ft' not found"
+
+
 def test_a_change_of_owner_counts_at_the_routing_caches_next_check(tenants) -> None:
     from registry.selectors import tenant_context
     from serving.gateway.auth import authorize_model
