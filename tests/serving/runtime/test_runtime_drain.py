@@ -14,6 +14,7 @@ from serving.transport.protocol import ReplicaState
 
 class FakeReplica:
     replica_id = "r-v2"
+    is_hung = False
 
     def __init__(self) -> None:
         self.state = ReplicaState.READY
