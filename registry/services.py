@@ -20,6 +20,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from registry import artifacts
+from registry.chat_template import check_chat_template
 from registry.models import (
     Alias,
     AliasEvent,
@@ -78,6 +79,11 @@ def model_version_register(
     # on SQLite a transaction holds the database's one write lock from its start, and every other
     # writer (a rollback, the judge, the replicas' metrics) would wait for the copy and then fail.
     staging, manifest = artifacts.stage_copy(Path(source_dir), root)
+    try:
+        check_chat_template(staging)  # the copy: what the digests cover is what was rendered
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     record = functools.partial(
         _record_version,
         name=name,

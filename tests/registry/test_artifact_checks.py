@@ -102,3 +102,43 @@ def test_a_config_that_asks_for_custom_code_is_refused(
     path.write_text(json.dumps({**config, **key}))
     with pytest.raises(ArtifactError, match="custom code"):
         validate_source_dir(model)
+
+
+def _with_template(demo_model_dir: Path, tmp_path: Path, template: str) -> Path:
+    model = _copy(demo_model_dir, tmp_path)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": template}))
+    return model
+
+
+@pytest.mark.django_db
+def test_a_chat_template_that_renders_is_registered(demo_model_dir: Path, tmp_path: Path) -> None:
+    from registry.services import model_version_register
+
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    model = _with_template(demo_model_dir, tmp_path, template)
+    assert model_version_register(name="templated", version="v1", source_dir=model).version == "v1"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("template", "why"),
+    [
+        ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "within"),
+        ("{% for i in range(99999) %}{{ messages }}{% endfor %}", "writes"),
+        ("{{ raise_exception('no') }}", "does not render"),
+    ],
+)
+def test_a_chat_template_that_runs_long_writes_much_or_fails_is_refused(
+    demo_model_dir: Path, tmp_path: Path, settings, template: str, why: str, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from registry import chat_template
+    from registry.services import model_version_register
+
+    monkeypatch.setattr(chat_template, "CHAT_TEMPLATE_TIMEOUT_S", 8.0)  # the loading is ~2 s of it here
+    settings.ARTIFACT_ROOT = tmp_path / "store"
+    model = _with_template(demo_model_dir, tmp_path, template)
+    with pytest.raises(ArtifactError, match=why):
+        model_version_register(name="hostile", version="v1", source_dir=model)
+    assert not any((tmp_path / "store").rglob("*.safetensors"))  # nothing of it stays in the store
