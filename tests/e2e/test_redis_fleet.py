@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -410,6 +410,89 @@ def test_killing_a_replica_mid_stream_ends_its_streams_with_an_error_and_spares_
         assert len(result["events"]) == 151
     # The router stops choosing the dead replica: every new request lands on the survivor.
     assert {_stream(fleet.server, 2)["replica"] for _ in range(6)} == set(fleet.replicas)
+
+
+def _streams_under(fleet: Fleet, fault: Callable[[], None], *, num: int = 8) -> tuple[list[dict], float]:
+    """`num` streams of 150 tokens, `fault()` once each has its first token; then every stream's result
+    (its events, or the error that ended it) and how long after the fault the service answered again."""
+    results: list[dict] = []
+    started = [threading.Event() for _ in range(num)]
+
+    def stream(first: threading.Event) -> None:
+        try:
+            results.append(_stream(fleet.server, 150, first))
+        except (httpx.HTTPError, KeyError) as exc:  # refused (no X-Served-Replica), or cut off
+            results.append({"replica": None, "events": [], "error": repr(exc)})
+            first.set()
+
+    threads = [threading.Thread(target=stream, args=(first,)) for first in started]
+    for thread in threads:
+        thread.start()
+    assert all(first.wait(60) for first in started)
+    fault()
+    faulted_at = time.monotonic()
+    answered: list[float] = []
+
+    def probe() -> None:  # polled: the service's recovery is what is measured, from the fault on
+        while not answered and time.monotonic() - faulted_at < 60:
+            try:
+                if _stream(fleet.server, 2)["events"][-1].get("finish_reason") == "length":
+                    answered.append(time.monotonic() - faulted_at)
+                    return
+            except (httpx.HTTPError, KeyError):
+                pass
+            time.sleep(0.5)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), "a stream hung"
+    prober.join(90)
+    assert answered, "the service did not come back"
+    return results, answered[0]
+
+
+def _summary(results: list[dict]) -> str:
+    ends = [
+        (r["events"][-1].get("error", {}).get("type") or r["events"][-1].get("finish_reason"))
+        if r["events"]
+        else r["error"][:40]
+        for r in results
+    ]
+    return ", ".join(f"{end}: {ends.count(end)}" for end in sorted(set(map(str, ends))))
+
+
+def test_redis_paused_for_5_s_hangs_no_stream_and_the_service_comes_back(fleet: Fleet) -> None:
+    def pause() -> None:
+        redis.Redis.from_url(REDIS_URL).execute_command("CLIENT", "PAUSE", 5000, "ALL")
+
+    results, recovered_after_s = _streams_under(fleet, pause)
+    print(
+        f"\nRedis paused 5 s under 8 streams: {_summary(results)}; "
+        f"answering again {recovered_after_s:.1f} s after"
+    )
+    assert all(not r["events"] or "finish_reason" in r["events"][-1] for r in results)  # each ended, said how
+    assert recovered_after_s <= 5 + 30
+
+
+def test_postgres_connections_terminated_under_load_hang_no_stream(fleet: Fleet) -> None:
+    import psycopg
+
+    def terminate() -> None:
+        admin = POSTGRES_ADMIN_URL.replace("postgres://", "postgresql://").rsplit("/", 1)[0] + "/postgres"
+        with psycopg.connect(admin, autocommit=True) as connection:
+            connection.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (FLEET_DATABASE,)
+            )
+
+    results, recovered_after_s = _streams_under(fleet, terminate)
+    print(
+        f"\nPostgres connections ended under 8 streams: {_summary(results)}; "
+        f"answering {recovered_after_s:.1f} s after"
+    )
+    assert all(r["events"] and r["events"][-1].get("finish_reason") == "length" for r in results)
+    assert recovered_after_s <= 30
 
 
 def test_sigterm_drains_a_replica_before_it_exits(fleet: Fleet) -> None:
