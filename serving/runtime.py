@@ -32,7 +32,7 @@ from serving.gateway.router import REVALIDATE_S, routing_cache
 from serving.replica.replica import Replica
 from serving.replica.supervisor import ReplicaSupervisor
 from serving.throttle import Throttle
-from serving.transport.protocol import ReplicaState
+from serving.transport.protocol import HEARTBEAT_INTERVAL_S, ReplicaState
 from serving.transport.replica_directory import Heartbeat, ReplicaDirectory
 from serving.transport.reply_hub import ReplyHub, reply_layer
 
@@ -265,7 +265,15 @@ class Runtime:
             return replica is not None and replica.state in (ReplicaState.READY, ReplicaState.DRAINING)
         assert self.directory is not None
         try:
-            return await self.directory.is_alive(handle.model_name, handle.version, handle.replica_id)
+            asked_at = time.monotonic()
+            alive = await self.directory.is_alive(handle.model_name, handle.version, handle.replica_id)
+            if not alive and time.monotonic() - asked_at > HEARTBEAT_INTERVAL_S:
+                # The read itself waited (Redis paused, or failing over): every replica's beats were held
+                # up too, and the last one found is old for that reason, not because the replica stopped.
+                # Asked again once a beat built after the wait has had time to land.
+                await asyncio.sleep(2 * HEARTBEAT_INTERVAL_S)
+                alive = await self.directory.is_alive(handle.model_name, handle.version, handle.replica_id)
+            return alive
         except Exception:
             # Redis unreadable (a restart, a failover) says nothing of the replica: every stream checks
             # within LIVENESS_CHECK_S, and an error here would end them all without a final event. They
