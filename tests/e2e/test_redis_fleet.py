@@ -486,13 +486,37 @@ def test_postgres_connections_terminated_under_load_hang_no_stream(fleet: Fleet)
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (FLEET_DATABASE,)
             )
 
+    counted_before = _output_tokens_counted()
     results, recovered_after_s = _streams_under(fleet, terminate)
+    # Every token served since, in the version's metrics once, however the flushes met the fault: the
+    # streams' and the recovery probe's (2 tokens). Polled: flushes come every few seconds.
+    served = sum(r["events"][-1]["usage"]["completion_tokens"] for r in results) + 2
+    deadline = time.monotonic() + 60
+    while (counted := _output_tokens_counted() - counted_before) < served and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2 * 5)  # two more flush periods: a row written twice would show by now
+    counted = _output_tokens_counted() - counted_before
     print(
         f"\nPostgres connections ended under 8 streams: {_summary(results)}; "
-        f"answering {recovered_after_s:.1f} s after"
+        f"answering {recovered_after_s:.1f} s after; {served} tokens served, {counted} counted"
     )
     assert all(r["events"] and r["events"][-1].get("finish_reason") == "length" for r in results)
     assert recovered_after_s <= 30
+    assert counted == served, f"{served} tokens served, {counted} counted in the metrics"
+
+
+def _output_tokens_counted() -> int:
+    """demo-chat's output tokens in the metrics store, over its 5 s rows (the rows replicas write)."""
+    import psycopg
+
+    url = POSTGRES_ADMIN_URL.replace("postgres://", "postgresql://").rsplit("/", 1)[0] + "/" + FLEET_DATABASE
+    with psycopg.connect(url) as connection:
+        row = connection.execute(
+            "SELECT COALESCE(SUM((w.counters->>'output_tokens')::bigint), 0) FROM serving_metricwindow w "
+            "JOIN registry_modelversion v ON v.id = w.version_id JOIN registry_model m ON m.id = v.model_id "
+            "WHERE m.name = 'demo-chat' AND w.resolution_s = 5"
+        ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def test_sigterm_drains_a_replica_before_it_exits(fleet: Fleet) -> None:
