@@ -244,13 +244,17 @@ async def test_a_conversation_the_chat_template_refuses_is_a_400_with_its_messag
 
 
 async def test_a_chat_template_that_is_broken_is_the_versions_failure_not_the_clients(
-    db: None, demo_model_dir: Path, tmp_path: Path, make_tenant: Any, settings: Any
+    db: None, demo_model_dir: Path, tmp_path: Path, make_tenant: Any, settings: Any, monkeypatch: Any
 ) -> None:
     """Only the template's own refusal (raise_exception) is the request's fault. A template that does not
     compile fails every chat, whatever it holds: a 503, counted against the version, so that a rollout's
-    judge sees a canary registered with it fail rather than its clients err."""
+    judge sees a canary registered with it fail rather than its clients err. Registration now refuses such
+    a template (registry/chat_template.py); one registered before it did is served as here."""
+    from registry import services
     from registry.services import model_version_register
     from serving.runtime import get_runtime
+
+    monkeypatch.setattr(services, "check_chat_template", lambda model_dir: None)  # an older registration
 
     settings.ALLOWED_HOSTS = ["localhost"]
     broken = tmp_path / "broken-template-model"
