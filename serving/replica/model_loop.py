@@ -142,34 +142,38 @@ class ModelLoop:
         self, message: str, request_ids: list[str] | None = None, *, error_type: str = "internal_error"
     ) -> StepResult:
         """End `request_ids` (None: every request held) with an error of `error_type`."""
-        result, samples = StepResult(), []
         failed = list(self.routes) if request_ids is None else [r for r in request_ids if r in self.routes]
-        for request_id in failed:
-            route = self.routes.pop(request_id)
-            result.add(route, request_id, error_event(error_type, message))
-            with contextlib.suppress(Exception):
-                self.engine.abort(request_id)
-            # replica_unavailable (the device failed, a drain ran out) is a rejection the metrics leave to
-            # the gateway while the request has no token: it retries it elsewhere. One whose stream it had
-            # begun ends in an error its client sees, which the version's error rate must count.
-            has_begun = route.last_token_at is not None
-            counted_as = REPLICA_FAILED if error_type == REPLICA_UNAVAILABLE and has_begun else error_type
-            samples.append(RequestSample("error", error_type=counted_as))
-        self._metrics.record(requests=samples)
-        return result
+        return self._end(
+            {request_id: self.routes.pop(request_id) for request_id in failed}, message, error_type
+        )
 
     def abandon(self, message: str) -> StepResult:
         """The watchdog's end of a hung step, on the event loop's thread: every request held ends with
         `message` (a gateway retries one that has no token yet elsewhere), and the model thread, should
         its step ever return, returns without a word. The engine is not touched: the hung thread is in
-        it. (A step that returns in the instant this runs may still emit its events; the gateway drops
-        those of a request that has ended.)"""
+        it. The routes are swapped out whole, not popped one by one, in case that step returns meanwhile.
+        (A step that returns in the instant this runs may still emit its events; the gateway drops those
+        of a request that has ended.)"""
         self.is_abandoned = True
         routes, self.routes = self.routes, {}
+        return self._end(routes, message, REPLICA_UNAVAILABLE, abort=False)
+
+    def _end(
+        self, routes: dict[str, Route], message: str, error_type: str, *, abort: bool = True
+    ) -> StepResult:
+        """Each of `routes` ends with an error event, is counted, and (`abort`) leaves the engine."""
         result, samples = StepResult(), []
         for request_id, route in routes.items():
-            result.add(route, request_id, error_event(REPLICA_UNAVAILABLE, message))
-            counted_as = REPLICA_FAILED if route.last_token_at is not None else REPLICA_UNAVAILABLE
+            result.add(route, request_id, error_event(error_type, message))
+            if abort:
+                with contextlib.suppress(Exception):
+                    self.engine.abort(request_id)
+            # replica_unavailable (the device failed, a drain ran out, a step hung) is a rejection the
+            # metrics leave to the gateway while the request has no token: it retries it elsewhere. One
+            # whose stream it had begun ends in an error its client sees, which the version's error rate
+            # must count.
+            has_begun = route.last_token_at is not None
+            counted_as = REPLICA_FAILED if error_type == REPLICA_UNAVAILABLE and has_begun else error_type
             samples.append(RequestSample("error", error_type=counted_as))
         self._metrics.record(requests=samples)
         return result
