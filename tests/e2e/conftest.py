@@ -44,6 +44,17 @@ class LiveServer:
             timeout=120,
         )
 
+    def tenant_key(self, name: str, *, max_concurrent: int) -> str:
+        """A new tenant's key, its rate and token quotas out of the way, its concurrency `max_concurrent`."""
+        created = self.manage(
+            "create_tenant", name, "--max-concurrent", str(max_concurrent),
+            "--requests-per-second", "10000", "--tokens-per-minute", "100000000",
+        )  # fmt: skip
+        assert created.returncode == 0, created.stderr
+        keyed = self.manage("create_api_key", "--tenant", name)
+        assert keyed.returncode == 0, keyed.stderr
+        return keyed.stdout.strip().splitlines()[-1]
+
     def replicas(self) -> list[dict[str, Any]]:
         """/readyz's replica list, which it shows to the metrics token (or staff) only."""
         headers = {"Authorization": f"Bearer {METRICS_TOKEN}"}
@@ -79,6 +90,15 @@ def embedded_env(state: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def seeded(env: dict[str, str]) -> str:
+    """Migrate the platform in `env`'s state directory and seed the demo: the demo key."""
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "manage.py", *a], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    run("migrate", "--noinput", "-v0")
+    return run("seed_demo").stdout.strip().splitlines()[-1]
+
+
 @contextmanager
 def serving(state: Path, env: dict[str, str], key: str) -> Iterator[LiveServer]:
     """`manage.py serve` on a free port until the block ends; its log goes to stderr under CI."""
@@ -112,10 +132,5 @@ def platform_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveSe
     # Its tests share one client address, and schemathesis tries keys that are not: failed sign-ins are
     # not throttled here (tests/e2e/test_edge_limits.py's own server shows that they are).
     env = embedded_env(state, SWITCHYARD_AUTH_FAILURE_LIMIT="100000")
-    run = lambda *a: subprocess.run(  # noqa: E731
-        [sys.executable, "manage.py", *a], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True
-    )
-    run("migrate", "--noinput", "-v0")
-    key = run("seed_demo").stdout.strip().splitlines()[-1]
-    with serving(state, env, key) as server:
+    with serving(state, env, seeded(env)) as server:
         yield server

@@ -19,20 +19,7 @@ CAP = 10
 
 
 def test_two_hundred_at_once_never_puts_more_than_the_cap_on_the_replica(platform_server: LiveServer) -> None:
-    created = platform_server.manage(
-        "create_tenant",
-        "burst",
-        "--max-concurrent",
-        str(CAP),
-        "--requests-per-second",
-        "10000",
-        "--tokens-per-minute",
-        "100000000",
-    )
-    assert created.returncode == 0, created.stderr
-    keyed = platform_server.manage("create_api_key", "--tenant", "burst")
-    assert keyed.returncode == 0, keyed.stderr
-    key = keyed.stdout.strip().splitlines()[-1]
+    key = platform_server.tenant_key("burst", max_concurrent=CAP)
 
     async def burst() -> tuple[list[int], list[str], int]:
         loads: list[int] = []

@@ -61,14 +61,7 @@ async def _ws(url: str, key: str, leave_at: int | None, stall: bool) -> list[dic
 @pytest.fixture(scope="module")
 def storm_key(platform_server: LiveServer) -> str:
     """A tenant whose quota lets the whole storm in at once (the demo key's allows 50 a second)."""
-    created = platform_server.manage(
-        "create_tenant", "storm", "--max-concurrent", "1000", "--requests-per-second", "10000",
-        "--tokens-per-minute", "100000000",
-    )  # fmt: skip
-    assert created.returncode == 0, created.stderr
-    keyed = platform_server.manage("create_api_key", "--tenant", "storm")
-    assert keyed.returncode == 0, keyed.stderr
-    return keyed.stdout.strip().splitlines()[-1]
+    return platform_server.tenant_key("storm", max_concurrent=1000)
 
 
 def _replicas(client: httpx.Client) -> list[dict[str, Any]]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +17,7 @@ import pytest
 import websockets.sync.client as ws_client
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tests.conftest import REPO_ROOT
-from tests.e2e.conftest import LiveServer, embedded_env, serving
+from tests.e2e.conftest import LiveServer, embedded_env, seeded, serving
 
 pytestmark = pytest.mark.live_server_process
 
@@ -38,12 +35,7 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         SWITCHYARD_WS_AUTH_DEADLINE_S=str(WS_AUTH_DEADLINE_S),
         SWITCHYARD_AUTH_FAILURE_LIMIT=str(FAILURE_LIMIT),
     )
-    run = lambda *a: subprocess.run(  # noqa: E731
-        [sys.executable, "manage.py", *a], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True
-    )
-    run("migrate", "--noinput", "-v0")
-    key = run("seed_demo").stdout.strip().splitlines()[-1]
-    with serving(state, env, key) as server:
+    with serving(state, env, seeded(env)) as server:
         yield server
         log = Path(state / "server.log").read_text(errors="replace")
     assert "Traceback" not in log, log[-4000:]

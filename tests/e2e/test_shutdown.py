@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -15,8 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REPO_ROOT
-from tests.e2e.conftest import embedded_env, serving
+from tests.e2e.conftest import embedded_env, seeded, serving
 
 pytestmark = pytest.mark.live_server_process
 
@@ -48,11 +45,7 @@ def _stream(url: str, key: str, max_tokens: int, first_token: threading.Event, o
 
 def test_sigterm_drains_then_ends_the_open_streams_with_a_final_event(tmp_path) -> None:  # type: ignore[no-untyped-def]
     env = embedded_env(tmp_path, SWITCHYARD_SHUTDOWN_DRAIN_S=str(DRAIN_S))
-    run = lambda *a: subprocess.run(  # noqa: E731
-        [sys.executable, "manage.py", *a], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True
-    )
-    run("migrate", "--noinput", "-v0")
-    key = run("seed_demo").stdout.strip().splitlines()[-1]
+    key = seeded(env)
     with serving(tmp_path, env, key) as server:
         started, long_out = threading.Event(), []
         long = threading.Thread(target=_stream, args=(server.url, key, 1900, started, long_out))
