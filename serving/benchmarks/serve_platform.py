@@ -28,6 +28,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def platform_env(state: Path) -> dict[str, str]:
+    """The environment of a throwaway platform in `state`: the caller's, less its own Switchyard
+    configuration (a SWITCHYARD_* setting of the shell, a database, Redis, secret or artifact store),
+    which would make the platform measured other than the one the benchmark describes."""
+    inherited = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("SWITCHYARD_")
+        and name not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "ARTIFACT_ROOT"}
+    }
+    return {**inherited, "SWITCHYARD_STATE_DIR": str(state)}
+
+
+def run_manage(env: dict[str, str], *args: str) -> str:
+    """`manage.py` with `args` in `env`; its output. Raises CalledProcessError when it fails."""
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 class Platform:
     """A throwaway platform in its own state directory: embedded (one process) or on Redis (a gateway
     process and a `run_replica` process)."""
@@ -37,13 +62,7 @@ class Platform:
         # Nothing of the caller's own configuration: a SWITCHYARD_* setting of the shell (a per-tenant
         # cap, compilation, embedded replicas beside Redis ones) would make the replica other than the
         # engine alone it is compared with, whose configuration is engine_env's alone.
-        inherited = {
-            name: value
-            for name, value in os.environ.items()
-            if not name.startswith("SWITCHYARD_")
-            and name not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "ARTIFACT_ROOT"}
-        }
-        self.env = {**inherited, **engine_env, "SWITCHYARD_STATE_DIR": str(self.state)}
+        self.env = {**platform_env(self.state), **engine_env}
         if layer == "redis":
             self.env["REDIS_URL"] = redis_url
         self.layer = layer
@@ -55,14 +74,7 @@ class Platform:
         self.key = ""
 
     def _manage(self, *args: str) -> str:
-        return subprocess.run(
-            [sys.executable, "manage.py", *args],
-            cwd=REPO_ROOT,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        return run_manage(self.env, *args)
 
     def _spawn(self, *args: str) -> None:
         log = (self.state / f"{args[0]}.log").open("wb")

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import websockets
 
-from serving.benchmarks.serve_platform import REPO_ROOT, _free_port
+from serving.benchmarks.serve_platform import REPO_ROOT, _free_port, platform_env, run_manage
 
 WARMUP_S = 180.0
 CLIENTS = 16
@@ -50,13 +50,10 @@ class Soak:
         self.rng = random.Random(seed)
         self.state = Path(tempfile.mkdtemp(prefix="switchyard-soak-"))
         self.env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")},
-            "SWITCHYARD_STATE_DIR": str(self.state),
+            **platform_env(self.state),
             "SWITCHYARD_METRICS_TOKEN": METRICS_TOKEN,
             "SWITCHYARD_REPLICA_SYNC_INTERVAL_S": "1",
         }
-        for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY"):
-            self.env.pop(name, None)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.counts: dict[str, int] = {}
@@ -64,14 +61,7 @@ class Soak:
         self.samples: list[dict[str, float]] = []
 
     def manage(self, *args: str) -> str:
-        return subprocess.run(
-            [sys.executable, "manage.py", *args],
-            cwd=REPO_ROOT,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        return run_manage(self.env, *args)
 
     def start(self) -> None:
         self.manage("migrate", "--noinput", "-v0")
