@@ -9,13 +9,19 @@ client liked. This protocol (uvicorn's, with the checks added) answers, and clos
   (or of the connection's opening: a connection that sends nothing is closed too);
 - and a body that has not all come within EDGE_BODY_TIMEOUT_S of its headers ends the connection (the app
   reads a disconnect, as for a client that left).
-The cap on concurrent connections is uvicorn's own `limit_concurrency` (503 past it), set from
-EDGE_MAX_CONNECTIONS. Bodies are capped by size elsewhere (config/body_limit.py)."""
+- 503 with Retry-After, for HTTP requests and WebSocket handshakes alike, when the server holds more than
+  EDGE_MAX_CONNECTIONS connections or runs that many requests. uvicorn's own `limit_concurrency` answered
+  plain text and let WebSocket handshakes through; serve.py sets it one above the cap, so that it never
+  answers first.
+Bodies are capped by size elsewhere (config/body_limit.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
+import time
 from typing import Any
 
 from django.conf import settings
@@ -25,7 +31,23 @@ from registry.errors import error_body
 
 # How long a refused connection drains the client's bytes before it closes.
 LINGER_S = 2.0
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+# A refused connection's Retry-After: connections end as streams finish, in seconds rather than minutes.
+BUSY_RETRY_AFTER_S = 1
+WARN_EVERY_S = 10.0
+logger = logging.getLogger(__name__)
+
+
+_warned_at = -math.inf
+
+
+def _warn_at_capacity() -> None:
+    """Said at most once per WARN_EVERY_S: a flood of refusals is one line, not one per request."""
+    global _warned_at
+    if time.monotonic() - _warned_at >= WARN_EVERY_S:
+        _warned_at = time.monotonic()
+        cap = settings.EDGE_MAX_CONNECTIONS
+        logger.warning("connection cap (%d) reached: requests refused with 503", cap)
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
@@ -74,6 +96,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
             return
         super().data_received(data)
 
+    def handle_websocket_upgrade(self) -> None:
+        # The parser stops at an upgrade's headers and uvicorn hands the connection over, even when
+        # on_headers_complete refused it (the 503 or a 431 sent): a refused one goes nowhere.
+        if not self._is_refused:
+            super().handle_websocket_upgrade()
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._header_bytes = self._num_headers = 0
@@ -95,6 +123,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
         if self._is_refused:
             return
         self._disarm()
+        if self._is_over_capacity():
+            _warn_at_capacity()
+            self._refuse(503, "the server is at its connection limit", retry_after_s=BUSY_RETRY_AFTER_S)
+            return
         super().on_headers_complete()
         if self.parser is not None and not self.parser.should_upgrade():
             self._arm(settings.EDGE_BODY_TIMEOUT_S, self._body_too_slow)
@@ -109,6 +141,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._disarm()
         super().on_message_complete()
 
+    def _is_over_capacity(self) -> bool:
+        """More connections than the cap (this one counted), or as many requests running."""
+        cap: int = settings.EDGE_MAX_CONNECTIONS
+        return len(self.connections) > cap or len(self.tasks) >= cap
+
     def _count(self, num_bytes: int, *, headers: int) -> bool:
         """Count part of the request line or a header; False (and a 431) once past a limit."""
         self._header_bytes += num_bytes
@@ -119,7 +156,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
             return False
         return True
 
-    def _refuse(self, status: int, message: str) -> None:
+    def _refuse(self, status: int, message: str, *, retry_after_s: int | None = None) -> None:
         """Answer with the JSON error and close, before the app saw anything of the request."""
         if self._is_refused or self.transport.is_closing():
             return
@@ -130,6 +167,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
             b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
             b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(body),
+            b"" if retry_after_s is None else b"retry-after: %d\r\n" % retry_after_s,
             b"connection: close\r\n\r\n",
         ]
         self.transport.write(b"".join(head) + body)

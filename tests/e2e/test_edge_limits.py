@@ -24,6 +24,7 @@ pytestmark = pytest.mark.live_server_process
 HEADER_TIMEOUT_S = 1.0
 WS_AUTH_DEADLINE_S = 1.0
 FAILURE_LIMIT = 3
+MAX_CONNECTIONS = 8
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,7 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         SWITCHYARD_EDGE_HEADER_TIMEOUT_S=str(HEADER_TIMEOUT_S),
         SWITCHYARD_WS_AUTH_DEADLINE_S=str(WS_AUTH_DEADLINE_S),
         SWITCHYARD_AUTH_FAILURE_LIMIT=str(FAILURE_LIMIT),
+        SWITCHYARD_EDGE_MAX_CONNECTIONS=str(MAX_CONNECTIONS),
     )
     with serving(state, env, seeded(env)) as server:
         yield server
@@ -76,6 +78,27 @@ def test_headers_that_never_finish_get_408_within_the_deadline(edge: LiveServer)
     status, body = _status_and_body(_raw(edge, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: "))
     assert status == 408 and body["error"]["type"] == "request_timeout"  # type: ignore[index]
     assert time.monotonic() - started < HEADER_TIMEOUT_S + 2
+
+
+def test_past_the_connection_cap_requests_and_websockets_get_a_503_until_connections_end(
+    edge: LiveServer,
+) -> None:
+    host, port = edge.url.removeprefix("http://").split(":")
+    holders = [socket.create_connection((host, int(port)), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        # The holders send nothing: each is a connection the server holds until its header deadline.
+        response = _raw(edge, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, body = _status_and_body(response)
+        assert status == 503 and body["error"]["type"] == "service_unavailable"  # type: ignore[index]
+        assert b"retry-after: 1" in response.lower()
+        with pytest.raises(InvalidStatus) as refused:
+            ws_client.connect(edge.url.replace("http", "ws") + "/v1/models/demo-chat/stream", open_timeout=10)
+        assert refused.value.response.status_code == 503
+    finally:
+        for holder in holders:
+            holder.close()
+    # Once they are gone, the server serves again.
+    assert httpx.get(f"{edge.url}/healthz").status_code == 200
 
 
 def test_a_static_path_outside_the_root_is_a_404(edge: LiveServer) -> None:

@@ -42,9 +42,10 @@ class Command(BaseCommand):
             port=int(options["port"]),  # type: ignore[call-overload]
             loop="asyncio",
             # uvicorn's httptools protocol with the edge's limits on headers and read times
-            # (serving/edge/http_limits.py); limit_concurrency answers 503 past the connection cap.
+            # (serving/edge/http_limits.py), which also answers the JSON 503 past the connection cap;
+            # uvicorn's own plain-text one, a connection later, never comes first.
             http=LimitedHttpToolsProtocol,
-            limit_concurrency=settings.EDGE_MAX_CONNECTIONS,
+            limit_concurrency=settings.EDGE_MAX_CONNECTIONS + 1,
             ws="websockets-sansio",
             # Above the consumer's limit (MAX_REQUEST_BYTES), so that a message a little over it gets the
             # JSON error there before the close; a frame past this is not even buffered, and closes 1009.
