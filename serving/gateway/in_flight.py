@@ -53,7 +53,10 @@ from serving.transport.protocol import (
 
 logger = logging.getLogger(__name__)
 
-LIVENESS_CHECK_S = 0.5
+# A stream that hears nothing this long asks whether its replica still beats (a read of the directory's
+# 0.25 s cache): a killed replica's streams end at most STALE_AFTER_S + this after its last beat, inside
+# the 2 s docs/reliability.md ("Replica failures") promises.
+LIVENESS_CHECK_S = 0.25
 _rng = random.Random()
 
 
