@@ -103,3 +103,36 @@ def test_the_staff_login_refuses_even_the_right_password_after_failures(django_u
     refused = client.post("/admin/login/", {"username": "root", "password": "right-password"})
     assert refused.status_code == 429 and "Retry-After" in refused.headers
     assert "_auth_user_id" not in client.session
+
+
+@pytest.mark.redis
+def test_with_redis_a_fleet_lets_through_the_limit_and_one_more_per_gateway_not_the_limit_each(
+    settings, redis_url: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Two gateways' throttles (two processes' memories) on one Redis: failures spread over both count
+    together, and each refuses from its next failure once the fleet has seen the limit."""
+    settings.REDIS_URL = redis_url
+    first, second = FailureThrottle(), FailureThrottle()
+    first.clear()
+    attempt = api_key_attempt("10.0.0.9", "sy-sprayed0")
+    let_through = 0
+    for gateway in [first, second] * 10:  # a client alternating between two gateways
+        if gateway.retry_after_s(attempt) is None:
+            let_through += 1
+            gateway.record(attempt)
+    # LIMIT (3) spread over both, then one more on the gateway that had not yet heard the fleet's count.
+    assert let_through == LIMIT + 1  # counted apart, each gateway would have let LIMIT through: 6
+    wait = first.retry_after_s(attempt)
+    assert wait is not None and 55 < wait <= 60
+    assert second.retry_after_s(api_key_attempt("10.0.0.10", "sy-sprayed0")) is not None  # the prefix
+    first.clear()  # the fleet's counts go too
+
+
+def test_with_redis_unreachable_failures_are_still_counted_in_the_process(settings) -> None:  # type: ignore[no-untyped-def]
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+    throttle = FailureThrottle()
+    attempt = api_key_attempt("10.0.0.11", "sy-offline0")
+    for _ in range(LIMIT):
+        assert throttle.retry_after_s(attempt) is None
+        throttle.record(attempt)
+    assert throttle.retry_after_s(attempt) is not None
