@@ -1,0 +1,1 @@
+"""Checks of what runs the platform beyond one process: the Kubernetes manifests."""
