@@ -3,9 +3,10 @@
 `run_periodic_tasks(settings.CELERY_BEAT_SCHEDULE)` runs each entry's task function (the same Celery
 task object a worker would run, called in-process) every `schedule` seconds on a one-thread executor,
 so the event loop never blocks on the database. A run that overruns its period delays the next one
-rather than piling runs up; a run that raises is logged and the schedule goes on. (Celery's own
-`worker -B` on a memory:// broker never runs periodic tasks: docs/architecture.md, "The embedded periodic
-scheduler".)"""
+rather than piling runs up; a run that raises is logged and the schedule goes on. Beat reads the same
+mapping (config/celery.py), so there is one schedule: tests/e2e/test_celery_live.py compares what each
+runs. (Celery's own `worker -B` on a memory:// broker never runs periodic tasks: docs/architecture.md,
+"The embedded periodic scheduler".)"""
 
 from __future__ import annotations
 

@@ -175,9 +175,12 @@ CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-# One source for the schedule: Celery beat reads it in production; the embedded scheduler
-# (config.periodic.run_periodic_tasks) runs the same tasks on it inside the server process.
+# The one schedule: `celery -A config beat` reads it (config/celery.py loads the CELERY_ settings), and the
+# embedded scheduler (config.periodic) runs the same entries inside the server process when there is no
+# Redis; tests/e2e/test_celery_live.py fails if the two ever read different ones. The two ticks' periods
+# come from the environment (docs/configuration.md, "Background ticks").
 ROLLOUT_JUDGE_INTERVAL_S = float(os.environ.get("SWITCHYARD_ROLLOUT_JUDGE_INTERVAL_S", "5"))
+AUTOSCALER_INTERVAL_S = float(os.environ.get("SWITCHYARD_AUTOSCALER_INTERVAL_S", "5"))
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "rollout-judge": {
         "task": "rollouts.tasks.rollout_judge_tick",
@@ -187,8 +190,8 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "metrics-maintain": {"task": "serving.tasks.metrics_maintain_tick", "schedule": 60.0},
     "autoscaler": {
         "task": "rollouts.tasks.autoscaler_tick",
-        "schedule": float(os.environ.get("SWITCHYARD_AUTOSCALER_INTERVAL_S", "5")),
-        "options": {"expires": 5.0},
+        "schedule": AUTOSCALER_INTERVAL_S,
+        "options": {"expires": AUTOSCALER_INTERVAL_S},  # as the judge's: the next tick reads fresher beats
     },
 }
 # Started by the `serve` command when there is no Redis (so no Celery beat): the same tasks, in-process.
