@@ -70,6 +70,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "channels",
+    "audit",  # below every app: they all record their changes in it
     "registry",
     "serving",
     "rollouts",
@@ -244,6 +245,10 @@ SPECTACULAR_SETTINGS = {
 
 # --- Switchyard ---
 ARTIFACT_ROOT = Path(os.environ.get("ARTIFACT_ROOT", STATE_DIR / "artifacts"))
+# Where POST /v1/models/{model}/versions may copy a model directory from: the body names a directory under
+# it, and a path that leads outside (.., an absolute path, a symbolic link) is refused. What is copied is
+# checked as `manage.py register_model` checks it (registry/artifacts.py).
+ARTIFACT_IMPORT_ROOT = Path(os.environ.get("SWITCHYARD_ARTIFACT_IMPORT_ROOT", STATE_DIR / "imports"))
 # Limits checked at the edge, before any model work.
 MAX_INPUT_CHARS = int(os.environ.get("SWITCHYARD_MAX_INPUT_CHARS", "32768"))
 MAX_REQUEST_BYTES = int(os.environ.get("SWITCHYARD_MAX_REQUEST_BYTES", str(256 * 1024)))

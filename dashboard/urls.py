@@ -13,5 +13,6 @@ urlpatterns = [
     path("deployments/<int:deployment_id>/rollback", views.deployment_rollback, name="deployment-rollback"),
     path("deployments/<int:deployment_id>/promote", views.deployment_promote, name="deployment-promote"),
     path("tenants/", views.tenants, name="tenants"),
+    path("audit/", views.audit_log, name="audit"),
     path("tenants/<int:tenant_id>/api-keys", views.tenant_api_key_create, name="tenant-api-key-create"),
 ]

@@ -18,11 +18,15 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
+from audit import actors
+from audit.models import AuditEntry
+from audit.selectors import AuditQuery, audit_entries, audit_row
 from dashboard import charts, selectors
 from dashboard.finders import PLOTLY_JS_PATH, PLOTLY_VERSION
 from registry.services import api_key_create
@@ -68,8 +72,31 @@ class ApiKeyForm(forms.Form):
     name = forms.CharField(max_length=63, required=False)
 
 
+class AuditFilterForm(forms.Form):
+    object_type = forms.ChoiceField(
+        choices=[("", "Any"), *AuditEntry.ObjectType.choices], required=False, label="Object"
+    )
+    actor = forms.CharField(max_length=200, required=False)
+    since = forms.DateTimeField(
+        required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"}), label="From"
+    )
+    until = forms.DateTimeField(
+        required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"}), label="Until"
+    )
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        since, until = cleaned.get("since"), cleaned.get("until")
+        if since is not None and until is not None and until <= since:
+            raise forms.ValidationError("The range must end after it starts.")
+        return cleaned
+
+
+AUDIT_PAGE_SIZE = 50
+
+
 def _actor(request: HttpRequest) -> str:
-    return f"staff:{request.user.get_username()}"  # as rollouts.api names staff actors
+    return actors.staff(request.user)  # as the API and the admin name staff actors
 
 
 def _plotly() -> dict[str, str]:
@@ -215,5 +242,27 @@ def tenant_api_key_create(request: HttpRequest, tenant_id: int) -> HttpResponse:
     if not form.is_valid():
         messages.error(request, "Key name: " + " ".join(form.errors.get("name", ["invalid"])))
         return _tenants(request, status=400)
-    api_key, raw_key = api_key_create(tenant=tenant, name=form.cleaned_data["name"])
+    api_key, raw_key = api_key_create(tenant=tenant, name=form.cleaned_data["name"], actor=_actor(request))
     return _tenants(request, new_key={"tenant": tenant.name, "name": api_key.name, "raw": raw_key})
+
+
+# --- the audit log -----------------------------------------------------------------------------------
+
+
+@staff_required
+def audit_log(request: HttpRequest) -> HttpResponse:
+    """Every recorded change, newest first, filtered by object type, actor and time range (UTC)."""
+    form = AuditFilterForm(request.GET)
+    if not form.is_valid():
+        context = {"form": form, "rows": [], "page": None, "query_string": ""}
+        return render(request, "dashboard/audit.html", context, status=400)
+    query = AuditQuery(**form.cleaned_data)
+    page = Paginator(audit_entries(query), AUDIT_PAGE_SIZE).get_page(request.GET.get("page"))
+    filters = {k: v for k, v in request.GET.items() if k != "page" and v}
+    context = {
+        "form": form,
+        "rows": [audit_row(entry) for entry in page.object_list],
+        "page": page,
+        "query_string": urlencode(filters),
+    }
+    return render(request, "dashboard/audit.html", context)

@@ -1,7 +1,18 @@
+"""The registry's admin pages. Every change made here that the audit log covers is recorded once, with the
+staff user as the actor: edits the admin makes itself by AuditedAdmin, key revocations by the service."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
 from django import forms
 from django.contrib import admin
 from django.db import transaction
 
+from audit import actors
+from audit.log import Action, Snapshot, record
+from registry import snapshots
 from registry.models import (
     Alias,
     AliasEvent,
@@ -13,37 +24,61 @@ from registry.models import (
     RoutingTable,
     Tenant,
 )
-from registry.services import routing_changed
+from registry.services import api_keys_revoke, routing_changed
 
 
-class MovesRoutingRevision(admin.ModelAdmin):
-    """For rows a gateway routes a model by (its table, an alias, its scaling bounds): gateways keep a
-    model's routing until its revision moves, so every save or deletion here moves it, as the services
-    do for every other routing edit. The row's `model` names the model."""
+class AuditedAdmin(admin.ModelAdmin):
+    """For rows the admin writes itself rather than through a service: each save and deletion here is
+    recorded in the audit log, once, in its transaction, with the row as stored before and after it
+    (`audit_snapshot`). A save that changed nothing the snapshot keeps records nothing."""
+
+    audit_snapshot: Callable[[Any], Snapshot]
 
     def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]
         with transaction.atomic():
+            stored = type(obj).objects.filter(pk=obj.pk).first() if change else None
+            before = type(self).audit_snapshot(stored) if stored is not None else None
             self.save_row(request, obj, form, change)
-            routing_changed(model=obj.model)
+            self.after_write(obj)
+            action = Action.UPDATE if before is not None else Action.CREATE
+            after = type(self).audit_snapshot(obj)
+            record(actor=actors.staff(request.user), action=action, before=before, after=after)
 
     def save_row(self, request, obj, form, change):  # type: ignore[no-untyped-def]
         super().save_model(request, obj, form, change)
 
+    def after_write(self, obj: Any) -> None:
+        """What else a save or deletion of `obj` must do, in its transaction."""
+
     def delete_model(self, request, obj):  # type: ignore[no-untyped-def]
         with transaction.atomic():
+            before = type(self).audit_snapshot(obj)
             super().delete_model(request, obj)
-            routing_changed(model=obj.model)
+            self.after_write(obj)
+            record(actor=actors.staff(request.user), action=Action.DELETE, before=before, after=None)
 
     def delete_queryset(self, request, queryset):  # type: ignore[no-untyped-def]
         with transaction.atomic():
-            models = {row.model for row in queryset.select_related("model")}
+            rows = list(queryset)
+            befores = [type(self).audit_snapshot(row) for row in rows]
             super().delete_queryset(request, queryset)
-            for model in models:
-                routing_changed(model=model)
+            for row, before in zip(rows, befores, strict=True):
+                self.after_write(row)
+                record(actor=actors.staff(request.user), action=Action.DELETE, before=before, after=None)
+
+
+class MovesRoutingRevision(AuditedAdmin):
+    """For rows a gateway routes a model by (its table, an alias, its scaling bounds): gateways keep a
+    model's routing until its revision moves, so every save or deletion here moves it, as the services
+    do for every other routing edit. The row's `model` names the model."""
+
+    def after_write(self, obj: Any) -> None:
+        routing_changed(model=obj.model)
 
 
 @admin.register(Model)
-class ModelAdmin(admin.ModelAdmin):
+class ModelAdmin(AuditedAdmin):  # its owner: who sees, uses and deploys it
+    audit_snapshot = staticmethod(snapshots.model)
     list_display = ("name", "kind", "owner", "created_at")
 
     def get_readonly_fields(self, request, obj=None):  # type: ignore[no-untyped-def]
@@ -76,6 +111,7 @@ class AliasEventInline(admin.TabularInline):
 
 @admin.register(Alias)
 class AliasAdmin(MovesRoutingRevision):
+    audit_snapshot = staticmethod(snapshots.alias)
     list_display = ("__str__", "version", "updated_at")
     readonly_fields = ("model", "name", "version")
     inlines = [AliasEventInline]
@@ -109,6 +145,7 @@ class RoutingTableForm(forms.ModelForm):  # type: ignore[type-arg]
 
 @admin.register(RoutingTable)
 class RoutingTableAdmin(MovesRoutingRevision):  # its mirror (a shadow deployment's) is editable
+    audit_snapshot = staticmethod(lambda table: snapshots.routing_table(table.model))
     form = RoutingTableForm
     list_display = ("model", "revision", "updated_at")
 
@@ -140,13 +177,27 @@ class QuotaInline(admin.StackedInline):
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(AuditedAdmin):
+    audit_snapshot = staticmethod(snapshots.tenant)
     list_display = ("name", "is_active", "created_at")
     inlines = [QuotaInline]
 
+    def save_related(self, request, form, formsets, change):  # type: ignore[no-untyped-def]
+        """The quota, edited inline: recorded as a change of its own (it may change alone)."""
+        with transaction.atomic():
+            stored = Quota.objects.filter(tenant=form.instance).first()
+            before = snapshots.quota(stored) if stored is not None else None
+            super().save_related(request, form, formsets, change)
+            quota = Quota.objects.filter(tenant=form.instance).first()
+            if quota is not None:
+                action = Action.UPDATE if before is not None else Action.CREATE
+                after = snapshots.quota(quota)
+                record(actor=actors.staff(request.user), action=action, before=before, after=after)
+
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(AuditedAdmin):  # its name here; deleted here; revoked through the service
+    audit_snapshot = staticmethod(snapshots.api_key)
     list_display = ("prefix", "tenant", "name", "created_at", "last_used_at", "revoked_at")
     # A revocation is one-way: cleared here, a leaked key would come back with no record of it.
     readonly_fields = ("tenant", "prefix", "key_hash", "created_at", "last_used_at", "revoked_at")
@@ -154,10 +205,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke the selected keys")
     def revoke(self, request, queryset):  # type: ignore[no-untyped-def]
-        from django.utils import timezone
-
-        num_revoked = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
-        self.message_user(request, f"{num_revoked} key(s) revoked")
+        revoked = api_keys_revoke(api_keys=list(queryset), actor=actors.staff(request.user))
+        self.message_user(request, f"{len(revoked)} key(s) revoked")
 
     def has_add_permission(self, request):  # type: ignore[no-untyped-def]
         return False  # keys are created with `manage.py create_api_key`, which shows the key once

@@ -1,5 +1,7 @@
 """Registry endpoints under /v1/. Tenants (by key) see only the models they may use; staff (by session)
-see all; any other signed-in user gets 403."""
+see all; any other signed-in user gets 403. Registering a version: staff, and a tenant for its own
+models (a new model it registers is its own). Tenants and keys: registry/tenant_api.py; aliases and
+traffic: rollouts/traffic_api.py (they check for a deployment in flight)."""
 
 from __future__ import annotations
 
@@ -7,36 +9,14 @@ from typing import Any
 
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
-from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from registry import selectors
-from registry.models import Model, is_valid_name
-from registry.selectors import TenantContext
-
-
-def _caller_context(request: Request) -> TenantContext | None:
-    """The tenant calling with its key, or None for staff."""
-    if isinstance(request.auth, TenantContext):
-        return request.auth
-    if not getattr(request.user, "is_staff", False):  # a session of someone who is neither
-        raise PermissionDenied("the model registry is for tenants' API keys and for staff")
-    return None
-
-
-def _visible_model(request: Request, name: str) -> Model:
-    context = _caller_context(request)
-    model = (
-        Model.objects.filter(name=name).select_related("routing_table").first()
-        if is_valid_name(name)
-        else None
-    )
-    # A model the caller may not use is reported exactly like one that does not exist.
-    if model is None or (context is not None and not context.may_use(name, owner_id=model.owner_id)):
-        raise NotFound(f"model {name!r} not found")
-    return model
+from registry.callers import caller_context, visible_model
+from registry.models import Model
+from registry.registration_api import REGISTERED_SCHEMA, VersionRegistration, register_version
 
 
 def _openai_model(model: Model) -> dict[str, Any]:
@@ -80,18 +60,28 @@ class ModelListView(APIView):
         ),
     )
     def get(self, request: Request) -> Response:
-        models = selectors.models_visible_to(context=_caller_context(request))
+        models = selectors.models_visible_to(context=caller_context(request))
         return Response({"object": "list", "data": [_openai_model(m) for m in models]})
 
 
 class ModelDetailView(APIView):
     @extend_schema(responses=ModelSchema)
     def get(self, request: Request, model: str) -> Response:
-        return Response(_openai_model(_visible_model(request, model)))
+        return Response(_openai_model(visible_model(request, model)))
 
 
 class ModelVersionListView(APIView):
     @extend_schema(responses=_VERSION_SCHEMA)
     def get(self, request: Request, model: str) -> Response:
-        rows = selectors.model_versions_overview(model=_visible_model(request, model))
+        rows = selectors.model_versions_overview(model=visible_model(request, model))
         return Response(rows)
+
+    @extend_schema(
+        operation_id="models_versions_create",
+        description="Register a version from a model directory under the server's import root (staff; a "
+        "tenant for its own models, and a new model it registers is its own).",
+        request=VersionRegistration,
+        responses={201: REGISTERED_SCHEMA},
+    )
+    def post(self, request: Request, model: str) -> Response:
+        return register_version(request, model)

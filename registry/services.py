@@ -1,4 +1,7 @@
-"""Writes to the registry. Keyword-only, typed, one transaction each."""
+"""Writes to the registry. Keyword-only, typed, one transaction each. Each change is recorded in the audit
+log (audit.log.record) in its transaction, with the actor the caller names: every path (the API, the
+dashboard, the admin's actions, the commands, the rollouts) comes through here, so each change is
+recorded once."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -19,7 +23,9 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from registry import artifacts
+from audit import actors
+from audit.log import Action, record
+from registry import artifacts, snapshots
 from registry.chat_template import check_chat_template
 from registry.models import (
     Alias,
@@ -31,6 +37,7 @@ from registry.models import (
     RoutingEntry,
     RoutingTable,
     Tenant,
+    is_valid_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,10 +68,12 @@ def model_version_register(
     created_by: str = "",
     parent: ModelVersion | None = None,
     owner: Tenant | None = None,
+    actor: str = "",
 ) -> ModelVersion:
     """Copy a model directory into the artifact store and record it. The first version of a model
     becomes its `stable` alias with all of its traffic; later ones start at 0%. `owner`: the tenant
-    whose model a new one is (it may deploy it); for a model that exists, it must be its owner."""
+    whose model a new one is (it may deploy it); for a model that exists, it must be its owner.
+    `actor`: who, for the audit log and the alias's history (default: `created_by`)."""
     for field, value in (("name", name), ("version", version)):
         try:
             Model._meta.get_field("name").run_validators(value)
@@ -92,6 +101,7 @@ def model_version_register(
         owner=owner,
         parent=parent,
         created_by=created_by,
+        actor=actor or created_by or actors.SYSTEM,
         manifest=manifest,
         staging=staging,
         final_dir=final_dir,
@@ -136,6 +146,7 @@ def _record_version(
     owner: Tenant | None,
     parent: ModelVersion | None,
     created_by: str,
+    actor: str,
     manifest: artifacts.ArtifactManifest,
     staging: Path,
     final_dir: Path,
@@ -145,6 +156,7 @@ def _record_version(
     model = _check_registrable(name=name, version=version, kind=kind, owner=owner, final_dir=final_dir)
     if model is None:
         model = Model.objects.create(name=name, kind=kind, owner=owner)
+        record(actor=actor, action=Action.CREATE, before=None, after=snapshots.model(model))
     model_version = ModelVersion.objects.create(
         model=model,
         version=version,
@@ -159,13 +171,15 @@ def _record_version(
     table, _ = RoutingTable.objects.get_or_create(model=model)
     is_first = not table.entries.exists()
     RoutingEntry.objects.create(table=table, version=model_version, weight=100 if is_first else 0)
+    after = snapshots.model_version(model_version, traffic_pct=100 if is_first else 0)
+    record(actor=actor, action=Action.CREATE, before=None, after=after)
     routing_changed(model=model)
     if is_first:
         alias_set(
             model=model,
             name=STABLE_ALIAS,
             version=model_version,
-            actor=created_by or "system",
+            actor=actor,
             reason="first version registered",
         )
     final_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +216,7 @@ def alias_set(*, model: Model, name: str, version: ModelVersion, actor: str, rea
         raise RegistryError(f"version {version.version} belongs to {version.model.name}, not {model.name}")
     alias = Alias.objects.select_for_update().filter(model=model, name=name).first()
     previous = alias.version if alias is not None else None
+    before = snapshots.alias(alias) if alias is not None else None
     if alias is None:
         alias = Alias.objects.create(model=model, name=name, version=version)
     elif alias.version_id != version.pk:
@@ -212,34 +227,51 @@ def alias_set(*, model: Model, name: str, version: ModelVersion, actor: str, rea
     AliasEvent.objects.create(
         alias=alias, from_version=previous, to_version=version, actor=actor, reason=reason
     )
+    action = Action.CREATE if before is None else Action.UPDATE
+    record(actor=actor, action=action, before=before, after=snapshots.alias(alias), reason=reason)
     routing_changed(model=model)
     return alias
 
 
 @transaction.atomic
-def routing_table_set(*, model: Model, weights: Mapping[str, int]) -> RoutingTable:
+def routing_table_set(
+    *, model: Model, weights: Mapping[str, int], actor: str = actors.SYSTEM, reason: str = ""
+) -> RoutingTable:
     """Replace a model's traffic split; weights are whole percentages summing to 100."""
     if any(isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= 100 for w in weights.values()):
         raise RegistryError("each weight must be an integer percentage from 0 to 100")
     if sum(weights.values()) != 100:
         raise RegistryError(f"weights must sum to 100, got {sum(weights.values())}")
-    versions = {v.version: v for v in model.versions.filter(version__in=list(weights))}
+    # Only names a version could have: Postgres refuses a NUL in a query (a 500, not this 400).
+    named = [name for name in weights if is_valid_name(name)]
+    versions = {v.version: v for v in model.versions.filter(version__in=named)}
     unknown = sorted(set(weights) - set(versions))
     if unknown:
         raise RegistryError(f"unknown version(s) of {model.name}: {', '.join(unknown)}")
     table, _ = RoutingTable.objects.select_for_update().get_or_create(model=model)
+    before = snapshots.routing_table(model)
     table.entries.exclude(version__version__in=list(weights)).update(weight=0)
     for name, weight in weights.items():
         RoutingEntry.objects.update_or_create(
             table=table, version=versions[name], defaults={"weight": weight}
         )
     routing_changed(model=model)
+    record(
+        actor=actor, action=Action.UPDATE, before=before, after=snapshots.routing_table(model), reason=reason
+    )
     table.refresh_from_db()
     return table
 
 
 @transaction.atomic
-def routing_mirror_set(*, model: Model, version: ModelVersion | None, pct: int = 0) -> RoutingTable:
+def routing_mirror_set(
+    *,
+    model: Model,
+    version: ModelVersion | None,
+    pct: int = 0,
+    actor: str = actors.SYSTEM,
+    reason: str = "",
+) -> RoutingTable:
     """Copy `pct`% of the model's requests (those served by any other version) to `version`, output
     discarded; `version=None` stops mirroring. Gateways pick it up with the routing table."""
     if version is None:
@@ -249,8 +281,12 @@ def routing_mirror_set(*, model: Model, version: ModelVersion | None, pct: int =
     elif isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100:
         raise RegistryError(f"mirror percentage must be an integer from 1 to 100, got {pct!r}")
     table, _ = RoutingTable.objects.select_for_update().get_or_create(model=model)
+    before = snapshots.routing_table(model)
     RoutingTable.objects.filter(pk=table.pk).update(
         mirror_version=version, mirror_pct=pct, revision=F("revision") + 1
+    )
+    record(
+        actor=actor, action=Action.UPDATE, before=before, after=snapshots.routing_table(model), reason=reason
     )
     table.refresh_from_db()
     return table
@@ -267,6 +303,7 @@ def tenant_create(
     may_pin: bool = False,
     may_deploy: bool = False,
     deployable_models: Iterable[Model] = (),
+    actor: str = actors.SYSTEM,
 ) -> Tenant:
     try:
         Tenant._meta.get_field("name").run_validators(name)
@@ -289,10 +326,62 @@ def tenant_create(
     )
     quota.allowed_models.set(list(allowed_models))
     quota.deployable_models.set(list(deployable_models))
+    record(actor=actor, action=Action.CREATE, before=None, after=snapshots.tenant(tenant))
+    record(actor=actor, action=Action.CREATE, before=None, after=snapshots.quota(quota))
     return tenant
 
 
-def api_key_revoke(*, key: str, tenant: Tenant | None = None) -> list[ApiKey]:
+QUOTA_LIMITS = (
+    "requests_per_second",
+    "tokens_per_minute",
+    "max_concurrent_requests",
+    "may_pin",
+    "may_deploy",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaChange:
+    """What to change of a tenant's quota: None keeps a field as it is."""
+
+    requests_per_second: float | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
+    may_pin: bool | None = None
+    may_deploy: bool | None = None
+    allowed_models: tuple[Model, ...] | None = None
+    deployable_models: tuple[Model, ...] | None = None
+
+
+@transaction.atomic
+def quota_set(*, tenant: Tenant, change: QuotaChange, actor: str) -> Quota:
+    """Change a tenant's quota (made with the defaults if it has none). Gateways apply it once their
+    cached copy of the tenant's key expires, within seconds."""
+    rate = change.requests_per_second
+    if rate is not None and not 0 <= rate < float("inf"):
+        raise RegistryError(f"requests_per_second must be a number from 0, got {rate!r}")
+    for field in ("tokens_per_minute", "max_concurrent_requests"):
+        value = getattr(change, field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise RegistryError(f"{field} must be a whole number from 0, got {value!r}")
+    quota = Quota.objects.select_for_update().filter(tenant=tenant).first()
+    before = snapshots.quota(quota) if quota is not None else None
+    quota = quota or Quota(tenant=tenant)
+    for field in QUOTA_LIMITS:
+        if getattr(change, field) is not None:
+            setattr(quota, field, getattr(change, field))
+    quota.save()
+    if change.allowed_models is not None:
+        quota.allowed_models.set(change.allowed_models)
+    if change.deployable_models is not None:
+        quota.deployable_models.set(change.deployable_models)
+    action = Action.CREATE if before is None else Action.UPDATE
+    record(actor=actor, action=action, before=before, after=snapshots.quota(quota))
+    return quota
+
+
+@transaction.atomic
+def api_key_revoke(*, key: str, tenant: Tenant | None = None, actor: str = actors.SYSTEM) -> list[ApiKey]:
     """Revoke a live key, given whole (only that key) or by its printed prefix (exactly the stored
     prefix's length: only that much of a key is stored in the clear). A prefix that matches keys of more
     than one tenant, or several keys, is refused unless `tenant` narrows it to that tenant's keys: a typo
@@ -314,12 +403,31 @@ def api_key_revoke(*, key: str, tenant: Tenant | None = None) -> list[ApiKey]:
                 f"{len(keys)} live keys start with {key} (tenants: {', '.join(owners)}); "
                 "give the whole key, or the tenant"
             )
-    ApiKey.objects.filter(pk__in=[k.pk for k in keys]).update(revoked_at=timezone.now())
-    return keys
+    return api_keys_revoke(api_keys=keys, actor=actor)
 
 
-def api_key_create(*, tenant: Tenant, name: str = "") -> tuple[ApiKey, str]:
-    """Return the stored record and the raw key; the raw key is never stored and cannot be shown again."""
+@transaction.atomic
+def api_keys_revoke(*, api_keys: Iterable[ApiKey], actor: str) -> list[ApiKey]:
+    """Revoke those of these keys still live, each revocation recorded; returns them."""
+    live = list(
+        ApiKey.objects.select_for_update(of=("self",))
+        .filter(pk__in=[k.pk for k in api_keys], revoked_at__isnull=True)
+        .select_related("tenant")
+        .order_by("pk")
+    )
+    now = timezone.now()
+    for api_key in live:
+        before = snapshots.api_key(api_key)
+        api_key.revoked_at = now
+        api_key.save(update_fields=["revoked_at"])
+        record(actor=actor, action=Action.REVOKE, before=before, after=snapshots.api_key(api_key))
+    return live
+
+
+@transaction.atomic
+def api_key_create(*, tenant: Tenant, name: str = "", actor: str = actors.SYSTEM) -> tuple[ApiKey, str]:
+    """Return the stored record and the raw key; the raw key is never stored and cannot be shown again
+    (the audit log keeps its prefix)."""
     raw_key = API_KEY_PREFIX + secrets.token_urlsafe(32)
     api_key = ApiKey.objects.create(
         tenant=tenant,
@@ -327,6 +435,7 @@ def api_key_create(*, tenant: Tenant, name: str = "") -> tuple[ApiKey, str]:
         prefix=raw_key[: ApiKey.PREFIX_LENGTH],
         key_hash=hash_api_key(raw_key),
     )
+    record(actor=actor, action=Action.CREATE, before=None, after=snapshots.api_key(api_key))
     return api_key, raw_key
 
 

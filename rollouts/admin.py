@@ -1,6 +1,7 @@
 from django.contrib import admin
 
 from registry.admin import MovesRoutingRevision
+from rollouts import snapshots
 from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
 
 
@@ -58,4 +59,5 @@ class ScaleTargetAdmin(admin.ModelAdmin):
 
 @admin.register(ScalingBounds)
 class ScalingBoundsAdmin(MovesRoutingRevision):  # gateways route by them (whether a model scales to zero)
+    audit_snapshot = staticmethod(snapshots.scaling_bounds)
     list_display = ("model", "min_replicas", "max_replicas", "updated_at")

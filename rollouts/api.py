@@ -19,6 +19,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from registry import api as registry_api
+from registry.callers import caller_actor
 from registry.models import Model, is_valid_name
 from registry.selectors import TenantContext
 from rollouts import selectors, services, steps
@@ -36,9 +37,7 @@ class Refused(APIException):
 
 
 def _actor(request: Request) -> str:
-    if isinstance(request.auth, TenantContext):
-        return f"tenant:{request.auth.tenant_name}"
-    return f"staff:{request.user.get_username()}"
+    return caller_actor(request)  # one spelling of who, with the audit log's
 
 
 def _authorize(request: Request, model: Model | None = None) -> None:

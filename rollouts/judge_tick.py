@@ -126,7 +126,11 @@ def _tick_provisioning(deployment: Deployment, *, now: dt.datetime) -> None:
         if deployment.strategy == Deployment.Strategy.SHADOW:
             deployment.step_started_at = now
             routing_mirror_set(
-                model=deployment.model, version=deployment.candidate, pct=int(deployment.mirror_pct or 0)
+                model=deployment.model,
+                version=deployment.candidate,
+                pct=int(deployment.mirror_pct or 0),
+                actor=JUDGE_ACTOR,
+                reason=f"deployment {deployment.pk}",
             )
             transition(
                 deployment,
@@ -138,7 +142,7 @@ def _tick_provisioning(deployment: Deployment, *, now: dt.datetime) -> None:
             )
             return
         pct = int(deployment.steps[0]["pct"])
-        edit = route(deployment, split_for(deployment, pct))
+        edit = route(deployment, split_for(deployment, pct), actor=JUDGE_ACTOR)
         deployment.current_step = 0
         deployment.step_started_at = now
         transition(
@@ -242,7 +246,7 @@ def _advance(deployment: Deployment, *, verdict: judge.Verdict, now: dt.datetime
             deployment, actor=JUDGE_ACTOR, reason=f"judge: {verdict.reason}", figures=verdict.figures, now=now
         )
         return
-    edit = route(deployment, split_for(deployment, pct))
+    edit = route(deployment, split_for(deployment, pct), actor=JUDGE_ACTOR)
     previous_pct = deployment.current_pct
     deployment.current_step = next_step
     deployment.step_started_at = now

@@ -15,9 +15,12 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from audit import actors
+from audit.log import Action, record
 from registry.models import Model, ModelVersion, RoutingTable
 from registry.selectors import versions_with_traffic
 from registry.services import routing_changed
+from rollouts import snapshots
 from rollouts.fleet.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
 from rollouts.models import Deployment, ScaleTarget, ScalingBounds
 from rollouts.selectors import scaling_bounds
@@ -76,7 +79,9 @@ def autoscale(
 
 
 @transaction.atomic
-def scaling_bounds_set(*, model: Model, min_replicas: int | None, max_replicas: int | None) -> ScalingBounds:
+def scaling_bounds_set(
+    *, model: Model, min_replicas: int | None, max_replicas: int | None, actor: str = actors.SYSTEM
+) -> ScalingBounds:
     """A model's own replica bounds; a bound not given keeps its current value (or the settings').
     min_replicas 0 scales its idle versions to zero: every gateway learns it within a second, and holds a
     request that finds no replica while one starts. Raises ValueError unless 0 <= min <= max, 1 <= max."""
@@ -94,14 +99,22 @@ def scaling_bounds_set(*, model: Model, min_replicas: int | None, max_replicas: 
         model=model, defaults={"min_replicas": low, "max_replicas": high}
     )
     routing_changed(model=model)
+    before = snapshots.scaling_bounds(current) if current is not None else None
+    action = Action.CREATE if current is None else Action.UPDATE
+    record(actor=actor, action=action, before=before, after=snapshots.scaling_bounds(bounds))
     return bounds
 
 
 @transaction.atomic
-def scaling_bounds_clear(*, model: Model) -> None:
+def scaling_bounds_clear(*, model: Model, actor: str = actors.SYSTEM) -> None:
     """Back to the settings' bounds (which never scale to zero)."""
-    if ScalingBounds.objects.filter(model=model).delete()[0]:
-        routing_changed(model=model)
+    current = ScalingBounds.objects.select_for_update().filter(model=model).first()
+    if current is None:
+        return
+    before = snapshots.scaling_bounds(current)
+    current.delete()
+    routing_changed(model=model)
+    record(actor=actor, action=Action.DELETE, before=before, after=None)
 
 
 def _on_demand(

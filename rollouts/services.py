@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from audit.log import Action, record
 from registry.models import Alias, Model, ModelVersion, RoutingEntry, RoutingTable, is_valid_name
 from registry.services import (
     STABLE_ALIAS,
@@ -23,6 +24,7 @@ from registry.services import (
     alias_set,
     routing_mirror_set,
 )
+from rollouts import snapshots
 from rollouts.models import Deployment
 from rollouts.steps import (
     MAX_BAKE_SECONDS,
@@ -152,6 +154,7 @@ def deployment_create(
             )
     except IntegrityError:  # another create won the race past the check above
         raise DeploymentConflict(f"model {model.name!r} already has a deployment in flight") from None
+    record(actor=created_by, action=Action.CREATE, before=None, after=snapshots.deployment(deployment))
     plan = (
         " -> ".join(f"{s['pct']}%" for s in steps)  # type: ignore[union-attr]
         if strategy == Deployment.Strategy.CANARY
@@ -190,16 +193,18 @@ def provision(deployment: Deployment, *, actor: str) -> None:
 # --- rollback and promote -----------------------------------------------------------------------------
 
 
-def _stop_mirroring(deployment: Deployment) -> None:
+def _stop_mirroring(deployment: Deployment, *, actor: str) -> None:
     if RoutingTable.objects.filter(model=deployment.model, mirror_version=deployment.candidate).exists():
-        routing_mirror_set(model=deployment.model, version=None)
+        routing_mirror_set(
+            model=deployment.model, version=None, actor=actor, reason=f"deployment {deployment.pk}"
+        )
 
 
 def park_canary_alias(deployment: Deployment, *, actor: str, outcome: str) -> None:
     """Point `canary` back at the incumbent (logged), so the candidate keeps no alias and, with no
     traffic either, its replicas drain. (Deleting the alias would delete its logged history.) A shadow
     deployment's mirroring stops with it."""
-    _stop_mirroring(deployment)
+    _stop_mirroring(deployment, actor=actor)
     alias = Alias.objects.filter(model=deployment.model, name=CANARY_ALIAS).first()
     if alias is not None and alias.version_id == deployment.candidate_id:
         alias_set(
@@ -238,7 +243,7 @@ def roll_back(
         if moved:
             incumbent = deployment.incumbent.version
             weights[incumbent] = weights.get(incumbent, 0) + moved
-            edit = route(deployment, weights)
+            edit = route(deployment, weights, actor=actor)
             what = (
                 f"the candidate's {moved}% (not the deployment's) to {incumbent}, the rest as it was "
                 + noted(edit)
@@ -253,7 +258,7 @@ def roll_back(
                 actor=actor,
                 reason=f"deployment {deployment.pk} rolled back",
             )
-        edit = route(deployment, {deployment.incumbent.version: 100})
+        edit = route(deployment, {deployment.incumbent.version: 100}, actor=actor)
         what = f"traffic 100% to {deployment.incumbent.version} {noted(edit)}"
     deployment.rollback_decided_at = decided_at
     deployment.rollback_edit_ms = edit.get("edit_ms")
@@ -269,7 +274,7 @@ def promote(
     deployment: Deployment, *, actor: str, reason: str, figures: dict[str, Any], now: dt.datetime
 ) -> None:
     """The promotion itself, under the row's lock as roll_back(): from deployment_promote() or the tick."""
-    _stop_mirroring(deployment)
+    _stop_mirroring(deployment, actor=actor)
     alias_set(
         model=deployment.model,
         name=STABLE_ALIAS,
@@ -277,7 +282,7 @@ def promote(
         actor=actor,
         reason=f"deployment {deployment.pk} promoted",
     )
-    edit = route(deployment, {deployment.candidate.version: 100})
+    edit = route(deployment, {deployment.candidate.version: 100}, actor=actor)
     if deployment.steps:
         deployment.current_step = len(deployment.steps) - 1
     deployment.finished_at = now

@@ -13,7 +13,9 @@ from typing import Any
 
 from django.utils import timezone
 
+from audit.log import Action, record
 from registry.services import routing_table_set
+from rollouts import snapshots
 from rollouts.models import Deployment, DeploymentEvent
 
 # --- helpers that write -------------------------------------------------------------------------------
@@ -49,15 +51,27 @@ def transition(
     figures: dict[str, Any] | None = None,
     at: dt.datetime | None = None,
 ) -> None:
+    """Every change of a deployment's state (and of its step: a step is a transition to RAMPING) goes
+    through here: its event, and its entry in the audit log, with the row as stored before."""
+    stored = Deployment.objects.select_related("model", "candidate", "incumbent").get(pk=deployment.pk)
     log_event(deployment, to_state=to_state, actor=actor, reason=reason, figures=figures, at=at)
     deployment.state = to_state
     deployment.save()
+    record(
+        actor=actor,
+        action=Action.UPDATE,
+        before=snapshots.deployment(stored),
+        after=snapshots.deployment(deployment),
+        reason=reason,
+    )
 
 
-def route(deployment: Deployment, weights: dict[str, int]) -> dict[str, Any]:
+def route(deployment: Deployment, weights: dict[str, int], *, actor: str) -> dict[str, Any]:
     """One routing edit; returns the revision and how long the edit took."""
     started = time.perf_counter()
-    table = routing_table_set(model=deployment.model, weights=weights)
+    table = routing_table_set(
+        model=deployment.model, weights=weights, actor=actor, reason=f"deployment {deployment.pk}"
+    )
     return {
         "routing": weights,
         "routing_revision": table.revision,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-APPS = ("config", "registry", "serving", "rollouts", "dashboard")
+APPS = ("config", "audit", "registry", "serving", "rollouts", "dashboard")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,13 @@ NOT_FOUND_ANYWHERE = OWNERSHIP + "test_another_tenants_model_is_not_found_on_any
 NOT_LISTED = OWNERSHIP + "test_another_tenants_model_is_not_listed_nor_found"
 NO_RIGHT = "tests/rollouts/test_api.py::test_callers_without_the_right_get_403_and_change_nothing"
 STAFF_FEEDS = "tests/dashboard/test_consumers.py::"
+REGISTRY_WRITES = "tests/registry/test_api_writes.py::"
+STAFF_ONLY = (
+    REGISTRY_WRITES + "test_tenants_and_non_staff_users_get_403_on_the_staff_endpoints_and_change_nothing"
+)
+TRAFFIC = (
+    "tests/rollouts/test_traffic_api.py::test_another_tenants_model_is_not_found_for_its_aliases_or_traffic"
+)
 
 # Route -> the test that shows its isolation; None (with the reason) where no tenant's data is there.
 HTTP_CASES: dict[str, str | None] = {
@@ -33,7 +40,15 @@ HTTP_CASES: dict[str, str | None] = {
     "v1/embeddings": NOT_FOUND_ANYWHERE,
     "v1/models": NOT_LISTED,
     "v1/models/<str:model>": NOT_LISTED,
-    "v1/models/<str:model>/versions": NO_RIGHT,
+    # GET lists, POST registers: another tenant's model is not found for either.
+    "v1/models/<str:model>/versions": REGISTRY_WRITES
+    + "test_another_tenants_model_is_not_found_for_reading_or_registering_versions",
+    "v1/models/<str:model>/aliases/<str:alias>": TRAFFIC,
+    "v1/models/<str:model>/traffic": TRAFFIC,
+    "v1/tenants": STAFF_ONLY,
+    "v1/tenants/<str:tenant>/quota": STAFF_ONLY,
+    "v1/tenants/<str:tenant>/api-keys": STAFF_ONLY,
+    "v1/tenants/<str:tenant>/api-keys/<str:prefix>/revoke": STAFF_ONLY,
     "v1/deployments": "tests/rollouts/test_api.py::"
     "test_a_tenant_sees_neither_other_tenants_names_nor_staff_logins",
     "v1/deployments/<int:deployment_id>": NO_RIGHT,

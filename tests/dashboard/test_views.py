@@ -22,6 +22,8 @@ def _pages(deployment_id: int) -> list[str]:
         "/dashboard/rollouts/",
         f"/dashboard/deployments/{deployment_id}/",
         "/dashboard/tenants/",
+        "/dashboard/audit/",
+        "/dashboard/audit/?object_type=alias&actor=x&since=2026-01-01T00:00",
     ]
 
 

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command
 
+from audit import actors
+
 pytestmark = pytest.mark.django_db
 
 
@@ -33,7 +35,7 @@ def test_set_alias_moves_it_logs_the_move_and_bumps_the_routing_revision(make_mo
     assert (event.from_version.version, event.to_version.version, event.actor, event.reason) == (
         "v1",
         "v2",
-        "cli",
+        actors.command("set_alias"),
         "v1 misbehaves",
     )
     _run("set_alias", "chat", "eval", "v3")

@@ -1,5 +1,6 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from audit import actors
 from registry.models import Tenant
 from registry.services import api_key_create
 
@@ -18,7 +19,7 @@ class Command(BaseCommand):
         tenant = Tenant.objects.filter(name=options["tenant"]).first()
         if tenant is None:
             raise CommandError(f"unknown tenant {options['tenant']!r}")
-        api_key, raw_key = api_key_create(tenant=tenant, name=options["name"])
+        api_key, raw_key = api_key_create(tenant=tenant, name=options["name"], actor=actors.command(__name__))
         self.stderr.write(
             f"created key {api_key.prefix}… for tenant {tenant.name}; it will not be shown again"
         )

@@ -1,5 +1,6 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from audit import actors
 from registry.models import Model
 from registry.services import RegistryError, tenant_create
 
@@ -46,6 +47,7 @@ class Command(BaseCommand):
                 may_pin=bool(options["may_pin"]),
                 may_deploy=bool(options["may_deploy"]),
                 deployable_models=deployable,
+                actor=actors.command(__name__),
             )
         except RegistryError as exc:
             raise CommandError(str(exc)) from None

@@ -2,6 +2,7 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from audit import actors
 from registry.artifacts import ArtifactError
 from registry.models import Model, ModelVersion, Tenant
 from registry.services import RegistryError, model_version_register
@@ -47,6 +48,7 @@ class Command(BaseCommand):
                 created_by=options["created_by"],
                 parent=parent,
                 owner=owner,
+                actor=actors.command(__name__),
             )
         except (ArtifactError, RegistryError) as exc:
             raise CommandError(str(exc)) from None

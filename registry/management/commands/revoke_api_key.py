@@ -1,5 +1,6 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from audit import actors
 from registry.models import Tenant
 from registry.services import RegistryError, api_key_revoke
 
@@ -21,7 +22,9 @@ class Command(BaseCommand):
             if tenant is None:
                 raise CommandError(f"unknown tenant {options['tenant']!r}")
         try:
-            revoked = api_key_revoke(key=options["key"].strip(), tenant=tenant)
+            revoked = api_key_revoke(
+                key=options["key"].strip(), tenant=tenant, actor=actors.command(__name__)
+            )
         except RegistryError as exc:
             raise CommandError(str(exc)) from None
         if not revoked:

@@ -1,5 +1,6 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from audit import actors
 from registry.models import Model
 from registry.services import RegistryError, routing_table_set
 
@@ -24,7 +25,7 @@ class Command(BaseCommand):
                 raise CommandError(f"expected VERSION=PCT, got {item!r}")
             weights[version] = int(pct)
         try:
-            table = routing_table_set(model=model, weights=weights)
+            table = routing_table_set(model=model, weights=weights, actor=actors.command(__name__))
         except RegistryError as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"{model.name}: {weights} (revision {table.revision})")

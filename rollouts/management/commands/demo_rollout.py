@@ -29,7 +29,10 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from audit import actors
+
 MODEL = "demo-chat"
+ACTOR = actors.command(__name__)
 JUDGE_TASK = "rollouts.tasks.rollout_judge_tick"
 PROMPTS = [
     "Once upon a time there was a little train",
@@ -179,9 +182,7 @@ class Command(BaseCommand):
         model = Model.objects.get(name=MODEL)
         left = selectors.deployment_in_flight(model=model)
         if left is not None:
-            services.deployment_rollback(
-                deployment=left, actor="demo_rollout", reason="left by an earlier run"
-            )
+            services.deployment_rollback(deployment=left, actor=ACTOR, reason="left by an earlier run")
             self._say(t0, f"rolled back deployment {left.pk}, left in flight by an earlier run")
         stable = Alias.objects.get(model=model, name="stable").version
         existing = set(model.versions.values_list("version", flat=True))
@@ -193,7 +194,12 @@ class Command(BaseCommand):
         settings.ALLOW_FAULT_INJECTION = True  # this process only: the demo's bad version needs it
         for version, note in ((good, "same weights, healthy"), (bad, f"same weights, {faults}")):
             model_version_register(
-                name=MODEL, version=version, source_dir=source, created_by="demo_rollout", parent=stable
+                name=MODEL,
+                version=version,
+                source_dir=source,
+                created_by="demo_rollout",
+                parent=stable,
+                actor=ACTOR,
             )
             self._say(t0, f"registered {MODEL}:{version} ({note}); stable is {stable.version}")
         return good, bad
@@ -251,7 +257,7 @@ class Command(BaseCommand):
             return services.deployment_create(
                 model=Model.objects.get(name=MODEL),
                 version=version,
-                created_by="demo_rollout",
+                created_by=ACTOR,
                 steps=options["steps"],
                 bake_seconds=options["bake_seconds"],
                 thresholds=thresholds,
@@ -329,7 +335,7 @@ class Command(BaseCommand):
 
         deployment = selectors.deployment_get(deployment_id=deployment_id)
         if deployment is not None and deployment.is_in_flight:
-            services.deployment_rollback(deployment=deployment, actor="demo_rollout", reason="demo timed out")
+            services.deployment_rollback(deployment=deployment, actor=ACTOR, reason="demo timed out")
 
 
 def _figures(figures: dict[str, Any]) -> str:

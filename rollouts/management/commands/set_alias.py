@@ -1,6 +1,7 @@
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from audit import actors
 from registry.models import Alias, Model
 from registry.services import RegistryError, alias_set
 from rollouts.selectors import deployment_in_flight
@@ -35,7 +36,11 @@ class Command(BaseCommand):
             raise CommandError(f"{model.name} has a deployment in flight: its canary alias is the rollout's")
         try:
             alias_set(
-                model=model, name=options["alias"], version=version, actor="cli", reason=options["reason"]
+                model=model,
+                name=options["alias"],
+                version=version,
+                actor=actors.command(__name__),
+                reason=options["reason"],
             )
         except RegistryError as exc:
             raise CommandError(str(exc)) from None

@@ -1,6 +1,7 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from audit import actors
 from registry.models import Model
 from rollouts.scaling import scaling_bounds_clear, scaling_bounds_set
 
@@ -24,7 +25,7 @@ class Command(BaseCommand):
         if model is None:
             raise CommandError(f"unknown model {options['model']!r}")
         if options["clear"]:
-            scaling_bounds_clear(model=model)
+            scaling_bounds_clear(model=model, actor=actors.command(__name__))
             self.stdout.write(f"{model.name}: the autoscaler's defaults")
             return
         try:
@@ -32,6 +33,7 @@ class Command(BaseCommand):
                 model=model,
                 min_replicas=options["min_replicas"],  # type: ignore[arg-type]
                 max_replicas=options["max_replicas"],  # type: ignore[arg-type]
+                actor=actors.command(__name__),
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
