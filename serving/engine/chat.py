@@ -1,6 +1,6 @@
 """Chat messages to a prompt: the tokenizer's own chat template when it has one, else a plain default.
 
-The default, for models without a template (such as the demo model), is documented in the README:
+The default, for models without a template (such as the demo model), is documented in docs/api.md:
 each message as `<|role|>` on its own line followed by its content, then `<|assistant|>` to prompt
 the reply."""
 

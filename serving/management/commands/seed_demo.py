@@ -1,26 +1,31 @@
+import secrets
 import shutil
 from pathlib import Path
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandParser
-from django.db import transaction
-from django.utils import timezone
+from django.db import IntegrityError, transaction
 
+from audit import actors
 from registry.models import ApiKey, Model, Tenant
-from registry.services import api_key_create, model_version_register, tenant_create
+from registry.services import api_key_create, api_keys_revoke, model_version_register, tenant_create
 
 DEMO_MODEL = "demo-chat"
 DEMO_EMBEDDING_MODEL = "demo-embed"
 DEMO_CLASSIFIER_MODEL = "demo-classify"
 DEMO_TENANT = "demo"
 DEMO_KEY_NAME = "make-serve"
+ACTOR = actors.command(__name__)  # how the audit log names this command's changes
+STAFF_LOGIN = "admin"  # the dashboard's (and the admin's) first login
 
 
 class Command(BaseCommand):
     help = (
         "Make sure the demo models (demo-chat v1, the embedding model demo-embed v1 and the classifier "
-        "demo-classify v1, each stable, 100%) and the demo tenant exist, then issue a fresh demo API key "
-        "(revoking the one issued last time) and print it."
+        "demo-classify v1, each stable, 100%), the demo tenant and a staff login for the dashboard exist "
+        "(the login's password is printed once, when it is made), then issue a fresh demo API key "
+        "(revoking the one issued last time) and print it on the last line."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -46,19 +51,55 @@ class Command(BaseCommand):
                 max_concurrent_requests=128,
                 may_pin=True,
                 may_deploy=True,
+                actor=ACTOR,
             )
             self.stdout.write(
                 f"created tenant {DEMO_TENANT} (every model but other tenants' own; may pin; deploys its own)"
             )
+        self._ensure_staff_login()
         if options["no_key"]:
             return
         with transaction.atomic():
-            ApiKey.objects.filter(tenant=tenant, name=DEMO_KEY_NAME, revoked_at__isnull=True).update(
-                revoked_at=timezone.now()
+            api_keys_revoke(
+                api_keys=ApiKey.objects.filter(tenant=tenant, name=DEMO_KEY_NAME, revoked_at__isnull=True),
+                actor=ACTOR,
             )
-            _, raw_key = api_key_create(tenant=tenant, name=DEMO_KEY_NAME)
+            _, raw_key = api_key_create(tenant=tenant, name=DEMO_KEY_NAME, actor=ACTOR)
         self.stdout.write("demo API key (shown once; the previous demo key is now revoked):")
         self.stdout.write(raw_key)
+
+    def _ensure_staff_login(self) -> None:
+        """A superuser to sign in to /dashboard/ and /admin/ with. Its random password is printed when it
+        is made and never again: Django keeps only its hash, so a later run can only say how to set a
+        new one. An existing user of that name is left as it is, whatever it is."""
+        users = get_user_model()
+        reset = f".venv/bin/python manage.py changepassword {STAFF_LOGIN}"
+        existing = users.objects.filter(**{users.USERNAME_FIELD: STAFF_LOGIN}).first()
+        if existing is None:
+            password = secrets.token_urlsafe(12)
+            try:
+                with transaction.atomic():
+                    users.objects.create_superuser(STAFF_LOGIN, "", password)
+            except IntegrityError:  # another seed_demo made it meanwhile, and printed its password
+                existing = users.objects.get(**{users.USERNAME_FIELD: STAFF_LOGIN})
+            else:
+                self.stdout.write(
+                    "dashboard staff login (shown once; sign in at /dashboard/, "
+                    f"set a new password with `{reset}`):"
+                )
+                self.stdout.write(f"  username: {STAFF_LOGIN}")
+                self.stdout.write(f"  password: {password}")
+                return
+        if existing.is_active and existing.is_staff:
+            self.stdout.write(
+                f"dashboard staff login: {STAFF_LOGIN} exists (its password was shown when it was made; "
+                f"set a new one with `{reset}`)"
+            )
+        else:
+            self.stdout.write(
+                f"a user {STAFF_LOGIN} exists but is not active staff, so it cannot sign in to the "
+                "dashboard; make a login that can with `.venv/bin/python manage.py createsuperuser`"
+            )
 
     def _ensure_model(self, name: str, dir_name: str, builder: str, kind: str) -> None:
         """Register NAME v1, built with random weights under STATE_DIR by serving.engine.demo_model's
@@ -79,6 +120,6 @@ class Command(BaseCommand):
             shutil.rmtree(model_dir, ignore_errors=True)
             building.rename(model_dir)
         mv = model_version_register(
-            name=name, version="v1", source_dir=model_dir, kind=kind, created_by="seed_demo"
+            name=name, version="v1", source_dir=model_dir, kind=kind, created_by="seed_demo", actor=ACTOR
         )
         self.stdout.write(f"registered {name}:v1 sha256:{mv.sha256}")

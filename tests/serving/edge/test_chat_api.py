@@ -164,7 +164,7 @@ async def test_openai_parameters_as_its_clients_send_them(
 async def test_unsupported_fields_sent_as_null_read_as_absent(
     runtime: Any, make_tenant: Any, settings: Any
 ) -> None:
-    """The README: a parameter sent as null reads as absent, those we do not implement included; any
+    """docs/api.md: a parameter sent as null reads as absent, those we do not implement included; any
     other value of one is refused, as before."""
     settings.ALLOWED_HOSTS = ["localhost"]
     acme = await sync_to_async(make_tenant)("acme")
