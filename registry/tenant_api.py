@@ -16,6 +16,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from registry import snapshots
 from registry.bodies import Refused, read_body
 from registry.callers import caller_actor, staff_only
 from registry.models import ApiKey, Model, Quota, Tenant, is_valid_name
@@ -92,15 +93,8 @@ _REVOKED_SCHEMA = inline_serializer(
 
 
 def _quota(quota: Quota) -> dict[str, Any]:
-    return {
-        "requests_per_second": quota.requests_per_second,
-        "tokens_per_minute": quota.tokens_per_minute,
-        "max_concurrent_requests": quota.max_concurrent_requests,
-        "may_pin": quota.may_pin,
-        "may_deploy": quota.may_deploy,
-        "allowed_models": sorted(m.name for m in quota.allowed_models.all()),
-        "deployable_models": sorted(m.name for m in quota.deployable_models.all()),
-    }
+    """A quota as the API answers it: the fields the audit log keeps of it (registry/snapshots.py)."""
+    return dict(snapshots.quota(quota).fields)
 
 
 def _key(api_key: ApiKey) -> dict[str, Any]:
