@@ -194,6 +194,20 @@ class ApiKey(models.Model):
         return f"{self.prefix}… ({self.tenant.name})"
 
 
+class ServiceTier(models.TextChoices):
+    """OpenAI's service_tier values this platform serves, highest first (docs/api.md, "Service tiers"):
+    a replica admits waiting requests by tier, with aging, and preempts the lowest first."""
+
+    PRIORITY = "priority"
+    DEFAULT = "default"
+    FLEX = "flex"
+
+    @classmethod
+    def rank(cls, tier: str) -> int:
+        """0 for the highest tier: the order a replica's scheduler admits in."""
+        return [cls.PRIORITY, cls.DEFAULT, cls.FLEX].index(cls(tier))
+
+
 class Quota(models.Model):
     tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="quota")
     requests_per_second = models.FloatField(default=10.0, validators=[MinValueValidator(0.0)])
@@ -213,6 +227,33 @@ class Quota(models.Model):
         related_name="+",
         help_text="Platform models (no owner) it may roll out too, with may_deploy: a rollout moves the "
         "traffic of every tenant they serve, so each is an explicit grant.",
+    )
+    max_service_tier = models.CharField(
+        max_length=16,
+        choices=ServiceTier.choices,
+        default=ServiceTier.DEFAULT,
+        help_text="The highest service_tier its requests may ask for.",
+    )
+    ttft_objective_ms = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Its p99 time-to-first-token objective: a request the fleet cannot start in time is "
+        "refused at once with a Retry-After (empty: none).",
+    )
+    tpot_objective_ms = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Its time-per-output-token objective (empty: none)."
+    )
+    max_running_sequences = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="The most of its sequences one replica runs at once (empty: no cap of its own).",
+    )
+    kv_share = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.01), MaxValueValidator(1.0)],
+        help_text="The share of a replica's KV-cache blocks its sequences may hold (empty: no cap).",
     )
 
     def __str__(self) -> str:

@@ -30,6 +30,13 @@ class TenantContext:
     # The hash of the API key that authenticated it ("" for none): the gateway watches it for
     # revocation while the caller's streams run (serving/gateway/key_watch.py).
     api_key_hash: str = field(default="", compare=False)
+    # Service and latency policy (docs/architecture.md, "Service tiers and SLO admission"): the highest
+    # service_tier it may ask for, its TTFT and TPOT objectives, and its caps inside each replica.
+    max_service_tier: str = "default"
+    ttft_objective_ms: int | None = None
+    tpot_objective_ms: int | None = None
+    max_running_sequences: int | None = None
+    kv_share: float | None = None
 
     def may_use(self, model_name: str, *, owner_id: int | None) -> bool:
         """Its own model (Model.owner), and a model the quota names; with none named, any model but
@@ -160,6 +167,11 @@ def tenant_context(*, tenant: Tenant) -> TenantContext:
         may_pin=quota.may_pin,
         may_deploy=quota.may_deploy,
         deployable_model_names=deployable,
+        max_service_tier=quota.max_service_tier,
+        ttft_objective_ms=quota.ttft_objective_ms,
+        tpot_objective_ms=quota.tpot_objective_ms,
+        max_running_sequences=quota.max_running_sequences,
+        kv_share=quota.kv_share,
     )
 
 
