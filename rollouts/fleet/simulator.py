@@ -19,6 +19,7 @@ import random
 from collections import deque
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 from rollouts.fleet.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
 from serving.engine.kv_cache import KVCacheManager
@@ -27,6 +28,16 @@ from serving.engine.sequence import SamplingParams, Sequence
 from serving.engine.simulated import LatencyModel, SimulatedExecutor, SimulatedRequest
 from serving.gateway.router import choose_replica
 from serving.transport.replica_directory import RecentSteps
+
+
+class StepLatency(Protocol):
+    """A replica's forward pass on the virtual clock: serving.engine.simulated.LatencyModel, or a
+    capacity plan's roofline (rollouts.fleet.step_time_model.RooflineLatency)."""
+
+    def step_ms(self, output: SchedulerOutput) -> float: ...
+
+    def base_step_ms(self, context_tokens: int = 0) -> float: ...
+
 
 RateProfile = SequenceOf[tuple[float, float]]  # (from second, requests per second), in time order
 STALL_S = 3600.0  # virtual seconds after the last arrival with requests still unfinished: a bug, not a load
@@ -70,16 +81,68 @@ def poisson_arrivals(
     return requests
 
 
+def steady_arrivals(
+    rate: float,
+    duration_s: float,
+    *,
+    prompt_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+    vocab_size: int = 32_000,
+    seed: int = 0,
+) -> list[SimulatedRequest]:
+    """Poisson arrivals at one rate with uniform lengths, for loads of hundreds of thousands of
+    requests: each prompt's first two tokens number the request (no two share a prefix, so nothing is
+    served from the prefix cache) and the rest is one filler, so no token is drawn at random."""
+    if not (math.isfinite(rate) and rate > 0 and math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"need a rate and a duration > 0, got {rate!r} req/s over {duration_s!r} s")
+    rng = random.Random(seed)
+    filler = tuple(i % vocab_size for i in range(2, prompt_tokens[1] + 2))
+    requests: list[SimulatedRequest] = []
+    at = rng.expovariate(rate)
+    while at < duration_s:
+        n = len(requests)
+        head = (n // vocab_size % vocab_size, n % vocab_size)
+        length = rng.randint(*prompt_tokens)
+        prompt = head[-length:] + filler[: max(0, length - 2)]
+        requests.append(SimulatedRequest(f"req-{n}", at, prompt, rng.randint(*output_tokens)))
+        at += rng.expovariate(rate)
+    return requests
+
+
 @dataclass(frozen=True, slots=True)
 class FleetConfig:
     policy: ScalingPolicy
     scheduler: SchedulerConfig
     num_blocks: int  # KV blocks per replica
-    latency: LatencyModel = field(default_factory=LatencyModel)
+    latency: StepLatency = field(default_factory=LatencyModel)
     load_time_s: float = 30.0  # from the autoscaler's decision to a ready replica (start, load, warm up)
     tick_s: float = 5.0
     initial_replicas: int = 1
     ttft_sla_s: float = 1.0
+
+
+def sized_fleet(
+    policy: ScalingPolicy,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    num_blocks: int,
+    latency: StepLatency,
+    block_size: int = 16,
+    **fleet: float,
+) -> FleetConfig:
+    """A FleetConfig from plain numbers (a capacity plan's), the scheduler's other settings at their
+    defaults; `fleet`: FleetConfig's load_time_s, tick_s, initial_replicas, ttft_sla_s."""
+    scheduler = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=block_size,
+    )
+    scheduler.validate()
+    initial = int(fleet.pop("initial_replicas", 1))
+    return FleetConfig(policy, scheduler, num_blocks, latency, initial_replicas=initial, **fleet)
 
 
 @dataclass(slots=True)
@@ -116,7 +179,8 @@ class _Replica:
         self.is_draining = False
         self.kv = KVCacheManager(config.num_blocks, config.scheduler.block_size, salt_secret=b"fleet")
         self.scheduler = Scheduler(config.scheduler, self.kv, clock=lambda: clock[0])
-        self.executor = SimulatedExecutor(config.latency, seed=seed)
+        # The executor only asks its latency model for step_ms(output): any StepLatency does.
+        self.executor = SimulatedExecutor(cast(LatencyModel, config.latency), seed=seed)
         # output, its tokens, when it started and when it ends
         self.step: tuple[SchedulerOutput, dict[str, int], float, float] | None = None
         self.recent_steps = RecentSteps(since=self.ready_at)

@@ -32,21 +32,37 @@ _POLICY_FLAGS: dict[str, type] = {
 }
 
 
+# `simulate fleet`'s defaults for the flags `simulate plan` shares (a plan's come from its preset).
+_FLEET_DEFAULTS = {
+    "rate": "0:2,120:16,300:2",
+    "duration": 420.0,
+    "prompt_tokens": "64-512",
+    "output_tokens": "64-256",
+}
+
+
 class Command(BaseCommand):
     help = (
         "Simulate a fleet on a virtual clock (rollouts/fleet/simulator.py): the real scheduler and KV cache "
         "in every replica with a latency model for the forward pass, the router's replica choice, and the "
         "autoscaler's policy (SWITCHYARD_AUTOSCALER_*, or the flags) under a load that changes. "
-        "`--compare-static N` runs the same requests on N replicas that never scale, and prints the ratios."
+        "`--compare-static N` runs the same requests on N replicas that never scale, and prints the ratios. "
+        "`simulate plan` sizes a fleet for a model, an accelerator, a load and latency objectives "
+        "(docs/capacity.md), and runs the plan through the same simulator."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("what", choices=["fleet"])
-        parser.add_argument("--rate", default="0:2,120:16,300:2", help="FROM_S:REQUESTS_PER_S,… (Poisson)")
-        parser.add_argument("--duration", type=float, default=420.0, help="seconds of arrivals")
-        parser.add_argument("--prompt-tokens", default="64-512")
-        parser.add_argument("--output-tokens", default="64-256")
+        parser.add_argument("what", choices=["fleet", "plan"])
+        parser.add_argument(
+            "--rate", default=None, help="fleet: FROM_S:REQUESTS_PER_S,… (Poisson); plan: requests a second"
+        )
+        parser.add_argument(
+            "--duration", type=float, default=None, help="seconds of arrivals (fleet 420, plan 600; 0: none)"
+        )
+        parser.add_argument("--prompt-tokens", default=None, help="N or LOW-HIGH (fleet: 64-512)")
+        parser.add_argument("--output-tokens", default=None, help="N or LOW-HIGH (fleet: 64-256)")
         parser.add_argument("--seed", type=int, default=0)
+        _add_plan_arguments(parser)
         policy = parser.add_argument_group("the autoscaler (defaults: the settings)")
         for name, kind in _POLICY_FLAGS.items():
             policy.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
@@ -68,6 +84,10 @@ class Command(BaseCommand):
         parser.add_argument("--compare-static", type=int, default=None, metavar="N")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["what"] == "plan":
+            self._plan(options)
+            return
+        options.update({k: v for k, v in _FLEET_DEFAULTS.items() if options[k] is None})
         from rollouts.fleet.autoscaler import ScalingPolicy
         from rollouts.fleet.simulator import FleetConfig, parse_rate_profile, poisson_arrivals, simulate_fleet
         from serving.engine.scheduler import SchedulerConfig
@@ -154,3 +174,88 @@ class Command(BaseCommand):
             f"{ms(report.tpot_s, 99):.1f} ms; TTFT within {report.ttft_sla_s * 1000:.0f} ms: "
             f"{report.sla_attainment:.1%}; replica-seconds {report.replica_seconds:.0f}"
         )
+
+    def _plan(self, options: dict[str, Any]) -> None:
+        from rollouts.fleet.capacity_plan import plan_capacity  # deferred: a command loads what it runs
+        from rollouts.fleet.plan_inputs import PlanOverrides, resolve
+        from rollouts.fleet.plan_report import plan_lines, simulation_lines
+        from rollouts.fleet.plan_simulation import SimulationSettings, simulate_plan
+
+        try:
+            given = PlanOverrides(
+                **{name: options[name] for name in _PLAN_FLAGS},
+                rate=_rate(options["rate"]),
+                prompt_tokens=_range(options["prompt_tokens"]) if options["prompt_tokens"] else None,
+                output_tokens=_range(options["output_tokens"]) if options["output_tokens"] else None,
+            )
+            scenario = resolve(options["preset"], given)
+            plan = plan_capacity(
+                scenario.model,
+                scenario.accelerator,
+                scenario.workload,
+                scenario.objectives,
+                reserve_gb=options["reserve_gb"],
+                block_size=options["block_size"],
+            )
+            duration = 600.0 if options["duration"] is None else options["duration"]
+            sim_settings = (
+                SimulationSettings(
+                    duration_s=duration,
+                    sample_replicas=options["sample_replicas"],
+                    load_time_s=options["load_time"],
+                    tick_s=options["tick"] or float(settings.AUTOSCALER_INTERVAL_S),
+                    warmup_s=min(60.0, duration / 4),
+                    seed=options["seed"],
+                )
+                if duration > 0
+                else None
+            )
+        except (TypeError, ValueError) as exc:
+            raise CommandError(str(exc)) from None
+        for line in plan_lines(plan):
+            self.stdout.write(line)
+        if sim_settings is not None:
+            for line in simulation_lines(plan, simulate_plan(plan, sim_settings), sim_settings):
+                self.stdout.write(line)
+
+
+def _rate(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"a plan's --rate is one rate in requests a second, got {text!r}") from None
+
+
+def parameter_count(text: str) -> float:
+    """'13e9', '13B', '350M' -> a number."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}.get(text[-1:].lower(), 1.0)
+    return float(text[:-1] if scale != 1.0 else text) * scale
+
+
+# PlanOverrides' fields that a flag of the same name sets, with their types.
+_PLAN_FLAGS: dict[str, Any] = {
+    "model_name": str,
+    "params": parameter_count,
+    **dict.fromkeys(("layers", "hidden", "kv_heads", "head_dim", "max_context"), int),
+    **dict.fromkeys(("kv_bytes_per_token", "dtype_bytes"), float),
+    "accelerator": str,
+    **dict.fromkeys(("memory_gb", "bandwidth_gb_s", "tflops", "usd_per_hour"), float),
+    **dict.fromkeys(("p99_ttft_ms", "tpot_ms", "utilisation"), float),
+}
+
+
+def _add_plan_arguments(parser: CommandParser) -> None:
+    plan = parser.add_argument_group(
+        "a capacity plan (`simulate plan`): a --preset, or the model's, accelerator's, load's and "
+        "objectives' figures, or a preset with some of them changed"
+    )
+    plan.add_argument("--preset", default=None, help="a named scenario: 13b-a100")
+    for name, kind in _PLAN_FLAGS.items():
+        plan.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    plan.add_argument("--reserve-gb", type=float, default=1.0, help="memory kept for activations (GB)")
+    plan.add_argument("--block-size", type=int, default=16, help="tokens a KV block")
+    plan.add_argument(
+        "--sample-replicas", type=int, default=8, help="replicas simulated, with their share of the rate"
+    )
