@@ -321,6 +321,9 @@ _tenant_running = os.environ.get("SWITCHYARD_MAX_RUNNING_PER_TENANT", "").strip(
 REPLICA_MAX_RUNNING_PER_TENANT = int(_tenant_running) if _tenant_running else None
 _tenant_kv = os.environ.get("SWITCHYARD_MAX_KV_SHARE_PER_TENANT", "").strip()
 REPLICA_MAX_KV_SHARE_PER_TENANT = float(_tenant_kv) if _tenant_kv else None  # a share of the KV blocks
+# A waiting flex request is promoted to the default tier after this many seconds (0: never), and then
+# competes with default ones by age (serving/engine/tiers.py). Tenants' quota caps override the two above.
+REPLICA_TIER_AGING_S = float(os.environ.get("SWITCHYARD_REPLICA_TIER_AGING_S", "10"))
 if REPLICA_MAX_KV_SHARE_PER_TENANT is not None and not 0 < REPLICA_MAX_KV_SHARE_PER_TENANT <= 1:
     from django.core.exceptions import ImproperlyConfigured
 

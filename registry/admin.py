@@ -12,7 +12,7 @@ from django.db import transaction
 
 from audit import actors
 from audit.log import Action, Snapshot, record
-from registry import snapshots
+from registry import quotas, snapshots
 from registry.models import (
     Alias,
     AliasEvent,
@@ -171,9 +171,51 @@ class RoutingTableAdmin(MovesRoutingRevision):  # its mirror (a shadow deploymen
             obj.save(update_fields=[*fields, "updated_at"])
 
 
+class QuotaForm(forms.ModelForm):  # type: ignore[type-arg]
+    """A quota's settings keep the rules the services apply (registry.quotas), each refusal shown at its
+    field: the same values are refused here as by the API and the commands."""
+
+    class Meta:
+        model = Quota
+        fields = (*quotas.SETTINGS, "allowed_models", "deployable_models")
+        labels = {
+            "max_service_tier": "Highest service tier",
+            "ttft_objective_ms": "TTFT objective (p99, ms)",
+            "tpot_objective_ms": "TPOT objective (ms)",
+            "max_running_sequences": "Running sequences per replica",
+            "kv_share": "KV-cache share per replica",
+        }
+
+    def clean(self):  # type: ignore[no-untyped-def]
+        cleaned = super().clean()
+        for name in quotas.SETTINGS:
+            if name in cleaned and name not in self.errors:
+                problem = quotas.problem(name, cleaned[name])
+                if problem is not None:
+                    self.add_error(name, problem)
+        return cleaned
+
+
 class QuotaInline(admin.StackedInline):
     model = Quota
+    form = QuotaForm
     can_delete = False
+    fieldsets = (
+        (None, {"fields": ("requests_per_second", "tokens_per_minute", "max_concurrent_requests")}),
+        ("Models", {"fields": ("allowed_models", "may_pin", "may_deploy", "deployable_models")}),
+        (
+            "Service tier and latency objectives",
+            {"fields": ("max_service_tier", "ttft_objective_ms", "tpot_objective_ms")},
+        ),
+        (
+            "Caps inside each replica",
+            {
+                "fields": ("max_running_sequences", "kv_share"),
+                "description": "Empty: the replica's own SWITCHYARD_MAX_RUNNING_PER_TENANT and "
+                "SWITCHYARD_MAX_KV_SHARE_PER_TENANT apply, if set.",
+            },
+        ),
+    )
 
 
 @admin.register(Tenant)

@@ -237,11 +237,15 @@ class Quota(models.Model):
     ttft_objective_ms = models.PositiveIntegerField(
         null=True,
         blank=True,
+        validators=[MinValueValidator(1)],  # 0 ms: no request could ever start in time
         help_text="Its p99 time-to-first-token objective: a request the fleet cannot start in time is "
         "refused at once with a Retry-After (empty: none).",
     )
     tpot_objective_ms = models.PositiveIntegerField(
-        null=True, blank=True, help_text="Its time-per-output-token objective (empty: none)."
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Its time-per-output-token objective (empty: none).",
     )
     max_running_sequences = models.PositiveIntegerField(
         null=True,

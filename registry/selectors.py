@@ -30,8 +30,8 @@ class TenantContext:
     # The hash of the API key that authenticated it ("" for none): the gateway watches it for
     # revocation while the caller's streams run (serving/gateway/key_watch.py).
     api_key_hash: str = field(default="", compare=False)
-    # Service and latency policy (docs/architecture.md, "Service tiers and SLO admission"): the highest
-    # service_tier it may ask for, its TTFT and TPOT objectives, and its caps inside each replica.
+    # Service and latency policy (docs/architecture.md, "Service tiers" and "SLO-aware admission"): the
+    # highest service_tier it may ask for, its TTFT and TPOT objectives, and its caps inside each replica.
     max_service_tier: str = "default"
     ttft_objective_ms: int | None = None
     tpot_objective_ms: int | None = None

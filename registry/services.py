@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from django.utils import timezone
 
 from audit import actors
 from audit.log import Action, record
-from registry import artifacts, snapshots
+from registry import artifacts, quotas, snapshots
 from registry.chat_template import check_chat_template
 from registry.models import (
     Alias,
@@ -36,9 +35,11 @@ from registry.models import (
     Quota,
     RoutingEntry,
     RoutingTable,
+    ServiceTier,
     Tenant,
     is_valid_name,
 )
+from registry.quotas import KEEP, QuotaChange
 
 logger = logging.getLogger(__name__)
 
@@ -303,27 +304,41 @@ def tenant_create(
     may_pin: bool = False,
     may_deploy: bool = False,
     deployable_models: Iterable[Model] = (),
+    max_service_tier: str = ServiceTier.DEFAULT,
+    ttft_objective_ms: int | None = None,
+    tpot_objective_ms: int | None = None,
+    max_running_sequences: int | None = None,
+    kv_share: float | None = None,
     actor: str = actors.SYSTEM,
 ) -> Tenant:
+    """A tenant with its quota; the quota's settings keep registry.quotas' rules (None: no objective, no
+    cap of its own)."""
     try:
         Tenant._meta.get_field("name").run_validators(name)
     except Exception as exc:
         raise RegistryError(
             f"invalid tenant name {name!r}: {' '.join(getattr(exc, 'messages', []))}"
         ) from None
+    settings = {
+        "requests_per_second": requests_per_second,
+        "tokens_per_minute": tokens_per_minute,
+        "max_concurrent_requests": max_concurrent_requests,
+        "may_pin": may_pin,
+        "may_deploy": may_deploy,
+        "max_service_tier": max_service_tier,
+        "ttft_objective_ms": ttft_objective_ms,
+        "tpot_objective_ms": tpot_objective_ms,
+        "max_running_sequences": max_running_sequences,
+        "kv_share": kv_share,
+    }
+    if (problem := quotas.first_problem(settings)) is not None:
+        raise RegistryError(problem)
     try:
         with transaction.atomic():
             tenant = Tenant.objects.create(name=name)
     except IntegrityError:
         raise AlreadyExists(f"tenant {name} already exists") from None
-    quota = Quota.objects.create(
-        tenant=tenant,
-        requests_per_second=requests_per_second,
-        tokens_per_minute=tokens_per_minute,
-        max_concurrent_requests=max_concurrent_requests,
-        may_pin=may_pin,
-        may_deploy=may_deploy,
-    )
+    quota = Quota.objects.create(tenant=tenant, **settings)
     quota.allowed_models.set(list(allowed_models))
     quota.deployable_models.set(list(deployable_models))
     record(actor=actor, action=Action.CREATE, before=None, after=snapshots.tenant(tenant))
@@ -331,49 +346,22 @@ def tenant_create(
     return tenant
 
 
-QUOTA_LIMITS = (
-    "requests_per_second",
-    "tokens_per_minute",
-    "max_concurrent_requests",
-    "may_pin",
-    "may_deploy",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class QuotaChange:
-    """What to change of a tenant's quota: None keeps a field as it is."""
-
-    requests_per_second: float | None = None
-    tokens_per_minute: int | None = None
-    max_concurrent_requests: int | None = None
-    may_pin: bool | None = None
-    may_deploy: bool | None = None
-    allowed_models: tuple[Model, ...] | None = None
-    deployable_models: tuple[Model, ...] | None = None
-
-
 @transaction.atomic
 def quota_set(*, tenant: Tenant, change: QuotaChange, actor: str) -> Quota:
-    """Change a tenant's quota (made with the defaults if it has none). Gateways apply it once their
-    cached copy of the tenant's key expires, within seconds."""
-    rate = change.requests_per_second
-    if rate is not None and not 0 <= rate < float("inf"):
-        raise RegistryError(f"requests_per_second must be a number from 0, got {rate!r}")
-    for field in ("tokens_per_minute", "max_concurrent_requests"):
-        value = getattr(change, field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise RegistryError(f"{field} must be a whole number from 0, got {value!r}")
+    """Change a tenant's quota (made with the defaults if it has none), or refuse the whole change when
+    one of its values breaks registry.quotas' rules. Gateways apply it once their cached copy of the
+    tenant's key expires, within seconds."""
+    if (problem := change.problem()) is not None:
+        raise RegistryError(problem)
     quota = Quota.objects.select_for_update().filter(tenant=tenant).first()
     before = snapshots.quota(quota) if quota is not None else None
     quota = quota or Quota(tenant=tenant)
-    for field in QUOTA_LIMITS:
-        if getattr(change, field) is not None:
-            setattr(quota, field, getattr(change, field))
+    for field, value in change.settings().items():
+        setattr(quota, field, value)
     quota.save()
-    if change.allowed_models is not None:
+    if change.allowed_models is not KEEP:
         quota.allowed_models.set(change.allowed_models)
-    if change.deployable_models is not None:
+    if change.deployable_models is not KEEP:
         quota.deployable_models.set(change.deployable_models)
     action = Action.CREATE if before is None else Action.UPDATE
     record(actor=actor, action=action, before=before, after=snapshots.quota(quota))

@@ -19,7 +19,7 @@ from rest_framework.views import APIView
 from registry import snapshots
 from registry.bodies import Refused, read_body
 from registry.callers import caller_actor, staff_only
-from registry.models import ApiKey, Model, Quota, Tenant, is_valid_name
+from registry.models import ApiKey, Model, Quota, ServiceTier, Tenant, is_valid_name
 from registry.services import (
     AlreadyExists,
     QuotaChange,
@@ -40,6 +40,40 @@ class QuotaFields(serializers.Serializer):  # type: ignore[type-arg]
     max_concurrent_requests = serializers.IntegerField(min_value=0, max_value=MAX_INT, required=False)
     may_pin = serializers.BooleanField(required=False)
     may_deploy = serializers.BooleanField(required=False)
+    max_service_tier = serializers.ChoiceField(
+        choices=ServiceTier.values,
+        required=False,
+        help_text="The highest service_tier its requests may ask for (default: default).",
+    )
+    ttft_objective_ms = serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_INT,
+        required=False,
+        allow_null=True,
+        help_text="Its p99 time-to-first-token objective, in ms; null: none.",
+    )
+    tpot_objective_ms = serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_INT,
+        required=False,
+        allow_null=True,
+        help_text="Its time-per-output-token objective, in ms; null: none.",
+    )
+    max_running_sequences = serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_INT,
+        required=False,
+        allow_null=True,
+        help_text="The most of its sequences one replica runs at once; null: the replica's default.",
+    )
+    kv_share = serializers.FloatField(
+        min_value=0.01,
+        max_value=1,
+        required=False,
+        allow_null=True,
+        help_text="The share of a replica's KV-cache blocks its sequences may hold; null: the replica's "
+        "default.",
+    )
     allowed_models = serializers.ListField(
         child=serializers.CharField(max_length=63),
         required=False,
@@ -68,6 +102,11 @@ _QUOTA_SCHEMA = inline_serializer(
         "max_concurrent_requests": serializers.IntegerField(),
         "may_pin": serializers.BooleanField(),
         "may_deploy": serializers.BooleanField(),
+        "max_service_tier": serializers.ChoiceField(choices=ServiceTier.values),
+        "ttft_objective_ms": serializers.IntegerField(allow_null=True),
+        "tpot_objective_ms": serializers.IntegerField(allow_null=True),
+        "max_running_sequences": serializers.IntegerField(allow_null=True),
+        "kv_share": serializers.FloatField(allow_null=True),
         "allowed_models": serializers.ListField(child=serializers.CharField()),
         "deployable_models": serializers.ListField(child=serializers.CharField()),
     },
@@ -152,16 +191,16 @@ class TenantListView(APIView):
 
 class QuotaView(APIView):
     # A comment, not a docstring: drf-spectacular would publish it as the operation's description.
-    # PATCH: the fields given change, the others stay; a tenant made without a quota gets one.
+    # PATCH: the fields given change, the others stay (null empties an objective or a cap); a tenant
+    # made without a quota gets one.
     @extend_schema(operation_id="tenants_quota_update", request=QuotaFields, responses=_QUOTA_SCHEMA)
     def patch(self, request: Request, tenant: str) -> Response:
         found = _tenant(request, tenant)
         body = read_body(request, QuotaFields)
-        change = QuotaChange(
-            **{k: v for k, v in body.items() if k not in ("allowed_models", "deployable_models")},
-            allowed_models=_models(body.get("allowed_models")),
-            deployable_models=_models(body.get("deployable_models")),
-        )
+        lists: dict[str, Any] = {
+            k: _models(body.pop(k)) for k in ("allowed_models", "deployable_models") if k in body
+        }
+        change = QuotaChange(**body, **lists)  # null: no objective, no cap of its own
         try:
             quota = quota_set(tenant=found, change=change, actor=caller_actor(request))
         except RegistryError as exc:

@@ -53,8 +53,7 @@ class _ColdStart:
     num_waiting: int = 0
 
 
-def _local_handle(replica: Replica, *, with_step_time: bool = False) -> ReplicaHandle:
-    """`with_step_time`: for the dashboard; routing, on every request's way, has no use for it."""
+def _local_handle(replica: Replica) -> ReplicaHandle:
     report = replica.load_report
     return ReplicaHandle(
         replica_id=replica.replica_id,
@@ -69,7 +68,10 @@ def _local_handle(replica: Replica, *, with_step_time: bool = False) -> ReplicaH
         # Counted as the heartbeat counts it: arrivals not yet handed to the engine wait too.
         queue_depth=replica.load - report.num_running,
         num_running=report.num_running,
-        step_s=report.recent_steps.read(time.monotonic()).mean_s if with_step_time else 0.0,
+        step_s=report.recent_steps.read(time.monotonic()).mean_s,  # the TTFT forecast's, and the dashboard's
+        base_step_s=report.base_step_s,
+        queued_prompt_tokens=report.queued_prompt_tokens,
+        prefill_tokens_per_s=report.prefill_rate.per_s,
     )
 
 
@@ -88,6 +90,9 @@ def _remote_handle(beat: Heartbeat) -> ReplicaHandle:
         num_running=beat.num_running,
         step_s=beat.step_s,
         is_fresh=beat.is_fresh,
+        base_step_s=beat.base_step_s,
+        queued_prompt_tokens=beat.queued_prompt_tokens,
+        prefill_tokens_per_s=beat.prefill_tokens_per_s,
     )
 
 
@@ -283,10 +288,7 @@ class Runtime:
 
     def local_replicas(self) -> list[ReplicaHandle]:
         """This process's replicas, draining ones included."""
-        return [
-            _local_handle(r, with_step_time=True)
-            for r in (*self.replicas.values(), *self.supervisor.draining.values())
-        ]
+        return [_local_handle(r) for r in (*self.replicas.values(), *self.supervisor.draining.values())]
 
     async def all_replicas(self) -> list[ReplicaHandle]:
         """Every replica: this process's (for /readyz and the dashboard), and with Redis the fresh

@@ -29,11 +29,11 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='quota',
             name='tpot_objective_ms',
-            field=models.PositiveIntegerField(blank=True, help_text='Its time-per-output-token objective (empty: none).', null=True),
+            field=models.PositiveIntegerField(blank=True, help_text='Its time-per-output-token objective (empty: none).', null=True, validators=[django.core.validators.MinValueValidator(1)]),
         ),
         migrations.AddField(
             model_name='quota',
             name='ttft_objective_ms',
-            field=models.PositiveIntegerField(blank=True, help_text='Its p99 time-to-first-token objective: a request the fleet cannot start in time is refused at once with a Retry-After (empty: none).', null=True),
+            field=models.PositiveIntegerField(blank=True, help_text='Its p99 time-to-first-token objective: a request the fleet cannot start in time is refused at once with a Retry-After (empty: none).', null=True, validators=[django.core.validators.MinValueValidator(1)]),
         ),
     ]

@@ -18,6 +18,7 @@ from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest
 from serving.gateway.results import collect, collect_vectors
 from serving.gateway.router import split_model_name
+from serving.gateway.service_tiers import grant_tier
 from serving.throttle import Throttle
 from serving.transport.vectors import decode_vector
 
@@ -51,6 +52,7 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
         if snapshot.kind == Model.Kind.EMBEDDING:
             raise GatewayError(400, f"model {model!r} is an embedding model: use POST /v1/embeddings")
         body = parse_infer(parse_json_body(request))
+        service_tier = grant_tier(context, body.service_tier)
         handle = await dispatch(
             context=context,
             path_model=model,
@@ -58,6 +60,7 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
             params=body.sampling_params(),
             text=body.input,
             snapshot=snapshot,
+            service_tier=service_tier,
         )
     except GatewayError as exc:
         return _gateway_error(exc)
@@ -77,6 +80,7 @@ async def infer(request: HttpRequest, model: str) -> HttpResponse:
             "finish_reason": final.get("finish_reason"),
             "usage": final.get("usage", {}),
             "timings": final.get("timings", {}),
+            "service_tier": service_tier,
         },
         headers=handle.response_headers(),
     )

@@ -36,6 +36,7 @@ from serving.gateway.dispatch import authenticate, dispatch, dispatch_choices, p
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest, close_all
 from serving.gateway.results import collect, collect_vectors
+from serving.gateway.service_tiers import grant_tier
 
 
 async def _stream(
@@ -153,14 +154,16 @@ async def _serve(
             request.headers.get("Authorization"), client=request.META.get("REMOTE_ADDR")
         )
         model, sampling, include_usage, payload = parse(parse_json_body(request))
-        params = {k: v for k, v in sampling.items() if k not in ("stream", "n")}
+        params = {k: v for k, v in sampling.items() if k not in ("stream", "n", "service_tier")}
         params["stop"] = list(params["stop"])
+        service_tier = grant_tier(context, sampling["service_tier"])
         handles = await dispatch_choices(
             sampling["n"],
             context=context,
             path_model=model,
             pin=request.headers.get("X-Version-Pin"),
             params=params,
+            service_tier=service_tier,
             **{payload_name: payload},
         )
     except GatewayError as exc:
@@ -170,6 +173,7 @@ async def _serve(
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": f"{handle.model_name}:{handle.version}",
+        "service_tier": service_tier,  # echoed, as OpenAI does, in every chunk and the whole response
         "request_id": handle.request_id,
     }
     chunk = make_chunk(base)

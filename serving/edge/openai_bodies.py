@@ -16,16 +16,17 @@ from serving.edge.request_bodies import (
     parse_text_inputs,
 )
 from serving.gateway.errors import GatewayError
+from serving.gateway.service_tiers import parse_service_tier
 from serving.transport.protocol import MAX_LOGPROBS
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 
 
 # Accepted and ignored: they do not change what we generate.
-_IGNORED = frozenset({"user", "stream_options", "service_tier", "store", "metadata"})
+_IGNORED = frozenset({"user", "stream_options", "store", "metadata"})
 
 
-_COMMON = SAMPLING_FIELDS | {"model", "n"}
+_COMMON = SAMPLING_FIELDS | {"model", "n", "service_tier"}
 
 
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "logprobs"}
@@ -79,6 +80,7 @@ def _common(
     include_usage = wants_stream_usage(body)
     sampling = parse_sampling(body, default_max_tokens=default_max_tokens)
     sampling["n"] = n or 1
+    sampling["service_tier"] = parse_service_tier(body.get("service_tier"))  # granted by the caller
     return model, sampling, include_usage
 
 

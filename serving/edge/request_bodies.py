@@ -14,6 +14,7 @@ from django.http import HttpRequest
 
 from registry.parsers import refuse_lone_surrogates
 from serving.gateway.errors import GatewayError
+from serving.gateway.service_tiers import parse_service_tier
 from serving.transport.protocol import MAX_LOGIT_BIAS
 
 MAX_STOP_SEQUENCES = 4
@@ -32,6 +33,7 @@ class InferRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: list[list[int | float]] = field(default_factory=list)
+    service_tier: str | None = None  # as asked; granted by the caller (serving/gateway/service_tiers.py)
 
     def sampling_params(self) -> dict[str, Any]:
         """The fields a replica turns into engine SamplingParams (a plain dict: it crosses the layer);
@@ -204,7 +206,7 @@ SAMPLING_FIELDS = frozenset(
         "logit_bias",
     }
 )
-INFER_FIELDS = SAMPLING_FIELDS | {"input"}
+INFER_FIELDS = SAMPLING_FIELDS | {"input", "service_tier"}
 
 
 def parse_infer(body: dict[str, Any]) -> InferRequest:
@@ -216,7 +218,8 @@ def parse_infer(body: dict[str, Any]) -> InferRequest:
         raise GatewayError(400, "input must be a non-empty string")
     if len(text) > settings.MAX_INPUT_CHARS:
         raise GatewayError(400, f"input is {len(text)} characters; the limit is {settings.MAX_INPUT_CHARS}")
-    return InferRequest(input=text, **parse_sampling(body))
+    tier = parse_service_tier(body.get("service_tier"))
+    return InferRequest(input=text, service_tier=tier, **parse_sampling(body))
 
 
 MAX_TEXT_INPUTS = 2048  # texts in one request to a non-generative model, as the OpenAI API's embeddings

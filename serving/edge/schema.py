@@ -44,6 +44,12 @@ _SAMPLING = {
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         "maxProperties": 300,
     },
+    "service_tier": {
+        "type": "string",
+        "enum": ["auto", "default", "flex", "priority"],
+        "nullable": True,
+        "description": "the tier a replica admits it at, up to the tenant's quota (auto: default); echoed",
+    },
 }
 _GENERATE = {
     "type": "object",

@@ -32,6 +32,7 @@ from serving.edge.request_bodies import InferRequest, loads_json, parse_infer
 from serving.gateway.dispatch import authenticate, dispatch
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest, close_all
+from serving.gateway.service_tiers import grant_tier
 from serving.transport.protocol import KEY_REVOKED, SLOW_READER, SLOW_READER_MESSAGE
 
 logger = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                 pin=(pin or "").strip() or self._header(b"x-version-pin"),  # a blank one names none
                 params=request.sampling_params(),
                 text=request.input,
+                service_tier=grant_tier(self.context, request.service_tier),
             )
         except GatewayError as exc:
             await self._error(exc)
@@ -232,7 +234,9 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
                     if event.get("error", {}).get("type") == KEY_REVOKED:  # as a key refused at the handshake
                         await self._close(CLOSE_UNAUTHENTICATED)
                 else:
-                    await self.send_json({"type": "done", "version": handle.version, **event})
+                    tier = handle.response_headers()["X-Service-Tier"]  # as granted, echoed
+                    done = {"type": "done", "version": handle.version, "service_tier": tier}
+                    await self.send_json({**done, **event})
         except Exception:  # in this task nobody else would see it, and the client would wait for ever
             logger.exception("request %s: its WebSocket stream failed", handle.request_id)
             if not self.has_ended:

@@ -1,7 +1,9 @@
-"""Admission: who waits and who runs. The per-tenant waiting queues, the running set, and the policy
-that moves sequences between them: admission least-served tenant first (fairness.py) under per-tenant
-caps and a watermark of free blocks, and preemption (recompute) when a running sequence needs a block
-that is not there. The scheduler (scheduler.py) builds each step on top of it."""
+"""Admission: who waits and who runs. The waiting queues (one per tenant and service tier), the running
+set, and the policy that moves sequences between them: admission by tier with aging, then least-served
+tenant first (fairness.py, tiers.py), under per-tenant caps (each tenant's own from its quota, else the
+replica's) and a watermark of free blocks; displacement of lower tiers by a waiting priority one; and
+preemption (recompute), lowest tier first, when a running sequence needs a block that is not there. The
+scheduler (scheduler.py) builds each step on top of it."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ from collections.abc import Callable, KeysView
 
 from serving.engine.fairness import VirtualTokenCounter
 from serving.engine.kv_cache import KVCacheManager
-from serving.engine.sequence import Sequence, SequenceStatus
+from serving.engine.sequence import PRIORITY_TIER, Sequence, SequenceStatus, TenantLimits
+from serving.engine.tiers import effective_tier, lowest_tier_victim
+
+QueueKey = tuple[str, int]  # (tenant, tier)
 
 
 class Admission:
@@ -27,6 +32,7 @@ class Admission:
         max_blocks_per_tenant: int | None,
         is_chunked_prefill_enabled: bool,
         num_watermark_blocks: int,
+        tier_aging_s: float = 0.0,
     ) -> None:
         self.kv_cache = kv_cache
         self.vtc = vtc
@@ -36,35 +42,72 @@ class Admission:
         self.max_blocks_per_tenant = max_blocks_per_tenant
         self.is_chunked_prefill_enabled = is_chunked_prefill_enabled
         self._num_watermark_blocks = num_watermark_blocks
-        self.running: dict[str, Sequence] = {}  # in admission order: the last is preempted first
-        self._waiting_by_tenant: dict[str, collections.deque[Sequence]] = {}  # FIFO each; never empty
+        self.tier_aging_s = tier_aging_s
+        self.running: dict[str, Sequence] = {}  # in admission order: the last of a tier is preempted first
+        self._waiting: dict[QueueKey, collections.deque[Sequence]] = {}  # FIFO each; never empty
+        self._tenant_to_num_waiting: collections.Counter[str] = collections.Counter()
         self.num_waiting = 0
         self._tenant_to_num_running: dict[str, int] = {}
+        # Each tenant's caps as its latest sequence brought them (its quota, read by the gateway).
+        self._tenant_to_limits: dict[str, TenantLimits] = {}
         self.num_preemptions = 0
+        self.num_displaced = 0  # running sequences preempted for a waiting higher tier
 
     # --- in and out of the queues -----------------------------------------------------------------
 
     def enqueue(self, seq: Sequence, *, is_preempted: bool) -> None:
         tenant = seq.tenant_id
-        queue = self._waiting_by_tenant.get(tenant)
-        if queue is None:
-            if not is_preempted and not self._tenant_to_num_running.get(tenant):
-                # Back from idle (a preempted sequence's tenant never left): no credit for the idle time.
-                self.vtc.lift(tenant, active_tenant_ids=self._active_tenant_ids())
-            queue = self._waiting_by_tenant[tenant] = collections.deque()
+        if seq.limits is not None:
+            self._tenant_to_limits[tenant] = seq.limits
+        if seq.enqueued_time is None:
+            seq.enqueued_time = self._clock()
+        is_idle = not self._tenant_to_num_waiting[tenant] and not self._tenant_to_num_running.get(tenant)
+        if is_idle and not is_preempted:
+            # Back from idle (a preempted sequence's tenant never left): no credit for the idle time.
+            self.vtc.lift(tenant, active_tenant_ids=self._active_tenant_ids())
+        queue = self._waiting.setdefault((tenant, seq.tier), collections.deque())
         if is_preempted:
-            queue.appendleft(seq)  # it was admitted before everything still waiting
+            queue.appendleft(seq)  # it was admitted before everything still waiting of its tier
         else:
             queue.append(seq)
+        self._tenant_to_num_waiting[tenant] += 1
         self.num_waiting += 1
 
     def remove_waiting(self, seq: Sequence) -> None:
-        queue = self._waiting_by_tenant[seq.tenant_id]
+        key = (seq.tenant_id, seq.tier)
+        queue = self._waiting[key]
         # By identity: Sequence equality compares every field.
         del queue[next(i for i, queued in enumerate(queue) if queued is seq)]
-        if not queue:
-            del self._waiting_by_tenant[seq.tenant_id]
+        self._dequeued(key, seq)
+
+    def _dequeued(self, key: QueueKey, seq: Sequence) -> None:
+        if not self._waiting[key]:
+            del self._waiting[key]
+        self._tenant_to_num_waiting[seq.tenant_id] -= 1
+        if not self._tenant_to_num_waiting[seq.tenant_id]:
+            del self._tenant_to_num_waiting[seq.tenant_id]
         self.num_waiting -= 1
+
+    def waiting(self) -> list[Sequence]:
+        """Every waiting sequence, in no particular order."""
+        return [seq for queue in self._waiting.values() for seq in queue]
+
+    # --- each tenant's caps -----------------------------------------------------------------------
+
+    def running_cap(self, tenant: str) -> int | None:
+        limits = self._tenant_to_limits.get(tenant)
+        if limits is not None and limits.max_running is not None:
+            return limits.max_running
+        return self.max_running_per_tenant
+
+    def block_cap(self, tenant: str) -> int | None:
+        return self.block_cap_of(self._tenant_to_limits.get(tenant))
+
+    def block_cap_of(self, limits: TenantLimits | None) -> int | None:
+        """The KV blocks a tenant with these limits may hold: its share of this pool, else the replica's."""
+        if limits is not None and limits.kv_share is not None:
+            return max(1, int(limits.kv_share * self.kv_cache.num_blocks))
+        return self.max_blocks_per_tenant
 
     def remove_running(self, seq: Sequence) -> None:
         del self.running[seq.request_id]
@@ -73,7 +116,29 @@ class Admission:
     def _active_tenant_ids(self) -> list[str]:
         """Tenants with a sequence waiting or running."""
         running = [tenant for tenant, num_running in self._tenant_to_num_running.items() if num_running]
-        return [*self._waiting_by_tenant, *running]
+        return [*self._tenant_to_num_waiting, *running]
+
+    def _next_queue(self, skipped: set[str]) -> QueueKey | None:
+        """The queue to admit from: the best effective tier of its head (tiers.py), then the least-served
+        tenant, then the head that has waited longest (an aged flex request before the defaults that
+        came after it)."""
+        now = self._clock()
+        best: list[tuple[int, QueueKey]] = []
+        for key, queue in self._waiting.items():
+            if key[0] in skipped:
+                continue
+            tier = effective_tier(queue[0], now=now, aging_s=self.tier_aging_s)
+            if not best or tier < best[0][0]:
+                best = [(tier, key)]
+            elif tier == best[0][0]:
+                best.append((tier, key))
+        if not best:
+            return None
+        tenant = self.vtc.least_served(key[0] for _, key in best)
+        return min(  # of its queues at that tier, the one whose head has waited longest
+            (key for _, key in best if key[0] == tenant),
+            key=lambda key: (self._waiting[key][0].enqueued_time or 0.0, key[1]),
+        )
 
     # --- the policy -------------------------------------------------------------------------------
 
@@ -93,15 +158,16 @@ class Admission:
                 tenant_to_num_reserved[seq.tenant_id] += num_short
         skipped: set[str] = set()
         while budget and len(self.running) < self.max_num_seqs:
-            candidates = [t for t in self._waiting_by_tenant if t not in skipped]
-            if not candidates:
+            key = self._next_queue(skipped)
+            if key is None:
                 break
-            tenant = self.vtc.least_served(candidates)
+            tenant = key[0]
             num_tenant_running = self._tenant_to_num_running.get(tenant, 0)
-            if self.max_running_per_tenant is not None and num_tenant_running >= self.max_running_per_tenant:
+            running_cap = self.running_cap(tenant)
+            if running_cap is not None and num_tenant_running >= running_cap:
                 skipped.add(tenant)
                 continue
-            queue = self._waiting_by_tenant[tenant]
+            queue = self._waiting[key]
             seq = queue[0]
             prefix = kv.match_prefix(seq)
             num_remaining = len(seq.token_ids) - prefix.num_tokens
@@ -109,11 +175,12 @@ class Admission:
             if num_new < num_remaining and not self.is_chunked_prefill_enabled:
                 break  # the least-served tenant's head waits for a fuller budget; nobody jumps it
             num_eventual = (len(seq.token_ids) + bs) // bs  # blocks to finish its tokens and step once
+            block_cap = self.block_cap(tenant)
             if (
-                self.max_blocks_per_tenant is not None
+                block_cap is not None
                 and num_tenant_running
                 and kv.num_blocks_by_tenant.get(tenant, 0) + tenant_to_num_reserved[tenant] + num_eventual
-                > self.max_blocks_per_tenant
+                > block_cap
             ):
                 skipped.add(tenant)
                 continue
@@ -128,9 +195,7 @@ class Admission:
             if not self.running and num_taken_now > kv.num_free_blocks:
                 break
             queue.popleft()
-            if not queue:
-                del self._waiting_by_tenant[tenant]
-            self.num_waiting -= 1
+            self._dequeued(key, seq)
             kv.allocate(seq, num_new, prefix)
             num_reserved += num_taken_eventually - num_taken_now
             tenant_to_num_reserved[tenant] += max(0, num_eventual - len(seq.block_table))
@@ -146,17 +211,18 @@ class Admission:
         return admitted
 
     def make_room(self, seq: Sequence, preempted: list[Sequence]) -> bool:
-        """Preempt until `seq` gets one more slot; False if `seq` itself had to go."""
+        """Preempt, lowest tier first, until `seq` gets one more slot; False if `seq` itself had to go."""
         kv = self.kv_cache
-        cap = self.max_blocks_per_tenant
+        cap = self.block_cap(seq.tenant_id)
         while True:
             num_needed = kv.num_blocks_needed(seq, 1)
             if cap is not None and kv.num_blocks_by_tenant.get(seq.tenant_id, 0) + num_needed > cap:
-                victim = next(s for s in reversed(self.running.values()) if s.tenant_id == seq.tenant_id)
+                victim = lowest_tier_victim(self.running.values(), tenant_id=seq.tenant_id)
             elif num_needed > kv.num_free_blocks:
-                victim = next(reversed(self.running.values()))
+                victim = lowest_tier_victim(self.running.values())
             else:
                 return True
+            assert victim is not None  # seq itself is running
             self.preempt(victim)
             preempted.append(victim)
             if victim is seq:
@@ -166,13 +232,53 @@ class Admission:
         """Tokens `seq` could still compute this step without preempting anyone."""
         kv = self.kv_cache
         num_blocks = kv.num_free_blocks
-        cap = self.max_blocks_per_tenant
+        cap = self.block_cap(seq.tenant_id)
         if cap is not None:
             num_blocks = min(num_blocks, cap - kv.num_blocks_by_tenant.get(seq.tenant_id, 0))
         return len(seq.block_table) * kv.block_size - seq.num_computed_tokens + num_blocks * kv.block_size
 
+    def displace(self, preempted: list[Sequence]) -> None:
+        """Seat the oldest waiting priority sequence when seats or blocks keep it out: preempt running
+        sequences of lower tiers, lowest first (tiers.py), until it would fit or none is left. One
+        waiting sequence per step: each step admits it, then the next. Only the priority tier's own
+        requests displace (the others wait for a seat in tier order): preemption costs a recompute."""
+        if not self.num_waiting or not self.running:
+            return
+        heads = [queue[0] for (_, tier), queue in self._waiting.items() if tier == PRIORITY_TIER]
+        if not heads:
+            return
+        head = min(heads, key=lambda seq: seq.enqueued_time or 0.0)
+        tenant = head.tenant_id
+        num_tenant_running = self._tenant_to_num_running.get(tenant, 0)
+        running_cap = self.running_cap(tenant)
+        if running_cap is not None and num_tenant_running >= running_cap:
+            return  # its own tenant's cap keeps it out, which no other tenant's preemption changes
+        kv = self.kv_cache
+        bs = kv.block_size
+        num_eventual = (len(head.token_ids) + bs) // bs
+        block_cap = self.block_cap(tenant)
+        if block_cap is not None and num_tenant_running:
+            # As admit() checks it: were its tenant's blocks the bar, admission would skip it and seat
+            # the very sequences preempted here, to be preempted again next step.
+            num_reserved = sum(
+                max(0, (len(seq.token_ids) + bs) // bs - len(seq.block_table))
+                for seq in self.running.values()
+                if seq.tenant_id == tenant
+            )
+            if kv.num_blocks_by_tenant.get(tenant, 0) + num_reserved + num_eventual > block_cap:
+                return
+        while len(self.running) >= self.max_num_seqs or (
+            num_eventual + self._num_watermark_blocks > kv.num_free_blocks
+        ):
+            victim = lowest_tier_victim(self.running.values(), below=head.tier)
+            if victim is None:
+                return
+            self.preempt(victim)
+            preempted.append(victim)
+            self.num_displaced += 1
+
     def preempt(self, seq: Sequence) -> None:
-        """Recompute later: drop the blocks and go back to the front of the tenant's queue."""
+        """Recompute later: drop the blocks and go back to the front of its tenant's and tier's queue."""
         self.remove_running(seq)
         self.kv_cache.free(seq)
         seq.num_computed_tokens = 0
@@ -185,9 +291,12 @@ class Admission:
 
     def check_invariants(self, request_ids: KeysView[str]) -> None:
         """Full check of the queues against every unfinished request's id; for tests."""
-        waiting = [seq for queue in self._waiting_by_tenant.values() for seq in queue]
-        assert all(queue for queue in self._waiting_by_tenant.values()), "no empty tenant queues"
+        waiting = self.waiting()
+        assert all(queue for queue in self._waiting.values()), "no empty queues"
+        for (tenant, tier), queue in self._waiting.items():
+            assert all(seq.tenant_id == tenant and seq.tier == tier for seq in queue), "queued by its key"
         assert len(waiting) == self.num_waiting
+        assert sum(self._tenant_to_num_waiting.values()) == self.num_waiting
         waiting_ids = {seq.request_id for seq in waiting}
         assert len(waiting_ids) == len(waiting), "no request waits twice"
         assert not waiting_ids & self.running.keys(), "no request both waiting and running"
@@ -199,7 +308,9 @@ class Admission:
         running_by_tenant = collections.Counter(seq.tenant_id for seq in self.running.values())
         assert all(self._tenant_to_num_running.get(t, 0) == n for t, n in running_by_tenant.items())
         assert sum(self._tenant_to_num_running.values()) == len(self.running)
-        if self.max_running_per_tenant is not None:
-            assert all(n <= self.max_running_per_tenant for n in running_by_tenant.values())
-        if self.max_blocks_per_tenant is not None:
-            assert all(n <= self.max_blocks_per_tenant for n in self.kv_cache.num_blocks_by_tenant.values())
+        for tenant, num_running in running_by_tenant.items():
+            cap = self.running_cap(tenant)
+            assert cap is None or num_running <= cap, f"{tenant} runs {num_running} over its cap {cap}"
+        for tenant, num_blocks in self.kv_cache.num_blocks_by_tenant.items():
+            block_cap = self.block_cap(tenant)
+            assert block_cap is None or num_blocks <= block_cap, f"{tenant} holds {num_blocks} > {block_cap}"

@@ -284,6 +284,8 @@ class EncoderEngine:
         tenant_id: str = "default",
         cache_group: str | None = None,
         arrival_time: float | None = None,
+        tier: int = 1,  # the generative engine's; a batch closes by size or wait, whatever the tier
+        limits: Any = None,
     ) -> None:
         """Queue a request of one or more inputs (token ids each). Raises ValueError, queueing nothing,
         for an empty request, an empty or too-long input, or ids outside the vocabulary."""

@@ -28,7 +28,7 @@ from serving.engine.loading import load_tokenizer, prompt_encoder
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import Sampler, make_generator
 from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from serving.engine.sequence import FinishReason, SamplingParams, Sequence
+from serving.engine.sequence import DEFAULT_TIER, FinishReason, SamplingParams, Sequence, TenantLimits
 from serving.engine.token_bytes import token_bytes_reader
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class EngineConfig:
     max_running_per_tenant: int | None = None
     max_blocks_per_tenant: int | None = None
     max_kv_share_per_tenant: float | None = None  # the same cap as a share of the pool, whatever its size
+    tier_aging_s: float = 10.0  # a waiting flex sequence's promotion to the default tier (tiers.py)
     enable_prefix_caching: bool = True
     compile: bool = False  # torch.compile the gather path's decode attention (slow warm-up)
     # "auto": the engine's own fused forward for the Llama family, transformers' modules for the rest;
@@ -231,6 +232,7 @@ class Engine:
                 max_running_per_tenant=config.max_running_per_tenant,
                 max_blocks_per_tenant=_tenant_block_cap(config, self.runner.num_blocks),
                 eos_token_id=eos_ids[0] if eos_ids else None,
+                tier_aging_s=config.tier_aging_s,
             ),
             self.kv_cache,
         )
@@ -243,10 +245,10 @@ class Engine:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
-    def max_output_tokens(self, num_prompt_tokens: int) -> int:
+    def max_output_tokens(self, num_prompt_tokens: int, limits: TenantLimits | None = None) -> int:
         """The most tokens a prompt this long can ever be given: the context limit's room, or less where
         the KV cache (or a tenant's share of it) could not hold that much."""
-        return self.scheduler.max_output_tokens(num_prompt_tokens)
+        return self.scheduler.max_output_tokens(num_prompt_tokens, limits)
 
     def encode(self, text: str) -> list[int]:
         """The prompt's ids, as `self.tokenizer(text)["input_ids"]` gives them. Safe to call from another
@@ -296,6 +298,8 @@ class Engine:
         tenant_id: str = "default",
         cache_group: str | None = None,
         arrival_time: float | None = None,
+        tier: int = DEFAULT_TIER,
+        limits: TenantLimits | None = None,
     ) -> None:
         """Queue a request. Raises ValueError, with nothing allocated, for a request this engine can
         never serve (empty or too-long prompt, max_tokens beyond the context, bad sampling values)."""
@@ -322,6 +326,8 @@ class Engine:
             tenant_id=tenant_id,
             cache_group=cache_group,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            tier=tier,
+            limits=limits,
         )
         generator = make_generator(params)  # before queueing: nothing may be left behind on failure
         self.scheduler.add(seq)
@@ -344,6 +350,11 @@ class Engine:
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self.scheduler.get(request_id)
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens not yet prefilled over the waiting and running sequences (the heartbeat's)."""
+        seqs = [state.seq for state in self._requests.values()]
+        return sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in seqs)
 
     # --- the step ----------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from serving.engine.admission import Admission
 from serving.engine.fairness import VirtualTokenCounter
 from serving.engine.kv_cache import KVCacheManager
-from serving.engine.sequence import FinishReason, Sequence, SequenceStatus
+from serving.engine.sequence import TIER_NAMES, FinishReason, Sequence, SequenceStatus, TenantLimits
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,6 +31,9 @@ class SchedulerConfig:
     output_token_weight: float = 2.0
     # Free blocks kept back at admission beyond what running sequences are known to need next.
     watermark_fraction: float = 0.01
+    # A waiting flex sequence is promoted to the default tier after this many seconds (0: never), and
+    # then competes with default ones by age (tiers.py).
+    tier_aging_s: float = 10.0
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -47,6 +50,8 @@ class SchedulerConfig:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         if not (self.prompt_token_weight >= 0 and self.output_token_weight >= 0):
             raise ValueError("token weights must be >= 0")
+        if not self.tier_aging_s >= 0:
+            raise ValueError(f"tier_aging_s must be >= 0, got {self.tier_aging_s!r}")
         if not 0 <= self.watermark_fraction < 1:
             raise ValueError(f"watermark_fraction must be in [0, 1), got {self.watermark_fraction!r}")
 
@@ -109,6 +114,7 @@ class Scheduler:
             max_blocks_per_tenant=config.max_blocks_per_tenant,
             is_chunked_prefill_enabled=config.is_chunked_prefill_enabled,
             num_watermark_blocks=math.ceil(config.watermark_fraction * kv_cache.num_blocks),
+            tier_aging_s=config.tier_aging_s,
         )
         self._running = self._admission.running  # the same dict, read here every step
         self.num_steps = 0
@@ -167,6 +173,10 @@ class Scheduler:
         if not seq.prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
         seq.params.validate()
+        if seq.limits is not None:
+            seq.limits.validate()
+        if not 0 <= seq.tier < len(TIER_NAMES):
+            raise ValueError(f"tier must be one of 0..{len(TIER_NAMES) - 1}, got {seq.tier!r}")
         if seq.num_prompt_tokens >= cfg.max_model_len:
             raise ValueError(
                 f"the prompt has {seq.num_prompt_tokens} tokens; the context limit is {cfg.max_model_len}, "
@@ -179,7 +189,7 @@ class Scheduler:
         # The last token is sampled but never computed, so this many positions need slots at most.
         max_num_positions = min(seq.num_prompt_tokens + seq.params.max_tokens, cfg.max_model_len) - 1
         num_blocks_alone = -(-max_num_positions // cfg.block_size)
-        max_blocks = self.max_blocks_per_sequence
+        max_blocks = self.max_blocks_per_sequence(seq.limits)
         if num_blocks_alone > max_blocks:
             raise ValueError(
                 f"request {seq.request_id!r} needs up to {num_blocks_alone} KV blocks; at most {max_blocks} "
@@ -188,17 +198,15 @@ class Scheduler:
         self._requests[seq.request_id] = seq
         self._admission.enqueue(seq, is_preempted=False)
 
-    @property
-    def max_blocks_per_sequence(self) -> int:
+    def max_blocks_per_sequence(self, limits: TenantLimits | None = None) -> int:
         """The KV blocks one sequence can ever hold: the pool, or its tenant's share of it."""
-        if self.config.max_blocks_per_tenant is None:
-            return self.kv_cache.num_blocks
-        return min(self.kv_cache.num_blocks, self.config.max_blocks_per_tenant)
+        cap = self._admission.block_cap_of(limits)
+        return self.kv_cache.num_blocks if cap is None else min(self.kv_cache.num_blocks, cap)
 
-    def max_output_tokens(self, num_prompt_tokens: int) -> int:
+    def max_output_tokens(self, num_prompt_tokens: int, limits: TenantLimits | None = None) -> int:
         """The most tokens a prompt this long can ever be given (add() refuses more): up to the context
         limit, and no more than the blocks it could hold (the last token needs no slot). May be < 1."""
-        num_positions = self.max_blocks_per_sequence * self.config.block_size
+        num_positions = self.max_blocks_per_sequence(limits) * self.config.block_size
         return min(self.config.max_model_len, num_positions + 1) - num_prompt_tokens
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -230,6 +238,11 @@ class Scheduler:
         preempted: list[Sequence] = []
         prefilling: list[Sequence] = []
 
+        # A waiting higher tier takes the seat or blocks of a running lower one (tiers.py), before
+        # anything of this step is scheduled.
+        admission.displace(preempted)
+        num_displaced = len(preempted)
+
         # Decodes first, in admission order, so a long prompt never stalls them.
         for seq in list(self._running.values()):
             if budget == 0:
@@ -240,7 +253,12 @@ class Scheduler:
                 prefilling.append(seq)
                 continue
             if seq.num_computed_tokens >= len(seq.block_table) * bs:  # its last block is full
-                if not admission.make_room(seq, preempted):
+                num_preempted = len(preempted)
+                has_room = admission.make_room(seq, preempted)
+                # The lowest tier goes first: a decode scheduled above may be one, and is taken out again.
+                scheduled, num_dropped = _without(scheduled, preempted[num_preempted:])
+                budget += num_dropped
+                if not has_room:
                     continue
                 kv.allocate(seq, 1)
             scheduled.append(ScheduledSequence(seq, 1))
@@ -268,9 +286,10 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
-        # A step that had to preempt admits nobody: blocks are short, and the victims would come
-        # straight back in.
-        if admission.num_waiting and budget and not preempted and len(self._running) < cfg.max_num_seqs:
+        # A step that had to preempt for blocks admits nobody: blocks are short, and the victims would
+        # come straight back in. (Displacements were made for the one admitted next.)
+        had_to_preempt = len(preempted) > num_displaced
+        if admission.num_waiting and budget and not had_to_preempt and len(self._running) < cfg.max_num_seqs:
             for seq, num_new in admission.admit(budget):
                 scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
@@ -367,3 +386,15 @@ class Scheduler:
             assert len(seq.block_table) * cfg.block_size >= seq.num_computed_tokens
             assert seq.num_computed_tokens < len(seq.token_ids) <= cfg.max_model_len
         self.kv_cache.check_invariants(self._running.values())
+
+
+def _without(
+    scheduled: list[ScheduledSequence], victims: list[Sequence]
+) -> tuple[list[ScheduledSequence], int]:
+    """`scheduled` less the decodes of `victims` (preempted after they were scheduled: their blocks went
+    with them), and how many tokens of the budget that gives back."""
+    if not victims:
+        return scheduled, 0
+    ids = {victim.request_id for victim in victims}
+    kept = [item for item in scheduled if item.seq.request_id not in ids]
+    return kept, sum(item.num_new_tokens for item in scheduled) - sum(item.num_new_tokens for item in kept)

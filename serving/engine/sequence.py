@@ -87,6 +87,30 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be numbers from -100 to 100, got {pair!r}")
 
 
+# Service tiers, highest first (docs/architecture.md, "Service tiers"): the order a replica admits
+# waiting sequences in (a waiting flex one is promoted to default after an aging period), and the reverse
+# of the order it preempts running ones in.
+PRIORITY_TIER, DEFAULT_TIER, FLEX_TIER = 0, 1, 2
+TIER_NAMES = ("priority", "default", "flex")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """A tenant's caps inside one replica, from its quota; a None is the replica's own default."""
+
+    max_running: int | None = None  # its sequences running at once
+    kv_share: float | None = None  # the share of the KV blocks its sequences may hold, in (0, 1]
+
+    def validate(self) -> None:
+        running = self.max_running
+        if running is not None and (isinstance(running, bool) or not isinstance(running, int) or running < 1):
+            raise ValueError(f"max_running must be None or an integer >= 1, got {self.max_running!r}")
+        if self.kv_share is not None and not (
+            isinstance(self.kv_share, int | float) and 0 < self.kv_share <= 1
+        ):
+            raise ValueError(f"kv_share must be None or in (0, 1], got {self.kv_share!r}")
+
+
 @dataclass(slots=True)
 class Sequence:
     """One request. `token_ids` is prompt + output; the first `num_computed_tokens` of them have
@@ -110,6 +134,9 @@ class Sequence:
     # Tenants whose requests may share cached prompt prefixes; None means the tenant's own group.
     # Prefix-cache entries are salted per group, so other groups can neither reuse nor time them.
     cache_group: str | None = None
+    tier: int = DEFAULT_TIER
+    limits: TenantLimits | None = None  # None: the replica's defaults for every tenant
+    enqueued_time: float | None = None  # on the scheduler's clock, when first queued: its tier's aging
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -36,7 +36,12 @@ class ReplicaHandle:
     is_local: bool
     queue_depth: int = 0  # waiting for a slot in the running batch (Heartbeat.num_waiting)
     num_running: int = 0
-    step_s: float = 0.0  # its steps' mean time lately (Heartbeat.step_s); 0: none ran, or not asked
+    step_s: float = 0.0  # its steps' mean time lately (Heartbeat.step_s); 0: none ran
+    # What the TTFT forecast reads (serving/gateway/ttft_forecast.py): a step's time with one sequence
+    # decoding, the prompt tokens queued ahead and its prefill rate (Heartbeat's; 0: not known).
+    base_step_s: float = 0.0
+    queued_prompt_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
     # Its last heartbeat is recent (an in-process replica always is): a replica killed while it loaded
     # leaves a "loading" beat for a minute, which must not read as one coming up.
     is_fresh: bool = True

@@ -18,7 +18,7 @@ from registry.auth_throttle import api_key_attempt, api_key_failures
 from registry.authentication import bearer_token
 from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
-from serving.gateway import auth, shadow
+from serving.gateway import auth, shadow, slo_admission
 from serving.gateway.data_plane import data_plane
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest, close_all
@@ -84,6 +84,7 @@ async def dispatch(
     version: str | None = None,
     num_choices: int = 1,
     room_for: int = 1,
+    service_tier: str = "default",
 ) -> InFlightRequest:
     """Route, admit and submit. Raises GatewayError (404/403/429/503/400) before anything reaches a
     replica when it can; a prompt the replica refuses (too long for the model) comes back as a 400.
@@ -94,7 +95,8 @@ async def dispatch(
     traffic split would draw now; it is the platform's choice, not a pin, so it needs no pin right.
     `num_choices`: how many such requests make up the client's one (OpenAI's n), for charge_estimate.
     `room_for`: admitted only if that many such requests would be (the first of n choices: a 429 then
-    comes before any choice reaches a replica, with the wait for all n)."""
+    comes before any choice reaches a replica, with the wait for all n). `service_tier`: as granted
+    (service_tiers.grant_tier); it and the tenant's caps inside a replica go with the submission."""
     if sum(payload is not None for payload in (text, messages, inputs)) != 1:
         raise ValueError("dispatch needs exactly one of text, messages or inputs")
     model_name, alias = split_model_name(path_model)
@@ -129,12 +131,28 @@ async def dispatch(
         "tenant": context.tenant_name,
         "cache_group": context.cache_group,
         "keepalives": True,  # events() skips them; a replica older than them sends none
+        "service_tier": service_tier,
+        "max_running": context.max_running_sequences,
+        "kv_share": context.kv_share,
     }
     # A request may wait for a replica to start (a cold start) only for a version the autoscaler gives
     # replicas to: a pin to a version without traffic would wait for nothing.
     cold_start = snapshot.scales_to_zero and snapshot.serves(version)
+    is_generative = snapshot.kind == Model.Kind.CAUSAL_LM
+    # A tenant with a TTFT objective skips the replicas forecast to miss it, or is refused (429) now.
+    skip = frozenset[str]()
+    if is_generative:
+        skip = await slo_admission.skipped_by_forecast(
+            runtime,
+            context,
+            model_name=model_name,
+            version=version,
+            submission=submission,
+            ticket=ticket,
+            charge=Charge(context, tokens, room_for),
+        )
     # A version without traffic (a pin to one) says nothing the judge could use when it has no replica.
-    handle = InFlightRequest(
+    handle = (slo_admission.ForecastRequest if is_generative else InFlightRequest)(
         runtime,
         ticket,
         model_name,
@@ -145,7 +163,9 @@ async def dispatch(
     )
     try:
         try:
-            await handle.submit(charge=Charge(context, tokens, room_for) if ticket is None else None)
+            await handle.submit(
+                exclude=skip, charge=Charge(context, tokens, room_for) if ticket is None else None
+            )
         except GatewayError as exc:
             if exc.status == 503:
                 handle.count_failure()

@@ -91,9 +91,7 @@ class InFlightRequest:
         self.num_completion_tokens = 0
         self.num_retries = 0
         self.is_finished = False
-        # The gateway ended it itself (the replica went silent or stopped beating): the replica may still
-        # be running it, so closing aborts it there as for an unfinished request.
-        self._gave_up = False
+        self._gave_up = False  # ended by the gateway (its replica went silent): closing still aborts it
         self._is_closed = False
         # A failure of the replica or of finding one: if the request ends in it, no replica counts it,
         # and the gateway counts it in the version's metrics (the judge's).
@@ -110,7 +108,8 @@ class InFlightRequest:
         self._queue.put_nowait(error_event(KEY_REVOKED, KEY_REVOKED_MESSAGE))
 
     def response_headers(self) -> dict[str, str]:
-        headers = {"X-Served-Version": self.version, "X-Request-Id": self.request_id}
+        tier = self._submission.get("service_tier") or "default"  # as granted (service_tiers.py)
+        headers = {"X-Served-Version": self.version, "X-Request-Id": self.request_id, "X-Service-Tier": tier}
         if self.replica is not None:
             headers["X-Served-Replica"] = self.replica.replica_id
         return headers

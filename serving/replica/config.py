@@ -24,6 +24,7 @@ def engine_config_from_settings() -> Any:
         attention=settings.REPLICA_ATTENTION,
         max_running_per_tenant=settings.REPLICA_MAX_RUNNING_PER_TENANT,
         max_kv_share_per_tenant=settings.REPLICA_MAX_KV_SHARE_PER_TENANT,
+        tier_aging_s=settings.REPLICA_TIER_AGING_S,
     )
 
 

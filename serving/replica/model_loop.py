@@ -284,7 +284,7 @@ class ModelLoop:
     def _account(self, result: StepResult) -> None:
         """What the heartbeat reports, and the step's sample."""
         stats = self.engine.stats()
-        self._report.account(stats, result.model_time_s)
+        self._report.account(stats, result.model_time_s, engine=self.engine)
         if result.model_time_s is None:
             return
         step = StepSample(
@@ -320,6 +320,8 @@ class ModelLoop:
                 tenant_id=arrival.tenant,
                 cache_group=arrival.cache_group,
                 arrival_time=time.monotonic() - max(0.0, time.time() - route.submitted_at),
+                tier=arrival.tier,
+                limits=arrival.limits,
             )
         except (TypeError, ValueError, KeyError) as exc:
             result.add(route, request_id, error_event("invalid_request_error", str(exc)))

@@ -51,7 +51,7 @@ class Preparer:
         truncation or padding, the one thing that would not be)."""
         # Deferred (torch, via the engine's package): see serving/replica/engine_loading.py.
         from serving.engine.chat import encode_chat_prompt
-        from serving.engine.sequence import SamplingParams
+        from serving.engine.sequence import TIER_NAMES, SamplingParams, TenantLimits
 
         request_id = submit.request_id
         route = Route(
@@ -69,6 +69,12 @@ class Preparer:
             if to_context:
                 fields["max_tokens"] = 1  # set below, once the prompt's length is known
             arrival.params = SamplingParams(**fields)
+            if submit.service_tier not in TIER_NAMES:
+                raise ValueError(f"service_tier must be one of {', '.join(TIER_NAMES)}")
+            arrival.tier = TIER_NAMES.index(submit.service_tier)
+            if submit.max_running is not None or submit.kv_share is not None:
+                arrival.limits = TenantLimits(max_running=submit.max_running, kv_share=submit.kv_share)
+                arrival.limits.validate()
             inputs = submit.inputs  # a non-generative request's texts
             if inputs is not None:
                 if not isinstance(inputs, list) or not all(isinstance(t, str) for t in inputs):
@@ -86,7 +92,7 @@ class Preparer:
                     raise ValueError("a submission needs an input, messages or inputs")
                 arrival.num_prompt_tokens = len(arrival.prompt_ids)
                 if to_context:  # as far as the context goes, and as far as the KV cache could hold
-                    room = self.engine.max_output_tokens(arrival.num_prompt_tokens)
+                    room = self.engine.max_output_tokens(arrival.num_prompt_tokens, arrival.limits)
                     max_tokens = max_tokens_for(None, room=room, limit=settings.MAX_TOKENS_LIMIT)
                     arrival.params = dataclasses.replace(arrival.params, max_tokens=max_tokens)
             arrival.tenant = submit.tenant or "default"

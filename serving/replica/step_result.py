@@ -41,6 +41,8 @@ class Arrival:
     params: Any = None  # the engine's SamplingParams
     tenant: str = "default"
     cache_group: str | None = None
+    tier: int = 1  # the engine's tier index (serving.engine.sequence.TIER_NAMES)
+    limits: Any = None  # the engine's TenantLimits, None: the replica's defaults
     error: ErrorEvent | None = None  # an error event: no engine work; the model thread emits it in order
 
 

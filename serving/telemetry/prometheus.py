@@ -36,6 +36,7 @@ from serving.telemetry import metric_window as m
 from serving.telemetry.histogram import Histogram
 from serving.telemetry.recorder import MetricsRecorder, RecorderSnapshot, live_recorders
 from serving.telemetry.shadow_copies import shadow_copy_counts
+from serving.telemetry.ttft_forecasts import slo_refusal_counts, ttft_forecast_errors
 
 SECONDS_BOUNDS = (
     0.001,
@@ -173,6 +174,37 @@ class ShadowCollector:
         yield counter
 
 
+class TtftForecastCollector:
+    """This gateway process's TTFT forecasts against the TTFT its requests got, and its refusals of
+    requests no replica was forecast to serve within their objective (serving/telemetry/ttft_forecasts.py)."""
+
+    def collect(self) -> Iterator[Metric]:
+        histograms = HistogramMetricFamily(
+            "switchyard_ttft_forecast_error_seconds",
+            "|actual - forecast| TTFT of requests routed by this gateway process, by whether the first "
+            "token came after the forecast (late) or not (early).",
+            labels=("model", "version", "direction"),
+        )
+        les = [floatToGoString(bound) for bound in SECONDS_BOUNDS]
+        for (model_name, version, direction), histogram in sorted(ttft_forecast_errors().items()):
+            counts = histogram.cumulative_counts(SECONDS_BOUNDS, monotonic=True)
+            histograms.add_metric(
+                [model_name, version, direction],
+                [*zip(les, counts, strict=True), ("+Inf", histogram.count)],
+                sum_value=histogram.sum,
+            )
+        yield histograms
+        counter = CounterMetricFamily(
+            "switchyard_slo_refusals",
+            "Requests this gateway process refused (429) because no replica was forecast to meet their "
+            "tenant's TTFT objective.",
+            labels=("model", "version"),
+        )
+        for (model_name, version), value in sorted(slo_refusal_counts().items()):
+            counter.add_metric([model_name, version], value)
+        yield counter
+
+
 def _labels(snapshot: RecorderSnapshot) -> list[str]:
     return [snapshot.model_name, snapshot.version, snapshot.replica_id]
 
@@ -180,6 +212,7 @@ def _labels(snapshot: RecorderSnapshot) -> list[str]:
 registry = CollectorRegistry(auto_describe=False)
 registry.register(SwitchyardCollector())
 registry.register(ShadowCollector())
+registry.register(TtftForecastCollector())
 
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="metrics"'}

@@ -189,6 +189,11 @@ class Submit:
     tenant: str = "default"
     cache_group: str | None = None
     keepalives: bool = False  # the gateway understands keepalive events
+    # The tier the gateway granted (priority, default, flex) and the tenant's caps inside a replica from
+    # its quota (None: the replica's own): docs/architecture.md, "Service tiers".
+    service_tier: str = "default"
+    max_running: int | None = None
+    kv_share: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": SUBMIT, **_fields_of(self)}

@@ -92,6 +92,12 @@ class Heartbeat:
     step_s: float = 0.0
     step_rate: float = 0.0
     base_step_s: float = 0.0
+    # The prompt tokens its waiting and running sequences have yet to prefill, and the prompt tokens it
+    # prefilled a second of its prefilling steps' time over the same window as step_s (the last known
+    # rate when none ran in it; 0: never measured): the gateway's TTFT forecast
+    # (serving/gateway/ttft_forecast.py). An older replica says neither.
+    queued_prompt_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Heartbeat:
@@ -141,9 +147,18 @@ class Heartbeat:
 _HEARTBEAT_FIELDS = frozenset(f.name for f in dataclasses.fields(Heartbeat))
 _HEARTBEAT_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("replica_id", "model_name", "version", "channel_name", "state"), (str,)),
-    **dict.fromkeys(("num_waiting", "num_running", "capacity"), (int,)),
+    **dict.fromkeys(("num_waiting", "num_running", "capacity", "queued_prompt_tokens"), (int,)),
     **dict.fromkeys(
-        ("kv_cache_usage", "sent_at", "idle_s", "step_s", "step_rate", "base_step_s"), (int, float)
+        (
+            "kv_cache_usage",
+            "sent_at",
+            "idle_s",
+            "step_s",
+            "step_rate",
+            "base_step_s",
+            "prefill_tokens_per_s",
+        ),
+        (int, float),
     ),
     "is_generative": (bool,),
 }

@@ -32,3 +32,32 @@ def superuser_client(client):  # type: ignore[no-untyped-def]
 
     client.force_login(get_user_model().objects.create_user("alice", is_staff=True, is_superuser=True))
     return client
+
+
+def tenant_form(tenant: Any = None, **quota: Any) -> dict[str, Any]:
+    """The admin's tenant page as a browser sends it, with its quota inline: the quota's defaults, but
+    for the fields given (an empty one, "", is left out, as a browser sends an empty input: None)."""
+    from registry.models import Quota
+
+    values = {
+        "requests_per_second": 10.0,
+        "tokens_per_minute": 100_000,
+        "max_concurrent_requests": 16,
+        "may_pin": "",
+        "may_deploy": "",
+        "max_service_tier": "default",  # a select: always sent
+        **quota,
+    }
+    existing = Quota.objects.filter(tenant=tenant).first() if tenant is not None else None
+    return {
+        "name": tenant.name if tenant is not None else "acme",
+        "is_active": "on",
+        "prefix_cache_group": "",
+        "quota-TOTAL_FORMS": 1,
+        "quota-INITIAL_FORMS": 1 if existing is not None else 0,
+        "quota-MIN_NUM_FORMS": 0,
+        "quota-MAX_NUM_FORMS": 1,
+        "quota-0-id": existing.pk if existing is not None else "",
+        "quota-0-tenant": tenant.pk if tenant is not None else "",
+        **{f"quota-0-{k}": v for k, v in values.items() if v != ""},
+    }

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from io import StringIO
 from pathlib import Path
-from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -20,7 +19,7 @@ from registry.models import ApiKey, Model, Quota, RoutingTable, Tenant
 from registry.services import api_key_create, tenant_create
 from rollouts import judge_tick
 from rollouts.models import Deployment, ScalingBounds
-from tests.audit.conftest import last_id, logged
+from tests.audit.conftest import last_id, logged, tenant_form
 from tests.conftest import model_rows
 from tests.rollouts.conftest import FakeMetrics
 
@@ -47,6 +46,7 @@ def test_each_command_records_its_change_once_as_the_command_and_its_user(demo_m
     _run("set_scaling", "chat", "--min", "0", "--max", "2")
     _run("set_scaling", "chat", "--clear")
     _run("create_tenant", "acme")
+    _run("set_quota", "acme", "--ttft-objective-ms", "500")
     raw_key = _run("create_api_key", "--tenant", "acme").strip().splitlines()[-1]
     _run("revoke_api_key", raw_key[: ApiKey.PREFIX_LENGTH])
     prefix = raw_key[: ApiKey.PREFIX_LENGTH]
@@ -61,6 +61,7 @@ def test_each_command_records_its_change_once_as_the_command_and_its_user(demo_m
         (by("set_scaling"), "delete", "scaling_bounds", "chat"),
         (by("create_tenant"), "create", "tenant", "acme"),
         (by("create_tenant"), "create", "quota", "acme"),
+        (by("set_quota"), "update", "quota", "acme"),
         (by("create_api_key"), "create", "api_key", prefix),
         (by("revoke_api_key"), "revoke", "api_key", prefix),
     ]
@@ -139,41 +140,15 @@ def test_routing_rows_edited_in_the_admin_are_recorded_once(superuser_client: Cl
     ]
 
 
-def _tenant_form(tenant: Tenant | None = None, **quota: Any) -> dict[str, Any]:
-    """The admin's tenant page as a browser sends it, with its quota inline."""
-    values = {
-        "requests_per_second": 10.0,
-        "tokens_per_minute": 100_000,
-        "max_concurrent_requests": 16,
-        "may_pin": "",
-        "may_deploy": "",
-        **quota,
-    }
-    existing = Quota.objects.filter(tenant=tenant).first() if tenant is not None else None
-    form = {
-        "name": tenant.name if tenant is not None else "acme",
-        "is_active": "on",
-        "prefix_cache_group": "",
-        "quota-TOTAL_FORMS": 1,
-        "quota-INITIAL_FORMS": 1 if existing is not None else 0,
-        "quota-MIN_NUM_FORMS": 0,
-        "quota-MAX_NUM_FORMS": 1,
-        "quota-0-id": existing.pk if existing is not None else "",
-        "quota-0-tenant": tenant.pk if tenant is not None else "",
-        **{f"quota-0-{k}": v for k, v in values.items() if v != ""},
-    }
-    return form
-
-
 def test_tenants_quotas_and_keys_edited_in_the_admin_are_recorded_once(superuser_client: Client) -> None:
     start = last_id()
-    add = _tenant_form(tokens_per_minute=50_000)  # a quota left at its defaults is not saved by the form
+    add = tenant_form(tokens_per_minute=50_000)  # a quota left at its defaults is not saved by the form
     assert superuser_client.post("/admin/registry/tenant/add/", add).status_code == 302
     acme = Tenant.objects.get(name="acme")
     page = f"/admin/registry/tenant/{acme.pk}/change/"
-    assert superuser_client.post(page, _tenant_form(acme, tokens_per_minute=5_000)).status_code == 302
-    assert superuser_client.post(page, _tenant_form(acme, tokens_per_minute=5_000)).status_code == 302
-    inactive = {**_tenant_form(acme, tokens_per_minute=5_000), "is_active": ""}
+    assert superuser_client.post(page, tenant_form(acme, tokens_per_minute=5_000)).status_code == 302
+    assert superuser_client.post(page, tenant_form(acme, tokens_per_minute=5_000)).status_code == 302
+    inactive = {**tenant_form(acme, tokens_per_minute=5_000), "is_active": ""}
     assert superuser_client.post(page, inactive).status_code == 302
     assert Quota.objects.get(tenant=acme).tokens_per_minute == 5_000 and not Tenant.objects.get().is_active
     api_key, _ = api_key_create(tenant=acme, actor=ALICE)
@@ -197,6 +172,38 @@ def test_tenants_quotas_and_keys_edited_in_the_admin_are_recorded_once(superuser
         (ALICE, "revoke", "api_key", prefix),
         (ALICE, "delete", "api_key", prefix),
     ]
+
+
+def test_a_tenants_kv_share_changed_by_a_command_the_api_and_the_admin_is_recorded_once_each(
+    superuser_client: Client,
+) -> None:
+    acme = tenant_create(name="acme")
+    start = last_id()
+    _run("set_quota", "acme", "--kv-share", "0.5")
+    _run("set_quota", "acme", "--kv-share", "0.5")  # no change
+    for _ in range(2):  # the second changes nothing
+        patched = superuser_client.patch(
+            "/v1/tenants/acme/quota", json.dumps({"kv_share": 0.25}), content_type="application/json"
+        )
+        assert patched.status_code == 200, patched.content
+    page = f"/admin/registry/tenant/{acme.pk}/change/"
+    for _ in range(2):  # the second changes nothing
+        assert superuser_client.post(page, tenant_form(acme, kv_share=0.1)).status_code == 302
+    assert superuser_client.post(page, tenant_form(acme, kv_share="")).status_code == 302  # emptied
+    assert logged(start) == [
+        (actors.command("set_quota"), "update", "quota", "acme"),
+        (ALICE, "update", "quota", "acme"),
+        (ALICE, "update", "quota", "acme"),
+        (ALICE, "update", "quota", "acme"),
+    ]
+    entries = AuditEntry.objects.filter(pk__gt=start).order_by("pk")
+    assert [(e.before["kv_share"], e.after["kv_share"]) for e in entries] == [
+        (None, 0.5),
+        (0.5, 0.25),
+        (0.25, 0.1),
+        (0.1, None),
+    ]
+    assert {k for e in entries for k in e.after if e.before[k] != e.after[k]} == {"kv_share"}
 
 
 def test_the_dashboards_writes_are_recorded_once_as_the_staff_user(superuser_client: Client) -> None:

@@ -331,6 +331,28 @@ def test_tenants_page_shows_usage_against_quota(staff_client: Client, make_tenan
 
 
 @pytest.mark.redis
+def test_tenants_page_shows_each_tenants_service_tier_objectives_and_caps(
+    staff_client: Client, make_tenant: Any
+) -> None:
+    make_tenant(
+        "acme", max_service_tier="priority", ttft_objective_ms=400, max_running_sequences=4, kv_share=0.25
+    )
+    make_tenant("plain")  # the defaults: no objective, the replica's own caps
+    html = staff_client.get("/dashboard/tenants/").text
+
+    def shown(field: str) -> list[str]:
+        return [
+            re.sub(r"\s+", " ", cell).strip()
+            for cell in re.findall(rf'data-field="{field}">(.*?)</span>', html)
+        ]
+
+    assert shown("max_service_tier") == ["priority", "default"]
+    assert shown("ttft_objective_ms") == ["400 ms", "none"]
+    assert shown("tpot_objective_ms") == ["none", "none"]
+    assert shown("max_running_sequences") == ["4", "the replica's default"]
+    assert shown("kv_share") == ["0.25", "the replica's default"]
+
+
 def test_tenants_page_reads_usage_from_redis(
     staff_client: Client, make_tenant: Any, redis_url: str, settings: Any
 ) -> None:

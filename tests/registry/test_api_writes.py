@@ -241,6 +241,11 @@ def test_staff_create_a_tenant_set_its_quota_and_create_and_revoke_a_key(
         "max_concurrent_requests": 16,
         "may_pin": True,
         "may_deploy": False,
+        "max_service_tier": "default",
+        "ttft_objective_ms": None,
+        "tpot_objective_ms": None,
+        "max_running_sequences": None,
+        "kv_share": None,
         "allowed_models": ["chat"],
         "deployable_models": [],
     }

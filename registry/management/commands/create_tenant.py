@@ -1,6 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from audit import actors
+from registry.management.quota_flags import add_policy_flags, given_settings
 from registry.models import Model
 from registry.services import RegistryError, tenant_create
 
@@ -28,6 +29,7 @@ class Command(BaseCommand):
             help="repeat; a platform model it may roll out too (with --may-deploy): its traffic is every "
             "tenant's it serves",
         )
+        add_policy_flags(parser)
 
     def handle(self, *args: object, **options: object) -> None:
         names = list(options["allow_model"])  # type: ignore[call-overload]
@@ -47,6 +49,7 @@ class Command(BaseCommand):
                 may_pin=bool(options["may_pin"]),
                 may_deploy=bool(options["may_deploy"]),
                 deployable_models=deployable,
+                **given_settings(options),
                 actor=actors.command(__name__),
             )
         except RegistryError as exc:

@@ -52,7 +52,7 @@ async def test_without_max_tokens_a_chat_runs_as_far_as_a_small_kv_cache_holds_n
     assert await runtime.wait_ready()
     (replica,) = runtime.replicas.values()
     engine = replica.engine
-    assert engine.scheduler.max_blocks_per_sequence * 16 < engine.max_model_len  # smaller than the context
+    assert engine.scheduler.max_blocks_per_sequence() * 16 < engine.max_model_len  # smaller than the context
     acme = await sync_to_async(make_tenant)("acme", tokens_per_minute=10**6)
     async with asgi_client() as client:
         response = await _chat(client, acme.auth, [{"role": "user", "content": "hello"}])

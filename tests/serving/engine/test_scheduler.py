@@ -13,7 +13,16 @@ from hypothesis import strategies as st
 
 from serving.engine.kv_cache import KVCacheManager
 from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from serving.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from serving.engine.sequence import (
+    DEFAULT_TIER,
+    FLEX_TIER,
+    PRIORITY_TIER,
+    FinishReason,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+    TenantLimits,
+)
 
 
 def make_seq(
@@ -403,6 +412,7 @@ def workloads(draw: st.DrawFn) -> tuple[Scheduler, list[tuple[int, Sequence]], l
     max_model_len = draw(st.integers(4, 40))
     is_chunked = draw(st.booleans())
     config = SchedulerConfig(
+        tier_aging_s=draw(st.sampled_from([0.0, 0.0, 1e-9])),  # never, or every step (a fake clock is 0)
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.integers(1, 8) | st.integers(1, 48))
         if is_chunked
@@ -421,18 +431,33 @@ def workloads(draw: st.DrawFn) -> tuple[Scheduler, list[tuple[int, Sequence]], l
     is_pressure = draw(st.booleans())
     max_prompt_tokens = 4 if is_pressure else 14
     min_output_tokens = 6 if is_pressure else 1
+    # Each tenant's own caps (its quota), or the replica's; fixed per tenant, as a quota between edits.
+    limits = {
+        tenant: draw(
+            st.none()
+            | st.builds(
+                TenantLimits,
+                max_running=st.none() | st.integers(1, 3),
+                kv_share=st.none() | st.sampled_from([0.25, 0.5, 1.0]),
+            )
+        )
+        for tenant in "abc"
+    }
     arrivals = []
     for index in range(draw(st.integers(1, 16))):
         base = draw(st.sampled_from(PROMPT_BASES))
         prompt = (base + draw(st.lists(st.integers(0, 3), max_size=6)))[
             : draw(st.integers(1, max_prompt_tokens))
         ]
+        tenant = draw(st.sampled_from(["a", "b", "c"]))
         seq = Sequence(
             f"r{index}",
             prompt,
             SamplingParams(max_tokens=draw(st.integers(min_output_tokens, 16)), ignore_eos=True),
-            draw(st.sampled_from(["a", "b", "c"])),
+            tenant,
             cache_group=draw(st.sampled_from([None, "shared"])),
+            tier=draw(st.sampled_from([PRIORITY_TIER, DEFAULT_TIER, FLEX_TIER])),
+            limits=limits[tenant],
         )
         arrivals.append((draw(st.integers(0, 10)), seq))
     aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 15)), max_size=3))
@@ -464,7 +489,7 @@ def test_random_workloads_keep_invariants_and_finish_every_request(
                                 -(min(seq.num_prompt_tokens + seq.params.max_tokens, cfg.max_model_len) - 1)
                                 // cfg.block_size
                             )
-                            > min(scheduler.kv_cache.num_blocks, cfg.max_blocks_per_tenant or 10**9)
+                            > scheduler.max_blocks_per_sequence(seq.limits)
                         )
                     )
                 else:

@@ -51,11 +51,18 @@ def test_a_submission_reads_back_as_it_was_sent_and_ignores_fields_it_does_not_k
         tenant="acme",
         cache_group="acme",
         keepalives=True,
+        service_tier="flex",
+        max_running=2,
+        kv_share=0.5,
     )
     wire = sent.to_wire()
     assert wire["type"] == "replica.submit"
     # A newer gateway's field: an older replica reads the rest.
-    assert protocol.Submit.from_wire({**wire, "service_tier": "flex"}) == sent
+    assert protocol.Submit.from_wire({**wire, "speculative_hint": 3}) == sent
+    # An older gateway's submission (no tier, no caps): the default tier and the replica's own caps.
+    older = {k: v for k, v in wire.items() if k not in ("service_tier", "max_running", "kv_share")}
+    read = protocol.Submit.from_wire(older)
+    assert (read.service_tier, read.max_running, read.kv_share) == ("default", None, None)
 
 
 def test_an_abort_and_a_shadow_result_keep_their_wire_shape() -> None:

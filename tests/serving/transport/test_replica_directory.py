@@ -142,3 +142,51 @@ async def test_a_beat_is_aged_on_redis_clock_whatever_the_hosts_clocks_say(
         await publisher.withdraw(behind)
         await publisher.close()
         await directory.close()
+
+
+def test_a_beat_says_what_is_queued_ahead_and_how_fast_it_prefills_and_an_older_one_says_nothing() -> None:
+    """The TTFT forecast's inputs: a replica's beat carries the prompt tokens its sequences have yet to
+    prefill and the rate its prefilling steps ran at; an older replica's beat parses without them."""
+    import json
+    import types
+
+    from registry.models import Model
+    from serving.replica.load_report import LoadReport
+
+    report = LoadReport()
+
+    class Engine:
+        def queued_prompt_tokens(self) -> int:
+            return 1500
+
+    def stats(batched: int, scheduled: int) -> object:
+        return types.SimpleNamespace(
+            num_waiting=3,
+            num_running=2,
+            kv_cache_usage=0.5,
+            num_batched_tokens=batched,
+            num_scheduled_seqs=scheduled,
+        )
+
+    report.account(stats(batched=2, scheduled=2), 0.010, engine=Engine())  # two sequences decoding
+    ref = types.SimpleNamespace(model_name="m", version="v1", kind=Model.Kind.CAUSAL_LM)
+    beat = report.heartbeat(ref, "r1", "c", "ready", num_pending=0, idle_s=0.0)  # type: ignore[arg-type]
+    assert (beat.queued_prompt_tokens, beat.prefill_tokens_per_s) == (1500, 0.0)  # no prefill yet
+    report.account(stats(batched=512, scheduled=3), 0.050, engine=Engine())  # one prefilling, two decoding
+    report.account(stats(batched=258, scheduled=3), 0.030, engine=Engine())
+    beat = report.heartbeat(ref, "r1", "c", "ready", num_pending=0, idle_s=0.0)  # type: ignore[arg-type]
+    assert beat.prefill_tokens_per_s == pytest.approx((510 + 256) / 0.080)
+    report.account(stats(batched=1, scheduled=1), 0.005, engine=None)  # an engine without the figure
+    beat = report.heartbeat(ref, "r1", "c", "ready", num_pending=0, idle_s=0.0)  # type: ignore[arg-type]
+    assert beat.queued_prompt_tokens == 0
+    assert beat.prefill_tokens_per_s == pytest.approx((510 + 256) / 0.080)  # its last prefill's, kept
+
+    older = {
+        k: v
+        for k, v in dataclasses.asdict(beat).items()
+        if k not in ("queued_prompt_tokens", "prefill_tokens_per_s")
+    }
+    parsed = Heartbeat.from_json(json.dumps(older))
+    assert (parsed.queued_prompt_tokens, parsed.prefill_tokens_per_s) == (0, 0.0)
+    with pytest.raises(ValueError, match="heartbeat field queued_prompt_tokens"):
+        Heartbeat.from_json(json.dumps({**older, "queued_prompt_tokens": 1.5}))

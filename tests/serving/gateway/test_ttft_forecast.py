@@ -1,0 +1,229 @@
+"""The TTFT forecast (serving/gateway/ttft_forecast.py) and the routing decision made on it
+(serving/gateway/slo_admission.py), without a data plane."""
+
+import asyncio
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from registry.selectors import TenantContext
+from serving.gateway.data_plane import ReplicaHandle
+from serving.gateway.errors import GatewayError
+from serving.gateway.quota import Charge, Ticket
+from serving.gateway.slo_admission import ObjectiveUnmet, replicas_to_skip, skipped_by_forecast
+from serving.gateway.ttft_forecast import TtftInputs, forecast_ttft, meets, wait_until_met_s
+from serving.telemetry import ttft_forecasts
+from serving.telemetry.ttft_forecasts import slo_refusal_counts
+
+
+@pytest.fixture(autouse=True)
+def _fresh_forecast_metrics():  # type: ignore[no-untyped-def]
+    ttft_forecasts.clear()
+    yield
+    ttft_forecasts.clear()
+
+
+tokens = st.integers(min_value=0, max_value=10**7)
+rates = st.floats(min_value=1.0, max_value=1e7, allow_nan=False)
+step_times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
+
+
+@st.composite
+def inputs(draw: st.DrawFn) -> TtftInputs:
+    return TtftInputs(
+        queued_prompt_tokens=draw(tokens),
+        prefill_tokens_per_s=draw(rates),
+        step_s=draw(step_times),
+        base_step_s=draw(step_times),
+        prompt_tokens=draw(tokens),
+    )
+
+
+@given(inputs(), tokens)
+def test_more_tokens_queued_ahead_never_forecasts_a_sooner_first_token(base: TtftInputs, more: int) -> None:
+    shorter = forecast_ttft(base)
+    longer = forecast_ttft(dataclasses.replace(base, queued_prompt_tokens=base.queued_prompt_tokens + more))
+    assert shorter is not None and longer is not None
+    assert longer.total_s >= shorter.total_s
+
+
+@given(inputs(), tokens)
+def test_a_longer_prompt_never_forecasts_a_sooner_first_token(base: TtftInputs, more: int) -> None:
+    shorter = forecast_ttft(base)
+    longer = forecast_ttft(dataclasses.replace(base, prompt_tokens=base.prompt_tokens + more))
+    assert shorter is not None and longer is not None
+    assert longer.total_s >= shorter.total_s
+
+
+@given(
+    st.integers(min_value=-(10**6), max_value=10**7),
+    st.floats(allow_nan=True),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.integers(min_value=-(10**6), max_value=10**7),
+    st.floats(min_value=0.0, max_value=100.0),
+)
+def test_a_forecast_and_its_wait_are_never_negative(
+    queued: int, rate: float, step_s: float, base_step_s: float, prompt: int, objective_s: float
+) -> None:
+    forecast = forecast_ttft(TtftInputs(queued, rate, step_s, base_step_s, prompt))
+    if forecast is None:  # only a replica that has never measured its prefill rate has no forecast
+        assert not rate > 0
+        return
+    assert min(forecast.queue_wait_s, forecast.prefill_s, forecast.step_s, forecast.total_s) >= 0
+    assert wait_until_met_s(forecast, objective_s) >= 0
+
+
+def test_the_forecast_is_the_queue_ahead_and_the_prompt_at_the_prefill_rate_and_one_step() -> None:
+    forecast = forecast_ttft(TtftInputs(3000, 10_000.0, 0.02, 0.005, 1000))
+    assert forecast is not None
+    assert forecast.total_s == pytest.approx(0.3 + 0.1 + 0.02)
+    # An idle replica (no step lately) waits out a step of its base time.
+    idle = forecast_ttft(TtftInputs(0, 10_000.0, 0.0, 0.005, 1000))
+    assert idle is not None and idle.total_s == pytest.approx(0.105)
+    # A replica that has never prefilled (or an older one, whose beat says nothing of it): no forecast.
+    assert forecast_ttft(TtftInputs(3000, 0.0, 0.02, 0.005, 1000)) is None
+
+
+def test_a_replica_with_nothing_queued_meets_any_objective_and_a_busy_one_once_it_drains() -> None:
+    # A prompt that alone takes longer than the objective is not refused for ever on an idle replica.
+    alone = forecast_ttft(TtftInputs(0, 1000.0, 0.01, 0.0, 5000))
+    assert alone is not None and alone.total_s > 1.0 and meets(alone, 1.0)
+    busy = forecast_ttft(TtftInputs(4000, 1000.0, 0.01, 0.0, 100))
+    assert busy is not None and not meets(busy, 1.0)
+    # 4.11 s forecast: 3.11 s over the objective, reached once 3.11 s of its 4 s queue has drained.
+    assert wait_until_met_s(busy, 1.0) == pytest.approx(3.11)
+    long_prompt = forecast_ttft(TtftInputs(2000, 1000.0, 0.01, 0.0, 5000))
+    assert long_prompt is not None and wait_until_met_s(long_prompt, 1.0) == pytest.approx(2.0)  # the queue
+    assert meets(None, 0.001)  # no forecast: no refusal on a guess
+
+
+def _replica(replica_id: str, *, queued: int, rate: float = 10_000.0, is_ready: bool = True) -> ReplicaHandle:
+    return ReplicaHandle(
+        replica_id=replica_id,
+        model_name="chat",
+        version="v1",
+        channel_name=f"switchyard.replica.{replica_id}",
+        state="ready" if is_ready else "loading",
+        load=0,
+        kv_cache_usage=0.0,
+        is_ready=is_ready,
+        is_local=False,
+        step_s=0.02,
+        queued_prompt_tokens=queued,
+        prefill_tokens_per_s=rate,
+    )
+
+
+def test_a_replica_forecast_to_miss_the_objective_is_skipped() -> None:
+    candidates = [_replica("busy", queued=50_000), _replica("idle", queued=0), _replica("half", queued=1000)]
+    # 5 s, 0.03 s and 0.13 s forecasts for a 100-token prompt, against 200 ms.
+    assert replicas_to_skip(candidates, objective_ms=200, prompt_tokens=100) == {"busy"}
+    assert replicas_to_skip(candidates, objective_ms=100, prompt_tokens=100) == {"busy", "half"}
+    # One not ready, or with no forecast, is never the reason for a refusal.
+    unknown = [_replica("busy", queued=50_000), _replica("new", queued=9_000, rate=0.0)]
+    assert replicas_to_skip(unknown, objective_ms=100, prompt_tokens=100) == {"busy"}
+    assert (
+        replicas_to_skip([_replica("loading", queued=0, is_ready=False)], objective_ms=1, prompt_tokens=1)
+        == set()
+    )
+
+
+def test_when_every_replica_is_forecast_to_miss_it_is_a_429_with_the_wait_until_the_best_would_meet_it() -> (
+    None
+):
+    candidates = [
+        _replica("a", queued=50_000),  # 5.03 s for a 100-token prompt
+        _replica("b", queued=30_000),  # 3.03 s: meets 500 ms once 2.53 s of its queue has drained
+        _replica("gone", queued=0, is_ready=False),
+    ]
+    with pytest.raises(ObjectiveUnmet) as refused:
+        replicas_to_skip(candidates, objective_ms=500, prompt_tokens=100)
+    assert refused.value.status == 429
+    assert refused.value.retry_after_s == pytest.approx(2.53)
+    assert refused.value.headers == {"Retry-After": "3"}  # whole seconds, rounded up
+    assert "500 ms" in refused.value.message and "3030 ms" in refused.value.message
+
+
+class _Runtime:
+    """A data plane whose only part used here is candidates(): `replicas`, or a read that never ends."""
+
+    def __init__(self, replicas: list[ReplicaHandle] | None) -> None:
+        self.replicas = replicas
+        self.reads = 0
+        self.reading = asyncio.Event()
+
+    async def candidates(self, model_name: str, version: str) -> list[ReplicaHandle]:
+        self.reads += 1
+        self.reading.set()
+        if self.replicas is None:
+            await asyncio.Event().wait()
+        return self.replicas or []
+
+
+@pytest.fixture
+def memory_store():  # type: ignore[no-untyped-def]
+    from serving.gateway.quota_memory import MemoryQuotaStore
+    from serving.gateway.quota_store import reset_quota_store
+
+    store = MemoryQuotaStore()
+    reset_quota_store(store)
+    yield store
+    reset_quota_store()
+
+
+def _hurried(**quota: object) -> TenantContext:
+    return dataclasses.replace(
+        TenantContext.unlimited("hurried"), tenant_id=7, ttft_objective_ms=100, **quota
+    )
+
+
+def _skip(runtime: _Runtime, context: TenantContext, ticket: Ticket | None):  # type: ignore[no-untyped-def]
+    return skipped_by_forecast(
+        runtime,  # type: ignore[arg-type]
+        context,
+        model_name="chat",
+        version="v1",
+        submission={"input": "x" * 400, "messages": None},
+        ticket=ticket,
+        charge=Charge(context, 10),
+    )
+
+
+async def test_a_refusal_gives_back_what_admission_took(memory_store) -> None:  # type: ignore[no-untyped-def]
+    context = _hurried()
+    ticket = await memory_store.aadmit(context, tokens=10)
+    with pytest.raises(ObjectiveUnmet):
+        await _skip(_Runtime([_replica("busy", queued=50_000)]), context, ticket)
+    assert memory_store.usage([context])[context.tenant_id].num_in_flight == 0
+    assert slo_refusal_counts() == {("chat", "v1"): 1}
+
+
+async def test_a_request_cancelled_while_the_replicas_are_read_gives_back_its_admission(memory_store) -> None:  # type: ignore[no-untyped-def]
+    context = _hurried()
+    ticket = await memory_store.aadmit(context, tokens=10)
+    runtime = _Runtime(None)
+    task = asyncio.create_task(_skip(runtime, context, ticket))
+    await runtime.reading.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert memory_store.usage([context])[context.tenant_id].num_in_flight == 0
+
+
+async def test_over_quota_is_still_the_answer_where_admission_was_to_go_with_the_send(memory_store) -> None:  # type: ignore[no-untyped-def]
+    context = _hurried(requests_per_second=0.001)
+    await memory_store.arelease(await memory_store.aadmit(context, tokens=10), used_tokens=0)  # its burst
+    with pytest.raises(GatewayError) as refused:
+        await _skip(_Runtime([_replica("busy", queued=50_000)]), context, None)
+    assert refused.value.status == 429 and not isinstance(refused.value, ObjectiveUnmet)
+    assert memory_store.usage([context])[context.tenant_id].num_in_flight == 0
+
+
+async def test_a_tenant_without_an_objective_reads_no_forecast(memory_store) -> None:  # type: ignore[no-untyped-def]
+    runtime = _Runtime([_replica("busy", queued=50_000)])
+    context = dataclasses.replace(_hurried(), ttft_objective_ms=None)
+    assert await _skip(runtime, context, None) == frozenset()
+    assert runtime.reads == 0
