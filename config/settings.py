@@ -324,6 +324,9 @@ REPLICA_MAX_KV_SHARE_PER_TENANT = float(_tenant_kv) if _tenant_kv else None  # a
 # A waiting flex request is promoted to the default tier after this many seconds (0: never), and then
 # competes with default ones by age (serving/engine/tiers.py). Tenants' quota caps override the two above.
 REPLICA_TIER_AGING_S = float(os.environ.get("SWITCHYARD_REPLICA_TIER_AGING_S", "10"))
+# A request that has waited this long in a replica's queue without a seat ends with `queue_timeout` (a 503
+# with Retry-After when not streaming) rather than waiting on in silence; 0: never.
+REPLICA_QUEUE_TIMEOUT_S = float(os.environ.get("SWITCHYARD_REPLICA_QUEUE_TIMEOUT_S", "60"))
 if REPLICA_MAX_KV_SHARE_PER_TENANT is not None and not 0 < REPLICA_MAX_KV_SHARE_PER_TENANT <= 1:
     from django.core.exceptions import ImproperlyConfigured
 

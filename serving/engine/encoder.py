@@ -275,6 +275,10 @@ class EncoderEngine:
 
     # --- requests ----------------------------------------------------------------------------------
 
+    def expire_waiting(self, max_wait_s: float) -> list[str]:
+        """None: a batch closes by its own maximum wait (the generative engine's queue timeout)."""
+        return []
+
     def add_request(
         self,
         request_id: str,

@@ -351,9 +351,15 @@ class Engine:
     def sequence(self, request_id: str) -> Sequence | None:
         return self.scheduler.get(request_id)
 
+    def expire_waiting(self, max_wait_s: float) -> list[str]:
+        """Drop the requests that waited over `max_wait_s` for a first seat (the queue timeout); their ids."""
+        for seq in (expired := self.scheduler.expire_waiting(max_wait_s)):
+            self._requests.pop(seq.request_id, None)
+        return [seq.request_id for seq in expired]
+
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens not yet prefilled over the waiting and running sequences (the heartbeat's)."""
-        seqs = [state.seq for state in self._requests.values()]
+        seqs = (state.seq for state in self._requests.values())
         return sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in seqs)
 
     # --- the step ----------------------------------------------------------------------------------

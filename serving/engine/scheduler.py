@@ -209,6 +209,15 @@ class Scheduler:
         num_positions = self.max_blocks_per_sequence(limits) * self.config.block_size
         return min(self.config.max_model_len, num_positions + 1) - num_prompt_tokens
 
+    def expire_waiting(self, max_wait_s: float) -> list[Sequence]:
+        """End, as aborted, the sequences that waited over `max_wait_s` and never ran; those."""
+        cutoff = self._clock() - max_wait_s
+        waiting = self._admission.waiting()
+        expired = [s for s in waiting if s.first_scheduled_time is None and (s.enqueued_time or 0) < cutoff]
+        for seq in expired:
+            self.finish(seq.request_id, FinishReason.ABORT)
+        return expired
+
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a waiting or running request and free its blocks at once; None if unknown."""
         return self.finish(request_id, FinishReason.ABORT)
@@ -298,7 +307,7 @@ class Scheduler:
         output = SchedulerOutput(scheduled, preempted, cfg.max_num_batched_tokens - budget)
         self._last_output = output
         if __debug__:
-            self._assert_step_invariants(output)
+            _assert_step_invariants(self, output)
         return output
 
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Sequence]:
@@ -366,17 +375,6 @@ class Scheduler:
 
     # --- invariants -------------------------------------------------------------------------------
 
-    def _assert_step_invariants(self, output: SchedulerOutput) -> None:
-        bs = self.config.block_size
-        assert output.num_batched_tokens <= self.config.max_num_batched_tokens, "token budget respected"
-        assert len(self._running) <= self.config.max_num_seqs, "max_num_seqs respected"
-        assert self.num_waiting + len(self._running) == len(self._requests), "each request in one place"
-        for item in output.scheduled:
-            seq = item.seq
-            assert item.num_new_tokens >= 1
-            assert seq.status is SequenceStatus.RUNNING
-            assert len(seq.block_table) * bs >= seq.num_computed_tokens + item.num_new_tokens, seq.request_id
-
     def check_invariants(self) -> None:
         """Full O(requests + blocks) check of scheduler and KV cache state; for tests."""
         cfg = self.config
@@ -386,6 +384,20 @@ class Scheduler:
             assert len(seq.block_table) * cfg.block_size >= seq.num_computed_tokens
             assert seq.num_computed_tokens < len(seq.token_ids) <= cfg.max_model_len
         self.kv_cache.check_invariants(self._running.values())
+
+
+def _assert_step_invariants(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    """What every step must keep (checked under __debug__, every step)."""
+    cfg = scheduler.config
+    assert output.num_batched_tokens <= cfg.max_num_batched_tokens, "token budget respected"
+    assert scheduler.num_running <= cfg.max_num_seqs, "max_num_seqs respected"
+    assert scheduler.num_waiting + scheduler.num_running == len(scheduler._requests), "one place each"
+    for item in output.scheduled:
+        seq = item.seq
+        assert item.num_new_tokens >= 1
+        assert seq.status is SequenceStatus.RUNNING
+        num_slots = len(seq.block_table) * cfg.block_size
+        assert num_slots >= seq.num_computed_tokens + item.num_new_tokens, seq.request_id
 
 
 def _without(

@@ -23,6 +23,7 @@ from serving.replica.inbox import Inbox, Submission
 from serving.replica.load_report import LoadReport
 from serving.replica.outbox import Outbox
 from serving.replica.preparer import Preparer
+from serving.replica.queue_timeout import QueueTimeout
 from serving.replica.step_result import (
     Arrival,
     Route,
@@ -81,6 +82,7 @@ class ModelLoop:
         self.step_started_at: float | None = None
         self.is_abandoned = False  # the watchdog took the step for hung (abandon())
         self._keepalive_due = time.monotonic() + KEEPALIVE_S
+        self._queue_timeout = QueueTimeout()
 
     def run(self) -> None:
         """Until stopped: take the inbox, step, hand the events over, record the step's stats and metrics,
@@ -218,6 +220,7 @@ class ModelLoop:
             if self.routes.pop(request_id, None) is not None:
                 engine.abort(request_id)
                 ended.append(RequestSample("abort"))
+        self._queue_timeout.expire(engine, self.routes, result, ended)
         if ended:
             # Counted now, before their events go out: a forward pass that fails below replaces this
             # step's result with its failures, and these would be lost from the counts.

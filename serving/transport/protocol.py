@@ -57,6 +57,9 @@ REPLICA_FAILED = "replica_failed"  # a request that met replica_unavailable once
 # Failures of the replica, not of the request: retried elsewhere (before the first token) and counted
 # by the circuit breaker. A request-level error (a model failure, an injected fault) is neither:
 # retrying it would hide a bad version from the metrics the rollout judge reads.
+# A request that waited past the replica's queue timeout for a first seat (REPLICA_QUEUE_TIMEOUT_S): the
+# replica is overloaded, not broken, so it is no replica failure (no retry elsewhere, no breaker).
+QUEUE_TIMEOUT = "queue_timeout"
 REPLICA_FAILURES = frozenset({REPLICA_LOST, REPLICA_UNAVAILABLE, REPLICA_TIMEOUT})
 
 # Limits the gateway's edge checks before anything is sent, so that a replica never refuses a request

@@ -89,3 +89,20 @@ def test_a_tenants_own_caps_bind_it_and_no_other() -> None:
     while scheduler.has_unfinished():
         step(scheduler)
         scheduler.check_invariants()  # asserts a's running and block caps every step
+
+
+def test_a_request_that_waited_past_the_queue_timeout_without_a_seat_is_expired() -> None:
+    now = [0.0]
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256, block_size=4)
+    scheduler = Scheduler(config, KVCacheManager(64, 4, salt_secret=b"t"), clock=lambda: now[0])
+    scheduler.add(make_seq("running", 4, max_tokens=50))
+    step(scheduler)
+    scheduler.add(make_seq("waiting", 4, max_tokens=4))
+    now[0] = 5.0
+    assert scheduler.expire_waiting(10.0) == []  # not yet
+    now[0] = 11.0
+    expired = scheduler.expire_waiting(10.0)
+    assert [seq.request_id for seq in expired] == ["waiting"]
+    assert scheduler.get("waiting") is None and scheduler.get("running") is not None
+    assert scheduler.expire_waiting(0.0) == []  # one that ran is never expired
+    scheduler.check_invariants()

@@ -179,3 +179,28 @@ async def test_a_replica_forecast_to_miss_is_skipped_for_one_that_meets_the_obje
         ("patient", busy.channel_name),
         ("patient", real.channel_name),
     ]
+
+
+async def test_a_request_waiting_past_the_replicas_queue_timeout_gets_a_503_to_retry(
+    small_batch, make_tenant, runtime, settings
+) -> None:
+    """A replica whose seats are all taken ends a request that waited past its queue timeout with
+    `queue_timeout`, which a client that is not streaming gets as a 503 with Retry-After, rather than
+    waiting on in silence."""
+    from serving.gateway.in_flight import close_all
+
+    settings.ALLOWED_HOSTS = ["localhost"]
+    settings.REPLICA_QUEUE_TIMEOUT_S = 0.5
+    flooder = await _tenant(make_tenant, "flooder")
+    flood = [await _dispatch(flooder, text=PROMPT, max_tokens=1000) for _ in range(4)]  # every seat
+    try:
+        started = asyncio.get_running_loop().time()
+        async with asgi_client() as client:
+            waited = await client.post(
+                "/v1/models/demo-chat/infer", json={"input": "hello", "max_tokens": 4}, headers=flooder.auth
+            )
+        assert waited.status_code == 503, waited.text
+        assert "queue" in waited.json()["error"]["message"] and waited.headers["Retry-After"]
+        assert asyncio.get_running_loop().time() - started < 0.5 + 5  # the timeout and a check, not 60 s
+    finally:
+        await close_all(flood)
