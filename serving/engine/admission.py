@@ -11,7 +11,7 @@ import collections
 from collections.abc import Callable, KeysView
 
 from serving.engine.fairness import VirtualTokenCounter
-from serving.engine.kv_cache import KVCacheManager
+from serving.engine.kv_cache import KVCacheManager, blocks_of_share
 from serving.engine.sequence import PRIORITY_TIER, Sequence, SequenceStatus, TenantLimits
 from serving.engine.tiers import effective_tier, lowest_tier_victim
 
@@ -106,7 +106,7 @@ class Admission:
     def block_cap_of(self, limits: TenantLimits | None) -> int | None:
         """The KV blocks a tenant with these limits may hold: its share of this pool, else the replica's."""
         if limits is not None and limits.kv_share is not None:
-            return max(1, int(limits.kv_share * self.kv_cache.num_blocks))
+            return blocks_of_share(limits.kv_share, self.kv_cache.num_blocks)
         return self.max_blocks_per_tenant
 
     def remove_running(self, seq: Sequence) -> None:
@@ -152,7 +152,7 @@ class Admission:
         num_reserved = 0
         tenant_to_num_reserved: dict[str, int] = collections.defaultdict(int)
         for seq in self.running.values():
-            num_short = (len(seq.token_ids) + bs) // bs - len(seq.block_table)
+            num_short = _num_blocks_short(seq, bs)
             if num_short > 0:
                 num_reserved += num_short
                 tenant_to_num_reserved[seq.tenant_id] += num_short
@@ -260,11 +260,8 @@ class Admission:
         if block_cap is not None and num_tenant_running:
             # As admit() checks it: were its tenant's blocks the bar, admission would skip it and seat
             # the very sequences preempted here, to be preempted again next step.
-            num_reserved = sum(
-                max(0, (len(seq.token_ids) + bs) // bs - len(seq.block_table))
-                for seq in self.running.values()
-                if seq.tenant_id == tenant
-            )
+            running = (seq for seq in self.running.values() if seq.tenant_id == tenant)
+            num_reserved = sum(max(0, _num_blocks_short(seq, bs)) for seq in running)
             if kv.num_blocks_by_tenant.get(tenant, 0) + num_reserved + num_eventual > block_cap:
                 return
         while len(self.running) >= self.max_num_seqs or (
@@ -314,3 +311,9 @@ class Admission:
         for tenant, num_blocks in self.kv_cache.num_blocks_by_tenant.items():
             block_cap = self.block_cap(tenant)
             assert block_cap is None or num_blocks <= block_cap, f"{tenant} holds {num_blocks} > {block_cap}"
+
+
+def _num_blocks_short(seq: Sequence, block_size: int) -> int:
+    """The blocks a running sequence still needs to finish its known tokens and take one more step
+    (what admission reserves for it); zero or less when it holds them already."""
+    return (len(seq.token_ids) + block_size) // block_size - len(seq.block_table)

@@ -23,7 +23,7 @@ import torch
 
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.kv_budget import kv_cache_budget
-from serving.engine.kv_cache import KVCacheManager
+from serving.engine.kv_cache import KVCacheManager, blocks_of_share
 from serving.engine.loading import load_tokenizer, prompt_encoder
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import Sampler, make_generator
@@ -66,7 +66,7 @@ def _tenant_block_cap(config: EngineConfig, num_blocks: int) -> int | None:
     if config.max_kv_share_per_tenant is not None:
         if not 0 < config.max_kv_share_per_tenant <= 1:
             raise ValueError("max_kv_share_per_tenant must be in (0, 1]")
-        caps.append(max(1, int(config.max_kv_share_per_tenant * num_blocks)))
+        caps.append(blocks_of_share(config.max_kv_share_per_tenant, num_blocks))
     return min(caps) if caps else None
 
 

@@ -66,6 +66,11 @@ class _CacheChain:
     parent: bytes | int
 
 
+def blocks_of_share(share: float, num_blocks: int) -> int:
+    """A share of a pool of `num_blocks`, in whole blocks, at least one: a tenant's cap."""
+    return max(1, int(share * num_blocks))
+
+
 class KVCacheManager:
     """A pool of `num_blocks` blocks of `block_size` token slots. It owns `seq.block_table` of every
     sequence it allocates for, until `free(seq)`."""
