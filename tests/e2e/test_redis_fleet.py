@@ -18,6 +18,7 @@ import openai
 import pytest
 import redis
 
+from serving.benchmarks.serve_platform import run_manage
 from serving.gateway.in_flight import LIVENESS_CHECK_S
 from serving.gateway.quota_redis import RedisQuotaStore
 from serving.gateway.router import REVALIDATE_S
@@ -129,18 +130,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     for name in ("SECRET_KEY", "DJANGO_SETTINGS_MODULE"):
         env.pop(name, None)
 
-    def manage(*args: str) -> str:
-        return subprocess.run(
-            [sys.executable, "manage.py", *args],
-            cwd=REPO_ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-
-    manage("migrate", "--noinput", "-v0")
-    key = manage("seed_demo").strip().splitlines()[-1]
+    run_manage(env, "migrate", "--noinput", "-v0")
+    key = run_manage(env, "seed_demo").strip().splitlines()[-1]
     port = _free_port()
     log = (state / "server.log").open("wb")
     web = subprocess.Popen(
