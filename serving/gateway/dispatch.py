@@ -115,6 +115,7 @@ async def dispatch(
     tokens = charge_estimate(
         context, params=params, text=text, messages=messages, inputs=inputs, num_choices=num_choices
     )
+    charge = Charge(context, tokens, room_for)
     runtime = await data_plane()  # before admission: a cancellation while it starts holds no slot
     store = quota_store()
     ticket = (
@@ -139,7 +140,7 @@ async def dispatch(
     # replicas to: a pin to a version without traffic would wait for nothing.
     cold_start = snapshot.scales_to_zero and snapshot.serves(version)
     is_generative = snapshot.kind == Model.Kind.CAUSAL_LM
-    # A tenant with a TTFT objective skips the replicas forecast to miss it, or is refused (429) now.
+    # A tenant with latency objectives skips the replicas forecast to miss them, or is refused (429) now.
     skip = frozenset[str]()
     if is_generative:
         skip = await slo_admission.skipped_by_forecast(
@@ -149,7 +150,8 @@ async def dispatch(
             version=version,
             submission=submission,
             ticket=ticket,
-            charge=Charge(context, tokens, room_for),
+            charge=charge,
+            service_tier=service_tier,
         )
     # A version without traffic (a pin to one) says nothing the judge could use when it has no replica.
     handle = (slo_admission.ForecastRequest if is_generative else InFlightRequest)(
@@ -163,9 +165,7 @@ async def dispatch(
     )
     try:
         try:
-            await handle.submit(
-                exclude=skip, charge=Charge(context, tokens, room_for) if ticket is None else None
-            )
+            await handle.submit(exclude=skip, charge=charge if ticket is None else None)
         except GatewayError as exc:
             if exc.status == 503:
                 handle.count_failure()

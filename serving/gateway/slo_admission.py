@@ -1,7 +1,11 @@
-"""SLO-aware admission: a tenant with a TTFT objective is sent only to a replica forecast to meet it
-(ttft_forecast.py), and refused at once, with a 429 and a Retry-After from the forecast, when none is;
-and every generative request's first token is set against the forecast for its replica (the forecast's
-error, on /metrics). docs/architecture.md, "SLO-aware admission"."""
+"""SLO-aware admission: a tenant with latency objectives is sent only to a replica forecast to meet
+them, and refused at once, with a 429 and a Retry-After from the forecast, when none is; and every
+generative request's first token is set against the forecast for its replica (the forecast's error, on
+/metrics). docs/architecture.md, "SLO-aware admission".
+
+The objectives are the tenant's quota's, for its `priority` and `default` requests. A `flex` request
+has none: it is the tier that accepts a wait to be served at all, and the replica's queue timeout
+bounds that wait (docs/architecture.md, "Service tiers")."""
 
 from __future__ import annotations
 
@@ -10,8 +14,10 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
+from registry.models import ServiceTier
 from registry.selectors import TenantContext
 from serving.gateway.breaker import breaker
 from serving.gateway.data_plane import DataPlane, ReplicaHandle
@@ -20,7 +26,6 @@ from serving.gateway.in_flight import InFlightRequest
 from serving.gateway.quota import Charge, Ticket
 from serving.gateway.quota_store import quota_store
 from serving.gateway.ttft_forecast import (
-    TtftForecast,
     TtftInputs,
     estimate_prompt_tokens,
     forecast_ttft,
@@ -31,16 +36,37 @@ from serving.telemetry.ttft_forecasts import count_slo_refusal, record_ttft_fore
 
 logger = logging.getLogger(__name__)
 
+# The wait a refusal names when a replica misses only the TPOT objective: nothing in a heartbeat says
+# when its batch will thin out, and a second is a beat or two, when the router sees it again.
+TPOT_RETRY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Objectives:
+    """A request's latency objectives, in milliseconds; None: none of that kind."""
+
+    ttft_ms: int | None
+    tpot_ms: int | None
+
+
+def objectives_for(context: TenantContext, service_tier: str) -> Objectives | None:
+    """The objectives admission holds a request of `context`'s at `service_tier` to; None for a flex
+    request or a tenant with none."""
+    if service_tier == ServiceTier.FLEX.value:
+        return None
+    if context.ttft_objective_ms is None and context.tpot_objective_ms is None:
+        return None
+    return Objectives(ttft_ms=context.ttft_objective_ms, tpot_ms=context.tpot_objective_ms)
+
 
 class ObjectiveUnmet(GatewayError):
-    """No replica is forecast to meet the tenant's TTFT objective: a 429, to retry after the wait
+    """No replica is forecast to meet the request's latency objectives: a 429, to retry after the wait
     until the best of them would."""
 
-    def __init__(self, *, objective_ms: int, best: TtftForecast, wait_s: float) -> None:
+    def __init__(self, *, missed: str, wait_s: float) -> None:
         super().__init__(
             429,
-            f"no replica is forecast to serve the first token within the TTFT objective of "
-            f"{objective_ms} ms (best forecast {math.ceil(best.total_s * 1000)} ms): try again after "
+            f"no replica is forecast to meet this key's latency objectives ({missed}): try again after "
             "Retry-After",
             retry_after_s=wait_s,
         )
@@ -53,25 +79,50 @@ def prompt_tokens_of(submission: dict[str, Any]) -> int:
     return estimate_prompt_tokens(sum(len(m["content"]) for m in submission.get("messages") or ()))
 
 
+def misses_tpot(replica: ReplicaHandle, objective_s: float) -> bool:
+    """Whether a request's tokens there would come slower than the TPOT objective: its steps lately
+    took longer. One more sequence barely lengthens a step that is bound by reading the weights, so the
+    recent mean is the forecast; a replica running nothing meets it (no faster one could exist)."""
+    return replica.num_running > 0 and replica.step_s > objective_s
+
+
 def replicas_to_skip(
-    candidates: list[ReplicaHandle], *, objective_ms: int, prompt_tokens: int
+    candidates: list[ReplicaHandle],
+    *,
+    objective_ms: int | None,
+    prompt_tokens: int,
+    tpot_objective_ms: int | None = None,
 ) -> frozenset[str]:
     """Of the replicas the router would consider (ready, past their circuit breaker), those forecast
-    to miss the objective: the router chooses among the others as ever. Raises ObjectiveUnmet when that
-    is every one of them. None to consider skips none: placing the request answers (a 503, a cold start)."""
-    objective_s = objective_ms / 1000
+    to miss the TTFT objective (`objective_ms`) or the TPOT one: the router chooses among the others
+    as ever. Raises ObjectiveUnmet when that is every one of them. None to consider skips none:
+    placing the request answers (a 503, a cold start)."""
     considered = [r for r in candidates if r.is_ready and breaker.allows(r.replica_id)]
-    forecasts = {
-        r.replica_id: forecast_ttft(TtftInputs.of(r, prompt_tokens=prompt_tokens)) for r in considered
-    }
-    missing = {
-        replica_id: f for replica_id, f in forecasts.items() if f is not None and not meets(f, objective_s)
-    }
-    if considered and len(missing) == len(considered):
-        best = min(missing.values(), key=lambda f: f.total_s)
-        wait_s = min(wait_until_met_s(f, objective_s) for f in missing.values())
-        raise ObjectiveUnmet(objective_ms=objective_ms, best=best, wait_s=wait_s)
-    return frozenset(missing)
+    waits: dict[str, float] = {}  # a missing replica: how long until it would meet them
+    best_ttft_s, best_step_s = math.inf, math.inf
+    for replica in considered:
+        wait_s = None
+        if objective_ms is not None:
+            forecast = forecast_ttft(TtftInputs.of(replica, prompt_tokens=prompt_tokens))
+            if forecast is not None and not meets(forecast, objective_ms / 1000):
+                wait_s = wait_until_met_s(forecast, objective_ms / 1000)
+                best_ttft_s = min(best_ttft_s, forecast.total_s)
+        if tpot_objective_ms is not None and misses_tpot(replica, tpot_objective_ms / 1000):
+            wait_s = max(wait_s or 0.0, TPOT_RETRY_S)
+            best_step_s = min(best_step_s, replica.step_s)
+        if wait_s is not None:
+            waits[replica.replica_id] = wait_s
+    if considered and len(waits) == len(considered):
+        missed = []
+        if best_ttft_s < math.inf:
+            missed.append(
+                f"TTFT objective {objective_ms} ms, best forecast {math.ceil(best_ttft_s * 1000)} ms"
+            )
+        if best_step_s < math.inf:
+            fastest_ms = math.ceil(best_step_s * 1000)
+            missed.append(f"TPOT objective {tpot_objective_ms} ms, fastest step lately {fastest_ms} ms")
+        raise ObjectiveUnmet(missed="; ".join(missed), wait_s=min(waits.values()))
+    return frozenset(waits)
 
 
 async def skipped_by_forecast(
@@ -83,11 +134,14 @@ async def skipped_by_forecast(
     submission: dict[str, Any],
     ticket: Ticket | None,
     charge: Charge,
+    service_tier: str = ServiceTier.DEFAULT.value,
 ) -> frozenset[str]:
-    """replicas_to_skip for a request of `context`'s to a generative version; none for a tenant with no
-    TTFT objective. A refusal gives back what admission took (`ticket`), or, where admission was to go
-    with the send (no ticket yet), asks the quota first: over quota is still the first answer."""
-    if context.ttft_objective_ms is None:
+    """replicas_to_skip for a request of `context`'s to a generative version; none for a request with
+    no objectives (objectives_for). A refusal gives back what admission took (`ticket`), or, where
+    admission was to go with the send (no ticket yet), asks the quota first: over quota is still the
+    first answer."""
+    objectives = objectives_for(context, service_tier)
+    if objectives is None:
         return frozenset()
     try:
         try:
@@ -95,7 +149,10 @@ async def skipped_by_forecast(
         except Exception:  # the directory unreadable: placing the request reads it again, and says so
             return frozenset()
         return replicas_to_skip(
-            candidates, objective_ms=context.ttft_objective_ms, prompt_tokens=prompt_tokens_of(submission)
+            candidates,
+            objective_ms=objectives.ttft_ms,
+            tpot_objective_ms=objectives.tpot_ms,
+            prompt_tokens=prompt_tokens_of(submission),
         )
     except BaseException as exc:  # refused, or cancelled while the directory was read
         store = quota_store()

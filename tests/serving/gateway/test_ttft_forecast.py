@@ -100,7 +100,15 @@ def test_a_replica_with_nothing_queued_meets_any_objective_and_a_busy_one_once_i
     assert meets(None, 0.001)  # no forecast: no refusal on a guess
 
 
-def _replica(replica_id: str, *, queued: int, rate: float = 10_000.0, is_ready: bool = True) -> ReplicaHandle:
+def _replica(
+    replica_id: str,
+    *,
+    queued: int,
+    rate: float = 10_000.0,
+    is_ready: bool = True,
+    step_s: float = 0.02,
+    num_running: int = 4,
+) -> ReplicaHandle:
     return ReplicaHandle(
         replica_id=replica_id,
         model_name="chat",
@@ -111,7 +119,8 @@ def _replica(replica_id: str, *, queued: int, rate: float = 10_000.0, is_ready: 
         kv_cache_usage=0.0,
         is_ready=is_ready,
         is_local=False,
-        step_s=0.02,
+        step_s=step_s,
+        num_running=num_running,
         queued_prompt_tokens=queued,
         prefill_tokens_per_s=rate,
     )
@@ -147,6 +156,25 @@ def test_when_every_replica_is_forecast_to_miss_it_is_a_429_with_the_wait_until_
     assert "500 ms" in refused.value.message and "3030 ms" in refused.value.message
 
 
+def test_a_replica_whose_steps_are_slower_than_the_tpot_objective_is_skipped() -> None:
+    candidates = [
+        _replica("crowded", queued=0, step_s=0.050),
+        _replica("brisk", queued=0, step_s=0.020),
+        _replica("idle", queued=0, step_s=0.090, num_running=0),  # its last steps were a batch now gone
+    ]
+    assert replicas_to_skip(candidates, objective_ms=None, tpot_objective_ms=30, prompt_tokens=100) == {
+        "crowded"
+    }
+    # Both objectives: a replica missing either is skipped.
+    both = [_replica("slow-steps", queued=0, step_s=0.050), _replica("long-queue", queued=50_000)]
+    with pytest.raises(ObjectiveUnmet) as refused:
+        replicas_to_skip(both, objective_ms=500, tpot_objective_ms=30, prompt_tokens=100)
+    # The TPOT miss would clear soonest (no figure says when; a beat or two), and the message names both.
+    assert refused.value.retry_after_s == pytest.approx(1.0)
+    assert "TPOT objective 30 ms, fastest step lately 50 ms" in refused.value.message
+    assert "TTFT objective 500 ms" in refused.value.message
+
+
 class _Runtime:
     """A data plane whose only part used here is candidates(): `replicas`, or a read that never ends."""
 
@@ -180,7 +208,7 @@ def _hurried(**quota: object) -> TenantContext:
     )
 
 
-def _skip(runtime: _Runtime, context: TenantContext, ticket: Ticket | None):  # type: ignore[no-untyped-def]
+def _skip(runtime: _Runtime, context: TenantContext, ticket: Ticket | None, tier: str = "default"):  # type: ignore[no-untyped-def]
     return skipped_by_forecast(
         runtime,  # type: ignore[arg-type]
         context,
@@ -189,6 +217,7 @@ def _skip(runtime: _Runtime, context: TenantContext, ticket: Ticket | None):  # 
         submission={"input": "x" * 400, "messages": None},
         ticket=ticket,
         charge=Charge(context, 10),
+        service_tier=tier,
     )
 
 
@@ -227,3 +256,18 @@ async def test_a_tenant_without_an_objective_reads_no_forecast(memory_store) -> 
     context = dataclasses.replace(_hurried(), ttft_objective_ms=None)
     assert await _skip(runtime, context, None) == frozenset()
     assert runtime.reads == 0
+
+
+async def test_a_flex_request_is_held_to_no_objective_and_a_priority_one_is(memory_store) -> None:  # type: ignore[no-untyped-def]
+    runtime = _Runtime([_replica("busy", queued=50_000)])
+    # Flex accepts a wait to be served at all: the replica's queue timeout bounds it, not a refusal.
+    assert await _skip(runtime, _hurried(), None, tier="flex") == frozenset()
+    assert runtime.reads == 0
+    with pytest.raises(ObjectiveUnmet):
+        await _skip(runtime, _hurried(), None, tier="priority")
+
+
+async def test_a_tpot_objective_alone_is_admitted_by(memory_store) -> None:  # type: ignore[no-untyped-def]
+    context = dataclasses.replace(_hurried(), ttft_objective_ms=None, tpot_objective_ms=30)
+    runtime = _Runtime([_replica("slow", queued=0, step_s=0.05), _replica("quick", queued=0, step_s=0.01)])
+    assert await _skip(runtime, context, None) == {"slow"}
