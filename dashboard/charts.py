@@ -86,6 +86,13 @@ CHARTS: tuple[dict[str, Any], ...] = (
 )
 
 
+# The per-tier p99 TTFT chart (docs/architecture.md, "Service tiers"): one line per (version, tier), in
+# the version's colour and the tier's dash. Its own chart, not stats of the TTFT chart above, whose p50 /
+# p95 / p99 dashes these would be mistaken for.
+TIER_TTFT_CHART = {"id": "tier_ttft", "title": "p99 time to first token by service tier", "unit": "ms"}
+TIER_DASH = {"priority": "solid", "default": "dash", "flex": "dot"}
+
+
 def chart_range(key: str | None) -> ChartRange:
     return RANGES.get(key or "", RANGES[DEFAULT_RANGE])
 
@@ -143,6 +150,8 @@ def chart_point(window: VersionWindow) -> dict[str, Any]:
         "model_time": _quantiles_ms(window.model_time),
         "batch": batch_bins(window.batch_size),
         "fill": queue_wait_bins(window.queue_wait),
+        # Only the tiers with requests in this step: a tier's line has points where it had traffic.
+        "tier_ttft": {tier: _ms(figures.p99_ttft_s) for tier, figures in window.tiers.items()},
     }
 
 

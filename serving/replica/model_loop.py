@@ -28,6 +28,7 @@ from serving.replica.step_result import (
     Arrival,
     Route,
     StepResult,
+    error_sample,
     failure_message,
     final_event,
     request_sample,
@@ -176,7 +177,7 @@ class ModelLoop:
             # must count.
             has_begun = route.last_token_at is not None
             counted_as = REPLICA_FAILED if error_type == REPLICA_UNAVAILABLE and has_begun else error_type
-            samples.append(RequestSample("error", error_type=counted_as))
+            samples.append(error_sample(counted_as, route))
         self._metrics.record(requests=samples)
         return result
 
@@ -306,6 +307,7 @@ class ModelLoop:
     def _admit(self, arrival: Arrival, result: StepResult, ended: list[RequestSample]) -> None:
         engine = self.engine
         request_id, route = arrival.request_id, arrival.route
+        route.tier = arrival.tier  # its samples' service tier, from here on (error_sample, request_sample)
         end_message = self._inbox.end_message
         if end_message is not None:  # prepared while the drain ran out: the replica is going away
             result.add(route, request_id, error_event(REPLICA_UNAVAILABLE, end_message))
@@ -313,7 +315,7 @@ class ModelLoop:
             return
         if arrival.error is not None:
             result.add(route, request_id, arrival.error)
-            ended.append(RequestSample("error", error_type=arrival.error["error"]["type"]))
+            ended.append(error_sample(arrival.error["error"]["type"], route))
             return
         try:
             engine.add_request(
@@ -337,7 +339,7 @@ class ModelLoop:
             with contextlib.suppress(Exception):
                 engine.abort(request_id)
             result.add(route, request_id, error_event("internal_error", "the replica could not admit it"))
-            ended.append(RequestSample("error", error_type="internal_error"))
+            ended.append(error_sample("internal_error", route))
             return
         num_prompt_tokens = arrival.num_prompt_tokens
         result.add(route, request_id, accepted_event(num_prompt_tokens))
@@ -346,9 +348,7 @@ class ModelLoop:
             result.add(
                 route, request_id, error_event(INJECTED_FAULT, "injected fault (fault injection is on)")
             )
-            ended.append(
-                RequestSample("error", num_prompt_tokens=num_prompt_tokens, error_type=INJECTED_FAULT)
-            )
+            ended.append(error_sample(INJECTED_FAULT, route, num_prompt_tokens=num_prompt_tokens))
             return
         route.seq = engine.sequence(request_id)
         self.routes[request_id] = route

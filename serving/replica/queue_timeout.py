@@ -10,7 +10,7 @@ from typing import Any
 
 from django.conf import settings
 
-from serving.replica.step_result import Route, StepResult
+from serving.replica.step_result import Route, StepResult, error_sample
 from serving.telemetry.recorder import RequestSample
 from serving.transport.protocol import QUEUE_TIMEOUT, error_event
 
@@ -35,4 +35,4 @@ class QueueTimeout:
             if route is not None:
                 message = f"it waited over {timeout_s:g} s in the replica's queue for a seat; try again later"
                 result.add(route, request_id, error_event(QUEUE_TIMEOUT, message))
-                ended.append(RequestSample("error", error_type=QUEUE_TIMEOUT))
+                ended.append(error_sample(QUEUE_TIMEOUT, route))

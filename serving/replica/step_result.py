@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.telemetry.metric_window import SERVICE_TIERS
 from serving.telemetry.recorder import RequestSample
 from serving.transport.protocol import ErrorEvent, Event, FinalEvent, TokenEvent, token_event
 from serving.transport.vectors import encode_vectors
@@ -27,6 +28,9 @@ class Route:
     # Its gateway asked for keepalives (KEEPALIVE_S). A gateway older than them would pass one on to its
     # client as the stream's end: it gets none.
     wants_keepalives: bool = False
+    # The engine's tier index (as Arrival.tier), once the model thread takes it: the service tier its
+    # metrics are counted under (docs/architecture.md, "Service tiers"). None: not known.
+    tier: int | None = None
 
 
 @dataclass(slots=True)
@@ -112,6 +116,20 @@ def request_sample(output: Any, route: Route) -> RequestSample:
         e2e_s=finished - arrival,
         queue_wait_s=first_scheduled - arrival if first_scheduled is not None else None,
         is_generative=getattr(output, "vectors", None) is None,
+        service_tier=service_tier(route),
+    )
+
+
+def service_tier(route: Route) -> str | None:
+    """The name of the tier a request was granted (not the one aging lent it), for its metrics."""
+    tier = route.tier
+    return SERVICE_TIERS[tier] if tier is not None and 0 <= tier < len(SERVICE_TIERS) else None
+
+
+def error_sample(error_type: str, route: Route, *, num_prompt_tokens: int = 0) -> RequestSample:
+    """The sample of a request that ended in an error after it was read, counted under its tier."""
+    return RequestSample(
+        "error", num_prompt_tokens=num_prompt_tokens, error_type=error_type, service_tier=service_tier(route)
     )
 
 

@@ -12,6 +12,11 @@ Counters (names used by the store and the selectors):
                         (serving/gateway/shadow.py), and of those, the ones that matched
     batches_closed.<reason>   a non-generative model's batches, by why the dynamic batcher closed them
                         (full, timeout); their time to fill is the batch_fill_s histogram
+    tier.<tier>.requests, tier.<tier>.errors   `requests` and `errors` of one service tier (priority,
+                        default, flex); with histograms tier.<tier>.ttft_s, .tpot_s, .queue_wait_s
+
+Per-tier names exist only for the tiers a window had requests of, so a window of one tier stores one
+tier's few entries, and windows written before tiers were counted read as having none.
 """
 
 from __future__ import annotations
@@ -54,6 +59,18 @@ REJECTED_PREFIX = "rejected."
 BATCH_CLOSED_PREFIX = "batches_closed."
 # Refusals before any model work: they say nothing about the version's health.
 REJECTION_TYPES = frozenset({"invalid_request_error", "replica_unavailable"})
+
+# A request's service tier (docs/architecture.md, "Service tiers"), best first: the order reads list
+# them in. The engine's TIER_NAMES, whose indexes a replica's routes hold; telemetry imports no side, so
+# a test holds the two equal. Only these are counted: each is a label value and a set of stored names.
+SERVICE_TIERS = ("priority", "default", "flex")
+TIER_PREFIX = "tier."
+TIER_HISTOGRAM_NAMES = ("ttft_s", "tpot_s", "queue_wait_s")
+
+
+def tier_metric(tier: str, name: str) -> str:
+    """The counter or histogram `name` (REQUESTS, ERRORS, one of TIER_HISTOGRAM_NAMES) of one tier."""
+    return f"{TIER_PREFIX}{tier}.{name}"
 
 
 @dataclass(slots=True)
@@ -131,6 +148,10 @@ class MetricsWindow:
 
     def copy(self) -> MetricsWindow:
         return MetricsWindow().merge(self)
+
+    def service_tiers(self) -> list[str]:
+        """The tiers this window counted requests of, best first (SERVICE_TIERS' order)."""
+        return [t for t in SERVICE_TIERS if self.counters.get(tier_metric(t, REQUESTS), 0)]
 
     @property
     def is_empty(self) -> bool:

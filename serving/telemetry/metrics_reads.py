@@ -25,6 +25,31 @@ MAX_SERIES_POINTS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
+class TierWindow:
+    """One service tier's share of a VersionWindow (docs/architecture.md, "Service tiers"): its
+    requests, as `num_requests` counts them, their errors and latencies."""
+
+    tier: str
+    num_requests: int
+    num_errors: int
+    ttft: Histogram
+    tpot: Histogram
+    queue_wait: Histogram
+
+    @property
+    def error_rate(self) -> float:
+        return self.num_errors / self.num_requests if self.num_requests else 0.0
+
+    @property
+    def p99_ttft_s(self) -> float | None:
+        return self.ttft.quantile(0.99)
+
+    @property
+    def p99_tpot_s(self) -> float | None:
+        return self.tpot.quantile(0.99)
+
+
+@dataclass(frozen=True, slots=True)
 class VersionWindow:
     """A version's traffic over [start, end). Rates are over requests that ended with stop, length or
     error (client aborts and refusals before any model work are not requests here)."""
@@ -53,6 +78,9 @@ class VersionWindow:
     num_shadow_compared: int = 0  # shadow copies whose text was compared with the primary's
     num_shadow_matched: int = 0
     gauges: dict[str, GaugeStat] = field(default_factory=dict)  # queue_depth, running, kv_cache_usage, …
+    # By service tier, best first, only the tiers that had requests in the window (none in rows written
+    # before tiers were counted): the same requests as above, of replicas that knew their tier.
+    tiers: dict[str, TierWindow] = field(default_factory=dict)
 
     @property
     def num_completed(self) -> int:
@@ -144,6 +172,21 @@ def _version_window(
             if name.startswith(m.ERROR_PREFIX)
         },
         gauges=window.gauges,
+        tiers={tier: _tier_window(tier, window) for tier in window.service_tiers()},
+    )
+
+
+def _tier_window(tier: str, window: MetricsWindow) -> TierWindow:
+    def histogram(name: str) -> Histogram:
+        return window.histograms.get(m.tier_metric(tier, name)) or Histogram()
+
+    return TierWindow(
+        tier=tier,
+        num_requests=window.counters.get(m.tier_metric(tier, m.REQUESTS), 0),
+        num_errors=window.counters.get(m.tier_metric(tier, m.ERRORS), 0),
+        ttft=histogram("ttft_s"),
+        tpot=histogram("tpot_s"),
+        queue_wait=histogram("queue_wait_s"),
     )
 
 

@@ -111,6 +111,28 @@ _LABELLED_COUNTERS = (
         "Dynamic batcher: batches, by why they closed.",
     ),
 )
+# Per service tier (docs/architecture.md, "Service tiers"), labelled `service_tier` as well, for the tiers
+# a replica has served: families of their own rather than a label on the ones above, whose series would
+# then be counted twice by a sum over the new label's absence, and which requests of no known tier (an
+# older replica's) still fill. (recorder's name of each tier, exposed name, help)
+_TIER_COUNTERS = (
+    (m.REQUESTS, "switchyard_tier_requests", "Requests ended (stop, length or error), by service tier."),
+    (m.ERRORS, "switchyard_tier_errors", "Requests ended in an error, by service tier."),
+)
+_TIER_HISTOGRAMS = (
+    ("ttft_s", "switchyard_tier_ttft_seconds", "Time to first token, by service tier."),
+    (
+        "tpot_s",
+        "switchyard_tier_tpot_seconds",
+        "Mean time per output token after the first, by service tier.",
+    ),
+    (
+        "queue_wait_s",
+        "switchyard_tier_queue_wait_seconds",
+        "From arrival to first scheduled, by service tier.",
+    ),
+)
+TIER_LABELS = (*LABELS, "service_tier")
 _GAUGES = (
     ("queue_depth", "switchyard_queue_depth", "Requests waiting in the engine after the last step."),
     ("running", "switchyard_running_requests", "Requests running in the engine after the last step."),
@@ -158,6 +180,32 @@ class SwitchyardCollector:
                 if key in snapshot.gauges:
                     gauge.add_metric(_labels(snapshot), snapshot.gauges[key])
             yield gauge
+        yield from _tier_families(snapshots)
+
+
+def _tier_families(snapshots: list[RecorderSnapshot]) -> Iterator[Metric]:
+    tiers = [(snapshot, snapshot.totals.service_tiers()) for snapshot in snapshots]
+    for key, name, documentation in _TIER_COUNTERS:
+        counter = CounterMetricFamily(name, documentation, labels=TIER_LABELS)
+        for snapshot, served in tiers:
+            for tier in served:
+                counter.add_metric(
+                    [*_labels(snapshot), tier], snapshot.totals.counters.get(m.tier_metric(tier, key), 0)
+                )
+        yield counter
+    les = [floatToGoString(bound) for bound in SECONDS_BOUNDS]
+    for key, name, documentation in _TIER_HISTOGRAMS:
+        histograms = HistogramMetricFamily(name, documentation, labels=TIER_LABELS)
+        for snapshot, served in tiers:
+            for tier in served:
+                histogram = snapshot.totals.histograms.get(m.tier_metric(tier, key)) or Histogram()
+                counts = histogram.cumulative_counts(SECONDS_BOUNDS, monotonic=True)
+                histograms.add_metric(
+                    [*_labels(snapshot), tier],
+                    [*zip(les, counts, strict=True), ("+Inf", histogram.count)],
+                    sum_value=histogram.sum,
+                )
+        yield histograms
 
 
 class ShadowCollector:

@@ -30,8 +30,10 @@ from serving.telemetry.metric_window import (
     REJECTED_PREFIX,
     REJECTION_TYPES,
     REQUESTS,
+    SERVICE_TIERS,
     WINDOW_S,
     MetricsWindow,
+    tier_metric,
     window_start,
 )
 from serving.telemetry.metrics_store import metrics_flush
@@ -52,6 +54,9 @@ class RequestSample:
     queue_wait_s: float | None = None
     error_type: str | None = None
     is_generative: bool = True  # a non-generative request's result has no output tokens, and is not empty
+    # The tier it was served at (SERVICE_TIERS): its requests, errors and latencies are counted per tier
+    # as well (docs/architecture.md, "Service tiers"). None: not known (refused before it was read).
+    service_tier: str | None = None
 
 
 @dataclass(slots=True)
@@ -96,6 +101,23 @@ def _add_request(window: MetricsWindow, sample: RequestSample) -> None:
     ):
         if value is not None:
             window.histogram(name).observe(max(0.0, value))
+    if sample.service_tier in SERVICE_TIERS:
+        _add_tier(window, sample, str(sample.service_tier))
+
+
+def _add_tier(window: MetricsWindow, sample: RequestSample, tier: str) -> None:
+    """A request's own tier's share of `_add_request`: the same requests and errors, the latencies a
+    tier's traffic is judged by (TIER_HISTOGRAM_NAMES)."""
+    window.count(tier_metric(tier, REQUESTS))
+    if sample.finish_reason == "error":
+        window.count(tier_metric(tier, ERRORS))
+    for name, value in (
+        ("ttft_s", sample.ttft_s),
+        ("tpot_s", sample.tpot_s),
+        ("queue_wait_s", sample.queue_wait_s),
+    ):
+        if value is not None:
+            window.histogram(tier_metric(tier, name)).observe(max(0.0, value))
 
 
 def _add_step(window: MetricsWindow, step: StepSample) -> None:

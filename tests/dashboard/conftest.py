@@ -87,10 +87,16 @@ def chat(db: None) -> Any:
 
 
 def record_traffic(
-    model: Any, version: str, *, ttft_s: float, num_requests: int = 20, ago_s: float = 12
+    model: Any,
+    version: str,
+    *,
+    ttft_s: float,
+    num_requests: int = 20,
+    ago_s: float = 12,
+    service_tier: str | None = None,
 ) -> None:
     """Write `num_requests` requests of one version into the metrics store, `ago_s` seconds ago, through
-    the replica's own recorder and flush."""
+    the replica's own recorder and flush; of `service_tier`, when given."""
     from serving.telemetry.recorder import MetricsRecorder, RequestSample, StepSample
 
     mv = model.versions.get(version=version)
@@ -108,6 +114,7 @@ def record_traffic(
             e2e_s=ttft_s * 2,
             queue_wait_s=ttft_s / 2,
             error_type="model_error" if i == 0 else None,
+            service_tier=service_tier,
         )
         for i in range(num_requests)
     ]
