@@ -5,9 +5,11 @@ standing in for the forward pass; requests go to the least loaded of two ready r
 choice_replica), wait at the gateway while none is ready (a cold start), and the autoscaler's own policy
 (rollouts.fleet.autoscaler: recommend, next_target) runs on its tick from the replicas' signals. A replica it
 adds serves only after `load_time_s`; one it removes drains first. Deterministic under a seed, and
-minutes of traffic take seconds.
+minutes of traffic take seconds. With an SloAdmission (rollouts/fleet/slo_gateway.py), the gateway
+admits each arrival only where its TTFT is forecast to meet the objective, and refuses it otherwise.
 
     python manage.py simulate fleet --rate 0:2,120:16,300:2 --duration 420 --compare-static 4
+    python manage.py simulate slo --replicas 4 --ttft-objective-ms 1000 --overload 1.5
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ import random
 from collections import deque
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from rollouts.fleet.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
+from rollouts.fleet.prefill_rate import PrefillRate
+from rollouts.fleet.slo_gateway import SloAdmission
 from serving.engine.kv_cache import KVCacheManager
 from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.engine.sequence import SamplingParams, Sequence
 from serving.engine.simulated import LatencyModel, SimulatedExecutor, SimulatedRequest
 from serving.gateway.router import choose_replica
-from serving.transport.replica_directory import RecentSteps
+from serving.transport.replica_directory import STEP_WINDOW_S, RecentSteps
 
 
 class StepLatency(Protocol):
@@ -185,6 +189,12 @@ class _Replica:
         self.step: tuple[SchedulerOutput, dict[str, int], float, float] | None = None
         self.recent_steps = RecentSteps(since=self.ready_at)
         self._clock = clock
+        # What its heartbeat would carry for the gateway's TTFT forecast (docs/architecture.md,
+        # "SLO-aware admission"): the sequences routed here and not finished, and the prefill rate.
+        self.sequences: dict[str, Sequence] = {}
+        self.prefill_rate = PrefillRate(STEP_WINDOW_S)
+        # What a replica's warm-up times: one sequence decoding over two blocks and a token (ModelRunner).
+        self.base_step_s = config.latency.base_step_ms(2 * config.scheduler.block_size + 1) / 1000
 
     @property
     def is_ready(self) -> bool:  # what the router asks
@@ -198,10 +208,28 @@ class _Replica:
     def is_idle(self) -> bool:
         return self.step is None and not self.scheduler.has_unfinished()
 
+    @property
+    def queued_prompt_tokens(self) -> int:  # as Engine.queued_prompt_tokens counts them
+        return sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in self.sequences.values())
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_rate.per_s
+
+    @property
+    def step_s(self) -> float:
+        return self.recent_steps.read(self._clock[0]).mean_s
+
 
 def simulate_fleet(
-    requests: SequenceOf[SimulatedRequest], config: FleetConfig, *, seed: int = 0
+    requests: SequenceOf[SimulatedRequest],
+    config: FleetConfig,
+    *,
+    seed: int = 0,
+    admission: SloAdmission[Any] | None = None,
 ) -> FleetReport:
+    """`admission`: the gateway's SLO-aware admission, which refuses what it forecasts to miss the
+    objective (its refusals are its own); None routes every request as the router alone would."""
     clock = [0.0]  # shared by every replica's scheduler
     rng = random.Random(seed)
     replicas = [_Replica(config, clock, seed) for _ in range(config.initial_replicas)]
@@ -218,13 +246,23 @@ def simulate_fleet(
     replica_seconds = 0.0
 
     def route(request: SimulatedRequest) -> bool:
-        replica = choose_replica(replicas, rng=rng)
+        """False: no replica is ready, the request waits at the gateway. A refusal is an answer (a 429)."""
+        candidates = replicas
+        if admission is not None and (ready := [r for r in replicas if r.is_ready]):
+            prompt_tokens = len(request.prompt_token_ids)  # known exactly here, estimated live
+            admissible = admission.admit(request.request_id, prompt_tokens, ready, clock[0])
+            if admissible is None:
+                return True
+            candidates = admissible
+        replica = choose_replica(candidates, rng=rng)
         if replica is None:
             return False
         params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
         prompt = list(request.prompt_token_ids)
         # arrival_time is the arrival at the gateway: TTFT counts a cold start's wait
-        replica.scheduler.add(Sequence(request.request_id, prompt, params, arrival_time=request.arrival_s))
+        seq = Sequence(request.request_id, prompt, params, arrival_time=request.arrival_s)
+        replica.scheduler.add(seq)
+        replica.sequences[seq.request_id] = seq
         return True
 
     while arrivals or held or any(not r.is_idle for r in replicas):
@@ -237,12 +275,20 @@ def simulate_fleet(
             raise RuntimeError(f"the fleet made no progress for {STALL_S:g} s of virtual time")
         replica_seconds += (now - clock[0]) * len(replicas)
         clock[0] = now
+        stepped = False
         for replica in replicas:
             if replica.step is not None and replica.step[3] <= now:
                 output, sampled, started, _ = replica.step
-                replica.step = None
+                replica.step, stepped = None, True
                 replica.recent_steps.add(now, now - started)  # steps are instants here: no begin()
+                replica.prefill_rate.add_step(
+                    now,
+                    batched_tokens=output.num_batched_tokens,
+                    scheduled_seqs=len(output.scheduled),
+                    seconds=now - started,
+                )
                 for seq in replica.scheduler.update(output, sampled):
+                    del replica.sequences[seq.request_id]
                     assert seq.first_token_time is not None
                     assert seq.finished_time is not None
                     ttft_s.append(seq.first_token_time - seq.arrival_time)
@@ -250,6 +296,8 @@ def simulate_fleet(
                         tpot_s.append(
                             (seq.finished_time - seq.first_token_time) / (seq.num_output_tokens - 1)
                         )
+        if admission is not None and stepped:
+            admission.observe([r for r in replicas if r.is_ready], now)
         while held and route(held[0]):
             held.popleft()
         while arrivals and arrivals[0].arrival_s <= now:

@@ -48,21 +48,27 @@ class Command(BaseCommand):
         "autoscaler's policy (SWITCHYARD_AUTOSCALER_*, or the flags) under a load that changes. "
         "`--compare-static N` runs the same requests on N replicas that never scale, and prints the ratios. "
         "`simulate plan` sizes a fleet for a model, an accelerator, a load and latency objectives "
-        "(docs/capacity.md), and runs the plan through the same simulator."
+        "(docs/capacity.md), and runs the plan through the same simulator. "
+        "`simulate slo` offers a static fleet --overload times its measured capacity and compares, on the "
+        "same arrivals, routing with and without the gateway's SLO-aware admission (docs/benchmarks.md)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("what", choices=["fleet", "plan"])
+        parser.add_argument("what", choices=["fleet", "plan", "slo"])
         parser.add_argument(
             "--rate", default=None, help="fleet: FROM_S:REQUESTS_PER_S,… (Poisson); plan: requests a second"
         )
         parser.add_argument(
-            "--duration", type=float, default=None, help="seconds of arrivals (fleet 420, plan 600; 0: none)"
+            "--duration",
+            type=float,
+            default=None,
+            help="seconds of arrivals (fleet 420, plan 600, slo 60; plan 0: none)",
         )
         parser.add_argument("--prompt-tokens", default=None, help="N or LOW-HIGH (fleet: 64-512)")
         parser.add_argument("--output-tokens", default=None, help="N or LOW-HIGH (fleet: 64-256)")
         parser.add_argument("--seed", type=int, default=0)
         _add_plan_arguments(parser)
+        _add_slo_arguments(parser)
         policy = parser.add_argument_group("the autoscaler (defaults: the settings)")
         for name, kind in _POLICY_FLAGS.items():
             policy.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
@@ -87,22 +93,16 @@ class Command(BaseCommand):
         if options["what"] == "plan":
             self._plan(options)
             return
+        if options["what"] == "slo":
+            self._slo(options)
+            return
         options.update({k: v for k, v in _FLEET_DEFAULTS.items() if options[k] is None})
-        from rollouts.fleet.autoscaler import ScalingPolicy
         from rollouts.fleet.simulator import FleetConfig, parse_rate_profile, poisson_arrivals, simulate_fleet
-        from serving.engine.scheduler import SchedulerConfig
-        from serving.engine.simulated import LatencyModel
 
         try:
             profile = parse_rate_profile(options["rate"])
-            overrides = {name: options[name] for name in _POLICY_FLAGS if options[name] is not None}
-            if overrides.get("target_tpot_ms") == 0:
-                overrides["target_tpot_ms"] = None
-            policy = ScalingPolicy(**{**settings.AUTOSCALER, **overrides})
-            scheduler = SchedulerConfig(
-                max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"]
-            )
-            scheduler.validate()
+            policy = _policy(options)
+            scheduler = _scheduler(options)
             requests = poisson_arrivals(
                 profile,
                 options["duration"],
@@ -117,12 +117,7 @@ class Command(BaseCommand):
             policy=policy,
             scheduler=scheduler,
             num_blocks=options["num_blocks"],
-            latency=LatencyModel(
-                options["step_ms"],
-                options["prefill_token_ms"],
-                options["decode_seq_ms"],
-                options["context_token_ms"],
-            ),
+            latency=_latency(options),
             load_time_s=options["load_time"],
             tick_s=options["tick"] or interval,
             initial_replicas=max(1, policy.min_replicas),
@@ -175,6 +170,38 @@ class Command(BaseCommand):
             f"{report.sla_attainment:.1%}; replica-seconds {report.replica_seconds:.0f}"
         )
 
+    def _slo(self, options: dict[str, Any]) -> None:
+        from rollouts.fleet.simulator import FleetConfig  # deferred: a command loads what it runs
+        from rollouts.fleet.slo_experiment import SloSettings, compare
+        from rollouts.fleet.slo_report import slo_lines
+
+        if options["rate"] is not None:
+            raise CommandError("`simulate slo` sets its rate: --overload times the fleet's capacity")
+        defaults = {**_FLEET_DEFAULTS, "duration": 60.0}
+        options.update({k: v for k, v in defaults.items() if options[k] is None})
+        try:
+            slo = SloSettings(
+                replicas=options["replicas"],
+                objective_s=options["ttft_objective_ms"] / 1000,
+                overload=options["overload"],
+                duration_s=options["duration"],
+                capacity_rps=options["capacity"],
+                prompt_tokens=_range(options["prompt_tokens"]),
+                output_tokens=_range(options["output_tokens"]),
+                seed=options["seed"],
+            )
+            fleet = FleetConfig(
+                policy=_policy(options),  # pinned to --replicas: a static fleet
+                scheduler=_scheduler(options),
+                num_blocks=options["num_blocks"],
+                latency=_latency(options),
+            )
+            result = compare(fleet, slo, _forecast_rules())
+        except (TypeError, ValueError) as exc:
+            raise CommandError(str(exc)) from None
+        for line in slo_lines(result):
+            self.stdout.write(line)
+
     def _plan(self, options: dict[str, Any]) -> None:
         from rollouts.fleet.capacity_plan import plan_capacity  # deferred: a command loads what it runs
         from rollouts.fleet.plan_inputs import PlanOverrides, resolve
@@ -219,6 +246,50 @@ class Command(BaseCommand):
                 self.stdout.write(line)
 
 
+def _policy(options: dict[str, Any]) -> Any:
+    """The autoscaler's policy: the settings' (SWITCHYARD_AUTOSCALER_*), with the flags over them."""
+    from rollouts.fleet.autoscaler import ScalingPolicy  # deferred: a command loads what it runs
+
+    overrides = {name: options[name] for name in _POLICY_FLAGS if options[name] is not None}
+    if overrides.get("target_tpot_ms") == 0:
+        overrides["target_tpot_ms"] = None
+    return ScalingPolicy(**{**settings.AUTOSCALER, **overrides})
+
+
+def _scheduler(options: dict[str, Any]) -> Any:
+    from serving.engine.scheduler import SchedulerConfig  # deferred: a command loads what it runs
+
+    scheduler = SchedulerConfig(
+        max_num_seqs=options["max_num_seqs"], max_num_batched_tokens=options["max_num_batched_tokens"]
+    )
+    scheduler.validate()
+    return scheduler
+
+
+def _latency(options: dict[str, Any]) -> Any:
+    from serving.engine.simulated import LatencyModel  # deferred: a command loads what it runs
+
+    return LatencyModel(
+        options["step_ms"], options["prefill_token_ms"], options["decode_seq_ms"], options["context_token_ms"]
+    )
+
+
+def _forecast_rules() -> Any:
+    """The gateway's TTFT forecast (serving/gateway/ttft_forecast.py), handed to the simulated gateway:
+    the command composes the simulation, and the import rules keep the forecast out of rollouts/fleet's
+    reach (rollouts/fleet/slo_gateway.py, ForecastRules)."""
+    from rollouts.fleet.slo_gateway import ForecastRules  # deferred: a command loads what it runs
+    from serving.gateway.ttft_forecast import TtftInputs, forecast_ttft, meets, wait_until_met_s
+
+    return ForecastRules(
+        forecast=lambda replica, prompt_tokens: forecast_ttft(
+            TtftInputs.of(replica, prompt_tokens=prompt_tokens)
+        ),
+        meets=meets,
+        wait_until_met_s=wait_until_met_s,
+    )
+
+
 def _rate(text: str | None) -> float | None:
     if text is None:
         return None
@@ -258,4 +329,17 @@ def _add_plan_arguments(parser: CommandParser) -> None:
     plan.add_argument("--block-size", type=int, default=16, help="tokens a KV block")
     plan.add_argument(
         "--sample-replicas", type=int, default=8, help="replicas simulated, with their share of the rate"
+    )
+
+
+def _add_slo_arguments(parser: CommandParser) -> None:
+    slo = parser.add_argument_group(
+        "SLO-aware admission at overload (`simulate slo`): a static fleet at --overload times its "
+        "capacity, with and without the gateway's admission; the replicas' flags below apply"
+    )
+    slo.add_argument("--replicas", type=int, default=4, help="static replicas (4)")
+    slo.add_argument("--ttft-objective-ms", type=float, default=1000.0, help="every request's (1000)")
+    slo.add_argument("--overload", type=float, default=1.5, help="the rate over the capacity (1.5)")
+    slo.add_argument(
+        "--capacity", type=float, default=None, help="req/s (default: measured, see docs/benchmarks.md)"
     )
