@@ -72,6 +72,8 @@ def _local_handle(replica: Replica) -> ReplicaHandle:
         base_step_s=report.base_step_s,
         queued_prompt_tokens=report.queued_prompt_tokens,
         prefill_tokens_per_s=report.prefill_rate.per_s,
+        capacity=report.capacity,
+        seats_freed_per_s=report.seat_rate.per_s,
     )
 
 
@@ -93,6 +95,8 @@ def _remote_handle(beat: Heartbeat) -> ReplicaHandle:
         base_step_s=beat.base_step_s,
         queued_prompt_tokens=beat.queued_prompt_tokens,
         prefill_tokens_per_s=beat.prefill_tokens_per_s,
+        capacity=beat.capacity,
+        seats_freed_per_s=beat.seats_freed_per_s,
     )
 
 

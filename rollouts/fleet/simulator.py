@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from rollouts.fleet.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
-from rollouts.fleet.prefill_rate import PrefillRate
 from rollouts.fleet.slo_gateway import SloAdmission
 from serving.engine.kv_cache import KVCacheManager
 from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -32,6 +31,7 @@ from serving.engine.sequence import SamplingParams, Sequence
 from serving.engine.simulated import LatencyModel, SimulatedExecutor, SimulatedRequest
 from serving.gateway.router import choose_replica
 from serving.transport.replica_directory import STEP_WINDOW_S, RecentSteps
+from serving.transport.step_rate import StepRate, prefilled_tokens
 
 
 class StepLatency(Protocol):
@@ -192,7 +192,9 @@ class _Replica:
         # What its heartbeat would carry for the gateway's TTFT forecast (docs/architecture.md,
         # "SLO-aware admission"): the sequences routed here and not finished, and the prefill rate.
         self.sequences: dict[str, Sequence] = {}
-        self.prefill_rate = PrefillRate(STEP_WINDOW_S)
+        self.prefill_rate = StepRate(STEP_WINDOW_S)  # prompt tokens, over the steps that prefilled
+        self.seat_rate = StepRate(STEP_WINDOW_S)  # sequences ended, over every step
+        self.capacity = config.scheduler.max_num_seqs
         # What a replica's warm-up times: one sequence decoding over two blocks and a token (ModelRunner).
         self.base_step_s = config.latency.base_step_ms(2 * config.scheduler.block_size + 1) / 1000
 
@@ -215,6 +217,18 @@ class _Replica:
     @property
     def prefill_tokens_per_s(self) -> float:
         return self.prefill_rate.per_s
+
+    @property
+    def queue_depth(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def seats_freed_per_s(self) -> float:
+        return self.seat_rate.per_s
 
     @property
     def step_s(self) -> float:
@@ -281,13 +295,11 @@ def simulate_fleet(
                 output, sampled, started, _ = replica.step
                 replica.step, stepped = None, True
                 replica.recent_steps.add(now, now - started)  # steps are instants here: no begin()
-                replica.prefill_rate.add_step(
-                    now,
-                    batched_tokens=output.num_batched_tokens,
-                    scheduled_seqs=len(output.scheduled),
-                    seconds=now - started,
-                )
-                for seq in replica.scheduler.update(output, sampled):
+                if prefilled := prefilled_tokens(output.num_batched_tokens, len(output.scheduled)):
+                    replica.prefill_rate.add(now, prefilled, now - started)
+                finished = replica.scheduler.update(output, sampled)
+                replica.seat_rate.add(now, len(finished), now - started)
+                for seq in finished:
                     del replica.sequences[seq.request_id]
                     assert seq.first_token_time is not None
                     assert seq.finished_time is not None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollouts.fleet.simulator import FleetConfig, FleetReport, simulate_fleet, steady_arrivals
-from rollouts.fleet.slo_gateway import ForecastRules, Refusal, SloAdmission
+from rollouts.fleet.slo_gateway import Refusal, SloAdmission
 
 CAPACITY_PRECISION = 0.02  # the bisection stops when its interval is within 2% of its low end
 WITHIN = 0.5  # a Retry-After is accurate within ±50% of the wait it avoided
@@ -78,6 +78,8 @@ class RetryAfterAccuracy:
     median_ratio: float  # forecast wait / avoided wait
     header_within: float  # the same for the Retry-After header (whole seconds, at least 1)
     header_median_ratio: float
+    ms_header_within: float  # the same for the retry-after-ms header (milliseconds, at least 1)
+    ms_header_median_ratio: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +99,7 @@ def static_fleet(fleet: FleetConfig, replicas: int) -> FleetConfig:
     return dataclasses.replace(fleet, policy=policy, initial_replicas=replicas)
 
 
-def compare(fleet: FleetConfig, settings: SloSettings, rules: ForecastRules[Any]) -> SloComparison:
+def compare(fleet: FleetConfig, settings: SloSettings) -> SloComparison:
     """`fleet`: the replicas' scheduler, KV cache and latency model (its autoscaler is pinned)."""
     started = time.perf_counter()
     static = static_fleet(fleet, settings.replicas)
@@ -109,7 +111,7 @@ def compare(fleet: FleetConfig, settings: SloSettings, rules: ForecastRules[Any]
     rate = settings.overload * capacity.rps
     requests = _arrivals(rate, settings)
     without = simulate_fleet(requests, static, seed=settings.seed)
-    admission = SloAdmission(rules, objective_s=settings.objective_s)
+    admission = SloAdmission(objective_s=settings.objective_s)
     admitted = simulate_fleet(requests, static, seed=settings.seed, admission=admission)
     return SloComparison(
         settings=settings,
@@ -171,6 +173,7 @@ def _accuracy(refusals: list[Refusal]) -> RetryAfterAccuracy:
     observed = [r for r in refusals if r.avoided_wait_s is not None and r.avoided_wait_s > 0]
     ratios = [r.retry_after_s / r.avoided_wait_s for r in observed if r.avoided_wait_s]
     header = [r.retry_after_header_s / r.avoided_wait_s for r in observed if r.avoided_wait_s]
+    ms_header = [r.retry_after_ms_header / 1000 / r.avoided_wait_s for r in observed if r.avoided_wait_s]
 
     def share_within(values: list[float]) -> float:
         return sum(abs(v - 1) <= WITHIN for v in values) / len(values) if values else math.nan
@@ -187,6 +190,8 @@ def _accuracy(refusals: list[Refusal]) -> RetryAfterAccuracy:
         median_ratio=median(ratios),
         header_within=share_within(header),
         header_median_ratio=median(header),
+        ms_header_within=share_within(ms_header),
+        ms_header_median_ratio=median(ms_header),
     )
 
 

@@ -56,9 +56,10 @@ def slo_lines(result: SloComparison) -> list[str]:
     )
     if with_.met_share < TARGET_MET_SHARE:
         lines.append(
-            "  Under the target: the forecast counts only the prompt tokens queued ahead, not the wait for "
-            'a seat in a full batch (--max-num-seqs) or for KV blocks (docs/architecture.md, "SLO-aware '
-            'admission"), so where those hold requests back it is optimistic and admits what then misses.'
+            "  Under the target: the forecast counts the prompt tokens queued ahead and the wait for a seat "
+            "in a full batch, not the wait for KV blocks (--num-blocks) nor preemptions "
+            '(docs/architecture.md, "SLO-aware admission"), so where those hold requests back it is '
+            "optimistic and admits what then misses."
         )
     lines.append(
         f"Retry-After: {ra.refusals} refusals, {ra.observed} with the wait they avoided observed (from the "
@@ -69,7 +70,8 @@ def slo_lines(result: SloComparison) -> list[str]:
     lines.append(
         f"  forecast wait within ±{WITHIN:.0%} of the wait avoided: {ra.within:.1%}, median ratio "
         f"{ra.median_ratio:.2f}; the header's whole seconds (at least 1): {ra.header_within:.1%}, median "
-        f"ratio {ra.header_median_ratio:.1f}"
+        f"ratio {ra.header_median_ratio:.1f}; retry-after-ms: {ra.ms_header_within:.1%}, median ratio "
+        f"{ra.ms_header_median_ratio:.2f}"
     )
     lines.append(f"Simulated in {result.wall_s:.1f} s of real time, the capacity's runs included.")
     return lines

@@ -1,20 +1,20 @@
 """WebSocket streaming: `ws://host/v1/models/{model}/stream`.
 
-Auth by the `Authorization: Bearer` header of the handshake, or by a first message
-`{"type": "auth", "api_key": "..."}`. Then `{"type": "infer", "input": ..., "max_tokens": ..., ...}` (the
-/infer body without `stream`) starts a generation; the server answers `{"type": "token", "token", "index"}`
-per token and `{"type": "done", "finish_reason", "usage", "timings", "version"}` at the end, or
-`{"type": "error", "error": {"type", "message"}}`, with `"retry_after"` (whole seconds, as HTTP's
-Retry-After) on a refusal worth retrying (a 429, a 503), and `"version"` on a request a replica refused
-(a prompt too long for its model); an error that ends a generation also carries `"finish_reason":
-"error"` and the version that served it. `{"type": "cancel"}` stops the generation in
-flight and frees its blocks on the replica. One generation at a time per connection. A client that
-stops reading is cut off (serving/transport/reply_hub.py): its generation is aborted, and once it reads again
-it gets an error of type "slow_reader" and the connection closes with code 4408. A frame that is not a JSON
-text message gets an error and the connection closes: 1003 for a binary frame, 1007 for text that is not JSON
-(RFC 6455's codes for data the endpoint cannot take). A message over MAX_REQUEST_BYTES (the limit on an HTTP
-body) gets an error of type "request_too_large" and the close code 1009; the server itself closes with 1009
-alone on a frame over four times that, which it will not buffer."""
+Auth by the `Authorization: Bearer` header of the handshake, or by a first message `{"type": "auth",
+"api_key": "..."}`. Then `{"type": "infer", "input": ..., "max_tokens": ..., ...}` (the /infer body without
+`stream`) starts a generation; the server answers `{"type": "token", "token", "index"}` per token and
+`{"type": "done", "finish_reason", "usage", "timings", "version"}` at the end, or `{"type": "error", "error":
+{"type", "message"}}`, with `"retry_after"` (whole seconds, as HTTP's Retry-After) and `"retry_after_ms"` (as
+retry-after-ms) on a refusal worth retrying (a 429, a 503), and `"version"` on a request a replica refused (a
+prompt too long for its model); an error that ends a generation also carries `"finish_reason": "error"` and
+the version that served it. `{"type": "cancel"}` stops the generation in flight and frees its blocks on the
+replica. One generation at a time per connection. A client that stops reading is cut off
+(serving/transport/reply_hub.py): its generation is aborted, and once it reads again it gets an error of type
+"slow_reader" and the connection closes with code 4408. A frame that is not a JSON text message gets an error
+and the connection closes: 1003 for a binary frame, 1007 for text that is not JSON (RFC 6455's codes for data
+the endpoint cannot take). A message over MAX_REQUEST_BYTES (the limit on an HTTP body) gets an error of type
+"request_too_large" and the close code 1009; the server itself closes with 1009 alone on a frame over four
+times that, which it will not buffer."""
 
 from __future__ import annotations
 
@@ -112,6 +112,7 @@ class InferenceStreamConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
         message = {"type": "error", **error_body(exc.status, exc.message)}
         if exc.retry_after is not None:  # a 429 or a 503: when to try again, as HTTP's Retry-After says it
             message["retry_after"] = exc.retry_after
+            message["retry_after_ms"] = exc.retry_after_ms
         if "X-Served-Version" in exc.served_by:  # a replica refused it: which version did
             message["version"] = exc.served_by["X-Served-Version"]
         with contextlib.suppress(Exception):  # the client gone (or this side closing): nothing to tell

@@ -38,10 +38,13 @@ class ReplicaHandle:
     num_running: int = 0
     step_s: float = 0.0  # its steps' mean time lately (Heartbeat.step_s); 0: none ran
     # What the TTFT forecast reads (serving/gateway/ttft_forecast.py): a step's time with one sequence
-    # decoding, the prompt tokens queued ahead and its prefill rate (Heartbeat's; 0: not known).
+    # decoding, the prompt tokens queued ahead and its prefill rate, the most sequences it runs at once
+    # and how fast its steps end them (Heartbeat's; 0: not known).
     base_step_s: float = 0.0
     queued_prompt_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
+    capacity: int = 0
+    seats_freed_per_s: float = 0.0
     # Its last heartbeat is recent (an in-process replica always is): a replica killed while it loaded
     # leaves a "loading" beat for a minute, which must not read as one coming up.
     is_fresh: bool = True
@@ -62,6 +65,8 @@ class DataPlane(Protocol):
     ) -> list[ReplicaHandle]: ...
 
     async def wait_for_replica(self, model_name: str, version: str) -> list[ReplicaHandle]: ...
+
+    async def embedded_replica_coming(self, model_name: str, version: str) -> bool: ...
 
     async def is_alive(self, handle: ReplicaHandle) -> bool: ...
 

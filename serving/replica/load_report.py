@@ -14,7 +14,8 @@ from typing import Any
 
 from registry.models import Model
 from registry.selectors import VersionRef
-from serving.transport.replica_directory import STEP_WINDOW_S, Heartbeat, RecentSteps
+from serving.transport.replica_directory import Heartbeat, RecentSteps
+from serving.transport.step_rate import StepRate, prefilled_tokens
 
 # Steps of one decoding sequence it takes before their median, not the warm-up's, is a step's base.
 MIN_BASE_SAMPLES = 8
@@ -29,12 +30,14 @@ class LoadReport:
         self.base_step_s = 0.0  # a step with one sequence decoding, set once the engine is warm
         self.recent_steps = RecentSteps()
         self.queued_prompt_tokens = 0  # not yet prefilled, over the waiting and running sequences
-        self.prefill_rate = PrefillRate()
+        self.prefill_rate = StepRate()  # prompt tokens, over the steps that prefilled
+        self.seat_rate = StepRate()  # sequences ended, over every step: seats freed
         self._one_sequence_steps: deque[float] = deque(maxlen=64)  # the model thread's
 
-    def account(self, stats: Any, model_time_s: float | None, *, engine: Any = None) -> None:
+    def account(self, stats: Any, model_time_s: float | None, *, engine: Any = None, ended: int = 0) -> None:
         """A step's engine stats (Engine.stats()), and its model time when a forward pass ran. `engine`:
-        the engine itself, for its queued prompt tokens (an encoder's, which has none, reads as 0)."""
+        the engine itself, for its queued prompt tokens (an encoder's, which has none, reads as 0);
+        `ended`: the requests the step ended, whose seats it freed."""
         self.num_waiting, self.num_running, self.kv_cache_usage = (
             stats.num_waiting,
             stats.num_running,
@@ -46,11 +49,9 @@ class LoadReport:
             return
         ended_at = time.monotonic()
         self.recent_steps.add(ended_at, model_time_s)
-        # A step that ran more tokens than sequences prefilled. Every sequence in it but one is taken to
-        # have decoded one token, and the rest of its tokens to be prompt.
-        if stats.num_batched_tokens > stats.num_scheduled_seqs:
-            prefilled = stats.num_batched_tokens - stats.num_scheduled_seqs + 1
+        if prefilled := prefilled_tokens(stats.num_batched_tokens, stats.num_scheduled_seqs):
             self.prefill_rate.add(ended_at, prefilled, model_time_s)
+        self.seat_rate.add(ended_at, ended, model_time_s)
         if stats.num_scheduled_seqs == 1 and stats.num_batched_tokens == 1:
             # One sequence decoding: what the warm-up timed, here without the warm-up's company (the
             # replicas of an embedded server warm up together) and with all of the step's own work. The
@@ -90,29 +91,5 @@ class LoadReport:
             base_step_s=self.base_step_s,
             queued_prompt_tokens=self.queued_prompt_tokens,
             prefill_tokens_per_s=self.prefill_rate.per_s,
+            seats_freed_per_s=self.seat_rate.per_s,
         )
-
-
-class PrefillRate:
-    """The prompt tokens prefilled a second of model time by the steps that prefilled, over the
-    `window_s` up to the newest of them: step_s's window. A replica that has prefilled nothing since
-    keeps its last figure (how fast it prefills hardly changes while it idles); 0 until it first
-    prefills. The model thread adds; a reader reads `per_s`, one float replaced whole."""
-
-    def __init__(self, window_s: float = STEP_WINDOW_S) -> None:
-        self.window_s = window_s
-        self.per_s = 0.0
-        self._steps: deque[tuple[float, int, float]] = deque()  # (ended at, tokens, seconds)
-        self._tokens = 0
-        self._seconds = 0.0
-
-    def add(self, ended_at: float, tokens: int, seconds: float) -> None:
-        self._steps.append((ended_at, tokens, seconds))
-        self._tokens += tokens
-        self._seconds += seconds
-        while self._steps[0][0] < ended_at - self.window_s:
-            _, old_tokens, old_seconds = self._steps.popleft()
-            self._tokens -= old_tokens
-            self._seconds -= old_seconds
-        if self._seconds > 0:
-            self.per_s = self._tokens / self._seconds

@@ -288,7 +288,7 @@ class ModelLoop:
     def _account(self, result: StepResult) -> None:
         """What the heartbeat reports, and the step's sample."""
         stats = self.engine.stats()
-        self._report.account(stats, result.model_time_s, engine=self.engine)
+        self._report.account(stats, result.model_time_s, engine=self.engine, ended=len(result.ended))
         if result.model_time_s is None:
             return
         step = StepSample(

@@ -98,6 +98,9 @@ class Heartbeat:
     # (serving/gateway/ttft_forecast.py). An older replica says neither.
     queued_prompt_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
+    # The sequences its steps ended a second of their time, over the same window (the last known rate
+    # when none ran; 0: none ended yet): how fast seats free in a full batch, the forecast's seat wait.
+    seats_freed_per_s: float = 0.0
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Heartbeat:
@@ -157,6 +160,7 @@ _HEARTBEAT_TYPES: dict[str, tuple[type, ...]] = {
             "step_rate",
             "base_step_s",
             "prefill_tokens_per_s",
+            "seats_freed_per_s",
         ),
         (int, float),
     ),

@@ -196,7 +196,7 @@ class Command(BaseCommand):
                 num_blocks=options["num_blocks"],
                 latency=_latency(options),
             )
-            result = compare(fleet, slo, _forecast_rules())
+            result = compare(fleet, slo)
         except (TypeError, ValueError) as exc:
             raise CommandError(str(exc)) from None
         for line in slo_lines(result):
@@ -271,22 +271,6 @@ def _latency(options: dict[str, Any]) -> Any:
 
     return LatencyModel(
         options["step_ms"], options["prefill_token_ms"], options["decode_seq_ms"], options["context_token_ms"]
-    )
-
-
-def _forecast_rules() -> Any:
-    """The gateway's TTFT forecast (serving/gateway/ttft_forecast.py), handed to the simulated gateway:
-    the command composes the simulation, and the import rules keep the forecast out of rollouts/fleet's
-    reach (rollouts/fleet/slo_gateway.py, ForecastRules)."""
-    from rollouts.fleet.slo_gateway import ForecastRules  # deferred: a command loads what it runs
-    from serving.gateway.ttft_forecast import TtftInputs, forecast_ttft, meets, wait_until_met_s
-
-    return ForecastRules(
-        forecast=lambda replica, prompt_tokens: forecast_ttft(
-            TtftInputs.of(replica, prompt_tokens=prompt_tokens)
-        ),
-        meets=meets,
-        wait_until_met_s=wait_until_met_s,
     )
 
 

@@ -15,16 +15,10 @@ from django.core.management import call_command
 from rollouts.fleet.autoscaler import ScalingPolicy
 from rollouts.fleet.simulator import FleetConfig, parse_rate_profile, poisson_arrivals, simulate_fleet
 from rollouts.fleet.slo_experiment import SloSettings, compare, static_fleet
-from rollouts.fleet.slo_gateway import ForecastRules, SloAdmission
+from rollouts.fleet.slo_gateway import SloAdmission
 from serving.engine.scheduler import SchedulerConfig
 from serving.engine.simulated import LatencyModel
-from serving.gateway.ttft_forecast import TtftInputs, forecast_ttft, meets, wait_until_met_s
 
-RULES = ForecastRules(
-    forecast=lambda replica, n: forecast_ttft(TtftInputs.of(replica, prompt_tokens=n)),
-    meets=meets,
-    wait_until_met_s=wait_until_met_s,
-)
 # Prefill-bound replicas: seats and KV enough that requests wait only for the prompts ahead of them.
 PREFILL_BOUND = FleetConfig(
     policy=ScalingPolicy(),
@@ -39,7 +33,7 @@ SETTINGS = SloSettings(replicas=2, objective_s=1.0, overload=1.5, duration_s=30.
 
 @pytest.fixture(scope="module")
 def result():
-    return compare(PREFILL_BOUND, SETTINGS, RULES)
+    return compare(PREFILL_BOUND, SETTINGS)
 
 
 def test_admission_at_overload_keeps_admitted_requests_within_the_objective(result) -> None:
@@ -57,7 +51,7 @@ def test_admission_at_overload_raises_the_goodput_within_the_objective(result) -
 
 def test_every_refusal_carries_a_retry_after_and_the_wait_it_avoided(result) -> None:
     static = static_fleet(PREFILL_BOUND, SETTINGS.replicas)
-    admission = SloAdmission(RULES, objective_s=SETTINGS.objective_s)
+    admission = SloAdmission(objective_s=SETTINGS.objective_s)
     requests = poisson_arrivals(parse_rate_profile(f"0:{result.rate_rps}"), 20, seed=2)
     report = simulate_fleet(requests, static, seed=2, admission=admission)
     assert admission.refusals and len(report.ttft_s) + len(admission.refusals) == len(requests)
@@ -96,7 +90,7 @@ def test_without_admission_the_simulator_does_what_it_did() -> None:
 
 
 def test_an_objective_nothing_misses_routes_as_without_admission() -> None:
-    admission = SloAdmission(RULES, objective_s=1e9)
+    admission = SloAdmission(objective_s=1e9)
     assert _digest(simulate_fleet(REQUESTS, CONFIG, seed=3, admission=admission)) == TODAY
     assert admission.refusals == []
 

@@ -247,7 +247,7 @@ async def test_a_refusal_says_when_to_retry_as_the_http_retry_after_does(
     assert isinstance(refused["retry_after"], int) and 95 <= refused["retry_after"] <= 100
 
     real_dispatch = consumers.dispatch
-    for wait, expected in [(2.2, 3), (0.3, 1)]:
+    for wait, expected, expected_ms in [(2.2, 3, 2200), (0.3, 1, 300)]:
 
         async def unavailable(wait: float = wait, **request):  # type: ignore[no-untyped-def]
             raise GatewayError(503, "no ready replica", retry_after_s=wait)
@@ -256,7 +256,11 @@ async def test_a_refusal_says_when_to_retry_as_the_http_retry_after_does(
         await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 1})
         error = await ws.receive_json_from(timeout=10)
         assert error["error"]["type"] == "service_unavailable" and error["retry_after"] == expected
-        assert GatewayError(503, "", retry_after_s=wait).headers == {"Retry-After": str(expected)}
+        assert error["retry_after_ms"] == expected_ms
+        assert GatewayError(503, "", retry_after_s=wait).headers == {
+            "Retry-After": str(expected),
+            "retry-after-ms": str(expected_ms),
+        }
     monkeypatch.setattr(consumers, "dispatch", real_dispatch)
     await ws.send_json_to({"type": "infer", "input": "hi", "max_tokens": 0})
     assert "retry_after" not in await ws.receive_json_from(timeout=10)  # a 400: retrying will not help

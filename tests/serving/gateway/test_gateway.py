@@ -40,7 +40,7 @@ def test_request_bucket_allows_its_burst_then_refuses_with_a_retry_after_and_ref
     with pytest.raises(GatewayError) as excinfo:
         store.admit(context, tokens=1)
     assert excinfo.value.status == 429
-    assert excinfo.value.headers == {"Retry-After": "1"}
+    assert excinfo.value.headers["Retry-After"] == "1"
     clock.now += 0.5  # 2/s refills one request in half a second
     store.admit(context, tokens=1)
     assert len(tickets) == 2
@@ -337,7 +337,7 @@ async def test_over_quota_with_its_replicas_queue_full_is_a_429_not_a_full_chann
         assert store.sends_with_admission(over)
         with pytest.raises(GatewayError, match="concurrent") as refused:
             await store.aadmit_and_send(over, tokens=1, layer=layer, channel=channel, message={"n": 1})
-        assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "1"}
+        assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "1"
         assert store.refusals()[27] == 1 and not store.sends_with_admission(over)
         assert store.usage([over])[27].num_in_flight == 1  # the holder's
 

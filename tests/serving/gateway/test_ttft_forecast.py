@@ -13,7 +13,7 @@ from serving.gateway.data_plane import ReplicaHandle
 from serving.gateway.errors import GatewayError
 from serving.gateway.quota import Charge, Ticket
 from serving.gateway.slo_admission import ObjectiveUnmet, replicas_to_skip, skipped_by_forecast
-from serving.gateway.ttft_forecast import TtftInputs, forecast_ttft, meets, wait_until_met_s
+from serving.gateway.ttft_forecast import HEADROOM, TtftInputs, forecast_ttft, meets, wait_until_met_s
 from serving.telemetry import ttft_forecasts
 from serving.telemetry.ttft_forecasts import slo_refusal_counts
 
@@ -28,6 +28,7 @@ def _fresh_forecast_metrics():  # type: ignore[no-untyped-def]
 tokens = st.integers(min_value=0, max_value=10**7)
 rates = st.floats(min_value=1.0, max_value=1e7, allow_nan=False)
 step_times = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
+seats = st.integers(min_value=0, max_value=1024)
 
 
 @st.composite
@@ -38,7 +39,21 @@ def inputs(draw: st.DrawFn) -> TtftInputs:
         step_s=draw(step_times),
         base_step_s=draw(step_times),
         prompt_tokens=draw(tokens),
+        num_waiting=draw(seats),
+        num_running=draw(seats),
+        capacity=draw(seats),
+        seats_freed_per_s=draw(st.floats(min_value=0.0, max_value=1e4, allow_nan=False)),
     )
+
+
+@given(inputs(), st.integers(min_value=0, max_value=10_000))
+def test_more_sequences_waiting_for_a_seat_never_forecasts_a_sooner_first_token(
+    base: TtftInputs, more: int
+) -> None:
+    fewer = forecast_ttft(base)
+    more_waiting = forecast_ttft(dataclasses.replace(base, num_waiting=base.num_waiting + more))
+    assert fewer is not None and more_waiting is not None
+    assert more_waiting.total_s >= fewer.total_s
 
 
 @given(inputs(), tokens)
@@ -93,11 +108,31 @@ def test_a_replica_with_nothing_queued_meets_any_objective_and_a_busy_one_once_i
     assert alone is not None and alone.total_s > 1.0 and meets(alone, 1.0)
     busy = forecast_ttft(TtftInputs(4000, 1000.0, 0.01, 0.0, 100))
     assert busy is not None and not meets(busy, 1.0)
-    # 4.11 s forecast: 3.11 s over the objective, reached once 3.11 s of its 4 s queue has drained.
-    assert wait_until_met_s(busy, 1.0) == pytest.approx(3.11)
+    # 4.11 s forecast: 3.41 s over the 0.7 s it must come within (HEADROOM), reached once 3.41 s of its
+    # 4 s queue has drained.
+    assert wait_until_met_s(busy, 1.0) == pytest.approx(4.11 - HEADROOM)
     long_prompt = forecast_ttft(TtftInputs(2000, 1000.0, 0.01, 0.0, 5000))
     assert long_prompt is not None and wait_until_met_s(long_prompt, 1.0) == pytest.approx(2.0)  # the queue
     assert meets(None, 0.001)  # no forecast: no refusal on a guess
+
+
+def test_a_full_batch_adds_the_wait_for_a_seat_at_the_rate_its_steps_end_sequences() -> None:
+    # 64 seats, all taken, 9 waiting: the new request is the 10th for a seat, at 20 freed a second.
+    full = TtftInputs(1000, 10_000.0, 0.03, 0.01, 200, num_waiting=9, num_running=64, capacity=64)
+    forecast = forecast_ttft(dataclasses.replace(full, seats_freed_per_s=20.0))
+    assert forecast is not None
+    assert forecast.seat_wait_s == pytest.approx(10 / 20)
+    # The longer of the two waits, not their sum: the prompts ahead prefill as their seats free.
+    assert forecast.total_s == pytest.approx(max(0.1, 0.5) + 0.02 + 0.03)
+    assert not meets(forecast, 0.7) and meets(forecast, 1.0)
+    # Seats to spare, or a capacity not known (an older replica), or no sequence ended yet: no seat wait.
+    for inputs_ in (
+        dataclasses.replace(full, num_running=50, seats_freed_per_s=20.0),
+        dataclasses.replace(full, capacity=0, seats_freed_per_s=20.0),
+        full,
+    ):
+        other = forecast_ttft(inputs_)
+        assert other is not None and other.seat_wait_s == 0
 
 
 def _replica(
@@ -145,14 +180,16 @@ def test_when_every_replica_is_forecast_to_miss_it_is_a_429_with_the_wait_until_
 ):
     candidates = [
         _replica("a", queued=50_000),  # 5.03 s for a 100-token prompt
-        _replica("b", queued=30_000),  # 3.03 s: meets 500 ms once 2.53 s of its queue has drained
+        # 3.03 s: meets 500 ms, with HEADROOM (a forecast within 350 ms), once 2.68 s of its queue has drained
+        _replica("b", queued=30_000),
         _replica("gone", queued=0, is_ready=False),
     ]
     with pytest.raises(ObjectiveUnmet) as refused:
         replicas_to_skip(candidates, objective_ms=500, prompt_tokens=100)
     assert refused.value.status == 429
-    assert refused.value.retry_after_s == pytest.approx(2.53)
-    assert refused.value.headers == {"Retry-After": "3"}  # whole seconds, rounded up
+    assert refused.value.retry_after_s == pytest.approx(3.03 - 0.7 * 0.5)
+    # Whole seconds, rounded up, and to the millisecond for clients that read it (the openai ones)
+    assert refused.value.headers == {"Retry-After": "3", "retry-after-ms": "2680"}
     assert "500 ms" in refused.value.message and "3030 ms" in refused.value.message
 
 

@@ -343,7 +343,7 @@ async def test_after_the_runtime_is_shut_down_no_new_one_starts_on_its_loop(sett
     await runtime_module.shutdown_runtime()
     with pytest.raises(GatewayError) as refused:
         await runtime_module.get_runtime()
-    assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
+    assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "1"
     assert asyncio.get_running_loop() not in runtime_module._runtimes
     assert first.hub.channel_name is not None  # it had started
 

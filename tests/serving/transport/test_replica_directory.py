@@ -180,13 +180,19 @@ def test_a_beat_says_what_is_queued_ahead_and_how_fast_it_prefills_and_an_older_
     beat = report.heartbeat(ref, "r1", "c", "ready", num_pending=0, idle_s=0.0)  # type: ignore[arg-type]
     assert beat.queued_prompt_tokens == 0
     assert beat.prefill_tokens_per_s == pytest.approx((510 + 256) / 0.080)  # its last prefill's, kept
+    # Seats freed: sequences ended over every step's time, not only the prefilling steps'.
+    assert beat.seats_freed_per_s == 0.0  # none ended yet
+    report.account(stats(batched=2, scheduled=2), 0.020, engine=Engine(), ended=2)
+    beat = report.heartbeat(ref, "r1", "c", "ready", num_pending=0, idle_s=0.0)  # type: ignore[arg-type]
+    assert beat.seats_freed_per_s == pytest.approx(2 / (0.010 + 0.050 + 0.030 + 0.005 + 0.020))
 
     older = {
         k: v
         for k, v in dataclasses.asdict(beat).items()
-        if k not in ("queued_prompt_tokens", "prefill_tokens_per_s")
+        if k not in ("queued_prompt_tokens", "prefill_tokens_per_s", "seats_freed_per_s")
     }
     parsed = Heartbeat.from_json(json.dumps(older))
     assert (parsed.queued_prompt_tokens, parsed.prefill_tokens_per_s) == (0, 0.0)
+    assert parsed.seats_freed_per_s == 0.0
     with pytest.raises(ValueError, match="heartbeat field queued_prompt_tokens"):
         Heartbeat.from_json(json.dumps({**older, "queued_prompt_tokens": 1.5}))
