@@ -28,6 +28,10 @@ PREFILL_BOUND = FleetConfig(
         fixed_ms=12, per_prefill_token_ms=0.15, per_decode_seq_ms=0.25, per_context_token_ms=0.0005
     ),
 )
+# Seat-bound replicas (the defaults): a full batch, where requests wait for a seat to free.
+SEAT_BOUND = dataclasses.replace(
+    PREFILL_BOUND, scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512), num_blocks=4096
+)
 SETTINGS = SloSettings(replicas=2, objective_s=1.0, overload=1.5, duration_s=30.0, seed=1)
 
 
@@ -47,6 +51,14 @@ def test_admission_at_overload_keeps_admitted_requests_within_the_objective(resu
 
 def test_admission_at_overload_raises_the_goodput_within_the_objective(result) -> None:
     assert result.with_admission.goodput_rps > 1.5 * result.without.goodput_rps
+
+
+def test_where_the_batch_is_full_the_forecast_counts_the_wait_for_a_seat() -> None:
+    # Counting only the prompts queued ahead, 18.5% of admitted requests met the objective here.
+    seats = compare(SEAT_BOUND, SETTINGS)
+    assert seats.without.met_share < 0.6
+    assert seats.with_admission.met_share >= 0.95
+    assert seats.with_admission.goodput_rps > 2 * seats.without.goodput_rps
 
 
 def test_every_refusal_carries_a_retry_after_and_the_wait_it_avoided(result) -> None:

@@ -113,6 +113,8 @@ async def test_a_tight_objective_is_refused_at_once_during_a_flood_and_a_tenant_
         assert refused.json()["error"]["type"] == "rate_limit_error"
         assert "TTFT objective 1 ms" in refused.json()["error"]["message"]
         assert int(refused.headers["Retry-After"]) >= 1
+        # The same wait to the millisecond, as the openai clients read it first, never longer.
+        assert 1 <= int(refused.headers["retry-after-ms"]) <= 1000 * int(refused.headers["Retry-After"])
         assert "hurried" not in {tenant for tenant, _ in sent}  # nothing reached the replica
         usage = quota_store().usage([hurried.context])[hurried.context.tenant_id]
         assert usage.num_in_flight == 0  # what admission took is given back
