@@ -47,6 +47,9 @@ def plan_lines(plan: CapacityPlan) -> list[str]:
     compute_cap = slo.tpot_ms / ms / ((1 + ride) * st.token_s)
     crossover = st.crossover_batch(context)
     usable = slo.utilisation * plan.replica_req_s
+    from_zero = (load.mean_prompt + load.mean_output) / 2
+    from_zero_seqs = math.floor(mem.num_blocks * mem.block_size / from_zero)
+    from_zero_replicas = math.ceil(plan.replicas * conc.batch / max(from_zero_seqs, 1))  # steps as long
     return [
         f"Capacity plan: {model.name} ({model.params / 1e9:g}B parameters, "
         f"{model.weights_bytes / GB:.1f} GB of weights) on {acc.name} ({acc.memory_gb:g} GB, "
@@ -64,6 +67,11 @@ def plan_lines(plan: CapacityPlan) -> list[str]:
         f"  paged:        {mem.num_blocks} blocks / {conc.blocks_per_seq} a sequence (mean context "
         f"{context:g} = {load.mean_prompt:g} prompt + {load.mean_output:g}/2 output, whole blocks) = "
         f"{conc.paged_seqs}",
+        # The rule of thumb a reader may check this against (docs/capacity.md says why it is not used).
+        f"  from zero:    were a sequence's KV to grow from nothing (mean context {from_zero:g} = "
+        f"({load.mean_prompt:g} + {load.mean_output:g})/2), {mem.num_blocks * mem.block_size} tokens / "
+        f"{from_zero:g} = {from_zero_seqs} sequences (~{from_zero_replicas} replicas); but a prompt's "
+        f"{load.mean_prompt:g} tokens are held from its first step",
         f"  contiguous:   {mem.kv_budget / GB:.2f} GB / ({model.max_context} max context x {kv_mb:.4f} MB) = "
         f"{conc.contiguous_seqs} (reserving only the longest request's {load.longest} tokens: "
         f"{conc.contiguous_own_seqs})",

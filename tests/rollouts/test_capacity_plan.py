@@ -148,6 +148,8 @@ def test_the_plan_prints_its_arithmetic_without_simulating_at_duration_0() -> No
     out = run("--preset", "13b-a100", "--duration", "0")
     assert "= 819,200 B (0.82 MB)" in out
     assert "batch:        26, held by KV memory" in out
+    # The 40-50 paged sequences assume KV grows from nothing: the plan shows that figure and why not
+    assert "15856 tokens / 350 = 45 sequences (~159 replicas)" in out
     assert "-> 275" in out and "$736,752 a month" in out
     assert "Simulated" not in out
 
