@@ -86,10 +86,14 @@ CHARTS: tuple[dict[str, Any], ...] = (
 )
 
 
-# The per-tier p99 TTFT chart (docs/architecture.md, "Service tiers"): one line per (version, tier), in
-# the version's colour and the tier's dash. Its own chart, not stats of the TTFT chart above, whose p50 /
-# p95 / p99 dashes these would be mistaken for.
-TIER_TTFT_CHART = {"id": "tier_ttft", "title": "p99 time to first token by service tier", "unit": "ms"}
+# The per-tier p99 charts (docs/architecture.md, "Service tiers"): one line per (version, tier), in the
+# version's colour and the tier's dash. Charts of their own, not stats of the latency charts above, whose
+# p50 / p95 / p99 dashes these would be mistaken for. Each id is its chart point's field.
+TIER_CHARTS = (
+    {"id": "tier_ttft", "title": "p99 time to first token by service tier", "unit": "ms"},
+    {"id": "tier_tpot", "title": "p99 time per output token by service tier", "unit": "ms"},
+    {"id": "tier_queue_wait", "title": "p99 queue wait by service tier", "unit": "ms"},
+)
 TIER_DASH = {"priority": "solid", "default": "dash", "flex": "dot"}
 
 
@@ -152,6 +156,10 @@ def chart_point(window: VersionWindow) -> dict[str, Any]:
         "fill": queue_wait_bins(window.queue_wait),
         # Only the tiers with requests in this step: a tier's line has points where it had traffic.
         "tier_ttft": {tier: _ms(figures.p99_ttft_s) for tier, figures in window.tiers.items()},
+        "tier_tpot": {tier: _ms(figures.p99_tpot_s) for tier, figures in window.tiers.items()},
+        "tier_queue_wait": {
+            tier: _ms(figures.queue_wait.quantile(0.99)) for tier, figures in window.tiers.items()
+        },
     }
 
 

@@ -131,7 +131,7 @@ def _model_page(request: HttpRequest, model_name: str, replicas: list[Any], comp
         "config": {
             **page,
             "charts": charts.CHARTS,
-            "tier_chart": charts.TIER_TTFT_CHART,
+            "tier_charts": charts.TIER_CHARTS,
             "tier_dash": charts.TIER_DASH,
             "batch_bins": [label for label, _ in charts.BATCH_BINS],
             "fill_bins": [label for label, _ in charts.QUEUE_WAIT_BINS],

@@ -1,5 +1,6 @@
-"""The model page's p99 TTFT per service tier (docs/architecture.md, "Service tiers"): one series per
-(version, tier) with traffic, never blending versions or tiers, at load and in the live feed."""
+"""The model page's p99 TTFT, TPOT and queue wait per service tier (docs/architecture.md, "Service
+tiers"): one series per (version, tier) with traffic, never blending versions or tiers, at load and in the
+live feed."""
 
 from __future__ import annotations
 
@@ -39,14 +40,19 @@ def test_a_chart_point_has_the_p99_ttft_of_each_tier_with_traffic_only(chat_with
     assert point["tier_ttft"]["priority"] == pytest.approx(100.0, rel=0.02)
     assert point["tier_ttft"]["flex"] == pytest.approx(800.0, rel=0.02)
     assert point["ttft"][2] == pytest.approx(800.0, rel=0.02)  # the version's own p99, as before
+    # The same tiers' p99 TPOT and queue wait (record_traffic: a tenth and a half of the TTFT).
+    assert point["tier_tpot"] == pytest.approx({"priority": 10.0, "flex": 80.0}, rel=0.05)
+    assert point["tier_queue_wait"] == pytest.approx({"priority": 50.0, "flex": 400.0}, rel=0.05)
 
 
 def test_model_page_charts_p99_ttft_per_version_and_tier(staff_client: Client, chat_with_tiers: Any) -> None:
     response = staff_client.get("/dashboard/models/chat/")
-    assert 'data-chart="tier_ttft"' in response.text
+    for chart in ("tier_ttft", "tier_tpot", "tier_queue_wait"):
+        assert f'data-chart="{chart}"' in response.text
     assert "p99 time to first token by service tier" in response.text
+    assert "p99 time per output token by service tier" in response.text
     config = _config(response)
-    assert config["tier_chart"]["id"] == "tier_ttft"
+    assert [c["id"] for c in config["tier_charts"]] == ["tier_ttft", "tier_tpot", "tier_queue_wait"]
     assert list(config["tier_dash"]) == ["priority", "default", "flex"]
 
     (v1,) = _tier_points(config["points"]["v1"])

@@ -42,7 +42,7 @@ STAFF_PASSWORD = "dashboard-e2e-password"
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 PACE_S = 0.05  # between one thread's requests: under the demo tenant's 50 requests/s
-NUM_CHARTS = 11  # 6 series per version, TTFT per tier, batch and wait bars, KV and queue per replica
+NUM_CHARTS = 13  # 6 series per version, 3 per tier, batch and wait bars, KV and queue per replica
 
 # Every chart holds traces of both versions with at least one value, and live pushes have arrived.
 CHARTS_HAVE_BOTH_VERSIONS = """

@@ -103,21 +103,21 @@
     return traces;
   }
 
-  // The per-tier p99 TTFT chart: one line per (version, tier) for the tiers that had requests in the range
-  // (a point's "tier_ttft" holds only those of its own step), in the version's colour and the tier's dash,
-  // best tier first (config.tier_dash's order).
+  // A per-tier p99 chart: one line per (version, tier) for the tiers that had requests in the range (a
+  // point's field, "tier_ttft" say, holds only those of its own step), in the version's colour and the
+  // tier's dash, best tier first (config.tier_dash's order).
   var TIER_ORDER = Object.keys(config.tier_dash);
   function tierRank(tier) {
     var i = TIER_ORDER.indexOf(tier);
     return i < 0 ? TIER_ORDER.length : i;
   }
-  function tierTraces() {
+  function tierTraces(field) {
     var traces = [];
     charted.forEach(function (version) {
       var pts = sorted(version);
       var tiers = [];
       pts.forEach(function (p) {
-        Object.keys(p.tier_ttft || {}).forEach(function (tier) {
+        Object.keys(p[field] || {}).forEach(function (tier) {
           if (tiers.indexOf(tier) < 0) { tiers.push(tier); }
         });
       });
@@ -127,7 +127,7 @@
         traces.push({
           type: "scatter", mode: "lines+markers", connectgaps: false,
           name: version + " " + tier, legendgroup: version, x: x,
-          y: pts.map(function (p) { var v = (p.tier_ttft || {})[tier]; return v === undefined ? null : v; }),
+          y: pts.map(function (p) { var v = (p[field] || {})[tier]; return v === undefined ? null : v; }),
           line: { color: colorOf(version), dash: config.tier_dash[tier] || "dashdot", width: 2 },
           marker: { size: 5, color: colorOf(version) },
         });
@@ -186,7 +186,7 @@
 
   function render() {
     config.charts.forEach(function (chart) { draw(chart.id, timeTraces(chart), chart.unit); });
-    draw(config.tier_chart.id, tierTraces(), config.tier_chart.unit);
+    config.tier_charts.forEach(function (chart) { draw(chart.id, tierTraces(chart.id), chart.unit); });
     draw("batch", binTraces("batch", config.batch_bins), "% of steps",
       { barmode: "group", xaxis: { type: "category", title: { text: "batch size" }, automargin: true } });
     draw("fill", binTraces("fill", config.fill_bins), "% of requests",
