@@ -1,4 +1,5 @@
-"""ASGI entry point: the Django app first (so models are loaded), then routing by protocol."""
+"""ASGI entry point: the Django app first (so models are loaded), then routing by protocol; the server
+process's start and stop by the lifespan (uvicorn) or by Twisted's reactor (daphne)."""
 
 import os
 
@@ -10,7 +11,9 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 
+from config import daphne_host  # noqa: E402
 from config.body_limit import body_limited  # noqa: E402
+from config.draining import refused_while_draining  # noqa: E402
 from config.inference import inference_or  # noqa: E402
 from config.lifespan import lifespan  # noqa: E402
 from config.routing import websocket_urlpatterns  # noqa: E402
@@ -24,8 +27,14 @@ if settings.SERVE_STATIC:
 
 application = ProtocolTypeRouter(
     {
-        "http": body_limited(inference_or(django_asgi_app), settings.MAX_REQUEST_BYTES),
-        "websocket": URLRouter(websocket_urlpatterns),
-        "lifespan": lifespan,
+        "http": refused_while_draining(
+            body_limited(inference_or(django_asgi_app), settings.MAX_REQUEST_BYTES)
+        ),
+        "websocket": refused_while_draining(URLRouter(websocket_urlpatterns)),
+        "lifespan": lifespan,  # uvicorn's start and stop (config/server_process.py)
     }
 )
+
+# daphne has no lifespan: its reactor starts and stops the same process (config/daphne_host.py).
+if (reactor := daphne_host.twisted_reactor()) is not None:
+    daphne_host.attach(reactor)

@@ -114,6 +114,12 @@ def add_serve_arguments(parser: object) -> None:
         "runs follows the other path's",
     )
     add("--layer", choices=["embedded", "redis"], default="embedded")
+    add(
+        "--server",
+        choices=["uvicorn", "daphne"],
+        default="uvicorn",
+        help="for --compare: the web server the throwaway platform runs (manage.py serve --server)",
+    )
     add("--redis-url", default="redis://127.0.0.1:6379/12")
     add("--model-dir", default=None, help="for --compare (default: the engine benchmark's model)")
     add("--max-num-seqs", type=int, default=64)
@@ -366,9 +372,13 @@ def run_serve_from_options(options: dict[str, object], *, default_model_dir: Pat
         pack = _packing_pays(model_dir, log=log)
     engine_env["SWITCHYARD_PACK_LINEAR"] = "1" if pack else "0"
     platform = Platform(
-        model_dir, layer=str(options["layer"]), engine_env=engine_env, redis_url=str(options["redis_url"])
+        model_dir,
+        layer=str(options["layer"]),
+        engine_env=engine_env,
+        redis_url=str(options["redis_url"]),
+        server=str(options.get("server") or "uvicorn"),
     )
-    log(f"starting a platform ({options['layer']}) in {platform.state} ...")
+    log(f"starting a platform ({options['layer']}, {platform.server}) in {platform.state} ...")
     rounds: list[CompareRound] = []
     pairs: list[Pair] = []
     statuses: Counter[str] = Counter()

@@ -57,7 +57,15 @@ class Platform:
     """A throwaway platform in its own state directory: embedded (one process) or on Redis (a gateway
     process and a `run_replica` process)."""
 
-    def __init__(self, model_dir: Path, *, layer: str, engine_env: dict[str, str], redis_url: str) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        layer: str,
+        engine_env: dict[str, str],
+        redis_url: str,
+        server: str = "uvicorn",
+    ) -> None:
         self.state = Path(tempfile.mkdtemp(prefix="switchyard-bench-"))
         # Nothing of the caller's own configuration: a SWITCHYARD_* setting of the shell (a per-tenant
         # cap, compilation, embedded replicas beside Redis ones) would make the replica other than the
@@ -66,6 +74,7 @@ class Platform:
         if layer == "redis":
             self.env["REDIS_URL"] = redis_url
         self.layer = layer
+        self.server = server  # manage.py serve --server
         self.model_dir = model_dir
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -103,7 +112,7 @@ class Platform:
             "10000",
         )
         self.key = self._manage("create_api_key", "--tenant", "bench").strip().splitlines()[-1]
-        self._spawn("serve", "--port", str(self.port))
+        self._spawn("serve", "--port", str(self.port), "--server", self.server)
         if self.layer == "redis":
             self._spawn("run_replica", "--model", "bench", "--version", "v1")
         deadline = time.monotonic() + 300

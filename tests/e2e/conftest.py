@@ -100,12 +100,15 @@ def seeded(env: dict[str, str]) -> str:
 
 
 @contextmanager
-def serving(state: Path, env: dict[str, str], key: str) -> Iterator[LiveServer]:
-    """`manage.py serve` on a free port until the block ends; its log goes to stderr under CI."""
+def serving(
+    state: Path, env: dict[str, str], key: str, *, command: tuple[str, ...] = ("manage.py", "serve")
+) -> Iterator[LiveServer]:
+    """`manage.py serve` (or `command`, told the port as serve and daphne are) on a free port until the
+    block ends; its log goes to stderr under CI."""
     port = _free_port()
     log = (state / "server.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "manage.py", "serve", "--port", str(port)],
+        [sys.executable, *command, "--port", str(port)],
         cwd=REPO_ROOT,
         env=env,
         stdout=log,

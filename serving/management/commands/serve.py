@@ -1,6 +1,5 @@
 import asyncio
 import logging
-import time
 from typing import Any
 
 import uvicorn
@@ -8,28 +7,38 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from config.server_process import SERVER_PROCESS
 from serving.edge.http_limits import LimitedHttpToolsProtocol
-from serving.runtime import started_runtime
-from serving.transport.protocol import SERVER_SHUTTING_DOWN, SERVER_SHUTTING_DOWN_MESSAGE, error_event
 
 logger = logging.getLogger(__name__)
 
 # After the drain (settings.SHUTDOWN_DRAIN_S) and its final events: how long the rest of a stop waits for
 # responses still open before it cancels them.
 GRACEFUL_SHUTDOWN_S = 5
-FINAL_EVENT_GRACE_S = 0.5
-DRAIN_POLL_S = 0.1
 WS_FRAME_GUARD = 4
+LISTEN_POLL_S = 0.05
 
 
 class Command(BaseCommand):
-    help = "Serve HTTP and WebSocket (uvicorn), with the data-plane runtime and embedded replicas started."
+    help = (
+        "Serve HTTP and WebSocket (uvicorn, or daphne), with the data-plane runtime and embedded replicas "
+        "started."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument(
+            "--server",
+            choices=("uvicorn", "daphne"),
+            default="uvicorn",
+            help='uvicorn (the default: docs/architecture.md, "uvicorn over daphne") or daphne',
+        )
 
     def handle(self, *args: object, **options: object) -> None:
+        if options["server"] == "daphne":
+            _serve_daphne(str(options["host"]), int(options["port"]), self.stdout)  # type: ignore[call-overload]
+            return
         from config.asgi import application
 
         # uvicorn rather than daphne (docs/architecture.md, "uvicorn over daphne"): less of every request's
@@ -82,15 +91,29 @@ class _Server(uvicorn.Server):  # type: ignore[misc]
         for connection in list(self.server_state.connections):
             if isinstance(connection, HttpToolsProtocol):
                 connection.shutdown()  # idle: closed; mid-response: closed once it is sent
-        runtime = started_runtime()
-        if runtime is not None:
-            deadline = time.monotonic() + settings.SHUTDOWN_DRAIN_S
-            # Polled: the streams end in the replicas' time, and nothing announces the last one.
-            while runtime.hub.num_open and time.monotonic() < deadline and not self.force_exit:
-                await asyncio.sleep(DRAIN_POLL_S)
-            cut = runtime.hub.end_all(error_event(SERVER_SHUTTING_DOWN, SERVER_SHUTTING_DOWN_MESSAGE))
-            if cut:
-                logger.warning("shutdown: the drain ran out; ended %d streams with a final error", cut)
-                # Their final events go out before the connections close.
-                await asyncio.sleep(FINAL_EVENT_GRACE_S)
-        await super().shutdown(sockets=sockets)
+        await SERVER_PROCESS.drain(is_forced=lambda: bool(self.force_exit))
+        await super().shutdown(sockets=sockets)  # then the lifespan's stop: SERVER_PROCESS.stop()
+
+
+def _serve_daphne(host: str, port: int, stdout: Any) -> None:
+    """daphne, as `daphne config.asgi:application` runs it: the process starts and stops from Twisted's
+    reactor (config/daphne_host.py), not a lifespan. The edge's header limits and the slow-reader
+    cut-off are uvicorn's alone (docs/architecture.md, "uvicorn over daphne")."""
+    # Deferred, and in this order: daphne's server installs Twisted's asyncio reactor at import, which
+    # must come before the application finds it (and before anything imports another reactor).
+    from daphne.server import Server
+    from twisted.internet import reactor
+
+    from config.asgi import application
+
+    server = Server(application, endpoints=[f"tcp:port={port}:interface={host}"], signal_handlers=False)
+
+    def announce() -> None:
+        if not server.listening_addresses:
+            reactor.callLater(LISTEN_POLL_S, announce)
+            return
+        stdout.write(f"Switchyard listening on http://{host}:{port}/ (daphne)")
+        stdout.flush()
+
+    reactor.callWhenRunning(announce)
+    server.run()
