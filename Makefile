@@ -19,13 +19,15 @@ $(INSTALLED): pyproject.toml | $(PY)
 
 install: $(INSTALLED)
 
-# The port is checked first: seed_demo revokes the last demo key, which a server already running still serves.
+# The port (`make serve PORT=8080`) is checked first: seed_demo revokes the last demo key, which a server
+# already running still serves.
+PORT ?= 8000
 serve: install
-	@$(PY) -c "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', 8000))" 2>/dev/null \
-		|| { echo "port 8000 is in use (is make serve running already?); nothing was changed" >&2; exit 1; }
+	@$(PY) -c "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', $(PORT)))" 2>/dev/null \
+		|| { echo "port $(PORT) is in use (is make serve running already? another port: make serve PORT=8080); nothing was changed" >&2; exit 1; }
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py seed_demo
-	$(PY) manage.py serve --host 127.0.0.1 --port 8000
+	$(PY) manage.py serve --host 127.0.0.1 --port $(PORT)
 
 test: install
 	bash scripts/run-tests

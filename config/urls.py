@@ -3,10 +3,12 @@ from django.urls import include, path
 from django.views.generic.base import RedirectView
 from drf_spectacular.views import SpectacularAPIView
 
+from dashboard.landing import landing
 from serving.edge import probes
 from serving.telemetry.prometheus import metrics_view
 
 urlpatterns = [
+    path("", landing, name="landing"),
     path("healthz", probes.healthz, name="healthz"),
     path("readyz", probes.readyz, name="readyz"),
     path("metrics", metrics_view, name="metrics"),

@@ -28,6 +28,7 @@ TRAFFIC = (
 
 # Route -> the test that shows its isolation; None (with the reason) where no tenant's data is there.
 HTTP_CASES: dict[str, str | None] = {
+    "": None,  # the landing page: links, no tenant's data
     "healthz": None,  # liveness: no tenant's data
     "readyz": "tests/serving/edge/test_readiness.py::"
     "test_the_replica_list_is_for_the_metrics_token_or_staff_not_a_load_balancer",
