@@ -153,6 +153,40 @@ def _json(path: Path) -> object:
         raise ArtifactError(f"{path.name} is not readable JSON: {exc}") from None
 
 
+# The heads a config's `architectures` names, by the suffix transformers gives each (LlamaForCausalLM,
+# GPT2LMHeadModel, BertForSequenceClassification), and the kind whose loader builds that head
+# (serving/engine/loading.py). A checkpoint registered as another kind answered 503 for ever, the reason
+# in the replica's log only; or, as a classifier, would have got a random head.
+HEAD_KINDS = (
+    ("ForCausalLM", "causal-lm"),
+    ("LMHeadModel", "causal-lm"),
+    ("ForSequenceClassification", "classifier"),
+)
+
+
+def check_kind(root: Path, kind: str) -> None:
+    """Refuse a model directory whose config names a head of another kind than `kind`. A causal LM or a
+    classifier must name its own head; an embedding model must name neither (its loader takes the base
+    model, and a head's checkpoint is most likely a mistaken --kind). A config that names no
+    architecture cannot be told apart, and is taken as it is said to be, except for a classifier, which
+    must name its head."""
+    config = _json(root / "config.json")
+    named = config.get("architectures") if isinstance(config, dict) else None
+    architectures = [str(a) for a in named] if isinstance(named, list) else []
+    heads = {head_kind for a in architectures for suffix, head_kind in HEAD_KINDS if a.endswith(suffix)}
+    if kind in heads or (not heads and kind != "classifier" and (kind == "embedding" or not architectures)):
+        return
+    if not heads and kind == "causal-lm":
+        described = f"a base model without a language-model head ({', '.join(architectures)})"
+    elif not heads:
+        described = f"no ...ForSequenceClassification head ({', '.join(architectures) or 'no architectures'})"
+    else:
+        described = f"a {' and '.join(sorted(heads))} model ({', '.join(architectures)})"
+    hint = f"; register it with --kind {sorted(heads)[0]}" if len(heads) == 1 else ""
+    article = "an" if kind[0] in "aeiou" else "a"
+    raise ArtifactError(f"config.json describes {described}, not {article} {kind} model{hint}")
+
+
 def compute_manifest(root: Path) -> ArtifactManifest:
     files = {str(p.relative_to(root)): _file_sha256(p) for p in _list_files(root)}
     size = sum(p.stat().st_size for p in _list_files(root))

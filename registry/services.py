@@ -90,6 +90,7 @@ def model_version_register(
     # writer (a rollback, the judge, the replicas' metrics) would wait for the copy and then fail.
     staging, manifest = artifacts.stage_copy(Path(source_dir), root)
     try:
+        artifacts.check_kind(staging, kind)
         check_chat_template(staging)  # the copy: what the digests cover is what was rendered
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

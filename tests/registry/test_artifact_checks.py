@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -144,3 +145,58 @@ def test_a_chat_template_that_runs_long_writes_much_or_fails_is_refused(
     with pytest.raises(ArtifactError, match=why):
         model_version_register(name="hostile", version="v1", source_dir=model)
     assert not any((tmp_path / "store").rglob("*.safetensors"))  # nothing of it stays in the store
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("source", "kind", "message"),
+    [
+        (
+            "chat",
+            "classifier",
+            "a causal-lm model (LlamaForCausalLM), not a classifier model; register it with --kind causal-lm",
+        ),
+        ("chat", "embedding", "a causal-lm model (LlamaForCausalLM), not an embedding model"),
+        ("classifier", "causal-lm", "not a causal-lm model; register it with --kind classifier"),
+        ("embedding", "classifier", "no ...ForSequenceClassification head"),
+        ("embedding", "causal-lm", "a base model without a language-model head"),
+    ],
+)
+def test_a_checkpoint_of_another_kind_is_refused_naming_both_and_nothing_is_stored(
+    demo_model_dir: Path,
+    demo_embedding_model_dir: Path,
+    demo_classifier_model_dir: Path,
+    tmp_path: Path,
+    settings,  # type: ignore[no-untyped-def]
+    source: str,
+    kind: str,
+    message: str,
+) -> None:
+    from registry.models import Model
+    from registry.services import model_version_register
+
+    settings.ARTIFACT_ROOT = tmp_path / "store"
+    source_dir = {"chat": demo_model_dir, "embedding": demo_embedding_model_dir}.get(
+        source, demo_classifier_model_dir
+    )
+    with pytest.raises(ArtifactError, match=re.escape(message)):
+        model_version_register(name="mistaken", version="v1", source_dir=source_dir, kind=kind)
+    assert not Model.objects.filter(name="mistaken").exists()
+    assert not any((tmp_path / "store").rglob("*.safetensors"))
+
+
+@pytest.mark.django_db
+def test_each_demo_checkpoint_registers_as_its_own_kind(
+    demo_model_dir: Path, demo_embedding_model_dir: Path, demo_classifier_model_dir: Path, tmp_path, settings
+) -> None:  # type: ignore[no-untyped-def]
+    from registry.services import model_version_register
+
+    settings.ARTIFACT_ROOT = tmp_path / "store"
+    for name, source_dir, kind in [
+        ("chat", demo_model_dir, "causal-lm"),
+        ("embed", demo_embedding_model_dir, "embedding"),
+        ("classify", demo_classifier_model_dir, "classifier"),
+    ]:
+        assert (
+            model_version_register(name=name, version="v1", source_dir=source_dir, kind=kind).version == "v1"
+        )
