@@ -27,6 +27,7 @@ from serving.benchmarks.limits import (
     measure_cpu_limit,
     measure_scheduler_overhead_ms,
 )
+from serving.benchmarks.progress import ticking
 from serving.benchmarks.report import format_report
 from serving.benchmarks.step_breakdown import decode_breakdown
 from serving.benchmarks.workload import (
@@ -122,23 +123,26 @@ def run_benchmark(model_dir: str | Path, config: BenchConfig, *, log: Log = lamb
         result.setup_s = time.perf_counter() - setup_began
         log(f"({key}) {result.name}: loaded and warmed up in {result.setup_s:.1f} s")
     # Rounds interleave the systems, so slow drift in a shared machine's load spreads over all of them.
+    last_run_s: dict[str, float] = {}
     for round_index in range(config.repeat):
         for key, system in systems.items():
             result = report.results[key]
             run_began = time.perf_counter()
             meter = ConditionsMeter()
-            records = system.run(requests)
+            what = f"({key}) {result.name} run {round_index + 1}/{config.repeat}"
+            with ticking(log, what, expected_s=last_run_s.get(key)):
+                records = system.run(requests)
             result.conditions.append(meter.read())
             result.records = sorted(records, key=lambda r: r.arrival_s)
             result.runs.append(compute_metrics(records))
-            run_s = time.perf_counter() - run_began
+            run_s = last_run_s[key] = time.perf_counter() - run_began
             conditions = result.conditions[-1]
             pressure = (
                 "" if conditions.cpu_pressure is None else f", CPU pressure {conditions.cpu_pressure:.0%}"
             )
             m = result.runs[-1]
             log(
-                f"({key}) {result.name} run {round_index + 1}/{config.repeat}: "
+                f"{what}: "
                 f"{m.output_tokens_per_s:.1f} output tok/s in {run_s:.1f} s, TTFT p50/p99 "
                 f"{m.p50_ttft_s:.2f}/{m.p99_ttft_s:.2f} s, TPOT p50/p99 {m.p50_tpot_s * 1000:.1f}/"
                 f"{m.p99_tpot_s * 1000:.1f} ms "

@@ -192,8 +192,14 @@ def _table(rows: dict[str, dict[str, float]]) -> str:
     keys = sorted({k for row in rows.values() for k in row})
     lines = [f"{'':<28}" + "".join(f"{name:>22}" for name in rows)]
     for key in keys:
-        lines.append(f"{key:<28}" + "".join(f"{row.get(key, float('nan')):>22.2f}" for row in rows.values()))
+        lines.append(f"{key:<28}" + "".join(f"{_cell(row.get(key)):>22}" for row in rows.values()))
     return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    """A figure the column does not have (the engine alone has no ITL; a run with none to measure) is a
+    dash, not `nan`."""
+    return "-" if value is None or math.isnan(value) else f"{value:.2f}"
 
 
 def _load_spec(options: dict[str, object]) -> LoadSpec:
