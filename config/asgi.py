@@ -12,6 +12,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 
 from config import daphne_host  # noqa: E402
+from config.access_log import access_logged  # noqa: E402
 from config.body_limit import body_limited  # noqa: E402
 from config.draining import refused_while_draining  # noqa: E402
 from config.inference import inference_or  # noqa: E402
@@ -25,12 +26,15 @@ if settings.SERVE_STATIC:
 
     django_asgi_app = ContainedStaticFilesHandler(django_asgi_app)
 
+http_app = refused_while_draining(body_limited(inference_or(django_asgi_app), settings.MAX_REQUEST_BYTES))
+websocket_app = refused_while_draining(URLRouter(websocket_urlpatterns))
+if settings.ACCESS_LOG:  # a line per request, and per WebSocket (config/access_log.py)
+    http_app, websocket_app = access_logged(http_app), access_logged(websocket_app)
+
 application = ProtocolTypeRouter(
     {
-        "http": refused_while_draining(
-            body_limited(inference_or(django_asgi_app), settings.MAX_REQUEST_BYTES)
-        ),
-        "websocket": refused_while_draining(URLRouter(websocket_urlpatterns)),
+        "http": http_app,
+        "websocket": websocket_app,
         "lifespan": lifespan,  # uvicorn's start and stop (config/server_process.py)
     }
 )

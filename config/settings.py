@@ -471,4 +471,8 @@ LOGGING = {
         "django.request": {"level": "ERROR"},
         "uvicorn.error": {"filters": ["websocket_path_only"]},  # handshakes: no query strings (keys)
     },
+# One line per request on the `switchyard.access` logger (config/access_log.py): method, path, status,
+# duration, tenant; never a key, a query string or a body.
+ACCESS_LOG = _env_bool("SWITCHYARD_ACCESS_LOG", True)
+
 }

@@ -7,6 +7,7 @@ from typing import Any
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 
+from registry import request_tenant
 from registry.auth_throttle import api_key_attempt, api_key_failures
 from registry.selectors import TenantContext, tenant_context_for_api_key
 
@@ -49,6 +50,7 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         if context is None:
             api_key_failures.record(attempt)
             raise exceptions.AuthenticationFailed("invalid API key")
+        request_tenant.note(context.tenant_id)
         return TenantPrincipal(context), context
 
     def authenticate_header(self, request: Any) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from channels.db import database_sync_to_async
 
+from registry import request_tenant
 from registry.auth_throttle import api_key_attempt, api_key_failures
 from registry.authentication import bearer_token
 from registry.models import Model
@@ -46,16 +47,18 @@ async def authenticate(authorization: str | None, *, client: str | None = None) 
     if wait_s is not None:
         raise GatewayError(429, "too many failed API key attempts; try again later", retry_after_s=wait_s)
     try:
-        cached = auth.authenticate_from_cache(authorization)
-        if cached is not None:
-            return cached
-        # Any worker thread will do (no hop to the one sync thread); Channels' wrapper closes that
-        # thread's connection when the server dropped it or it is too old, as Django does around a request.
-        return await database_sync_to_async(auth.authenticate, thread_sensitive=False)(authorization)
+        context = auth.authenticate_from_cache(authorization)
+        if context is None:
+            # Any worker thread will do (no hop to the one sync thread); Channels' wrapper closes that
+            # thread's connection when the server dropped it or it is too old, as Django does around a
+            # request.
+            context = await database_sync_to_async(auth.authenticate, thread_sensitive=False)(authorization)
     except GatewayError as exc:
         if exc.status == 401:
             api_key_failures.record(attempt)
         raise
+    request_tenant.note(context.tenant_id)  # for the access log (config/access_log.py)
+    return context
 
 
 async def model_snapshot(context: TenantContext, path_model: str) -> RoutingSnapshot | None:
