@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from drf_spectacular.utils import extend_schema, inline_serializer
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers, status
 from rest_framework.exceptions import APIException, NotFound, PermissionDenied
 from rest_framework.request import Request
@@ -103,7 +103,70 @@ _CREATE_SCHEMA = inline_serializer(
 _ACTION_SCHEMA = inline_serializer("DeploymentAction", {"reason": serializers.CharField(required=False)})
 
 
+# A page of the deployments list: OpenAI's list shape, newest first, `after` a cursor (a deployment id).
+DEFAULT_PAGE, MAX_PAGE = 20, 100
+_SUMMARY_FIELDS = {
+    "deployment_id": serializers.IntegerField(),
+    "model": serializers.CharField(),
+    "version": serializers.CharField(),
+    "incumbent": serializers.CharField(),
+    "strategy": serializers.CharField(),
+    "state": serializers.CharField(),
+    "current_pct": serializers.IntegerField(),
+    "created_by": serializers.CharField(),
+    "created_at": serializers.DateTimeField(),
+    "finished_at": serializers.DateTimeField(allow_null=True),
+}
+_PAGE_SCHEMA = inline_serializer(
+    "DeploymentPage",
+    {
+        "object": serializers.CharField(),
+        "data": inline_serializer("DeploymentSummary", _SUMMARY_FIELDS, many=True),
+        "has_more": serializers.BooleanField(),
+        "first_id": serializers.IntegerField(allow_null=True),
+        "last_id": serializers.IntegerField(allow_null=True),
+    },
+)
+
+
+def _page_params(request: Request) -> tuple[int | None, int]:
+    """`after` and `limit` from the query, or a 400 naming the one that is wrong."""
+    after_text, limit_text = request.query_params.get("after"), request.query_params.get("limit")
+    if after_text is not None and not after_text.isdigit():
+        raise Refused(400, "after must be a deployment id (a positive integer)")
+    if limit_text is not None and not (limit_text.isdigit() and 1 <= int(limit_text) <= MAX_PAGE):
+        raise Refused(400, f"limit must be an integer from 1 to {MAX_PAGE}")
+    return (int(after_text) if after_text else None), (int(limit_text) if limit_text else DEFAULT_PAGE)
+
+
 class DeploymentListView(APIView):
+    @extend_schema(
+        operation_id="deployments_list",
+        parameters=[
+            OpenApiParameter("after", int, description="the last deployment id of the page before"),
+            OpenApiParameter("limit", int, description=f"1 to {MAX_PAGE} (default {DEFAULT_PAGE})"),
+        ],
+        responses={200: _PAGE_SCHEMA},
+    )
+    def get(self, request: Request) -> Response:
+        """The deployments the caller may act on, newest first: staff every one, a tenant those of its
+        own models and of the platform's granted it."""
+        _authorize(request)
+        after, limit = _page_params(request)
+        context = request.auth if isinstance(request.auth, TenantContext) else None
+        viewer = _actor(request) if context is not None else None
+        rows, has_more = selectors.deployment_page(context=context, after=after, limit=limit)
+        data = [selectors.deployment_summary(deployment=d, viewer=viewer) for d in rows]
+        return Response(
+            {
+                "object": "list",
+                "data": data,
+                "has_more": has_more,
+                "first_id": data[0]["deployment_id"] if data else None,
+                "last_id": data[-1]["deployment_id"] if data else None,
+            }
+        )
+
     @extend_schema(
         operation_id="deployments_create", request=_CREATE_SCHEMA, responses={202: _ACCEPTED_SCHEMA}
     )

@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from django.conf import settings
-from django.db.models import OuterRef, Prefetch, Subquery
+from django.db.models import OuterRef, Prefetch, Q, Subquery
 from django.utils.module_loading import import_string
 
 from registry.models import Model, ModelVersion
-from registry.selectors import versions_with_traffic
+from registry.selectors import TenantContext, versions_with_traffic
 from rollouts.judge import VersionWindow
 from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
 
@@ -65,6 +65,40 @@ def _actor_as_seen_by(actor: str, viewer: str | None) -> str:
     if actor.startswith("tenant:"):
         return "another tenant"
     return actor  # the judge, the system
+
+
+def deployment_page(
+    *, context: TenantContext | None, after: int | None, limit: int
+) -> tuple[list[Deployment], bool]:
+    """Deployments newest first, up to `limit` of them older than deployment `after` (a cursor), and
+    whether there are more. `context`: a tenant, which sees those of the models it may deploy now (its
+    own, and the platform's granted it: TenantContext.may_deploy_to); None: staff, every one."""
+    query = Deployment.objects.select_related("model", "candidate", "incumbent").order_by("-pk")
+    if context is not None:
+        query = query.filter(
+            Q(model__owner_id=context.tenant_id)
+            | Q(model__owner__isnull=True, model__name__in=context.deployable_model_names)
+        )
+    if after is not None:
+        query = query.filter(pk__lt=after)
+    rows = list(query[: limit + 1])
+    return rows[:limit], len(rows) > limit
+
+
+def deployment_summary(*, deployment: Deployment, viewer: str | None = None) -> dict[str, Any]:
+    """A deployment in a list: where it stands, not its history (deployment_detail has that)."""
+    return {
+        "deployment_id": deployment.pk,
+        "model": deployment.model.name,
+        "version": deployment.candidate.version,
+        "incumbent": deployment.incumbent.version,
+        "strategy": deployment.strategy,
+        "state": deployment.state,
+        "current_pct": deployment.current_pct,
+        "created_by": _actor_as_seen_by(deployment.created_by, viewer),
+        "created_at": deployment.created_at,
+        "finished_at": deployment.finished_at,
+    }
 
 
 def deployment_detail(*, deployment: Deployment, viewer: str | None = None) -> dict[str, Any]:

@@ -50,8 +50,9 @@ HTTP_CASES: dict[str, str | None] = {
     "v1/tenants/<str:tenant>/quota": STAFF_ONLY,
     "v1/tenants/<str:tenant>/api-keys": STAFF_ONLY,
     "v1/tenants/<str:tenant>/api-keys/<str:prefix>/revoke": STAFF_ONLY,
-    "v1/deployments": "tests/rollouts/test_api.py::"
-    "test_a_tenant_sees_neither_other_tenants_names_nor_staff_logins",
+    # GET lists, POST creates: a tenant lists only its own and granted models' deployments, unnamed.
+    "v1/deployments": "tests/rollouts/test_deployment_list.py::"
+    "test_a_tenant_lists_only_the_deployments_of_models_it_may_deploy",
     "v1/deployments/<int:deployment_id>": NO_RIGHT,
     "v1/deployments/<int:deployment_id>/rollback": NO_RIGHT,
     "v1/deployments/<int:deployment_id>/promote": NO_RIGHT,
