@@ -106,6 +106,17 @@ def test_seed_demo_is_idempotent_and_keeps_one_live_demo_key(settings, tmp_path:
     assert context is not None and context.may_pin and context.may_deploy and not context.allowed_model_names
     assert ModelVersion.objects.filter(model__name="demo-chat", version="v1").count() == 1
     assert Tenant.objects.filter(name="demo").count() == 1
+    # The README's first rollout works with the demo key: demo-chat is the platform's, granted it.
+    assert context.may_deploy_to("demo-chat", owner_id=None)
+
+
+def test_seed_demo_grants_demo_chat_to_a_demo_tenant_made_before_it_was(settings, tmp_path: Path) -> None:
+    settings.STATE_DIR = tmp_path
+    _run("seed_demo", "--no-key")
+    Tenant.objects.get(name="demo").quota.deployable_models.clear()  # as an older seed_demo left it
+    key = _run("seed_demo").strip().splitlines()[-1]
+    context = tenant_context_for_api_key(key)
+    assert context is not None and context.may_deploy_to("demo-chat", owner_id=None)
 
 
 def test_seed_demo_rebuilds_a_demo_model_whose_build_was_cut_short(settings, tmp_path: Path) -> None:

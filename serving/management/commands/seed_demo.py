@@ -9,7 +9,14 @@ from django.db import IntegrityError, transaction
 
 from audit import actors
 from registry.models import ApiKey, Model, Tenant
-from registry.services import api_key_create, api_keys_revoke, model_version_register, tenant_create
+from registry.quotas import QuotaChange
+from registry.services import (
+    api_key_create,
+    api_keys_revoke,
+    model_version_register,
+    quota_set,
+    tenant_create,
+)
 
 DEMO_MODEL = "demo-chat"
 DEMO_EMBEDDING_MODEL = "demo-embed"
@@ -42,6 +49,9 @@ class Command(BaseCommand):
             "build_demo_classifier_model",
             Model.Kind.CLASSIFIER,
         )
+        # The demo tenant may roll out demo-chat (the platform's, granted it), so that the README's first
+        # rollout works with the demo key: a tenant deploys only its own models and those granted it.
+        demo_chat = Model.objects.get(name=DEMO_MODEL)
         tenant = Tenant.objects.filter(name=DEMO_TENANT).first()
         if tenant is None:
             tenant = tenant_create(
@@ -51,11 +61,16 @@ class Command(BaseCommand):
                 max_concurrent_requests=128,
                 may_pin=True,
                 may_deploy=True,
+                deployable_models=[demo_chat],
                 actor=ACTOR,
             )
             self.stdout.write(
-                f"created tenant {DEMO_TENANT} (every model but other tenants' own; may pin; deploys its own)"
+                f"created tenant {DEMO_TENANT} (every model but other tenants' own; may pin; deploys its own "
+                f"and {DEMO_MODEL})"
             )
+        elif tenant.quota.may_deploy and not tenant.quota.deployable_models.exists():
+            # A demo tenant made before it was granted demo-chat: granted it now, as a new one is.
+            quota_set(tenant=tenant, change=QuotaChange(deployable_models=(demo_chat,)), actor=ACTOR)
         self._ensure_staff_login()
         if options["no_key"]:
             return
