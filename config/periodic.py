@@ -22,6 +22,8 @@ from typing import Any
 
 from django.db import close_old_connections
 
+from rollouts import judge_lease
+
 logger = logging.getLogger(__name__)
 
 
@@ -141,6 +143,7 @@ def start_embedded_scheduler() -> asyncio.Task[None] | None:
     if settings.REDIS_URL:
         return None
     if _embedded is None or _embedded.done():
+        judge_lease.judge_here()  # this process's judge, not Celery's: its own lease (one per database)
         _embedded = asyncio.get_running_loop().create_task(
             run_periodic_tasks(settings.CELERY_BEAT_SCHEDULE), name="embedded-beat"
         )

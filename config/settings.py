@@ -461,6 +461,10 @@ if IS_PRODUCTION:
     # Health probes come from the orchestrator over plain HTTP inside the cluster.
     SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
 
+# One line per request on the `switchyard.access` logger (config/access_log.py): method, path, status,
+# duration, tenant; never a key, a query string or a body.
+ACCESS_LOG = _env_bool("SWITCHYARD_ACCESS_LOG", True)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -471,8 +475,4 @@ LOGGING = {
         "django.request": {"level": "ERROR"},
         "uvicorn.error": {"filters": ["websocket_path_only"]},  # handshakes: no query strings (keys)
     },
-# One line per request on the `switchyard.access` logger (config/access_log.py): method, path, status,
-# duration, tenant; never a key, a query string or a body.
-ACCESS_LOG = _env_bool("SWITCHYARD_ACCESS_LOG", True)
-
 }

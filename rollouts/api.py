@@ -8,6 +8,7 @@ Refusals use the one error shape (registry.errors)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +23,10 @@ from registry import api as registry_api
 from registry.callers import caller_actor
 from registry.models import Model, is_valid_name
 from registry.selectors import TenantContext
-from rollouts import selectors, services, steps
+from rollouts import judge_lease, selectors, services, steps
 from rollouts.models import Deployment
+
+logger = logging.getLogger(__name__)
 
 CREATE_FIELDS = frozenset(
     {"model", "version", "strategy", "steps", "bake_seconds", "thresholds", "mirror_pct"}
@@ -198,6 +201,12 @@ class DeploymentListView(APIView):
             )
         except steps.DeploymentError as exc:
             raise Refused(exc.status, str(exc)) from exc
+        if not judge_lease.is_running():  # in the server's log, where whoever started it looks
+            logger.warning(
+                "deployment %s: no rollout judge is running on this database, so it will not move. %s",
+                deployment.pk,
+                judge_lease.MISSING_JUDGE,
+            )
         return _accepted(deployment)
 
 
@@ -215,15 +224,15 @@ class DeploymentDetailView(APIView):
                 "current_step": serializers.IntegerField(allow_null=True),
                 "current_pct": serializers.IntegerField(),
                 "steps": serializers.ListField(child=serializers.DictField()),
+                "waiting_on": serializers.CharField(allow_null=True),
                 "events": serializers.ListField(child=serializers.DictField()),
             },
         )
     )
     def get(self, request: Request, deployment_id: int) -> Response:
         viewer = _actor(request) if isinstance(request.auth, TenantContext) else None
-        return Response(
-            selectors.deployment_detail(deployment=_deployment(request, deployment_id), viewer=viewer)
-        )
+        detail = selectors.deployment_detail(deployment=_deployment(request, deployment_id), viewer=viewer)
+        return Response(detail)
 
 
 def _reason(request: Request) -> str:

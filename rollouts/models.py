@@ -151,3 +151,16 @@ class ScalingBounds(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model.name}: {self.min_replicas}-{self.max_replicas} replicas"
+
+
+class JudgeLease(models.Model):
+    """Who runs the rollout judge, and until when (rollouts/judge_lease.py): one row. Each tick renews
+    it for its holder, or takes it once it has run out; a second process judging the same database (a
+    `demo_rollout` beside `make serve`, two embedded servers) skips its ticks instead of judging every
+    deployment twice. Celery's workers share one holder, "celery": beat sends each tick once."""
+
+    holder = models.CharField(max_length=200)
+    until = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"judge lease: {self.holder} until {self.until:%H:%M:%S}"

@@ -15,6 +15,7 @@ from django.utils.module_loading import import_string
 
 from registry.models import Model, ModelVersion
 from registry.selectors import TenantContext, versions_with_traffic
+from rollouts import judge_lease
 from rollouts.judge import VersionWindow
 from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
 
@@ -123,6 +124,10 @@ def deployment_detail(*, deployment: Deployment, viewer: str | None = None) -> d
         "step_started_at": deployment.step_started_at,
         "last_judged_at": deployment.last_judged_at,
         "last_verdict": deployment.last_verdict or None,
+        # What it waits on that is not its own to do: a judge that no process runs.
+        "waiting_on": judge_lease.missing_judge(since=deployment.created_at)
+        if deployment.is_in_flight
+        else None,
         "finished_at": deployment.finished_at,
         "rollback": {
             "decided_at": deployment.rollback_decided_at,

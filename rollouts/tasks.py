@@ -10,7 +10,7 @@ import logging
 from celery import shared_task
 from django.db import IntegrityError
 
-from rollouts import judge_tick, scaling, selectors
+from rollouts import judge_lease, judge_tick, scaling, selectors
 from serving.selectors import HeartbeatsUnavailable
 
 logger = logging.getLogger(__name__)
@@ -19,7 +19,11 @@ logger = logging.getLogger(__name__)
 @shared_task(name="rollouts.tasks.rollout_judge_tick", ignore_result=True)
 def rollout_judge_tick() -> int:
     """One judge tick for every deployment in flight; returns how many were judged. One deployment that
-    fails does not stop the others."""
+    fails does not stop the others. Not while another process holds the judge's lease
+    (rollouts/judge_lease.py): it judges them."""
+    if not judge_lease.acquire():
+        logger.debug("rollout judge: %s holds the lease; not judging", judge_lease.held_by_another())
+        return 0
     num_judged = 0
     for deployment_id in selectors.deployment_ids_to_judge():
         deployment = selectors.deployment_get(deployment_id=deployment_id, with_events=False)

@@ -175,7 +175,7 @@ def _create_and_tick(model: Model, version: str) -> tuple[int, bool, str]:
         )
     )
     is_ready = services.candidate_is_ready(deployment)
-    rollout_judge_tick()
+    _retrying_locked(rollout_judge_tick)  # its lease is a write (rollouts/judge_lease.py)
     return deployment.pk, is_ready, _retrying_locked(_deployment, deployment.pk).state
 
 
@@ -208,7 +208,7 @@ async def _run_rollout(runtime: Any, model: Model, version: str) -> tuple[Deploy
     replica_was_ready_at_ramp = None
     while True:
         await asyncio.sleep(JUDGE_INTERVAL_S)  # the judge's period, as the beat schedule runs it
-        await sync_to_async(rollout_judge_tick)()
+        await sync_to_async(_retrying_locked)(rollout_judge_tick)
         deployment = await sync_to_async(_retrying_locked)(_deployment, deployment_id)
         if deployment.state != State.PROVISIONING and replica_was_ready_at_ramp is None:
             replica = runtime.replicas.get((MODEL, version))

@@ -12,7 +12,10 @@ readiness hook can ask the runtime whether the candidate's replica is loaded, an
 sees which version served each request at the instant it was routed (for the rollback measurement).
 The path a request takes from dispatch on is the same one an HTTP request takes.
 
-It writes to the configured database (registers new versions of demo-chat and two deployments)."""
+It works on a model of its own, demo-rollout (made from the demo model's files the first time), never on
+the demo-chat that `make serve` serves: it writes to the configured database (new versions of
+demo-rollout and two deployments). Its judge takes the database's judge lease (rollouts/judge_lease.py):
+while another process judges there (a server, Celery beat), it says so and stops rather than race it."""
 
 from __future__ import annotations
 
@@ -28,10 +31,13 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
 
 from audit import actors
+from rollouts import judge_lease
 
-MODEL = "demo-chat"
+MODEL = "demo-rollout"
+SOURCE_MODEL = "demo-model"  # seed_demo's directory under STATE_DIR: demo-chat's files
 ACTOR = actors.command(__name__)
 JUDGE_TASK = "rollouts.tasks.rollout_judge_tick"
 PROMPTS = [
@@ -73,7 +79,7 @@ class Load:
 
 class Command(BaseCommand):
     help = (
-        "Register a good and a bad (injected step delay) version of demo-chat, run load in-process, and "
+        "Register a good and a bad (injected step delay) version of demo-rollout, run load in-process, and "
         "let the rollout judge promote the good one and roll back the bad one, printing every step."
     )
 
@@ -161,6 +167,7 @@ class Command(BaseCommand):
             for task in clients:
                 task.cancel()
             await asyncio.gather(beat, *clients, return_exceptions=True)
+            await sync_to_async(judge_lease.release)()  # another process may judge at once
             await shutdown_runtime()
             _runtime = None
         self._say(
@@ -171,14 +178,32 @@ class Command(BaseCommand):
         return promoted and rolled_back
 
     def _prepare(self, options: dict[str, Any], t0: float) -> tuple[str, str]:
-        """demo-chat exists; any deployment left in flight by an interrupted run is rolled back; the
+        """demo-rollout exists; any deployment left in flight by an interrupted run is rolled back; the
         next two free version names are registered; the second gets the injected delay."""
         from registry.models import Alias, Model
         from registry.services import model_version_register
         from rollouts import selectors, services
 
+        judge_lease.judge_here()
+        try:
+            other = judge_lease.held_by_another()
+        except DatabaseError:  # a database not migrated yet: no process has judged there
+            other = None
+        if other is not None:
+            raise CommandError(
+                f"another process judges the deployments of this database ({other}: a server, or Celery "
+                "beat), and would judge the demo's too without its readiness check. Stop it, or give the "
+                "demo a state of its own: SWITCHYARD_STATE_DIR=/tmp/demo-rollout .venv/bin/python manage.py "
+                "demo_rollout"
+            )
         call_command("migrate", "--noinput", verbosity=0)
-        call_command("seed_demo", "--no-key", stdout=self.stdout)
+        call_command("seed_demo", "--no-key", stdout=self.stdout)  # the demo model's files
+        source = Path(settings.STATE_DIR) / SOURCE_MODEL
+        if not Model.objects.filter(name=MODEL).exists():
+            model_version_register(
+                name=MODEL, version="v1", source_dir=source, created_by="demo_rollout", actor=ACTOR
+            )
+            self._say(t0, f"registered {MODEL}:v1 (stable), from {source}")
         model = Model.objects.get(name=MODEL)
         left = selectors.deployment_in_flight(model=model)
         if left is not None:
@@ -188,7 +213,6 @@ class Command(BaseCommand):
         existing = set(model.versions.values_list("version", flat=True))
         names = (f"v{n}" for n in range(2, 10_000) if f"v{n}" not in existing)
         good, bad = next(names), next(names)
-        source = Path(settings.STATE_DIR) / "demo-model"
         faults = f"{MODEL}:{bad}=delay_ms:{options['delay_ms']:g}"
         settings.FAULTS = ";".join(filter(None, [settings.FAULTS, faults]))
         settings.ALLOW_FAULT_INJECTION = True  # this process only: the demo's bad version needs it
