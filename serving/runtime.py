@@ -222,6 +222,23 @@ class Runtime:
         autoscaler and a provisioner start. The embedded supervisor runs one per serving version anyway."""
         return self.directory is not None
 
+    def _embedded_replica_loading(self, model_name: str, version: str) -> bool:
+        """Whether this process's supervisor is bringing up a replica of the version: one loading, or
+        none yet (the supervisor starts one at its next pass for a version with traffic)."""
+        if self._supervisor is None:
+            return False
+        replica = self.replicas.get((model_name, version))
+        return replica is None or replica.state is ReplicaState.LOADING
+
+    async def embedded_replica_coming(self, model_name: str, version: str) -> bool:
+        """Whether a request that found no ready replica of the version should wait for the embedded
+        supervisor's (wait_for_replica), rather than be refused: the version's traffic just moved to it
+        (a routing edit), or its replica is being replaced (docs/reliability.md, "Soak"). Refused with
+        a 503 while it loaded, the moved traffic was 227 answers in the soak's one restart."""
+        return self._embedded_replica_loading(model_name, version) and await _still_serves(
+            model_name, version
+        )
+
     async def wait_for_replica(self, model_name: str, version: str) -> list[ReplicaHandle]:
         """The version's replicas once one is ready, for a request that found none (its version scaled to
         zero). Meanwhile the autoscaler is told, through Redis, that a request waits for it. However many
@@ -244,14 +261,13 @@ class Runtime:
                 cold.poller.cancel()  # done already, or nobody waits for it any more
 
     async def _poll_for_replica(self, model_name: str, version: str) -> list[ReplicaHandle]:
-        assert self.directory is not None
         told_at = -math.inf
         while True:
             # Cancelled once, when its last waiter leaves; a cancellation lost in a Redis call would
             # leave it recording demand for a version nobody waits for, for ever.
             raise_if_cancelling()
             try:
-                if time.monotonic() - told_at >= DEMAND_EVERY_S:
+                if self.directory is not None and time.monotonic() - told_at >= DEMAND_EVERY_S:
                     await self.directory.record_demand(model_name, version)
                     told_at = time.monotonic()
                 if not await _still_serves(model_name, version):
@@ -263,6 +279,8 @@ class Runtime:
                 replicas = await self.candidates(model_name, version, refresh=True)
                 if any(r.is_ready for r in replicas):
                     return replicas
+                if self.directory is None and not self._embedded_replica_loading(model_name, version):
+                    return replicas  # its load failed: the requests get their 503 at once
             except Exception as exc:  # Redis away for a moment: the requests wait on, up to their limit
                 logger.warning("cold start of %s:%s: %r; trying again", model_name, version, exc)
             await asyncio.sleep(COLD_START_POLL_S)

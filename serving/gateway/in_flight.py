@@ -122,10 +122,11 @@ class InFlightRequest:
         except Exception as exc:  # the replica directory (Redis) unreadable: a 503 to retry, not a 500
             logger.warning("replica directory unreadable (%r): request refused with a 503", exc)
             raise GatewayError(503, "the replica directory could not be read", retry_after_s=1) from exc
-        if (
-            self._cold_start_allowed
-            and self._runtime.can_cold_start
-            and not any(r.is_ready and r.replica_id not in exclude for r in replicas)
+        if not any(r.is_ready and r.replica_id not in exclude for r in replicas) and (
+            (self._cold_start_allowed and self._runtime.can_cold_start)
+            # An embedded replica loading for a version that just got traffic: served once it is up,
+            # not refused meanwhile (docs/reliability.md, "Soak").
+            or await self._runtime.embedded_replica_coming(self.model_name, self.version)
         ):
             if charge is not None:  # admitted now: a 429 does not wait, and the wait holds its slot
                 self._ticket = await quota_store().aadmit(

@@ -44,11 +44,12 @@ class LiveServer:
             timeout=120,
         )
 
-    def tenant_key(self, name: str, *, max_concurrent: int) -> str:
-        """A new tenant's key, its rate and token quotas out of the way, its concurrency `max_concurrent`."""
+    def tenant_key(self, name: str, *, max_concurrent: int, tokens_per_minute: int = 100_000_000) -> str:
+        """A new tenant's key, its rate quota out of the way, its concurrency `max_concurrent` and its
+        tokens/min `tokens_per_minute` (by default out of the way too)."""
         created = self.manage(
             "create_tenant", name, "--max-concurrent", str(max_concurrent),
-            "--requests-per-second", "10000", "--tokens-per-minute", "100000000",
+            "--requests-per-second", "10000", "--tokens-per-minute", str(tokens_per_minute),
         )  # fmt: skip
         assert created.returncode == 0, created.stderr
         keyed = self.manage("create_api_key", "--tenant", name)
