@@ -290,6 +290,13 @@ if AUTH_STALE_S < 0:
 # The embedded runtime: in-process replicas supervised from the server's event loop.
 EMBEDDED_REPLICAS = _env_bool("SWITCHYARD_EMBEDDED_REPLICAS", not REDIS_URL)
 REPLICA_SYNC_INTERVAL_S = float(os.environ.get("SWITCHYARD_REPLICA_SYNC_INTERVAL_S", "2"))
+# An embedded replica whose version has no traffic (it lost it, or it was started for a pinned request) is
+# kept while it has taken a request within this long: undoing a promotion is then a routing edit, and a
+# pinned version stays loaded while it is used (serving/replica/supervisor.py).
+REPLICA_KEEP_WARM_S = float(os.environ.get("SWITCHYARD_REPLICA_KEEP_WARM_S", "300"))
+# The most embedded replicas started for pinned requests (versions without traffic) at once; a pin past it
+# is a 503, as before (serving/replica/supervisor.py).
+REPLICA_MAX_PINNED = int(os.environ.get("SWITCHYARD_REPLICA_MAX_PINNED", "2"))
 # How long run_replica's drain may run after SIGTERM before it ends what it still holds with an error
 # (a gateway retries a request with no token yet elsewhere) and exits: under both supervisors' kill at
 # 600 s (the provisioner's drain_timeout_s, the Kubernetes grace period), so the streams end cleanly and

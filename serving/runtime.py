@@ -20,6 +20,7 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from registry.selectors import version_ref
 from serving.cancelling import cancel_and_wait, raise_if_cancelling
 from serving.gateway import shadow
 from serving.gateway.breaker import breaker
@@ -234,10 +235,17 @@ class Runtime:
         """Whether a request that found no ready replica of the version should wait for the embedded
         supervisor's (wait_for_replica), rather than be refused: the version's traffic just moved to it
         (a routing edit), or its replica is being replaced (docs/reliability.md, "Soak"). Refused with
-        a 503 while it loaded, the moved traffic was 227 answers in the soak's one restart."""
-        return self._embedded_replica_loading(model_name, version) and await _still_serves(
-            model_name, version
+        a 503 while it loaded, the moved traffic was 227 answers in the soak's one restart. A version
+        with no traffic (a pin to it) gets one started for it (docs/architecture.md, "Replicas kept
+        warm"): the README's `X-Version-Pin: v2` after registering v2 answered 503 for ever."""
+        if not self._embedded_replica_loading(model_name, version):
+            return False
+        if await _still_serves(model_name, version) or self.supervisor.is_demanded(model_name, version):
+            return True
+        ref = await database_sync_to_async(version_ref, thread_sensitive=False)(
+            model_name=model_name, version=version
         )
+        return ref is not None and self.supervisor.demand(ref)
 
     async def wait_for_replica(self, model_name: str, version: str) -> list[ReplicaHandle]:
         """The version's replicas once one is ready, for a request that found none (its version scaled to
@@ -270,7 +278,8 @@ class Runtime:
                 if self.directory is not None and time.monotonic() - told_at >= DEMAND_EVERY_S:
                     await self.directory.record_demand(model_name, version)
                     told_at = time.monotonic()
-                if not await _still_serves(model_name, version):
+                pinned = self.directory is None and self.supervisor.is_demanded(model_name, version)
+                if not pinned and not await _still_serves(model_name, version):
                     # Its traffic moved away (a rollback): the autoscaler starts no replica for it now,
                     # and one that comes up anyway is not to serve. Its requests get their 503 at once
                     # (no replicas), to send again, rather than at the end of their wait.

@@ -1,12 +1,17 @@
 """The embedded supervisor: in a process that hosts replicas itself (`make serve`), one replica per model
-version with traffic, started when a version gets traffic and drained, then stopped, when it loses it.
-Replica processes (`manage.py run_replica`) are started by a provisioner instead (rollouts/fleet/).
+version with traffic, started when a version gets traffic, or when a request pinned to a version without
+any finds no replica (demand()). A replica whose version has no traffic (it lost it, or it was started
+for a pin) is drained, then stopped, once it has taken no request for REPLICA_KEEP_WARM_S: undoing a
+promotion is then a routing edit, not a reload, and a pinned version stays up while it is used
+(docs/architecture.md, "Replicas kept warm"). Replica processes (`manage.py run_replica`) are started by
+a provisioner instead (rollouts/fleet/).
 
 It runs on the runtime's event loop (serving/runtime.py builds it), as the replicas' own loop tasks do."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -33,7 +38,27 @@ class ReplicaSupervisor:
         self.replicas: dict[tuple[str, str], Replica] = {}  # by (model, version): serving
         self.draining: dict[str, Replica] = {}  # by replica id: no new work, finishing what they hold
         self._unwanted_since: dict[tuple[str, str], float] = {}  # out of the routing table, not yet draining
+        self._demanded: dict[tuple[str, str], VersionRef] = {}  # pinned, no replica yet: started next pass
+        self._woken = asyncio.Event()  # a demand: the next pass now, not at the end of the interval
+        self._routed: set[tuple[str, str]] = set()  # the versions with traffic, as of the last pass
         self.synced = asyncio.Event()  # its first pass is done
+
+    def demand(self, ref: VersionRef) -> bool:
+        """A request pinned to a version that has no replica here and no traffic: one is started at once
+        (the request waits for it: the runtime's wait_for_replica), kept while it is used. False, and
+        nothing started, when REPLICA_MAX_PINNED replicas without traffic are up already: each holds a
+        model and its KV cache, and pins may name any old version."""
+        without_traffic = set(self._demanded) | (set(self.replicas) - self._routed)
+        if len(without_traffic) >= settings.REPLICA_MAX_PINNED:
+            return False
+        self._demanded[(ref.model_name, ref.version)] = ref
+        self._woken.set()
+        return True
+
+    def is_demanded(self, model_name: str, version: str) -> bool:
+        """Whether a replica of the version is wanted for a pin: demanded, or started for one and kept."""
+        key = (model_name, version)
+        return key in self._demanded or key in self.replicas
 
     async def run(self) -> None:
         """Keep one replica per version that has traffic; pick up new versions without a restart."""
@@ -46,11 +71,15 @@ class ReplicaSupervisor:
             except Exception:
                 logger.exception("replica supervisor: sync failed; keeping the replicas it has")
             self.synced.set()
-            await asyncio.sleep(settings.REPLICA_SYNC_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), settings.REPLICA_SYNC_INTERVAL_S)
+            self._woken.clear()
 
     async def reconcile(self, wanted: list[VersionRef]) -> None:
         wanted_keys = {(ref.model_name, ref.version): ref for ref in wanted}
-        for key, ref in wanted_keys.items():
+        self._routed = set(wanted_keys)
+        demanded, self._demanded = self._demanded, {}
+        for key, ref in {**demanded, **wanted_keys}.items():
             replica = self.replicas.get(key)
             if replica is not None and replica.is_hung:
                 # Its step hung (the watchdog): replaced, since a new thread may serve where that one
@@ -78,7 +107,10 @@ class ReplicaSupervisor:
             # has, a request may still be routed here, so the replica keeps admitting for at least the
             # drain grace (up to one supervisor period more) first.
             since = self._unwanted_since.setdefault(key, now)
-            if now - since < self._drain_grace_s:
+            if (
+                now - since < self._drain_grace_s
+                or _idle_s(self.replicas[key]) < settings.REPLICA_KEEP_WARM_S
+            ):
                 continue
             del self._unwanted_since[key]
             replica = self.replicas.pop(key)
@@ -91,3 +123,8 @@ class ReplicaSupervisor:
         await replica.wait_idle()
         await replica.stop()
         self.draining.pop(replica.replica_id, None)
+
+
+def _idle_s(replica: Replica) -> float:
+    """Seconds since its last submission (or since it became ready), as its heartbeat says."""
+    return replica.heartbeat().idle_s

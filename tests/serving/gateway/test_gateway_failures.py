@@ -108,12 +108,13 @@ async def test_a_retry_that_succeeds_counts_nothing_at_the_gateway(make_tenant, 
 
 
 async def test_no_ready_replica_counts_for_a_version_with_traffic_not_for_a_pin_to_one_without(
-    make_tenant, runtime, monkeypatch, demo_model_dir
+    make_tenant, runtime, monkeypatch, demo_model_dir, settings
 ) -> None:
     from django.test import AsyncClient
 
     from registry.services import model_version_register
 
+    settings.REPLICA_MAX_PINNED = 0  # no replica started for a pin (tests/serving/runtime/test_pins.py)
     await sync_to_async(model_version_register)(name="demo-chat", version="v2", source_dir=demo_model_dir)
     pinner = await sync_to_async(make_tenant)("pinner", may_pin=True)
     client = AsyncClient()
