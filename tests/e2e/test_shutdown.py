@@ -43,31 +43,40 @@ def _stream(url: str, key: str, max_tokens: int, first_token: threading.Event, o
         first_token.set()
 
 
-def test_sigterm_drains_then_ends_the_open_streams_with_a_final_event(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    env = embedded_env(tmp_path, SWITCHYARD_SHUTDOWN_DRAIN_S=str(DRAIN_S))
-    key = seeded(env)
-    with serving(tmp_path, env, key) as server:
-        started, long_out = threading.Event(), []
-        long = threading.Thread(target=_stream, args=(server.url, key, 1900, started, long_out))
-        long.start()
-        assert started.wait(30)
-        short_started, short_out = threading.Event(), []
-        short = threading.Thread(target=_stream, args=(server.url, key, 8, short_started, short_out))
-        short.start()
-        assert short_started.wait(30)
-        signalled = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        with pytest.raises(httpx.HTTPError):  # no new connections
-            httpx.get(f"{server.url}/healthz", timeout=2)
-        long.join(timeout=DRAIN_S + 15)
-        short.join(timeout=DRAIN_S + 15)
-        # uvicorn re-raises the SIGTERM it handled once it has shut down: the exit a supervisor expects.
-        assert server.process.wait(timeout=DRAIN_S + 15) == -signal.SIGTERM
-        exited_after_s = time.monotonic() - signalled
+def sigterm_drains_two_streams(server: Any, key: str, *, exit_code: int) -> None:
+    """SIGTERM while a stream that outlasts the drain (1,900 tokens) and one that ends within it (8) run:
+    no new connection is taken, the short one finishes, the long one ends with a final
+    `server_shutting_down` event in a whole body, and the process exits with `exit_code` once the drain
+    (DRAIN_S, the server's SWITCHYARD_SHUTDOWN_DRAIN_S) is over. Shared with daphne's
+    (tests/e2e/test_daphne.py)."""
+    started, long_out = threading.Event(), []
+    long = threading.Thread(target=_stream, args=(server.url, key, 1900, started, long_out))
+    long.start()
+    assert started.wait(30)
+    short_started, short_out = threading.Event(), []
+    short = threading.Thread(target=_stream, args=(server.url, key, 8, short_started, short_out))
+    short.start()
+    assert short_started.wait(30)
+    signalled = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(httpx.HTTPError):  # no new connections
+        httpx.get(f"{server.url}/healthz", timeout=2)
+    long.join(timeout=DRAIN_S + 15)
+    short.join(timeout=DRAIN_S + 15)
+    assert server.process.wait(timeout=DRAIN_S + 15) == exit_code
+    exited_after_s = time.monotonic() - signalled
     (short_events, short_end), (long_events, long_end) = short_out[0], long_out[0]
     assert short_end == "whole" and short_events[-1]["finish_reason"] == "length"  # finished in the drain
     assert long_end == "whole", long_end  # not cut mid-body
     assert long_events[-1]["finish_reason"] == "error"
     assert long_events[-1]["error"]["type"] == "server_shutting_down"
     assert DRAIN_S <= exited_after_s < DRAIN_S + 10
+
+
+def test_sigterm_drains_then_ends_the_open_streams_with_a_final_event(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = embedded_env(tmp_path, SWITCHYARD_SHUTDOWN_DRAIN_S=str(DRAIN_S))
+    key = seeded(env)
+    with serving(tmp_path, env, key) as server:
+        # uvicorn re-raises the SIGTERM it handled once it has shut down: the exit a supervisor expects.
+        sigterm_drains_two_streams(server, key, exit_code=-signal.SIGTERM)
