@@ -215,14 +215,8 @@ class DeploymentDetailView(APIView):
         responses=inline_serializer(
             "Deployment",
             {
-                "deployment_id": serializers.IntegerField(),
-                "model": serializers.CharField(),
-                "version": serializers.CharField(),
-                "incumbent": serializers.CharField(),
-                "strategy": serializers.CharField(),
-                "state": serializers.CharField(),
+                **_SUMMARY_FIELDS,
                 "current_step": serializers.IntegerField(allow_null=True),
-                "current_pct": serializers.IntegerField(),
                 "steps": serializers.ListField(child=serializers.DictField()),
                 "waiting_on": serializers.CharField(allow_null=True),
                 "events": serializers.ListField(child=serializers.DictField()),

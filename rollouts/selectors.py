@@ -107,20 +107,12 @@ def deployment_detail(*, deployment: Deployment, viewer: str | None = None) -> d
     "tenant:NAME"), which sees neither other tenants' names nor staff logins; None: staff."""
     steps = deployment.steps or []
     return {
-        "deployment_id": deployment.pk,
-        "model": deployment.model.name,
-        "version": deployment.candidate.version,
-        "incumbent": deployment.incumbent.version,
-        "strategy": deployment.strategy,
-        "state": deployment.state,
+        **deployment_summary(deployment=deployment, viewer=viewer),
         "current_step": deployment.current_step if steps else None,
-        "current_pct": deployment.current_pct,
         "steps": steps,
         "mirror_pct": deployment.mirror_pct,
         "bake_seconds": deployment.bake_seconds,
         "thresholds": deployment.thresholds,
-        "created_by": _actor_as_seen_by(deployment.created_by, viewer),
-        "created_at": deployment.created_at,
         "step_started_at": deployment.step_started_at,
         "last_judged_at": deployment.last_judged_at,
         "last_verdict": deployment.last_verdict or None,
@@ -128,7 +120,6 @@ def deployment_detail(*, deployment: Deployment, viewer: str | None = None) -> d
         "waiting_on": judge_lease.missing_judge(since=deployment.created_at)
         if deployment.is_in_flight
         else None,
-        "finished_at": deployment.finished_at,
         "rollback": {
             "decided_at": deployment.rollback_decided_at,
             "edit_ms": deployment.rollback_edit_ms,
