@@ -253,6 +253,9 @@ ARTIFACT_IMPORT_ROOT = Path(os.environ.get("SWITCHYARD_ARTIFACT_IMPORT_ROOT", ST
 MAX_INPUT_CHARS = int(os.environ.get("SWITCHYARD_MAX_INPUT_CHARS", "32768"))
 MAX_REQUEST_BYTES = int(os.environ.get("SWITCHYARD_MAX_REQUEST_BYTES", str(256 * 1024)))
 MAX_TOKENS_LIMIT = int(os.environ.get("SWITCHYARD_MAX_TOKENS_LIMIT", "4096"))
+# A response_format's JSON schema, as compact JSON: past this it is refused before it is compiled
+# (serving/edge/response_format.py); the grammar of one this size still compiles in milliseconds.
+MAX_RESPONSE_SCHEMA_BYTES = int(os.environ.get("SWITCHYARD_MAX_RESPONSE_SCHEMA_BYTES", str(64 * 1024)))
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
 # The HTTP server's own limits (serving/edge/http_limits.py): a request line and headers past these are
 # answered 431 unread; headers that take longer than EDGE_HEADER_TIMEOUT_S to arrive, 408; a body that
@@ -340,8 +343,10 @@ if REPLICA_MAX_KV_SHARE_PER_TENANT is not None and not 0 < REPLICA_MAX_KV_SHARE_
     raise ImproperlyConfigured("SWITCHYARD_MAX_KV_SHARE_PER_TENANT must be a share in (0, 1]")
 # The dynamic batcher of non-generative models (embedding models and classifiers): a batch closes at this
 # many inputs, or when its oldest input has waited this long, whichever comes first
-# (serving/engine/batcher.py). Unset wait: 0 on a CPU, 5 ms on a GPU (serving/engine/encoder.py says why).
-REPLICA_EMBED_MAX_BATCH_SIZE = int(os.environ.get("SWITCHYARD_EMBED_MAX_BATCH_SIZE", "32"))
+# (serving/engine/batcher.py). Unset wait: 0 on a CPU, 5 ms on a GPU; unset size: 8 on a CPU, 32 on a GPU
+# (serving/engine/encoder.py says why; `manage.py bench batching` measures them, docs/benchmarks.md).
+_embed_batch = os.environ.get("SWITCHYARD_EMBED_MAX_BATCH_SIZE", "").strip()
+REPLICA_EMBED_MAX_BATCH_SIZE = int(_embed_batch) if _embed_batch else None
 _embed_wait_ms = os.environ.get("SWITCHYARD_EMBED_MAX_WAIT_MS", "").strip()
 REPLICA_EMBED_MAX_WAIT_S = float(_embed_wait_ms) / 1000 if _embed_wait_ms else None
 # fp32 on a CPU: Linear weights in oneDNN's format. Faster on some CPUs, slower on others
@@ -381,6 +386,7 @@ ROLLOUT_THRESHOLDS: dict[str, float] = {
     "min_rate_increase": 0.005,
     "min_output_length_ratio": 0.5,
     "min_truncation_increase": 0.05,
+    "min_agreement": 0.0,  # a shadow candidate's mean share of agreeing tokens; 0: not judged
 }
 # This loop's data plane, started: () -> awaitable DataPlane (serving/gateway/data_plane.py). The gateway
 # names the composition root here rather than importing it (docs/architecture.md, "Import rules").
@@ -450,6 +456,10 @@ if not 0 <= LOG_PROMPTS_SAMPLE_RATE <= 1:
     from django.core.exceptions import ImproperlyConfigured
 
     raise ImproperlyConfigured("SWITCHYARD_LOG_PROMPTS_SAMPLE_RATE must be a share from 0 to 1")
+# With prompt logging on, shadow copies whose output differs from their primary's are drawn at that rate
+# and kept, redacted as the prompt log is, up to this many per candidate version, for staff to read
+# (serving/telemetry/shadow_pairs.py); 0 keeps none.
+SHADOW_DIFF_PAIRS = int(os.environ.get("SWITCHYARD_SHADOW_DIFF_PAIRS", "20"))
 
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"

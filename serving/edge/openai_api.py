@@ -1,8 +1,9 @@
 """OpenAI-compatible endpoints, so the `openai` client works with base_url=http://host/v1.
 
-Features we do not implement (echo, tools, images, response formats other than text) are refused with
-a 400 rather than silently ignored (sent as null, they read as absent, as every parameter does); n is
-served up to MAX_CHOICES. Log probabilities are the model's own (before temperature and top-p), of each
+Features we do not implement (echo, tools, images) are refused with a 400 rather than silently ignored
+(sent as null, they read as absent, as every parameter does); n is served up to MAX_CHOICES.
+response_format's JSON and JSON schemas are enforced by constrained decoding on the replica (docs/api.md,
+"Structured outputs"). Log probabilities are the model's own (before temperature and top-p), of each
 token decoded alone, as OpenAI's and vLLM's: completions' `logprobs` (0-5 alternatives), chat's
 `logprobs` and `top_logprobs` (0-20)."""
 

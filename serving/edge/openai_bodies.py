@@ -1,6 +1,7 @@
 """OpenAI request bodies, checked field by field before anything is sent: completions, chat and
-embeddings. Features we do not implement (echo, tools, images, response formats other than text) are
-refused with a 400 rather than silently ignored; sent as null, a field reads as absent."""
+embeddings. Features we do not implement (echo, tools, images) are refused with a 400 rather than
+silently ignored; sent as null, a field reads as absent. response_format (text, JSON, a JSON schema) is
+a sampling field, parsed with the others (request_bodies.py, response_format.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,6 @@ CHAT_FIELDS = (
         "max_completion_tokens",
         "logprobs",
         "top_logprobs",
-        "response_format",
     }
 )
 
@@ -134,11 +134,6 @@ def parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, list[di
             body["max_tokens"] = max_completion_tokens
     # OpenAI's chat default: no max_tokens runs to the end of the answer or of the context.
     model, sampling, include_usage = _common(body, CHAT_FIELDS, default_max_tokens=None)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:  # text is what we make anyway
-        raise GatewayError(
-            400, 'response_format: only {"type": "text"} is supported (no JSON mode or schema)'
-        )
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise GatewayError(400, "logprobs must be true or false")

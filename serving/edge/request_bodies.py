@@ -13,6 +13,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest
 
 from registry.parsers import refuse_lone_surrogates
+from serving.edge.response_format import parse_response_format
 from serving.gateway.errors import GatewayError
 from serving.gateway.service_tiers import parse_service_tier
 from serving.transport.protocol import MAX_LOGIT_BIAS
@@ -34,10 +35,12 @@ class InferRequest:
     frequency_penalty: float = 0.0
     logit_bias: list[list[int | float]] = field(default_factory=list)
     service_tier: str | None = None  # as asked; granted by the caller (serving/gateway/service_tiers.py)
+    # JSON or a JSON schema the output must follow, as the replica is sent it (response_format.py)
+    response_format: dict[str, Any] | None = None
 
     def sampling_params(self) -> dict[str, Any]:
         """The fields a replica turns into engine SamplingParams (a plain dict: it crosses the layer);
-        the penalties and logit_bias only where set."""
+        the penalties, logit_bias and response_format only where set."""
         params: dict[str, Any] = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -50,6 +53,8 @@ class InferRequest:
                 params[name] = getattr(self, name)
         if self.logit_bias:
             params["logit_bias"] = self.logit_bias
+        if self.response_format is not None:
+            params["response_format"] = self.response_format
         return params
 
 
@@ -169,6 +174,9 @@ def parse_sampling(body: dict[str, Any], *, default_max_tokens: int | None = 16)
     logit_bias = parse_logit_bias(body.get("logit_bias"))
     if logit_bias:
         out["logit_bias"] = logit_bias
+    response_format = parse_response_format(body.get("response_format"))
+    if response_format is not None:  # text crosses no layer: it is what the replica makes anyway
+        out["response_format"] = response_format
     return out
 
 
@@ -204,6 +212,7 @@ SAMPLING_FIELDS = frozenset(
         "presence_penalty",
         "frequency_penalty",
         "logit_bias",
+        "response_format",
     }
 )
 INFER_FIELDS = SAMPLING_FIELDS | {"input", "service_tier"}

@@ -44,6 +44,27 @@ _SAMPLING = {
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         "maxProperties": 300,
     },
+    # Structured outputs (serving/edge/response_format.py): enforced by constrained decoding.
+    "response_format": {
+        "type": "object",
+        "nullable": True,
+        "required": ["type"],
+        "description": "text (the default), any JSON object, or JSON matching a schema (at most "
+        "MAX_RESPONSE_SCHEMA_BYTES, 64 KiB, of compact JSON); a schema that cannot be enforced is a 400",
+        "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {
+                "type": "object",
+                "required": ["name", "schema"],
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                    "description": {"type": "string", "nullable": True},
+                    "schema": {"type": "object"},
+                    "strict": {"type": "boolean", "nullable": True, "description": "always enforced"},
+                },
+            },
+        },
+    },
     "service_tier": {
         "type": "string",
         "enum": ["auto", "default", "flex", "priority"],
@@ -104,11 +125,6 @@ _OPENAI_PATHS = [
                 # As OpenAI's: without it, the answer runs to its end or the context's (MAX_TOKENS_LIMIT).
                 "max_tokens": {"type": "integer", "minimum": 1},
                 "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
-                "response_format": {
-                    "type": "object",
-                    "description": 'only {"type": "text"}: no JSON mode or schema',
-                    "properties": {"type": {"type": "string", "enum": ["text"]}},
-                },
                 "logprobs": {"type": "boolean", "default": False},
                 "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True},
                 "messages": {

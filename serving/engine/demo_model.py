@@ -61,14 +61,19 @@ def build_tokenizer(vocab_size: int) -> object:
     )
 
 
-def build_demo_model(out_dir: str | Path, spec: DemoModelSpec | None = None) -> Path:
+def build_demo_model(
+    out_dir: str | Path, spec: DemoModelSpec | None = None, *, tokenizer: object | None = None
+) -> Path:
+    """The demo model with the spec's shapes; `tokenizer` (a fast Hugging Face tokenizer with the demo's
+    special tokens): another vocabulary than the built-in text's ~735 tokens, as a benchmark needs one
+    of a real model's size (serving/benchmarks/structured_bench.py)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = spec or DemoModelSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(spec.vocab_size)
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer(spec.vocab_size)
     vocab = len(tokenizer)  # type: ignore[arg-type]
     config = LlamaConfig(
         vocab_size=vocab,

@@ -22,9 +22,12 @@ from typing import Any
 import torch
 
 from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.grammar import GrammarCompiler
+from serving.engine.grammar_mask import mask_logits
 from serving.engine.kv_budget import kv_cache_budget
 from serving.engine.kv_cache import KVCacheManager, blocks_of_share
 from serving.engine.loading import load_tokenizer, prompt_encoder
+from serving.engine.logit_adjust import adjust_logits
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import Sampler, make_generator
 from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -127,46 +130,10 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0
 
 
-def _adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> torch.Tensor:
-    """The logits with each listed row's logit_bias added and its presence and frequency penalties
-    subtracted (over the tokens it has generated so far), as OpenAI defines them; a copy in float32, so
-    that the raw logits stay as they were and a bias is not rounded to the model's dtype. Every row's
-    ids go to the device in one upload, with no sync."""
-    out = logits.float()  # a copy, unless the model already computes in float32
-    if out is logits:
-        out = logits.clone()
-    device = out.device
-    bias_rows: list[int] = []
-    bias_ids: list[int] = []
-    bias_values: list[float] = []
-    count_rows: list[int] = []  # which penalized row (its place in `penalized`) each generated id is in
-    count_ids: list[int] = []
-    penalized: list[int] = []
-    penalties: list[SamplingParams] = []
-    for row, seq in zip(rows, seqs, strict=True):
-        params = seq.params
-        for token_id, bias in params.logit_bias:
-            bias_rows.append(row)
-            bias_ids.append(token_id)
-            bias_values.append(bias)
-        if params.presence_penalty or params.frequency_penalty:
-            generated = seq.output_token_ids
-            count_rows += [len(penalized)] * len(generated)
-            count_ids += generated
-            penalized.append(row)
-            penalties.append(params)
-    if bias_rows:
-        index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
-        out.index_put_(index, torch.tensor(bias_values, dtype=out.dtype, device=device), accumulate=True)
-    if count_ids:
-        counts = torch.zeros(len(penalized), out.shape[1], dtype=out.dtype, device=device)
-        index = (torch.tensor(count_rows, device=device), torch.tensor(count_ids, device=device))
-        counts.index_put_(index, torch.ones(len(count_ids), dtype=out.dtype, device=device), accumulate=True)
-        frequency = torch.tensor([p.frequency_penalty for p in penalties], dtype=out.dtype, device=device)
-        presence = torch.tensor([p.presence_penalty for p in penalties], dtype=out.dtype, device=device)
-        at = torch.tensor(penalized, device=device)
-        out[at] -= frequency[:, None] * counts + presence[:, None] * (counts > 0).to(out.dtype)
-    return out
+def _take_logprobs(state: _RequestState) -> list[TokenLogprob]:
+    """The log probabilities sampled since the last report, which this one reports."""
+    reported, state.logprobs = state.logprobs, []
+    return reported
 
 
 def _kv_cache_bytes(config: EngineConfig, device: torch.device, max_useful_bytes: int) -> int:
@@ -240,6 +207,8 @@ class Engine:
         self._requests: dict[str, _RequestState] = {}
         self._token_bytes = token_bytes_reader(self.tokenizer)
         self._token_pieces: dict[int, tuple[str, list[int]]] = {}  # each token's text and bytes, for logprobs
+        # response_format's grammars, compiled on the replica's preparing thread (grammar.py)
+        self.grammars = GrammarCompiler(self.tokenizer, vocab_size=self.runner.vocab_size, eos_ids=eos_ids)
 
     @property
     def max_model_len(self) -> int:
@@ -387,7 +356,8 @@ class Engine:
         logprobs = torch.log_softmax(logits[wanting].float(), dim=-1) if wanting else None
         adjusted = [i for i, s in enumerate(states) if s.seq.params.adjusts_logits]
         if adjusted:
-            logits = _adjust_logits(logits, adjusted, [states[i].seq for i in adjusted])
+            logits = adjust_logits(logits, adjusted, [states[i].seq for i in adjusted])
+        logits = mask_logits(logits, [s.seq for s in states])  # response_format's grammars, in place
         sampled = self.sampler(logits, [s.seq.params for s in states], [s.generator for s in states])
         token_ids = sampled.tolist()
         if logprobs is not None:
@@ -449,13 +419,8 @@ class Engine:
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
             finished_time=seq.finished_time,
-            logprobs=self._reported_logprobs(state) if seq.params.logprobs is not None else None,
+            logprobs=_take_logprobs(state) if seq.params.logprobs is not None else None,
         )
-
-    @staticmethod
-    def _reported_logprobs(state: _RequestState) -> list[TokenLogprob]:
-        reported, state.logprobs = state.logprobs, []
-        return reported
 
     def _apply_stop_strings(
         self, state: _RequestState, new_text: str, *, is_finished: bool

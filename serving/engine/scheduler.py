@@ -339,21 +339,11 @@ class Scheduler:
                 kv.commit_computed(seq)
             if seq.num_computed_tokens < len(seq.token_ids):  # a prefill chunk that did not finish
                 continue
-            token_id = sampled_token_ids[seq.request_id]
-            seq.token_ids.append(token_id)
+            reason = _append(seq, sampled_token_ids[seq.request_id], eos_token_id, max_model_len)
             sampled_tenant_ids.append(seq.tenant_id)
             if seq.first_token_time is None:
                 now = self._clock() if now is None else now
                 seq.first_token_time = now
-            params = seq.params
-            reason: FinishReason | None = None
-            if (token_id == eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
-                reason = FinishReason.STOP
-            elif (
-                len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens
-                or len(seq.token_ids) >= max_model_len
-            ):
-                reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish_running(seq, reason)
                 finished.append(seq)
@@ -379,11 +369,36 @@ class Scheduler:
         """Full O(requests + blocks) check of scheduler and KV cache state; for tests."""
         cfg = self.config
         self._admission.check_invariants(self._requests.keys())
+        assert all(_is_in_step(seq) for seq in self._requests.values()), "each grammar at its output's end"
         for seq in self._running.values():
             assert seq.status is SequenceStatus.RUNNING
             assert len(seq.block_table) * cfg.block_size >= seq.num_computed_tokens
             assert seq.num_computed_tokens < len(seq.token_ids) <= cfg.max_model_len
         self.kv_cache.check_invariants(self._running.values())
+
+
+def _append(
+    seq: Sequence, token_id: int, eos_token_id: int | None, max_model_len: int
+) -> FinishReason | None:
+    """Append a sampled token to `seq`, and to its grammar's matcher (constraint.py: it consumes every
+    token the sequence keeps); why the sequence ends there, if it does."""
+    seq.token_ids.append(token_id)
+    params = seq.params
+    constraint = seq.constraint
+    if constraint is not None and not constraint.advance(token_id):
+        return FinishReason.ERROR  # a token its grammar refuses: the masks make it impossible
+    if (token_id == eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+        return FinishReason.STOP
+    if constraint is not None and constraint.is_complete:
+        return FinishReason.STOP  # a whole value of its grammar, which allows nothing after it
+    if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens or len(seq.token_ids) >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def _is_in_step(seq: Sequence) -> bool:
+    """Its grammar's matcher (if any) has consumed exactly its output tokens, preempted or not."""
+    return seq.constraint is None or seq.constraint.num_consumed == seq.num_output_tokens
 
 
 def _assert_step_invariants(scheduler: Scheduler, output: SchedulerOutput) -> None:

@@ -7,6 +7,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from serving.engine.constraint import Constraint
+from serving.engine.grammar import Grammar
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -46,6 +49,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100 to 100) added to its logit
+    # The response_format it must follow (grammar.py), compiled by the engine's GrammarCompiler; None:
+    # free text. Its rows' logits are masked to what the grammar allows (grammar_mask.py).
+    grammar: Grammar | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -85,6 +91,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {pair!r}")
             if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be numbers from -100 to 100, got {pair!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError("grammar must be None or a Grammar (GrammarCompiler.compile)")
 
 
 # Service tiers, highest first (docs/architecture.md, "Service tiers"): the order a replica admits
@@ -137,9 +145,13 @@ class Sequence:
     tier: int = DEFAULT_TIER
     limits: TenantLimits | None = None  # None: the replica's defaults for every tenant
     enqueued_time: float | None = None  # on the scheduler's clock, when first queued: its tier's aging
+    # Its place in params.grammar, having consumed exactly its output tokens (constraint.py); None: free.
+    constraint: Constraint | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        grammar = self.params.grammar
+        self.constraint = Constraint(grammar) if grammar is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

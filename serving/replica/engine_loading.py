@@ -60,6 +60,13 @@ def load_engine(ref: VersionRef, *, engine_config: Any, torch_threads: int | Non
     elif isinstance(engine, EncoderEngine):
         logger.info("replica %s:%s: %s", ref.model_name, ref.version, engine.head.describe())
     engine.warmup()  # allocate scratch and (if enabled) compile before reporting ready
+    if isinstance(engine, Engine):
+        # response_format's view of the tokenizer (0.2-1 s for a large vocabulary), built now: the first
+        # structured request would otherwise build it on the preparing thread, every arrival behind it.
+        try:
+            engine.grammars.tokenizer()
+        except ValueError as exc:  # GrammarError: structured outputs will be refused, the rest is served
+            logger.warning("replica %s:%s: %s", ref.model_name, ref.version, exc)
     return engine
 
 

@@ -65,6 +65,11 @@ class Preparer:
             fields = {**raw, "stop": tuple(raw.get("stop") or ())}
             if "logit_bias" in raw:
                 fields["logit_bias"] = tuple(tuple(pair) for pair in raw["logit_bias"])
+            response_format = fields.pop("response_format", None)
+            if response_format is not None:  # compiled here, off the model thread, once per schema
+                if not isinstance(response_format, dict):
+                    raise ValueError("response_format must be an object")
+                fields["grammar"] = self.engine.grammars.compile(response_format)
             to_context = "max_tokens" in raw and raw["max_tokens"] is None  # chat's default: to the end
             if to_context:
                 fields["max_tokens"] = 1  # set below, once the prompt's length is known

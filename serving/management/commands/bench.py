@@ -1,6 +1,8 @@
-"""`manage.py bench engine|serve|embed [options]`: the engine benchmark (serving/benchmarks/engine_bench.py),
-the serving benchmark through the HTTP API (serving/benchmarks/serve_bench.py) and the embedding models'
-dynamic batcher against one input per forward pass (serving/benchmarks/embed_bench.py)."""
+"""`manage.py bench engine|serve|embed|structured [options]`: the engine benchmark
+(serving/benchmarks/engine_bench.py), the serving benchmark through the HTTP API
+(serving/benchmarks/serve_bench.py), the embedding models' dynamic batcher against one input per forward
+pass (serving/benchmarks/embed_bench.py) and what structured outputs cost the engine
+(serving/benchmarks/structured_bench.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +17,15 @@ class Command(BaseCommand):
         "Benchmarks. `bench engine`: naive, static batching, transformers' continuous batching, the engine. "
         "`bench serve`: open-loop streaming load over HTTP; --compare runs the same workload through "
         "gateway + Channels + replica and through the engine alone. `bench embed`: the dynamic batcher "
-        "against batch size 1 on an embedding model."
+        "against batch size 1 on an embedding model. `bench structured`: throughput with half the batch "
+        "constrained to a JSON schema against none, and a schema's compile time."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         from serving.benchmarks.embed_bench import add_embed_arguments
         from serving.benchmarks.engine_bench import add_engine_arguments
         from serving.benchmarks.serve_bench import add_serve_arguments
+        from serving.benchmarks.structured_bench import add_structured_arguments
 
         subcommands = parser.add_subparsers(dest="subcommand", required=True)
         engine = subcommands.add_parser(
@@ -32,16 +36,30 @@ class Command(BaseCommand):
         add_serve_arguments(serve)
         embed = subcommands.add_parser("embed", help="an embedding model: dynamic batching vs. batch size 1")
         add_embed_arguments(embed)
+        structured = subcommands.add_parser(
+            "structured", help="constrained decoding (response_format): its cost per step, compile time"
+        )
+        add_structured_arguments(structured)
+        from serving.benchmarks.batching_sweep import add_batching_arguments
+
+        batching = subcommands.add_parser(
+            "batching", help="non-generative models: max batch size x max wait at three arrival rates"
+        )
+        add_batching_arguments(batching)
 
     def handle(self, *args: object, **options: object) -> None:
+        from serving.benchmarks.batching_sweep import run_batching_from_options
         from serving.benchmarks.embed_bench import run_embed_from_options
         from serving.benchmarks.engine_bench import run_from_options
         from serving.benchmarks.serve_bench import run_serve_from_options
+        from serving.benchmarks.structured_bench import run_structured_from_options
 
         runners = {
             "engine": run_from_options,
             "serve": run_serve_from_options,
             "embed": run_embed_from_options,
+            "structured": run_structured_from_options,
+            "batching": run_batching_from_options,
         }
         runner = runners.get(str(options["subcommand"]))
         if runner is None:

@@ -535,7 +535,7 @@ def test_logit_bias_and_penalties_change_the_choice_as_openai_defines_them(
 def test_adjusting_bf16_logits_made_in_inference_mode_leaves_them_as_they_were() -> None:
     """As on a GPU: the model's logits in bf16, inference tensors. The adjusted copy is float32, its
     values the float32 computation's; the rows nobody adjusts are the logits, upcast."""
-    from serving.engine.engine import _adjust_logits
+    from serving.engine.logit_adjust import adjust_logits as _adjust_logits
     from serving.engine.sequence import Sequence
 
     with torch.inference_mode():
