@@ -392,6 +392,14 @@ def deployment_page(*, deployment_id: int) -> dict[str, Any] | None:
         "events": list(reversed(events)),  # newest first
         "last_verdict": last_verdict,
         "last_verdict_table": verdicts.figures_table(last_verdict["figures"]) if last_verdict else None,
+        "shadow": verdicts.shadow_panel(
+            last_verdict["figures"] if last_verdict else None,
+            serving.shadow_diff_pairs(
+                model_name=model.name, version=deployment.candidate.version, since=deployment.created_at
+            ),
+        )
+        if deployment.strategy == Deployment.Strategy.SHADOW
+        else None,
         "rollback": rollback,
         "traffic": [
             {**versions[v], "role": role}

@@ -53,3 +53,25 @@ def figures_table(figures: dict[str, Any] | None) -> dict[str, Any]:
             )
     other = [{"name": name, "value": _figure_value(value)} for name, value in figures.items()]
     return {"compare": compare, "other": other}
+
+
+def _bars(histogram: dict[str, int] | None) -> list[dict[str, Any]]:
+    counts = dict(histogram or {})
+    total = sum(counts.values()) or 1
+    return [{"label": k, "count": v, "pct": round(100.0 * v / total, 1)} for k, v in counts.items()]
+
+
+def shadow_panel(figures: dict[str, Any] | None, pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A shadow deployment's output comparison from the judge's latest figures: the match rate, and
+    beside it the copies' mean agreement and first divergence with their histograms
+    (rollouts.selectors.shadow_diff_figures); with the differing pairs kept for staff (redacted,
+    serving/gateway/shadow_diff.py)."""
+    figures = figures or {}
+    diff = figures.get("output_diff") or {}
+    return {
+        "match": figures.get("output_match") or {},
+        "diff": diff,
+        "agreement_bars": _bars(diff.get("agreement_histogram")),
+        "divergence_bars": _bars(diff.get("first_divergence_histogram")),
+        "pairs": pairs,
+    }

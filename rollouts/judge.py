@@ -32,6 +32,9 @@ Rules, in order:
      `min_truncation_increase`, since it is large and moves with the clients' max_tokens, which the
      split gives both versions alike. And the canary's mean output length below the incumbent's x
      `min_output_length_ratio`, judged once the bake window has passed (no test backs it).
+   - output agreement (shadow deployments): the mean share of agreeing tokens of the canary's compared
+     copies below `min_agreement` (0, the default, turns it off), judged as the mean output length is:
+     once the bake window has passed, and only when copies were compared.
    `alpha` is the false-rollback rate allowed per step. The judge looks at a growing window every few
    seconds (`num_looks` per bake window) and runs five tests per look (two latency, three rates), so
    each single test is run at alpha / (5 x num_looks) (Bonferroni); testing every look at alpha would
@@ -95,6 +98,11 @@ class VersionWindow:
     num_shadow_compared: int = 0
     num_shadow_matched: int = 0
     num_truncated: int = 0  # finished without an error at their max_tokens (finish_reason "length")
+    # Of those compared copies, the mean share of token positions that agreed (None: none compared).
+    mean_shadow_agreement: float | None = None
+    # Their agreement and first divergence as histograms and means, for the deployment's figures (the
+    # judge reads only the mean agreement); None without any compared copy.
+    shadow_diffs: dict[str, Any] | None = None
 
     @property
     def num_ok(self) -> int:
@@ -126,6 +134,7 @@ class Thresholds:
     min_rate_increase: float = 0.005
     min_output_length_ratio: float = 0.5
     min_truncation_increase: float = 0.05
+    min_agreement: float = 0.0  # a shadow candidate's mean share of agreeing tokens; 0: not judged
 
     @classmethod
     def names(cls) -> frozenset[str]:
@@ -369,6 +378,16 @@ def decide(
             regressions.append(
                 f"canary mean output {canary.mean_output_tokens:.1f} tokens < {floor:.1f} "
                 f"(incumbent {incumbent.mean_output_tokens:.1f} x {thresholds.min_output_length_ratio:g})"
+            )
+
+    agreement = canary.mean_shadow_agreement
+    if thresholds.min_agreement > 0 and agreement is not None:
+        figures["min_agreement"] = thresholds.min_agreement
+        # Like the mean output length, no test backs it: judged on the step's most copies.
+        if agreement < thresholds.min_agreement and bake_elapsed_s >= bake_seconds:
+            regressions.append(
+                f"canary's shadow outputs agree {agreement:.2%} with the incumbent's, under the minimum "
+                f"{thresholds.min_agreement:.2%} ({canary.num_shadow_compared} copies compared)"
             )
 
     if regressions:

@@ -219,6 +219,8 @@ def _verdict(deployment: Deployment, *, now: dt.datetime, read_window: WindowRea
             "matched": matched,
             "rate": round(matched / compared, 4) if compared else None,
         }
+        # Where the copies' tokens first differed and how many agreed (serving/gateway/shadow_diff.py).
+        verdict.figures["output_diff"] = canary.shadow_diffs
     if deployment.strategy == Deployment.Strategy.CANARY:
         verdict.figures["step"] = deployment.current_step
         verdict.figures["pct"] = deployment.current_pct

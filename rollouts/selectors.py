@@ -224,6 +224,65 @@ class _TailInMs:
         return int(self._histogram.count_above(value_ms / 1000.0))
 
 
+# A shadow copy's share of agreeing tokens and the index of its first differing token, binned for a
+# deployment's figures. The metrics store's histograms place a value within 1% of itself, so a bin's edge
+# is that sharp; the token indexes are whole numbers, binned between them.
+AGREEMENT_BINS = (
+    (0.25, "0-0.25"),
+    (0.5, "0.25-0.5"),
+    (0.75, "0.5-0.75"),
+    (0.9, "0.75-0.9"),
+    (0.99, "0.9-0.99"),
+)
+DIVERGENCE_BINS = (
+    (0.5, "0"),
+    (1.5, "1"),
+    (3.5, "2-3"),
+    (7.5, "4-7"),
+    (15.5, "8-15"),
+    (31.5, "16-31"),
+    (63.5, "32-63"),
+    (127.5, "64-127"),
+)
+
+
+def _binned(histogram: Any, bins: tuple[tuple[float, str], ...], last: str) -> dict[str, int]:
+    cumulative = histogram.cumulative_counts([bound for bound, _ in bins])
+    counts, below = {}, 0
+    for (_, label), up_to in zip(bins, cumulative, strict=True):
+        counts[label], below = up_to - below, up_to
+    counts[last] = int(histogram.count) - below
+    return counts
+
+
+def shadow_diff_figures(window: Any) -> dict[str, Any] | None:
+    """How a version's compared shadow copies differed from their primaries: the mean share of agreeing
+    tokens and its histogram; of those that differed, how many, the mean index of the first differing
+    token and its histogram. None when no copy was compared token by token."""
+    agreement, divergence = (
+        getattr(window, "shadow_agreement", None),
+        getattr(window, "shadow_first_divergence", None),
+    )
+    if agreement is None or not agreement.count:
+        return None
+    mean_divergence = divergence.mean if divergence is not None and divergence.count else None
+    return {
+        "compared": int(agreement.count),
+        "mean_agreement": round(float(agreement.mean), 4),
+        "agreement_histogram": _binned(agreement, AGREEMENT_BINS, "0.99-1"),
+        "diverged": int(divergence.count) if divergence is not None else 0,
+        "mean_first_divergence": None if mean_divergence is None else round(float(mean_divergence), 2),
+        "first_divergence_histogram": (
+            _binned(divergence, DIVERGENCE_BINS, "128+") if mean_divergence is not None else {}
+        ),
+    }
+
+
+def _mean_of(histogram: Any) -> float | None:
+    mean = getattr(histogram, "mean", None)
+    return None if mean is None else float(mean)
+
+
 def as_version_window(window: Any) -> VersionWindow:
     """The judge's view of serving.selectors.VersionWindow: counts as they are, p99s in ms (the store reports
     seconds, from merged histogram buckets), no mean output length when nothing completed."""
@@ -244,6 +303,8 @@ def as_version_window(window: Any) -> VersionWindow:
             num_shadow_compared=int(getattr(window, "num_shadow_compared", 0)),
             num_shadow_matched=int(getattr(window, "num_shadow_matched", 0)),
             num_truncated=int(getattr(window, "num_truncated", 0)),
+            mean_shadow_agreement=_mean_of(getattr(window, "shadow_agreement", None)),
+            shadow_diffs=shadow_diff_figures(window),
         )
     except AttributeError as exc:
         raise MetricsUnavailable(f"the metrics window lacks a field the judge needs: {exc}") from exc

@@ -65,6 +65,7 @@ def validate_steps(steps: object) -> list[dict[str, int]]:
 
 _INT_THRESHOLDS = {"min_samples"}
 _PROBABILITY_THRESHOLDS = {"alpha", "min_rate_increase", "min_truncation_increase"}
+_SHARE_THRESHOLDS = {"min_agreement"}  # a share in [0, 1]: 1 asks every compared token to agree
 # A finite number can still overflow the judge: 1e308 x an incumbent's p99 is inf, which neither SQLite's
 # nor Postgres's JSON accepts, so every tick that saved its figures failed and the deployment never moved.
 # The bounds are far past any sensible setting. (min_samples is an integer, only ever compared: a huge
@@ -97,7 +98,9 @@ def resolve_thresholds(overrides: object) -> dict[str, Any]:
             raise DeploymentError(f"threshold {name} must be a number, got {value!r}")
         elif name in _PROBABILITY_THRESHOLDS and not 0 <= value < 1:
             raise DeploymentError(f"threshold {name} must be in [0, 1), got {value!r}")
-        elif name not in _PROBABILITY_THRESHOLDS and value <= 0:
+        elif name in _SHARE_THRESHOLDS and not 0 <= value <= 1:
+            raise DeploymentError(f"threshold {name} must be in [0, 1], got {value!r}")
+        elif name not in _PROBABILITY_THRESHOLDS | _SHARE_THRESHOLDS and value <= 0:
             raise DeploymentError(f"threshold {name} must be positive, got {value!r}")
         if name in _UPPER_BOUNDS and value > _UPPER_BOUNDS[name]:
             raise DeploymentError(f"threshold {name} may be at most {_UPPER_BOUNDS[name]:g}, got {value!r}")

@@ -52,3 +52,30 @@ class MetricWindow(models.Model):
         return (
             f"{self.version_id} {self.replica_id or '*'} {self.start:%Y-%m-%dT%H:%M:%S} /{self.resolution_s}s"
         )
+
+
+class ShadowDiffPair(models.Model):
+    """A shadow copy whose output differed from its primary's, kept with both outputs and the input, all
+    redacted as the prompt log redacts them (serving/telemetry/prompt_log.py). Kept only while prompt
+    logging is on (settings.LOG_PROMPTS_SAMPLE_RATE > 0: that share of differing copies is drawn), up to
+    settings.SHADOW_DIFF_PAIRS per candidate version: staff read them in the admin and on the
+    deployment's page of the dashboard (serving/telemetry/shadow_pairs.py)."""
+
+    version = models.ForeignKey(ModelVersion, on_delete=models.CASCADE, related_name="shadow_diff_pairs")
+    primary_version = models.CharField(max_length=63)
+    request_id = models.CharField(max_length=64)
+    input = models.JSONField(help_text="Redacted, as the prompt log writes it.")
+    primary_output = models.TextField(help_text="Redacted.")
+    candidate_output = models.TextField(help_text="Redacted.")
+    first_divergence = models.PositiveIntegerField(
+        null=True, help_text="Index of the first token that differs; empty when only the text differs."
+    )
+    agreement = models.FloatField(help_text="Share of the shorter output's positions that agree.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["version", "created_at"], name="shadow_diff_pair_version")]
+
+    def __str__(self) -> str:
+        return f"{self.version_id} {self.request_id} diverged at {self.first_divergence}"

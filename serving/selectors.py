@@ -21,6 +21,7 @@ from serving.gateway.quota_memory import MemoryQuotaStore
 from serving.gateway.quota_store import quota_store
 from serving.telemetry.metric_window import WINDOW_S, floor_time
 from serving.telemetry.metrics_reads import VersionWindow, version_series, version_window, version_windows
+from serving.telemetry.shadow_pairs import pairs_of as shadow_diff_pairs
 from serving.transport.replica_directory import DEMAND_KEY, KEY_PREFIX, Heartbeat, read_beats, version_key
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ __all__ = [
     "quota_counted_by",
     "quota_refusals",
     "quota_usage",
+    "shadow_diff_pairs",
     "version_series",
     "version_window",
     "version_windows",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +52,17 @@ MAX_INPUTS_PER_REQUEST = 2048  # as the OpenAI API
 # not measured here.
 CPU_MAX_WAIT_S = 0.0
 GPU_MAX_WAIT_S = 0.005
+# The most inputs a batch holds when the config does not say. On a CPU a larger batch pads more and runs
+# slower per input: with a backlog, one thread served the most inputs/s at 8-16 (all-MiniLM-L6-v2: 74-76
+# against 53 at 32; the demo model: 564 at 8 against 391 at 32), and 8 kept the lowest tails once the
+# arrivals neared that (docs/benchmarks.md, "The batching sweep"). On a GPU, 32: not measured here.
+CPU_MAX_BATCH_SIZE = 8
+GPU_MAX_BATCH_SIZE = 32
 
 
 @dataclass(slots=True, frozen=True)
 class EncoderConfig:
-    max_batch_size: int = 32
+    max_batch_size: int | None = None  # None: CPU_MAX_BATCH_SIZE or GPU_MAX_BATCH_SIZE, by the device
     max_wait_s: float | None = None  # None: CPU_MAX_WAIT_S or GPU_MAX_WAIT_S, by the model's device
     max_batch_tokens: int = 16_384
     device: str | None = None
@@ -253,6 +259,12 @@ class EncoderEngine:
         max_wait_s = config.max_wait_s
         if max_wait_s is None:
             max_wait_s = GPU_MAX_WAIT_S if self.device.type == "cuda" else CPU_MAX_WAIT_S
+        if config.max_batch_size is None:  # resolved here, so that what reads the config reads a number
+            on_gpu = self.device.type == "cuda"
+            self.config = config = replace(
+                config, max_batch_size=GPU_MAX_BATCH_SIZE if on_gpu else CPU_MAX_BATCH_SIZE
+            )
+        assert config.max_batch_size is not None
         self.batcher = DynamicBatcher(
             BatcherConfig(
                 max_batch_size=config.max_batch_size,
@@ -270,7 +282,7 @@ class EncoderEngine:
 
     def warmup(self) -> None:
         """One full-size batch, so the first requests do not pay for first-call allocations."""
-        ids = [[self._pad_id] * 16] * self.config.max_batch_size
+        ids = [[self._pad_id] * 16] * self.batcher.config.max_batch_size
         self._forward(ids)
 
     # --- requests ----------------------------------------------------------------------------------

@@ -5,8 +5,10 @@ shadow deployment). For that share of the requests served by any other version, 
 the same request to a candidate replica once the primary is accepted, runs it to the end and throws the
 text away. The candidate's replica records its latency and errors like any request, which is what the
 rollout judge compares; when the request is reproducible (greedy, or seeded) the gateway also tells
-that replica whether its text matched the primary's, and the replica counts it (shadow.compared,
-shadow.matched in its metrics).
+that replica whether its text matched the primary's, where its token events first differ and what share
+of them agree (serving/gateway/shadow_diff.py), and the replica counts it (shadow.compared, shadow.matched
+and the histograms shadow_agreement, shadow_first_divergence in its metrics). With sampled prompt
+logging on, some copies that differ are kept, redacted, for staff to read.
 
 A mirror never holds up or fails the primary: it is not charged to the tenant's quota, it is skipped
 when this process already has MAX_IN_FLIGHT copies running (not counting those done and waiting for
@@ -26,6 +28,7 @@ from serving.gateway.data_plane import DataPlane
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest, close_all
 from serving.gateway.results import collect
+from serving.gateway.shadow_diff import compare, keep_pair, should_keep, tokens_of
 from serving.telemetry.shadow_copies import count_shadow_copy
 from serving.transport.protocol import ShadowResult
 
@@ -67,7 +70,14 @@ def start_mirror(
     if "logprobs" in params:  # nobody reads the copy's
         submission = {**submission, "params": {k: v for k, v in params.items() if k != "logprobs"}}
     task = asyncio.get_running_loop().create_task(
-        _run(runtime, primary.model_name, version, submission, primary_text),
+        _run(
+            runtime,
+            primary.model_name,
+            version,
+            submission,
+            primary_text,
+            primary_of=(primary.version, primary.request_id),
+        ),
         name=f"mirror-{primary.request_id}",
     )
     _in_flight.add(task)
@@ -82,9 +92,12 @@ async def _run(
     version: str,
     submission: dict[str, Any],
     primary_text: asyncio.Future[str | None] | None,
+    *,
+    primary_of: tuple[str, str] | None = None,  # the primary's version and request id
 ) -> None:
     # Counted as the primaries are: in a shadow deployment the judge reads only these.
     handle = InFlightRequest(runtime, None, model_name, version, submission, counts_failures=True)
+    captured = handle.capture_text() if primary_text is not None else None  # its token events
     try:
         await handle.submit()
         text, final = await collect(handle)
@@ -112,10 +125,32 @@ async def _run(
         return
     if expected is None:  # the primary failed or its client went away: nothing to compare
         return
+    expected_tokens = tokens_of(expected)
+    candidate_tokens = tokens_of(captured.result()) if captured is not None and captured.done() else None
+    diff = None
+    if expected_tokens is not None and candidate_tokens is not None:
+        diff = compare(expected_tokens, candidate_tokens)
+    result = ShadowResult(text == expected)
+    if diff is not None:
+        result = ShadowResult(text == expected, diff.first_divergence, diff.agreement)
     try:
-        await runtime.layer.send(handle.replica.channel_name, ShadowResult(text == expected).to_wire())
+        await runtime.layer.send(handle.replica.channel_name, result.to_wire())
     except Exception:
         logger.warning("shadow result for %s:%s not delivered", model_name, version, exc_info=True)
+    if diff is not None and (diff.diverged or text != expected) and primary_of is not None and should_keep():
+        try:
+            await keep_pair(
+                model_name=model_name,
+                version=version,
+                primary_version=primary_of[0],
+                request_id=primary_of[1],
+                submission=submission,
+                primary_text=str(expected),
+                candidate_text=text,
+                diff=diff,
+            )
+        except Exception:
+            logger.warning("shadow diff pair for %s:%s not kept", model_name, version, exc_info=True)
 
 
 async def wait_idle() -> None:

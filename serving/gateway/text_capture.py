@@ -4,6 +4,21 @@ compares against it; the sampled prompt log records it); otherwise no token is k
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
+
+
+class CapturedText(str):
+    """The whole text, which it is, and the pieces it came in: one per token event (the text each
+    generated token added, "" for a token that completed no character yet). A shadow copy compares its
+    primary's token by token through these (serving/gateway/shadow_diff.py)."""
+
+    tokens: tuple[str, ...]
+
+    def __new__(cls, pieces: Iterable[str]) -> CapturedText:
+        tokens = tuple(pieces)
+        text = super().__new__(cls, "".join(tokens))
+        text.tokens = tokens
+        return text
 
 
 class TextCapture:
@@ -25,4 +40,4 @@ class TextCapture:
     def settle(self, *, ok: bool) -> None:
         """The request ended: normally (`ok`), or not. Only the first call counts."""
         if self._done is not None and not self._done.done():
-            self._done.set_result("".join(self._pieces or ()) if ok else None)
+            self._done.set_result(CapturedText(self._pieces or ()) if ok else None)

@@ -340,8 +340,7 @@ class Replica:
             if not self._has_engine_ended:  # else nothing holds the request any more: nothing to abort
                 self._arrive(abort=Abort.from_wire(message).request_id)
         elif kind == SHADOW_RESULT:
-            matched = ShadowResult.from_wire(message).matched
-            self.metrics.count({m.SHADOW_COMPARED: 1, m.SHADOW_MATCHED: int(matched)})
+            _count_shadow_result(self.metrics, ShadowResult.from_wire(message))
 
     @property
     def _has_engine_ended(self) -> bool:
@@ -355,3 +354,14 @@ class Replica:
         self.outbox.mark_busy()
         if not self.inbox.count_in(submission):
             self.preparer.submit(submission, abort)
+
+
+def _count_shadow_result(metrics: MetricsRecorder, result: ShadowResult) -> None:
+    """A shadow copy compared with its primary (serving/gateway/shadow.py): whether its text matched and,
+    from a gateway that compared token events, its share of agreeing tokens and first differing one."""
+    metrics.count({m.SHADOW_COMPARED: 1, m.SHADOW_MATCHED: int(result.matched)})
+    if result.agreement is not None:
+        diff = {m.SHADOW_AGREEMENT: result.agreement}
+        if result.first_divergence is not None:
+            diff[m.SHADOW_FIRST_DIVERGENCE] = float(result.first_divergence)
+        metrics.observe(diff)

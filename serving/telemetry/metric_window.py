@@ -9,7 +9,10 @@ Counters (names used by the store and the selectors):
     aborted             client went away (not in `requests`)
     rejected, rejected.<type>   refused before any model work: invalid input, replica not ready
     shadow.compared, shadow.matched   shadow copies whose text could be compared with the primary's
-                        (serving/gateway/shadow.py), and of those, the ones that matched
+                        (serving/gateway/shadow.py), and of those, the ones that matched; with the
+                        histograms shadow_agreement (each compared copy's share of agreeing positions)
+                        and shadow_first_divergence (the first differing token's index, of those that
+                        differ)
     batches_closed.<reason>   a non-generative model's batches, by why the dynamic batcher closed them
                         (full, timeout); their time to fill is the batch_fill_s histogram
     tier.<tier>.requests, tier.<tier>.errors   `requests` and `errors` of one service tier (priority,
@@ -40,6 +43,8 @@ HISTOGRAM_NAMES = (
     "e2e_s",
     "batch_size",
     "batch_fill_s",
+    "shadow_agreement",
+    "shadow_first_divergence",
 )
 GAUGE_NAMES = ("queue_depth", "running", "kv_cache_usage", "batch_size")
 
@@ -52,6 +57,8 @@ ABORTED = "aborted"
 REJECTED = "rejected"
 SHADOW_COMPARED = "shadow.compared"
 SHADOW_MATCHED = "shadow.matched"
+SHADOW_AGREEMENT = "shadow_agreement"
+SHADOW_FIRST_DIVERGENCE = "shadow_first_divergence"
 FORGED = "forged"  # submission-layer messages dropped for an HMAC that did not match
 FINISH_PREFIX = "finish."
 ERROR_PREFIX = "errors."

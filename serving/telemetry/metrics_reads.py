@@ -77,6 +77,10 @@ class VersionWindow:
     errors_by_type: dict[str, int] = field(default_factory=dict)
     num_shadow_compared: int = 0  # shadow copies whose text was compared with the primary's
     num_shadow_matched: int = 0
+    # Of the compared copies: each one's share of agreeing token events, and where those that differ first
+    # differ (serving/gateway/shadow_diff.py).
+    shadow_agreement: Histogram = field(default_factory=Histogram)
+    shadow_first_divergence: Histogram = field(default_factory=Histogram)
     gauges: dict[str, GaugeStat] = field(default_factory=dict)  # queue_depth, running, kv_cache_usage, …
     # By service tier, best first, only the tiers that had requests in the window (none in rows written
     # before tiers were counted): the same requests as above, of replicas that knew their tier.
@@ -166,6 +170,8 @@ def _version_window(
         num_rejected=counters.get(m.REJECTED, 0),
         num_shadow_compared=counters.get(m.SHADOW_COMPARED, 0),
         num_shadow_matched=counters.get(m.SHADOW_MATCHED, 0),
+        shadow_agreement=histogram(m.SHADOW_AGREEMENT),
+        shadow_first_divergence=histogram(m.SHADOW_FIRST_DIVERGENCE),
         errors_by_type={
             name.removeprefix(m.ERROR_PREFIX): n
             for name, n in counters.items()

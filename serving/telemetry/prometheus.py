@@ -57,6 +57,8 @@ SECONDS_BOUNDS = (
     100.0,
 )
 BATCH_SIZE_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+AGREEMENT_BOUNDS = (0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+TOKEN_INDEX_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 LABELS = ("model", "version", "replica")
 
 # (recorder's name, exposed name, help, bounds)
@@ -94,10 +96,28 @@ _HISTOGRAMS = (
         "Dynamic batcher: from a batch's oldest input's arrival to the batch's close.",
         SECONDS_BOUNDS,
     ),
+    (
+        m.SHADOW_AGREEMENT,
+        "switchyard_shadow_agreement_ratio",
+        "Shadow copies compared with their primary: the share of the shorter output's tokens that agree.",
+        AGREEMENT_BOUNDS,
+    ),
+    (
+        m.SHADOW_FIRST_DIVERGENCE,
+        "switchyard_shadow_first_divergence_tokens",
+        "Shadow copies whose output differed from their primary's: the index of the first differing token.",
+        TOKEN_INDEX_BOUNDS,
+    ),
 )
 _TOKEN_COUNTERS = (
     (m.PROMPT_TOKENS, "switchyard_prompt_tokens", "Prompt tokens of ended requests."),
     (m.OUTPUT_TOKENS, "switchyard_output_tokens", "Output tokens of ended requests."),
+    (
+        m.SHADOW_COMPARED,
+        "switchyard_shadow_compared",
+        "Shadow copies (of requests with reproducible sampling) compared with their primary's output.",
+    ),
+    (m.SHADOW_MATCHED, "switchyard_shadow_matched", "Shadow copies whose text matched their primary's."),
 )
 # (labelled counter prefix, exposed name, label, help)
 _LABELLED_COUNTERS = (

@@ -110,6 +110,12 @@ def _input_text(submission: dict[str, Any]) -> str | list[str] | list[dict[str, 
     return logged
 
 
+def redacted_input(submission: dict[str, Any]) -> str | list[str] | list[dict[str, str]]:
+    """A request's input as this log writes it, for the other records kept as redacted as this one (the
+    differing outputs of shadow copies). Runs the patterns: call it through `off_the_loop`."""
+    return _input_text({name: submission.get(name) for name in ("input", "messages", "inputs")})
+
+
 def maybe_log(handle: Any, *, tenant: str, submission: dict[str, Any]) -> bool:
     """Sample this request (an InFlightRequest that has been accepted); if it is drawn, write its record
     once it ends. True when drawn."""
@@ -154,6 +160,17 @@ async def _off_the_loop(function: Callable[[Any], _T], argument: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(_redactor, function, argument)
     finally:
         _redacting -= 1
+
+
+async def off_the_loop(function: Callable[[Any], _T], argument: Any) -> _T | None:
+    """`function(argument)` (redact, redacted_input) on the redaction thread, as this log's records are
+    redacted; None, with the log's warning, when MAX_REDACTING records already wait for it."""
+    try:
+        return await _off_the_loop(function, argument)
+    except _Backlogged:
+        if _dropped_warning.is_due():
+            logger.warning("prompt log: %d records wait for redaction; records are being dropped", _redacting)
+        return None
 
 
 async def _write(

@@ -205,6 +205,13 @@ class MetricsRecorder:
             for name, n in counts.items():
                 window.count(name, n)
 
+    def observe(self, values: dict[str, float], *, now: float | None = None) -> None:
+        """Add a sample to histograms that are not about one step or request (shadow comparisons)."""
+        with self._lock:
+            window = self._pending_window(now)
+            for name, value in values.items():
+                window.histogram(name).observe(value)
+
     def _pending_window(self, now: float | None) -> MetricsWindow:
         """The unflushed window `now` (default: the clock) falls in, opened if new. Under self._lock."""
         start = window_start(self._clock() if now is None else now, self.window_s)

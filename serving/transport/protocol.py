@@ -222,16 +222,29 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class ShadowResult:
-    """Whether a mirrored copy's text matched its primary's (only for reproducible sampling)."""
+    """Whether a mirrored copy's text matched its primary's (only for reproducible sampling), and how far:
+    the index of the first token where the two differ (None: they do not) and the share of positions of
+    the shorter output that agree. An older gateway sends `matched` alone; both are then None."""
 
     matched: bool
+    first_divergence: int | None = None
+    agreement: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"type": SHADOW_RESULT, "matched": self.matched}
+        wire: dict[str, Any] = {"type": SHADOW_RESULT, "matched": self.matched}
+        if self.agreement is not None:
+            wire["agreement"] = self.agreement
+            wire["first_divergence"] = self.first_divergence
+        return wire
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> ShadowResult:
-        return cls(bool(wire.get("matched")))
+        agreement, divergence = wire.get("agreement"), wire.get("first_divergence")
+        if not isinstance(agreement, int | float) or isinstance(agreement, bool) or not 0 <= agreement <= 1:
+            agreement = None
+        if not isinstance(divergence, int) or isinstance(divergence, bool) or divergence < 0:
+            divergence = None
+        return cls(bool(wire.get("matched")), divergence, None if agreement is None else float(agreement))
 
 
 class EventKind(enum.StrEnum):

@@ -205,6 +205,8 @@ BAD_INPUT = [
     ({"thresholds": {"latency_ratio": True}}, 400, "must be a number"),
     ({"thresholds": {"latency_ratio": 1e308}}, 400, "latency_ratio may be at most 1000"),  # froze the judge
     ({"thresholds": {"min_output_length_ratio": 2}}, 400, "at most 1"),
+    ({"thresholds": {"min_agreement": 1.5}}, 400, "min_agreement must be in [0, 1]"),
+    ({"thresholds": {"min_agreement": -0.1}}, 400, "min_agreement must be in [0, 1]"),
     ({"strategy": "blue-green"}, 400, "strategy must be one of"),
     ({"replicas": 3}, 400, "unknown field(s): replicas"),
     ({"version": "v1"}, 409, "already the stable version"),

@@ -149,6 +149,7 @@ async def test_a_copy_that_only_waits_for_its_primarys_text_holds_no_slot(
 
     class StreamingPrimary:  # its text is not in yet
         model_name = "demo-chat"
+        version = "v1"
 
         def __init__(self, request_id: str) -> None:
             self.request_id = request_id
