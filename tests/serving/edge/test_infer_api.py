@@ -251,7 +251,9 @@ async def test_seeded_sampling_reproduces_and_greedy_is_deterministic(acme) -> N
     assert await output({"seed": 7}) == await output({"seed": 7})
 
 
-async def test_a_pinned_version_is_served_when_allowed(make_tenant, runtime, demo_model_dir) -> None:
+async def test_a_pinned_version_is_served_when_allowed(
+    make_tenant, runtime, demo_model_dir, settings
+) -> None:  # type: ignore[no-untyped-def]
     from asgiref.sync import sync_to_async
 
     from registry.services import model_version_register
@@ -259,7 +261,9 @@ async def test_a_pinned_version_is_served_when_allowed(make_tenant, runtime, dem
     await sync_to_async(model_version_register)(name="demo-chat", version="v2", source_dir=demo_model_dir)
     pinner = await sync_to_async(make_tenant)("pinner", may_pin=True)
     client = AsyncClient()
-    # v2 has no traffic, so no embedded replica: the pin is honoured (not silently rerouted) and 503s.
+    # v2 has no traffic, so no embedded replica: the pin is honoured (not silently rerouted), by a
+    # replica started for it (tests/serving/runtime/test_pins.py), or, past REPLICA_MAX_PINNED, a 503.
+    settings.REPLICA_MAX_PINNED = 0
     response = await _post(client, {"input": "hi"}, {**pinner.auth, "X-Version-Pin": "v2"})
     assert response.status_code == 503
     assert "v2" in response.json()["error"]["message"]
