@@ -34,6 +34,12 @@ class InferRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: list[list[int | float]] = field(default_factory=list)
+    # vLLM's sampling fields (serving/engine/sequence.py says what each does); set only where given
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
     service_tier: str | None = None  # as asked; granted by the caller (serving/gateway/service_tiers.py)
     # JSON or a JSON schema the output must follow, as the replica is sent it (response_format.py)
     response_format: dict[str, Any] | None = None
@@ -50,6 +56,9 @@ class InferRequest:
         }
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
+                params[name] = getattr(self, name)
+        for name in VLLM_FIELDS:
+            if getattr(self, name) is not None:
                 params[name] = getattr(self, name)
         if self.logit_bias:
             params["logit_bias"] = self.logit_bias
@@ -174,6 +183,7 @@ def parse_sampling(body: dict[str, Any], *, default_max_tokens: int | None = 16)
     logit_bias = parse_logit_bias(body.get("logit_bias"))
     if logit_bias:
         out["logit_bias"] = logit_bias
+    out.update(parse_vllm_fields(body, max_tokens=max_tokens))
     response_format = parse_response_format(body.get("response_format"))
     if response_format is not None:  # text crosses no layer: it is what the replica makes anyway
         out["response_format"] = response_format
@@ -200,6 +210,50 @@ def parse_logit_bias(value: Any) -> list[list[int | float]]:
     return pairs
 
 
+# vLLM's sampling fields past OpenAI's, which its users send to any OpenAI-compatible server.
+VLLM_FIELDS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")
+
+
+def parse_vllm_fields(body: dict[str, Any], *, max_tokens: int | None) -> dict[str, Any]:
+    """top_k (an integer >= 1; -1 or 0 is vLLM's "off"), min_p (0 to 1), repetition_penalty (in (0, 2]),
+    min_tokens (0 to max_tokens) and ignore_eos (true or false): those given, at their non-default values
+    (a default crosses no layer)."""
+    out: dict[str, Any] = {}
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not is_int(top_k) or top_k < -1:
+            raise GatewayError(400, "top_k must be an integer >= 1 (or -1 for none)")
+        if top_k >= 1:
+            out["top_k"] = top_k
+    min_p = body.get("min_p")
+    if min_p is not None:
+        if not _is_number(min_p) or not 0 <= min_p <= 1:
+            raise GatewayError(400, "min_p must be a number from 0 to 1")
+        if min_p:
+            out["min_p"] = float(min_p)
+    penalty = body.get("repetition_penalty")
+    if penalty is not None:
+        if not _is_number(penalty) or not 0 < penalty <= 2:
+            raise GatewayError(400, "repetition_penalty must be a number in (0, 2]")
+        if penalty != 1:
+            out["repetition_penalty"] = float(penalty)
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        if not is_int(min_tokens) or min_tokens < 0:
+            raise GatewayError(400, "min_tokens must be an integer >= 0")
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise GatewayError(400, f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})")
+        if min_tokens:
+            out["min_tokens"] = min_tokens
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise GatewayError(400, "ignore_eos must be true or false")
+        if ignore_eos:
+            out["ignore_eos"] = True
+    return out
+
+
 # What parse_sampling reads: /infer's fields besides its input, and the OpenAI endpoints' besides theirs.
 SAMPLING_FIELDS = frozenset(
     {
@@ -213,6 +267,7 @@ SAMPLING_FIELDS = frozenset(
         "frequency_penalty",
         "logit_bias",
         "response_format",
+        *VLLM_FIELDS,
     }
 )
 INFER_FIELDS = SAMPLING_FIELDS | {"input", "service_tier"}

@@ -44,6 +44,19 @@ _SAMPLING = {
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         "maxProperties": 300,
     },
+    # vLLM's sampling fields, which its users send to any OpenAI-compatible server
+    "top_k": {"type": "integer", "minimum": -1, "nullable": True, "description": "-1 or 0: no top-k cut"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "default": 0, "nullable": True},
+    "repetition_penalty": {
+        "type": "number",
+        "minimum": 0,
+        "exclusiveMinimum": True,
+        "maximum": 2,
+        "default": 1,
+        "nullable": True,
+    },
+    "min_tokens": {"type": "integer", "minimum": 0, "default": 0, "nullable": True},
+    "ignore_eos": {"type": "boolean", "default": False, "nullable": True},
     # Structured outputs (serving/edge/response_format.py): enforced by constrained decoding.
     "response_format": {
         "type": "object",

@@ -187,6 +187,7 @@ class Engine:
         eos = self.runner.model.generation_config.eos_token_id
         eos_ids = list(eos) if isinstance(eos, list | tuple) else [eos] if eos is not None else []
         self._extra_eos_ids = tuple(eos_ids[1:])
+        self._eos_ids = tuple(eos_ids)  # min_tokens holds every one of them back (logit_adjust.py)
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, config.block_size, is_prefix_caching_enabled=config.enable_prefix_caching
         )
@@ -356,7 +357,7 @@ class Engine:
         logprobs = torch.log_softmax(logits[wanting].float(), dim=-1) if wanting else None
         adjusted = [i for i, s in enumerate(states) if s.seq.params.adjusts_logits]
         if adjusted:
-            logits = adjust_logits(logits, adjusted, [states[i].seq for i in adjusted])
+            logits = adjust_logits(logits, adjusted, [states[i].seq for i in adjusted], eos_ids=self._eos_ids)
         logits = mask_logits(logits, [s.seq for s in states])  # response_format's grammars, in place
         sampled = self.sampler(logits, [s.seq.params for s in states], [s.generator for s in states])
         token_ids = sampled.tolist()

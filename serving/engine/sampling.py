@@ -1,4 +1,5 @@
-"""Next-token choice for the sampled rows of a step: greedy, temperature, top-k, top-p, per-request seeds.
+"""Next-token choice for the sampled rows of a step: greedy, temperature, top-k, top-p, min-p, per-request
+seeds.
 
 Each sampled row draws exactly one uniform number per step, from its own generator when the request
 has a seed, and picks a token by inverse CDF over its filtered distribution. The rest is deterministic
@@ -112,6 +113,11 @@ class Sampler:
             cut = mass_before >= top_ps[:, None]
             cut[:, 0] = False
             probs.masked_fill_(cut, 0.0)
+        if any(p.min_p > 0 for p in params):
+            # As transformers' MinPLogitsWarper: after the other cuts, a token must have at least min_p
+            # times the likeliest's probability. The likeliest always stays; no order is needed.
+            min_ps = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            probs.masked_fill_(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         cdf = probs.cumsum(dim=-1)
         uniforms = self._uniforms(generators).to(device)
         targets = uniforms * cdf[:, -1]

@@ -49,6 +49,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100 to 100) added to its logit
+    # vLLM's and transformers' own: a token's probability must be at least min_p times the likeliest's
+    # (0: off); repetition_penalty divides a positive logit (multiplies a negative one) of every token in
+    # the prompt or the output (1: off); min_tokens holds the end of sequence and stop_token_ids back until
+    # that many tokens are out (0: off).
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     # The response_format it must follow (grammar.py), compiled by the engine's GrammarCompiler; None:
     # free text. Its rows' logits are masked to what the grammar allows (grammar_mask.py).
     grammar: Grammar | None = None
@@ -59,7 +66,13 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            bool(self.logit_bias)
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field; callers validate before allocating anything."""
@@ -91,6 +104,15 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {pair!r}")
             if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be numbers from -100 to 100, got {pair!r}")
+        min_p, penalty = self.min_p, self.repetition_penalty
+        if isinstance(min_p, bool) or not isinstance(min_p, int | float) or not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be a number from 0 to 1, got {min_p!r}")
+        if isinstance(penalty, bool) or not isinstance(penalty, int | float) or not 0 < penalty <= 2:
+            raise ValueError(f"repetition_penalty must be a number in (0, 2], got {penalty!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise ValueError("grammar must be None or a Grammar (GrammarCompiler.compile)")
 

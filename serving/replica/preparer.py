@@ -96,6 +96,14 @@ class Preparer:
                 else:
                     raise ValueError("a submission needs an input, messages or inputs")
                 arrival.num_prompt_tokens = len(arrival.prompt_ids)
+                context = self.engine.max_model_len
+                if not to_context and arrival.num_prompt_tokens + arrival.params.max_tokens > context:
+                    # As vLLM answers it (a 400), not an output cut short at the context's end.
+                    raise ValueError(
+                        f"this model's context is {context} tokens, and the prompt's "
+                        f"{arrival.num_prompt_tokens} tokens with max_tokens {arrival.params.max_tokens} "
+                        "would pass it: shorten the prompt or lower max_tokens"
+                    )
                 if to_context:  # as far as the context goes, and as far as the KV cache could hold
                     room = self.engine.max_output_tokens(arrival.num_prompt_tokens, arrival.limits)
                     max_tokens = max_tokens_for(None, room=room, limit=settings.MAX_TOKENS_LIMIT)

@@ -256,3 +256,15 @@ def test_parameters_passed_as_none_a_negative_seed_and_cached_tokens(client: ope
     assert again.choices[0].message.content == first.choices[0].message.content  # seeded: it reproduces
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens >= 16  # the same prompt: a block or more cached
+
+
+def test_vllms_sampling_fields_pass_through_extra_body(client: openai.OpenAI) -> None:
+    """What a vLLM user sends through the openai client (extra_body) is served, not a 400; a context
+    overflow is the 400 vLLM answers, as openai.BadRequestError."""
+    extra = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 4, "ignore_eos": True}
+    completion = client.completions.create(
+        model="demo-chat", prompt="hello", max_tokens=4, temperature=0.8, seed=1, extra_body=extra
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="demo-chat", prompt="hello", max_tokens=2048)
