@@ -35,9 +35,19 @@ def error_body(status: int, message: str, error_type: str | None = None) -> dict
 
 
 def error_response(
-    status: int, message: str, *, error_type: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    *,
+    error_type: str | None = None,
+    headers: dict[str, str] | None = None,
+    openai: dict[str, str | None] | None = None,
 ) -> JsonResponse:
-    return JsonResponse(error_body(status, message, error_type), status=status, headers=headers)
+    """`openai`: OpenAI's `param` and `code`, which the inference endpoints' errors carry beside the
+    type and message (serving/edge/error_fields.py)."""
+    body = error_body(status, message, error_type)
+    if openai is not None:
+        body["error"].update(openai)
+    return JsonResponse(body, status=status, headers=headers)
 
 
 def drf_exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:

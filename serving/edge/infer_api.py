@@ -11,6 +11,7 @@ from django.views.decorators.csrf import csrf_exempt
 from registry.errors import error_response
 from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
+from serving.edge.error_fields import error_fields
 from serving.edge.request_bodies import parse_classify, parse_infer, parse_json_body
 from serving.edge.sse import sse_events, sse_response
 from serving.gateway.dispatch import authenticate, dispatch, model_snapshot, prompt_usage
@@ -27,12 +28,13 @@ _directory_warning = Throttle()
 
 
 def _gateway_error(exc: GatewayError) -> JsonResponse:
-    return error_response(exc.status, exc.message, headers=exc.headers)
+    return error_response(exc.status, exc.message, headers=exc.headers, openai=error_fields(exc))
 
 
 def failed_dispatch(handle: InFlightRequest, exc: GatewayError) -> JsonResponse:
     """A request that reached a replica and failed there: the error, saying which version served it."""
-    return error_response(exc.status, exc.message, headers={**handle.response_headers(), **exc.headers})
+    headers = {**handle.response_headers(), **exc.headers}
+    return error_response(exc.status, exc.message, headers=headers, openai=error_fields(exc))
 
 
 @csrf_exempt

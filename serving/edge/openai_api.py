@@ -19,6 +19,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from registry.errors import error_response
 from registry.models import Model
+from serving.edge.error_fields import error_fields
 from serving.edge.infer_api import failed_dispatch
 from serving.edge.openai_bodies import parse_chat, parse_completion, parse_embeddings
 from serving.edge.openai_chunks import (
@@ -168,7 +169,7 @@ async def _serve(
             **{payload_name: payload},
         )
     except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers=exc.headers)
+        return error_response(exc.status, exc.message, headers=exc.headers, openai=error_fields(exc))
     handle = handles[0]
     base = {
         "created": int(time.time()),
@@ -225,7 +226,7 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
             kind=Model.Kind.EMBEDDING,
         )
     except GatewayError as exc:
-        return error_response(exc.status, exc.message, headers=exc.headers)
+        return error_response(exc.status, exc.message, headers=exc.headers, openai=error_fields(exc))
     try:
         vectors, final = await collect_vectors(handle, "embeddings", len(inputs))
     except GatewayError as exc:

@@ -190,6 +190,8 @@ async def test_unsupported_fields_sent_as_null_read_as_absent(
     assert chat_tools.json()["error"] == {
         "type": "invalid_request_error",
         "message": "unsupported field(s): tools",
+        "param": None,
+        "code": None,
     }
     assert completion_suffix.status_code == 400
     assert completion_suffix.json()["error"]["message"] == "unsupported field(s): suffix"
@@ -239,6 +241,8 @@ async def test_a_conversation_the_chat_template_refuses_is_a_400_with_its_messag
     expected = {
         "type": "invalid_request_error",
         "message": "Conversation roles must alternate user/assistant/user/assistant/...",
+        "param": None,
+        "code": None,
     }
     for response in (refused, refused_stream):
         assert response.status_code == 400, response.text

@@ -49,7 +49,14 @@ async def test_missing_or_bad_key_is_401(acme) -> None:
 async def test_unknown_model_is_404(acme) -> None:
     response = await _post(AsyncClient(), {"input": "hi"}, acme.auth, url="/v1/models/nope/infer")
     assert response.status_code == 404
-    assert response.json() == {"error": {"type": "not_found_error", "message": "model 'nope' not found"}}
+    assert response.json() == {
+        "error": {
+            "type": "not_found_error",
+            "message": "model 'nope' not found",
+            "param": None,
+            "code": "model_not_found",  # OpenAI's
+        }
+    }
 
 
 async def test_a_tenant_not_allowed_the_model_is_403(make_tenant, registered_model, demo_model_dir) -> None:
@@ -136,7 +143,7 @@ async def test_bad_bodies_get_the_json_error_before_any_model_work(acme, body, r
     assert response.status_code == status
     error = response.json()["error"]
     assert fragment in error["message"]
-    assert set(error) == {"type", "message"}
+    assert set(error) == {"type", "message", "param", "code"}  # OpenAI's four
 
 
 @pytest.mark.parametrize(
