@@ -15,6 +15,7 @@ import pytest
 pytestmark = pytest.mark.django_db(transaction=True)
 
 READ_BEFORE_STALLING = 2
+BACKLOG = 16
 MAX_TOKENS = 1500
 STREAM_MESSAGES = ("http.response.body", "websocket.send")
 
@@ -95,7 +96,10 @@ async def _stalled_http_stream(path: str, body: dict[str, Any], key: str) -> lis
 @pytest.fixture(autouse=True)
 def _short_backlog(settings):  # type: ignore[no-untyped-def]
     settings.ALLOWED_HOSTS = ["localhost"]
-    settings.STREAM_MAX_BACKLOG_EVENTS = 4
+    # Small, but more than a replica of the demo model makes while the reader sends the client its
+    # first READ_BEFORE_STALLING messages: at 4, on a busy machine, a reader that had not yet stalled was
+    # sometimes cut off (a CI run of 2026-12-06), which is the race, not the behaviour, under test.
+    settings.STREAM_MAX_BACKLOG_EVENTS = BACKLOG
 
 
 async def test_an_sse_stream_whose_client_stops_reading_is_cut_off_and_its_sequence_aborted(
@@ -114,13 +118,13 @@ async def test_events_that_pile_up_before_anything_reads_them_are_no_slow_reader
     from tests.serving.gateway.test_dispatch import _hello
 
     (replica,) = runtime.replicas.values()
-    handle = await _hello(acme, max_tokens=12)  # 3 times the cap of 4
+    handle = await _hello(acme, max_tokens=3 * BACKLOG)  # 3 times the cap
     try:
         await replica.wait_idle()  # all 12 generated, none read
         events = [event async for event in handle.events()]
     finally:
         await handle.close()
-    assert [e["index"] for e in events if "token" in e] == list(range(12))
+    assert [e["index"] for e in events if "token" in e] == list(range(3 * BACKLOG))
     assert events[-1]["finish_reason"] == "length"
 
 
