@@ -32,7 +32,7 @@ import json
 import statistics
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,8 @@ LONG_SCHEMA = {
     "required": ["name", "owner", "items"],
     "additionalProperties": False,
 }
-# The compile-time schema: tests/serving/edge/test_structured_outputs.py's.
+# The compile-time schema: shaped as tests/serving/edge/test_structured_outputs.py's (its tags' items
+# differ: _ITEM's).
 TYPICAL_SCHEMA = {
     "type": "object",
     "properties": {
@@ -123,34 +124,21 @@ def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _stdlib_sources() -> list[str]:
-    return [str(p) for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))]
+def _stdlib_lines() -> Iterator[str]:
+    """The standard library's top-level sources, line by line: a corpus large enough for 32k merges."""
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        yield from path.read_text(errors="replace").splitlines()
 
 
 def ensure_vocab_model(model_dir: Path, vocab_size: int, log: Log) -> Path:
     """The bench model's shapes with a byte-level BPE tokenizer of `vocab_size` tokens, built once."""
     if (model_dir / "config.json").exists() and any(model_dir.glob("*.safetensors")):
         return model_dir
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     from serving.benchmarks.bench_model import BENCH_MODEL_SPEC
-    from serving.engine.demo_model import BOS, EOS, PAD, build_demo_model
+    from serving.engine.demo_model import build_demo_model, build_tokenizer
 
     log(f"training a {vocab_size}-token BPE tokenizer and building the bench model in {model_dir}")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[PAD, BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train(_stdlib_sources(), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=2048
-    )
+    tokenizer = build_tokenizer(vocab_size, corpus=_stdlib_lines())
     return build_demo_model(model_dir, BENCH_MODEL_SPEC, tokenizer=tokenizer)
 
 

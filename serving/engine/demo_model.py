@@ -5,6 +5,7 @@ platform, its tests and its benchmarks run anywhere."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,10 @@ class DemoModelSpec:
     seed: int = 0
 
 
-def build_tokenizer(vocab_size: int) -> object:
+def build_tokenizer(vocab_size: int, corpus: Iterable[str] = _CORPUS_LINES) -> object:
+    """A byte-level BPE tokenizer of `vocab_size` tokens (with the demo's special tokens) trained on
+    `corpus`, its lines: the demo's own text by default, or a larger one (the structured-outputs
+    benchmark's 32k vocabulary trains on the standard library's sources)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,7 +59,7 @@ def build_tokenizer(vocab_size: int) -> object:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS_LINES, trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=2048
     )

@@ -56,7 +56,8 @@ class ReplicaSupervisor:
         return True
 
     def is_demanded(self, model_name: str, version: str) -> bool:
-        """Whether a replica of the version is wanted for a pin: demanded, or started for one and kept."""
+        """Whether a replica of the version is coming or kept here: demanded for a pin and not yet
+        started, or running (whatever started it: the keep-warm rule then holds it while it is used)."""
         key = (model_name, version)
         return key in self._demanded or key in self.replicas
 
