@@ -57,12 +57,18 @@ class ModelVersion(models.Model):
         # Lineage and who registered it when (docs/architecture.md, "The control plane"). The parent may still
         # become NULL when it is deleted (SET_NULL), which is an update, not a save.
         "parent_id",
+        "adapter_of_id",
+        "quantization",
         "created_by",
         "created_at",
     )
 
     class Format(models.TextChoices):
         SAFETENSORS = "safetensors", "safetensors"
+
+    class Quantization(models.TextChoices):
+        NONE = "", "none"
+        INT8_WEIGHT = "int8-weight", "int8 weights"
 
     model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="versions")
     version = models.CharField(max_length=63, validators=[NAME_VALIDATOR])
@@ -74,6 +80,15 @@ class ModelVersion(models.Model):
     parent = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children"
     )
+    # A LoRA adapter's base (docs/architecture.md, "Adapters on a shared base"): its requests run on the
+    # base's replicas, so the base cannot be deleted while an adapter names it.
+    adapter_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="adapters"
+    )
+    quantization = models.CharField(max_length=16, choices=Quantization.choices, default="", blank=True)
+    # Measured against the parent on held-out text ("Quantized siblings"): a measurement, not the artifact,
+    # so it may be recorded after registration and is not among the immutable fields.
+    quality = models.JSONField(default=dict, blank=True)
     created_by = models.CharField(max_length=150, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
