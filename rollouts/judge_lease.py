@@ -49,15 +49,18 @@ def acquire(*, holder: str | None = None, now: dt.datetime | None = None) -> boo
     holder = holder or _holder
     now = now or timezone.now()
     until = now + dt.timedelta(seconds=lease_s())
-    if not JudgeLease.objects.filter(pk=LEASE_ID).exists():
-        try:
-            with transaction.atomic():
-                JudgeLease.objects.create(pk=LEASE_ID, holder=holder, until=until)
-            return True
-        except IntegrityError:  # another process made it meanwhile: take it as any other
-            pass
+    # One query a tick once the row exists: the update is the test (held by us, or run out).
     taken = JudgeLease.objects.filter(pk=LEASE_ID).filter(Q(holder=holder) | Q(until__lt=now))
-    return taken.update(holder=holder, until=until) == 1
+    if taken.update(holder=holder, until=until) == 1:
+        return True
+    if JudgeLease.objects.filter(pk=LEASE_ID).exists():
+        return False  # another holder's lease runs
+    try:
+        with transaction.atomic():
+            JudgeLease.objects.create(pk=LEASE_ID, holder=holder, until=until)
+        return True
+    except IntegrityError:  # another process made it meanwhile: take it as any other
+        return taken.update(holder=holder, until=until) == 1
 
 
 def held_by_another(*, holder: str | None = None, now: dt.datetime | None = None) -> str | None:
