@@ -43,6 +43,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """The real pretrained stories260k (Llama, 5 layers, GQA 8/4, vocab 512) where CI keeps it, beside
+    the repository; skips when absent (a fresh clone has none)."""
+    configured = os.environ.get("SWITCHYARD_STORIES_DIR")
+    path = Path(configured) if configured else REPO_ROOT.parent / "shared" / "models" / "stories260k"
+    if not any(path.glob("*.safetensors")):
+        pytest.skip(f"stories260k not found at {path} (set SWITCHYARD_STORIES_DIR)")
+    return path
+
+
+@pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from serving.engine.demo_model import DemoModelSpec, build_demo_model
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, KeysView
+from typing import Any
 
 from serving.engine.fairness import VirtualTokenCounter
 from serving.engine.kv_cache import KVCacheManager, blocks_of_share
+from serving.engine.lora_slots import AdapterSlots, no_adapters
 from serving.engine.sequence import PRIORITY_TIER, Sequence, SequenceStatus, TenantLimits
 from serving.engine.tiers import effective_tier, lowest_tier_victim
 
@@ -33,8 +35,10 @@ class Admission:
         is_chunked_prefill_enabled: bool,
         num_watermark_blocks: int,
         tier_aging_s: float = 0.0,
+        adapters: AdapterSlots[Any, Any] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.adapters = adapters or no_adapters()  # an adapter's sequence is seated with it (lora_slots.py)
         self.vtc = vtc
         self._clock = clock
         self.max_num_seqs = max_num_seqs
@@ -169,6 +173,9 @@ class Admission:
                 continue
             queue = self._waiting[key]
             seq = queue[0]
+            if not self.adapters.can_seat(seq):
+                skipped.add(tenant)  # its adapter waits for a slot
+                continue
             prefix = kv.match_prefix(seq)
             num_remaining = len(seq.token_ids) - prefix.num_tokens
             num_new = min(num_remaining, budget)
@@ -194,6 +201,7 @@ class Admission:
             num_taken_now = kv.num_blocks_needed(seq, num_new, prefix)
             if not self.running and num_taken_now > kv.num_free_blocks:
                 break
+            self.adapters.seat(seq)  # holds its adapter (installed on first use) until it finishes
             queue.popleft()
             self._dequeued(key, seq)
             kv.allocate(seq, num_new, prefix)
@@ -251,8 +259,9 @@ class Admission:
         tenant = head.tenant_id
         num_tenant_running = self._tenant_to_num_running.get(tenant, 0)
         running_cap = self.running_cap(tenant)
-        if running_cap is not None and num_tenant_running >= running_cap:
-            return  # its own tenant's cap keeps it out, which no other tenant's preemption changes
+        is_capped = running_cap is not None and num_tenant_running >= running_cap
+        if is_capped or not self.adapters.can_seat(head):
+            return  # its tenant's cap, or its adapter's wait for a slot: no other tenant's preemption helps
         kv = self.kv_cache
         bs = kv.block_size
         num_eventual = (len(head.token_ids) + bs) // bs

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,10 @@ from serving.engine.kv_budget import kv_cache_budget
 from serving.engine.kv_cache import KVCacheManager, blocks_of_share
 from serving.engine.loading import load_tokenizer, prompt_encoder
 from serving.engine.logit_adjust import adjust_logits
+from serving.engine.logprobs import LogprobReader, TokenLogprob
+from serving.engine.lora import LoraAdapter, check_adapter_fits
+from serving.engine.lora_batch import FusedLoraWeights, lora_step
+from serving.engine.lora_slots import AdapterSlots
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import Sampler, make_generator
 from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -61,6 +65,8 @@ class EngineConfig:
     pack_linear: bool | None = None
     device: str | None = None
     seed: int | None = None  # the shared sampler's seed, for reproducible unseeded sampling in tests
+    max_loras: int = 8  # LoRA adapters resident at once (lora_slots.py); the fused forward only
+    max_lora_rank: int = 64
 
 
 def _tenant_block_cap(config: EngineConfig, num_blocks: int) -> int | None:
@@ -90,16 +96,6 @@ class RequestOutput:
 
 
 @dataclass(slots=True, frozen=True)
-class TokenLogprob:
-    """An output token's log probability and, likeliest first, the alternatives' at its place."""
-
-    token: str  # its bytes as UTF-8 text, U+FFFD for part of a character (serving/engine/token_bytes.py)
-    logprob: float
-    top: list[tuple[str, float, list[int]]]  # each alternative's text, log probability and bytes
-    bytes: list[int]  # what the token adds to the text, byte by byte
-
-
-@dataclass(slots=True, frozen=True)
 class EngineStats:
     num_waiting: int
     num_running: int
@@ -111,6 +107,9 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_hit_rate: float
     num_steps: int
+    adapters_resident: tuple[str, ...] = ()  # LoRA adapters installed, least recently used first
+    num_adapter_loads: int = 0  # installs since start (after an eviction, a reload counts again)
+    num_adapter_evictions: int = 0
 
 
 @dataclass(slots=True)
@@ -124,16 +123,44 @@ class _RequestState:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # sampled, not yet reported
 
 
-def _finite(logprob: float) -> float:
-    # A token the model rules out has -inf (and a broken row NaN), which JSON cannot carry; -9999 reads
-    # as impossible.
-    return logprob if math.isfinite(logprob) else -9999.0
-
-
 def _take_logprobs(state: _RequestState) -> list[TokenLogprob]:
     """The log probabilities sampled since the last report, which this one reports."""
     reported, state.logprobs = state.logprobs, []
     return reported
+
+
+def _apply_stop_strings(
+    state: _RequestState,
+    new_text: str,
+    *,
+    is_finished: bool,
+    num_unchecked: int,
+    finish: Callable[[str, FinishReason], object],
+) -> tuple[str, bool]:
+    """Return the text safe to emit now. The last len(longest stop) - 1 characters are held back, since
+    they may begin a stop string the next token completes; a completed stop string cuts the text there
+    and finishes the request (the stop string itself is not emitted, as in the OpenAI API).
+    Only a stop that ends past the held text and the new text's first `num_unchecked` characters counts:
+    the held text was looked at already, and those characters came before the min_tokens-th token, before
+    which no stop string is looked for (vLLM's min_tokens)."""
+    stops = state.seq.params.stop
+    pending = state.held_text + new_text
+    checked_from = len(state.held_text) + num_unchecked
+    found = (pending.find(s, max(0, checked_from - len(s) + 1)) for s in stops)
+    hits = [i for i in found if i != -1]
+    if hits:
+        state.held_text = ""
+        if is_finished:
+            state.seq.finish_reason = FinishReason.STOP
+        else:
+            finish(state.seq.request_id, FinishReason.STOP)
+        return pending[: min(hits)], True
+    if is_finished:
+        state.held_text = ""
+        return pending, True
+    num_held = min(len(pending), max(len(s) for s in stops) - 1)
+    state.held_text = pending[len(pending) - num_held :]
+    return pending[: len(pending) - num_held], False
 
 
 def _kv_cache_bytes(config: EngineConfig, device: torch.device, max_useful_bytes: int) -> int:
@@ -191,6 +218,10 @@ class Engine:
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, config.block_size, is_prefix_caching_enabled=config.enable_prefix_caching
         )
+        # LoRA adapters' slots (lora_slots.py), installed in the runner's layout on first use
+        self.adapters: AdapterSlots[LoraAdapter, FusedLoraWeights] = AdapterSlots(
+            max_loras=config.max_loras, prepare=self.runner.prepare_adapter
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -203,11 +234,11 @@ class Engine:
                 tier_aging_s=config.tier_aging_s,
             ),
             self.kv_cache,
+            adapters=self.adapters,
         )
         self.sampler = Sampler(seed=config.seed)
         self._requests: dict[str, _RequestState] = {}
-        self._token_bytes = token_bytes_reader(self.tokenizer)
-        self._token_pieces: dict[int, tuple[str, list[int]]] = {}  # each token's text and bytes, for logprobs
+        self._logprobs = LogprobReader(token_bytes_reader(self.tokenizer))
         # response_format's grammars, compiled on the replica's preparing thread (grammar.py)
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size=self.runner.vocab_size, eos_ids=eos_ids)
 
@@ -270,10 +301,17 @@ class Engine:
         arrival_time: float | None = None,
         tier: int = DEFAULT_TIER,
         limits: TenantLimits | None = None,
+        adapter: LoraAdapter | None = None,
     ) -> None:
         """Queue a request. Raises ValueError, with nothing allocated, for a request this engine can
-        never serve (empty or too-long prompt, max_tokens beyond the context, bad sampling values)."""
+        never serve (empty or too-long prompt, max_tokens beyond the context, bad sampling values, an
+        adapter over max_lora_rank or not of this base, any adapter on transformers' modules).
+        `adapter`: the LoRA adapter it runs with, installed on first use (lora_slots.py)."""
         params.validate()
+        if adapter is not None:
+            if self.runner.adapter_refusal is not None:
+                raise ValueError(self.runner.adapter_refusal)
+            check_adapter_fits(adapter, self.runner.model.config, max_rank=self.config.max_lora_rank)
         vocab_size = self.runner.vocab_size
         if any(
             isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids
@@ -298,9 +336,12 @@ class Engine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             tier=tier,
             limits=limits,
+            adapter_id=adapter.adapter_id if adapter is not None else None,
         )
         generator = make_generator(params)  # before queueing: nothing may be left behind on failure
         self.scheduler.add(seq)
+        if adapter is not None:
+            self.adapters.register(seq, adapter)
         self._requests[request_id] = _RequestState(
             seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids), generator
         )
@@ -348,8 +389,13 @@ class Engine:
             raise StepFailed([seq.request_id for seq in seqs], exc) from exc
 
     def _run_batch(self, scheduled: SchedulerOutput, seqs: list[Sequence]) -> list[RequestOutput]:
-        batch = self.runner.build_batch(seqs, [item.num_new_tokens for item in scheduled.scheduled])
-        logits = self.runner.execute(batch)
+        items = scheduled.scheduled
+        if self.adapters.has_holders:  # each adapter's rows side by side, updated in place (lora_batch.py)
+            items = sorted(items, key=lambda item: item.seq.adapter_id or "")
+            seqs = [item.seq for item in items]
+        batch = self.runner.build_batch(seqs, [item.num_new_tokens for item in items])
+        lora = lora_step(seqs, self.adapters, batch.query_lens, self.runner.device)
+        logits = self.runner.execute(batch, lora)
         sampled_seqs = [seqs[i] for i in batch.sampled_seq_indices.tolist()]
         states = [self._requests[seq.request_id] for seq in sampled_seqs]
         wanting = [i for i, s in enumerate(states) if s.seq.params.logprobs is not None]
@@ -362,49 +408,40 @@ class Engine:
         sampled = self.sampler(logits, [s.seq.params for s in states], [s.generator for s in states])
         token_ids = sampled.tolist()
         if logprobs is not None:
-            self._keep_logprobs(logprobs, [states[i] for i in wanting], sampled[wanting])
+            num_top = [states[i].seq.params.logprobs or 0 for i in wanting]
+            read = self._logprobs.read(logprobs, num_top, sampled[wanting])
+            for i, token_logprob in zip(wanting, read, strict=True):
+                states[i].logprobs.append(token_logprob)
         finished = self.scheduler.update(
             scheduled, {seq.request_id: t for seq, t in zip(sampled_seqs, token_ids, strict=True)}
         )
         finished_ids = {seq.request_id for seq in finished}
         return [self._postprocess(state, state.seq.request_id in finished_ids) for state in states]
 
-    def _keep_logprobs(self, rows: torch.Tensor, states: list[_RequestState], sampled: torch.Tensor) -> None:
-        """Each state's sampled token's log probability and its top alternatives, from its row.
-        `sampled`: the sampler's tokens for these rows, on the logits' device."""
-        k = max(s.seq.params.logprobs or 0 for s in states)
-        token_ids = sampled.tolist()
-        chosen = rows.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
-        top = rows.topk(k, dim=-1) if k else None
-        top_values = top.values.tolist() if top is not None else [[] for _ in states]
-        top_ids = top.indices.tolist() if top is not None else [[] for _ in states]
-        for i, (state, token_id) in enumerate(zip(states, token_ids, strict=True)):
-            n = state.seq.params.logprobs or 0
-            alternatives = zip(top_ids[i][:n], top_values[i][:n], strict=True)
-            text, raw = self._token_piece(token_id)
-            ranked = [self._alternative(t, v) for t, v in alternatives]
-            state.logprobs.append(TokenLogprob(text, _finite(chosen[i]), ranked, raw))
-
-    def _alternative(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
-        text, raw = self._token_piece(token_id)
-        return text, _finite(logprob), raw
-
-    def _token_piece(self, token_id: int) -> tuple[str, list[int]]:
-        piece = self._token_pieces.get(token_id)
-        if piece is None:
-            raw = self._token_bytes(token_id)
-            piece = self._token_pieces[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
-        return piece
-
     def _postprocess(self, state: _RequestState, is_finished: bool) -> RequestOutput:
         seq = state.seq
-        new_token_ids = seq.output_token_ids[state.num_reported_tokens :]
+        first_index = state.num_reported_tokens
+        new_token_ids = seq.output_token_ids[first_index:]
         state.num_reported_tokens = seq.num_output_tokens
-        new_text = "".join(state.detokenizer.add(t) for t in new_token_ids)
+        pieces = [state.detokenizer.add(t) for t in new_token_ids]
+        new_text = "".join(pieces)
         if is_finished:
             new_text += state.detokenizer.flush()
         if seq.params.stop:
-            new_text, is_finished = self._apply_stop_strings(state, new_text, is_finished=is_finished)
+            # vLLM's min_tokens: no stop string is looked for until the min_tokens-th token is out, so the
+            # text of the tokens before it cannot end one (a stop may still begin there and end after).
+            unchecked = sum(
+                len(piece)
+                for index, piece in enumerate(pieces, start=first_index)
+                if index < seq.params.min_tokens - 1
+            )
+            new_text, is_finished = _apply_stop_strings(
+                state,
+                new_text,
+                is_finished=is_finished,
+                num_unchecked=unchecked,
+                finish=self.scheduler.finish,
+            )
         state.text += new_text
         if is_finished:
             del self._requests[seq.request_id]
@@ -423,29 +460,6 @@ class Engine:
             logprobs=_take_logprobs(state) if seq.params.logprobs is not None else None,
         )
 
-    def _apply_stop_strings(
-        self, state: _RequestState, new_text: str, *, is_finished: bool
-    ) -> tuple[str, bool]:
-        """Return the text safe to emit now. The last len(longest stop) - 1 characters are held back, since
-        they may begin a stop string the next token completes; a completed stop string cuts the text there
-        and finishes the request (the stop string itself is not emitted, as in the OpenAI API)."""
-        stops = state.seq.params.stop
-        pending = state.held_text + new_text
-        hits = [i for i in (pending.find(s) for s in stops) if i != -1]
-        if hits:
-            state.held_text = ""
-            if is_finished:
-                state.seq.finish_reason = FinishReason.STOP
-            else:
-                self.scheduler.finish(state.seq.request_id, FinishReason.STOP)
-            return pending[: min(hits)], True
-        if is_finished:
-            state.held_text = ""
-            return pending, True
-        num_held = min(len(pending), max(len(s) for s in stops) - 1)
-        state.held_text = pending[len(pending) - num_held :]
-        return pending[: len(pending) - num_held], False
-
     # --- observability -----------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
@@ -463,4 +477,7 @@ class Engine:
             num_preemptions=s.num_preemptions,
             prefix_cache_hit_rate=s.prefix_cache_hit_rate,
             num_steps=s.num_steps,
+            adapters_resident=(adapters := self.adapters.stats()).resident,
+            num_adapter_loads=adapters.num_loads,
+            num_adapter_evictions=adapters.num_evictions,
         )

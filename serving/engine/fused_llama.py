@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serving.engine.attention import PagedAttentionMetadata, attend
+from serving.engine.lora_batch import DOWN, GATE_UP, OUT, QKV, LoraStep
 from serving.engine.native_ops import NativeOps
 from serving.engine.packing import LinearWeight
 
@@ -56,6 +57,10 @@ class FusedForwardUnsupported(ValueError):
 def refusal(model: Any) -> str | None:
     """Why `model` (a loaded transformers causal LM) cannot take the fused forward, or None if it can."""
     config = model.config
+    quantization = getattr(config, "switchyard_quantization", None)  # int8_loading.QUANTIZATION_KEY
+    if quantization:
+        method = quantization.get("method") if isinstance(quantization, dict) else quantization
+        return f"{method} quantized weights (the fused forward takes float weights; the generic one int8)"
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -197,8 +202,10 @@ class FusedLlama:
         positions: torch.Tensor,
         sample_indices: torch.Tensor,
         metadata: PagedAttentionMetadata,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> logits [S, vocab] of the rows `sample_indices` [S]."""
+        """input_ids, positions [T] -> logits [S, vocab] of the rows `sample_indices` [S]. `lora`: the
+        step's adapter rows (lora_batch.py), whose updates are added to each fused product's output."""
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size, inter = self.q_size, self.kv_size, self.intermediate_size
@@ -208,6 +215,8 @@ class FusedLlama:
         for index, layer in enumerate(self.layers):
             x = norm(hidden, layer.input_norm)
             qkv = layer.qkv(x)
+            if lora is not None:
+                lora.add(qkv, x, index, QKV)
             rotated = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, head_dim // 2, 2)
             torch.view_as_complex(rotated).mul_(rotation)
             attn = attend(
@@ -218,14 +227,21 @@ class FusedLlama:
                 qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim),
                 self.scale,
             )
-            hidden = layer.o.add_to(attn.view(num_tokens, q_size), hidden)
+            attn_rows = attn.view(num_tokens, q_size)
+            hidden = layer.o.add_to(attn_rows, hidden)
+            if lora is not None:
+                lora.add(hidden, attn_rows, index, OUT)
             x = norm(hidden, layer.post_norm)
             gate_up = layer.gate_up(x)
+            if lora is not None:
+                lora.add(gate_up, x, index, GATE_UP)
             if self.ops is not None:
                 activated = self.ops.silu_and_mul(gate_up)
             else:
                 activated = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])
             hidden = layer.down.add_to(activated, hidden)
+            if lora is not None:
+                lora.add(hidden, activated, index, DOWN)
         return self.lm_head(norm(hidden.index_select(0, sample_indices), self.norm))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,7 @@ class KVCacheManager:
         # itself does not outlive the process.
         self._salt_secret = os.urandom(32) if salt_secret is None else salt_secret
         self._group_to_salt: dict[str, bytes] = {}
+        self._adapter_salts: dict[tuple[str, str], bytes] = {}  # (group, adapter id) -> salt
         self._ref_counts = [0] * num_blocks
         self._free_block_ids: collections.deque[int] = collections.deque(range(num_blocks))  # no contents
         # Unused blocks whose contents are still cached, least recently freed first: reusable until
@@ -160,12 +161,26 @@ class KVCacheManager:
             self._group_to_salt[cache_group] = salt
         return salt
 
+    def salt_of(self, seq: Sequence) -> bytes:
+        """What precedes `seq`'s first block: its cache group's salt, or, for a sequence of a LoRA adapter,
+        a salt of the group and the adapter both (keyed apart from every group's own), so that the base
+        and each adapter never share blocks, whose keys and values differ."""
+        if seq.adapter_id is None:
+            return self.salt_for(seq.prefix_cache_group)
+        key = (seq.prefix_cache_group, seq.adapter_id)
+        salt = self._adapter_salts.get(key)
+        if salt is None:
+            adapter_secret = hmac.new(self._salt_secret, b"lora adapters", hashlib.sha256).digest()
+            named = f"{len(key[1])}:{key[1]}:{key[0]}".encode()
+            salt = self._adapter_salts[key] = hmac.new(adapter_secret, named, hashlib.sha256).digest()
+        return salt
+
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """The longest run of cached full blocks equal to the start of `seq.token_ids`, without taking
         them. At least one token is left out so the step that computes it yields logits."""
         if seq.block_table or seq.num_computed_tokens:
             raise ValueError(f"{seq.request_id}: match_prefix needs a sequence that holds no blocks")
-        parent: bytes | int = self.salt_for(seq.prefix_cache_group)
+        parent: bytes | int = self.salt_of(seq)
         block_ids: list[int] = []
         num_evictable = 0
         if self.is_prefix_caching_enabled:
@@ -247,7 +262,7 @@ class KVCacheManager:
             if table or seq.num_computed_tokens:
                 raise ValueError(f"{seq.request_id}: admission needs a sequence that holds no blocks")
             if prefix is None:
-                prefix = PrefixMatch((), 0, 0, self.salt_for(seq.prefix_cache_group))
+                prefix = PrefixMatch((), 0, 0, self.salt_of(seq))
             for block_id in prefix.block_ids:
                 assert self._block_keys[block_id] is not None, "a matched block is still cached"
                 if self._ref_counts[block_id] == 0:

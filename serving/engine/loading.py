@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from serving.engine.int8_loading import Int8LoadError, load_int8_pretrained, quantization_of
+
 # transformers builds a model under process-global state (its default-device and dtype contexts, lazy
 # module imports); two loads in two threads at once can leave one of them with meta tensors ("Cannot
 # copy out of meta tensor"). An embedded server loads one replica per version in threads, so loads
@@ -146,7 +148,14 @@ def _load_pretrained(
         kwargs["attn_implementation"] = attn_implementation
     with MODEL_LOAD_LOCK:
         model: Any
-        if require_all_weights:
+        if quantization_of(path) is not None:  # a quantized sibling: int8 Linear layers, every weight loaded
+            try:
+                model = load_int8_pretrained(
+                    auto_class, path, dtype=kwargs["dtype"], attn_implementation=attn_implementation
+                )
+            except Int8LoadError as exc:
+                raise ModelLoadError(str(exc)) from None
+        elif require_all_weights:
             model, info = auto_class.from_pretrained(str(path), output_loading_info=True, **kwargs)
             missing = sorted(info.get("missing_keys") or ())
             if missing:

@@ -28,6 +28,9 @@ from serving.engine.fused_llama import FusedForwardUnsupported, FusedLlama
 from serving.engine.gather_attention import AttentionScratch, DecodeKernel, compile_decode_kernel
 from serving.engine.host_memory import keep_freed_memory
 from serving.engine.loading import default_device_and_dtype, load_causal_lm
+from serving.engine.lora import LoraAdapter
+from serving.engine.lora_batch import FusedLoraWeights, LoraStep
+from serving.engine.lora_weights import fused_lora_weights
 from serving.engine.native_attention import NativeAttention, key_pool_view, load_native_attention
 from serving.engine.native_library import KernelUnavailable
 from serving.engine.native_ops import NativeOps, load_native_ops
@@ -232,9 +235,27 @@ class ModelRunner:
         sequence; a sequence is sampled iff that range reaches the end of its token_ids."""
         return self._batches.build(seqs, num_new_tokens)
 
+    @property
+    def adapter_refusal(self) -> str | None:
+        """Why this runner serves no LoRA adapter (transformers' modules: only the fused forward applies
+        them), or None when it does."""
+        if self.fused is None:
+            return (
+                "LoRA adapters are served by the fused Llama forward only, not by transformers' modules "
+                f"({self.forward_refusal})"
+            )
+        return None
+
+    def prepare_adapter(self, adapter: LoraAdapter) -> FusedLoraWeights:
+        """The adapter's weights in this runner's layout, on its device (lora_weights.py)."""
+        if self.fused is None:
+            raise ValueError(self.adapter_refusal)
+        return fused_lora_weights(adapter, self.fused)
+
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """One forward pass; returns logits [S, vocab] for the sampled rows, in batch order."""
+    def execute(self, batch: ForwardBatch, lora: LoraStep | None = None) -> torch.Tensor:
+        """One forward pass; returns logits [S, vocab] for the sampled rows, in batch order. `lora`:
+        the step's adapter rows (fused forward only; lora_batch.py)."""
         metadata = build_attention_metadata(
             kv_caches=self.kv_caches,
             scratch=self.scratch,
@@ -249,7 +270,9 @@ class ModelRunner:
             clock=self.attention_clock,
         )
         if self.fused is not None:
-            return self.fused.forward(batch.input_ids, batch.positions, batch.sample_indices, metadata)
+            return self.fused.forward(batch.input_ids, batch.positions, batch.sample_indices, metadata, lora)
+        if lora is not None:
+            raise ValueError(self.adapter_refusal)
         # use_cache=False: the config default would build a throwaway DynamicCache every forward.
         output = self.model(
             input_ids=batch.input_ids.view(1, -1),

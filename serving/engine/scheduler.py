@@ -8,10 +8,12 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from serving.engine.admission import Admission
 from serving.engine.fairness import VirtualTokenCounter
 from serving.engine.kv_cache import KVCacheManager
+from serving.engine.lora_slots import AdapterSlots
 from serving.engine.sequence import TIER_NAMES, FinishReason, Sequence, SequenceStatus, TenantLimits
 
 
@@ -93,7 +95,10 @@ class Scheduler:
         kv_cache: KVCacheManager,
         *,
         clock: Callable[[], float] = time.monotonic,
+        adapters: AdapterSlots[Any, Any] | None = None,
     ) -> None:
+        """`adapters`: the engine's LoRA slots, which admission seats adapters' sequences in and a
+        finished sequence releases (lora_slots.py); None: no adapters."""
         config.validate()
         if config.block_size != kv_cache.block_size:
             raise ValueError(f"block_size {config.block_size} != the KV cache's {kv_cache.block_size}")
@@ -115,6 +120,7 @@ class Scheduler:
             is_chunked_prefill_enabled=config.is_chunked_prefill_enabled,
             num_watermark_blocks=math.ceil(config.watermark_fraction * kv_cache.num_blocks),
             tier_aging_s=config.tier_aging_s,
+            adapters=adapters,
         )
         self._running = self._admission.running  # the same dict, read here every step
         self.num_steps = 0
@@ -359,6 +365,7 @@ class Scheduler:
 
     def _mark_finished(self, seq: Sequence, reason: FinishReason) -> None:
         self.kv_cache.free(seq)  # frees nothing for a waiting sequence, which holds no blocks
+        self._admission.adapters.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finished_time = self._clock()

@@ -51,8 +51,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100 to 100) added to its logit
     # vLLM's and transformers' own: a token's probability must be at least min_p times the likeliest's
     # (0: off); repetition_penalty divides a positive logit (multiplies a negative one) of every token in
-    # the prompt or the output (1: off); min_tokens holds the end of sequence and stop_token_ids back until
-    # that many tokens are out (0: off).
+    # the prompt or the output (1: off); min_tokens holds the end of sequence, stop_token_ids and stop
+    # strings back until that many tokens are out (0: off; a stop string is not looked for before, as vLLM).
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
@@ -166,6 +166,9 @@ class Sequence:
     cache_group: str | None = None
     tier: int = DEFAULT_TIER
     limits: TenantLimits | None = None  # None: the replica's defaults for every tenant
+    # The LoRA adapter it runs with (lora.py; the engine's slots hold its weights); None: the base.
+    # Its prefix-cache entries are keyed on it too (kv_cache.py), so base and adapter never share.
+    adapter_id: str | None = None
     enqueued_time: float | None = None  # on the scheduler's clock, when first queued: its tier's aging
     # Its place in params.grammar, having consumed exactly its output tokens (constraint.py); None: free.
     constraint: Constraint | None = field(init=False)

@@ -1,8 +1,9 @@
-"""`manage.py bench engine|serve|embed|structured [options]`: the engine benchmark
+"""`manage.py bench engine|serve|embed|structured|lora [options]`: the engine benchmark
 (serving/benchmarks/engine_bench.py), the serving benchmark through the HTTP API
 (serving/benchmarks/serve_bench.py), the embedding models' dynamic batcher against one input per forward
-pass (serving/benchmarks/embed_bench.py) and what structured outputs cost the engine
-(serving/benchmarks/structured_bench.py)."""
+pass (serving/benchmarks/embed_bench.py), what structured outputs cost the engine
+(serving/benchmarks/structured_bench.py) and what LoRA adapters in the batch cost it
+(serving/benchmarks/lora_bench.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ class Command(BaseCommand):
         "`bench serve`: open-loop streaming load over HTTP; --compare runs the same workload through "
         "gateway + Channels + replica and through the engine alone. `bench embed`: the dynamic batcher "
         "against batch size 1 on an embedding model. `bench structured`: throughput with half the batch "
-        "constrained to a JSON schema against none, and a schema's compile time."
+        "constrained to a JSON schema against none, and a schema's compile time. `bench lora`: 8 LoRA "
+        "adapters mixed in the batch against the base alone, and an adapter's load on first use."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -46,11 +48,16 @@ class Command(BaseCommand):
             "batching", help="non-generative models: max batch size x max wait at three arrival rates"
         )
         add_batching_arguments(batching)
+        from serving.benchmarks.lora_bench import add_lora_arguments
+
+        lora = subcommands.add_parser("lora", help="LoRA adapters mixed in the batch vs. the base alone")
+        add_lora_arguments(lora)
 
     def handle(self, *args: object, **options: object) -> None:
         from serving.benchmarks.batching_sweep import run_batching_from_options
         from serving.benchmarks.embed_bench import run_embed_from_options
         from serving.benchmarks.engine_bench import run_from_options
+        from serving.benchmarks.lora_bench import run_lora_from_options
         from serving.benchmarks.serve_bench import run_serve_from_options
         from serving.benchmarks.structured_bench import run_structured_from_options
 
@@ -60,6 +67,7 @@ class Command(BaseCommand):
             "embed": run_embed_from_options,
             "structured": run_structured_from_options,
             "batching": run_batching_from_options,
+            "lora": run_lora_from_options,
         }
         runner = runners.get(str(options["subcommand"]))
         if runner is None:

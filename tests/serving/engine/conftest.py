@@ -3,7 +3,6 @@ shared models directory (or SWITCHYARD_STORIES_DIR) has it."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -36,16 +35,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(path)  # safetensors
-    return path
-
-
-@pytest.fixture(scope="session")
-def stories_dir() -> Path:
-    """The real pretrained stories260k (Llama, 5 layers, GQA 8/4, vocab 512); skips when absent."""
-    configured = os.environ.get("SWITCHYARD_STORIES_DIR")
-    path = Path(configured) if configured else REPO_ROOT.parent / "shared" / "models" / "stories260k"
-    if not any(path.glob("*.safetensors")):
-        pytest.skip(f"stories260k not found at {path} (set SWITCHYARD_STORIES_DIR)")
     return path
 
 

@@ -134,3 +134,37 @@ def test_min_tokens_keeps_a_sequence_going_past_an_end_it_would_take(demo_dir: P
 def test_bad_fields_are_refused_before_anything_is_allocated(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(max_tokens=16, **fields).validate()  # type: ignore[arg-type]
+
+
+def test_min_tokens_holds_stop_strings_back_until_that_many_tokens_are_out(demo_dir: Path) -> None:
+    # vLLM's min_tokens: a stop string is not looked for before the min_tokens-th token, so one the greedy
+    # output says early does not end it; the first that ends at or after that token does.
+    prompt = [1, 17, 33, 17, 52, 8, 33]
+    free = run(make_engine(demo_dir), [Arrival(0, "free", prompt, greedy(24))])["free"]
+    stop = free.outputs[0].new_text  # the first token's text
+    again = free.text.find(stop, 1)
+    assert stop and again > 0, f"the demo output {free.text!r} should say {stop!r} twice"
+    stopping = {"stop": (stop,)}
+    arrivals = [
+        Arrival(0, "early", prompt, greedy(24, **stopping)),
+        Arrival(0, "held", prompt, greedy(24, min_tokens=3, **stopping)),
+    ]
+    results = run(make_engine(demo_dir), arrivals)
+    assert results["early"].text == "" and results["early"].final.finish_reason == "stop"
+    held = results["held"]
+    assert held.final.finish_reason == "stop" and held.text == free.text[:again]
+    assert held.token_ids == free.token_ids[: len(held.token_ids)] and len(held.token_ids) > 3
+
+    # The stop string's last token counts as the min_tokens-th; one more and it is never looked for again.
+    n = len(held.token_ids)
+    edge = run(
+        make_engine(demo_dir),
+        [
+            Arrival(0, "at", prompt, greedy(24, min_tokens=n, **stopping)),
+            Arrival(0, "past", prompt, greedy(24, min_tokens=n + 1, **stopping)),
+        ],
+    )
+    assert edge["at"].token_ids == held.token_ids and edge["at"].final.finish_reason == "stop"
+    past_stops = [i for i in range(again + 1, len(free.text)) if free.text.startswith(stop, i)]
+    if not past_stops:
+        assert edge["past"].final.finish_reason == "length" and edge["past"].text == free.text

@@ -463,11 +463,11 @@ async def test_a_failed_forward_pass_fails_its_batch_and_the_waiting_request_run
     execute = runner.execute
     failures: list[int] = []
 
-    def fails_once_r2_waits(batch: Any) -> Any:
+    def fails_once_r2_waits(batch: Any, lora: Any = None) -> Any:
         if not failures and scheduler.num_waiting:
             failures.append(scheduler.num_waiting)
             raise RuntimeError("out of memory")
-        return execute(batch)
+        return execute(batch, lora)
 
     runner.execute = fails_once_r2_waits
     try:
@@ -502,11 +502,11 @@ async def test_an_abort_taken_in_a_step_whose_forward_pass_fails_is_still_counte
     execute = runner.execute
     failures: list[str] = []
 
-    def fails_once_r1_has_gone(batch: Any) -> Any:
+    def fails_once_r1_has_gone(batch: Any, lora: Any = None) -> Any:
         if not failures and "r1" not in replica.model_loop.routes:  # the step that took r1's abort runs r2
             failures.append("r2")
             raise RuntimeError("out of memory")
-        return execute(batch)
+        return execute(batch, lora)
 
     runner.execute = fails_once_r1_has_gone
     aborted_before = replica.metrics.snapshot().totals.counters.get("aborted", 0)
@@ -771,7 +771,7 @@ async def test_a_device_that_fails_every_step_and_its_probe_fails_the_replica(
     replica, layer, replies = await _replica_sending_at_once()
     holding, entered, let_go = [False], threading.Event(), threading.Event()
 
-    def device(batch: Any) -> Any:
+    def device(batch: Any, lora: Any = None) -> Any:
         if holding[0]:  # one pass held, failing, until the test has queued the next two
             holding[0] = False
             entered.set()
@@ -833,12 +833,12 @@ async def test_a_request_that_fails_every_step_it_is_in_does_not_fail_a_replica_
     execute = runner.execute
     probes = []
 
-    def fails_with_poison(batch: Any) -> Any:
+    def fails_with_poison(batch: Any, lora: Any = None) -> Any:
         if any(seq.request_id.startswith("poison") for seq in replica.engine.scheduler.running_seqs()):
             raise RuntimeError("the model cannot take this input")
         if batch.num_tokens == 1 and not replica.engine.scheduler.running_seqs():
             probes.append(batch)
-        return execute(batch)
+        return execute(batch, lora)
 
     runner.execute = fails_with_poison
     try:
