@@ -15,7 +15,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.db import models
 
-from registry.models import Model, Quota, ServiceTier
+from registry.models import Model, Quota, ServiceTier, is_valid_name
 
 MAX_INT = 2**31 - 1  # the database's integer columns
 
@@ -85,6 +85,16 @@ def first_problem(values: Mapping[str, Any]) -> str | None:
         if name in values and (found := problem(name, values[name])) is not None:
             return found
     return None
+
+
+def models_named(names: list[str]) -> tuple[Model, ...]:
+    """The models a quota's list names, each once and in the order named; LookupError naming those that
+    do not exist (the API answers it 400, the commands print it)."""
+    found = {m.name: m for m in Model.objects.filter(name__in=[n for n in names if is_valid_name(n)])}
+    missing = sorted(set(names) - set(found))
+    if missing:
+        raise LookupError(f"unknown model(s): {', '.join(missing)}")
+    return tuple(found[name] for name in dict.fromkeys(names))
 
 
 class _Keep(enum.Enum):

@@ -20,6 +20,7 @@ from registry import snapshots
 from registry.bodies import Refused, read_body
 from registry.callers import caller_actor, staff_only
 from registry.models import ApiKey, Model, Quota, ServiceTier, Tenant, is_valid_name
+from registry.quotas import models_named
 from registry.services import (
     AlreadyExists,
     QuotaChange,
@@ -150,11 +151,10 @@ def _models(names: list[str] | None) -> tuple[Model, ...] | None:
     """The models named, all of which must exist."""
     if names is None:
         return None
-    found = {m.name: m for m in Model.objects.filter(name__in=[n for n in names if is_valid_name(n)])}
-    missing = sorted(set(names) - set(found))
-    if missing:
-        raise Refused(400, f"unknown model(s): {', '.join(missing)}")
-    return tuple(found[name] for name in dict.fromkeys(names))
+    try:
+        return models_named(names)
+    except LookupError as exc:
+        raise Refused(400, str(exc)) from None
 
 
 def _tenant(request: Request, name: str) -> Tenant:

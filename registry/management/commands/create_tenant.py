@@ -1,57 +1,53 @@
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from audit import actors
-from registry.management.quota_flags import add_policy_flags, given_settings
-from registry.models import Model
-from registry.services import RegistryError, tenant_create
+from registry.management.quota_flags import (
+    POLICY,
+    add_limit_flags,
+    add_model_flags,
+    add_policy_flags,
+    amend_tenant,
+    given_settings,
+    named_models,
+)
+from registry.services import AlreadyExists, RegistryError, tenant_create
+
+LIMITS = ("requests_per_second", "tokens_per_minute", "max_concurrent_requests", "may_pin", "may_deploy")
 
 
 class Command(BaseCommand):
-    help = "Create a tenant with its quota."
+    help = (
+        "Create a tenant with its quota and rights; with --update, amend an existing one: only the flags "
+        "named change (as set_quota does)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name")
-        parser.add_argument("--requests-per-second", type=float, default=10.0)
-        parser.add_argument("--tokens-per-minute", type=int, default=100_000)
-        parser.add_argument("--max-concurrent", type=int, default=16)
         parser.add_argument(
-            "--allow-model",
-            action="append",
-            default=[],
-            help="repeat; none: every model but other tenants' own (a named one may be another's: shared)",
+            "--update",
+            action="store_true",
+            help="amend the existing tenant: the flags named change, the others stay (`none` empties a "
+            "model list, an objective or a cap)",
         )
-        parser.add_argument("--may-pin", action="store_true")
-        parser.add_argument("--may-deploy", action="store_true", help="roll out its own models (Model.owner)")
-        parser.add_argument(
-            "--deploy-model",
-            action="append",
-            default=[],
-            help="repeat; a platform model it may roll out too (with --may-deploy): its traffic is every "
-            "tenant's it serves",
-        )
+        add_limit_flags(parser)
+        add_model_flags(parser)
         add_policy_flags(parser)
 
     def handle(self, *args: object, **options: object) -> None:
-        names = list(options["allow_model"])  # type: ignore[call-overload]
-        deploy_names = list(options["deploy_model"])  # type: ignore[call-overload]
-        models = list(Model.objects.filter(name__in=names))
-        deployable = list(Model.objects.filter(name__in=deploy_names))
-        missing = sorted({*names, *deploy_names} - {m.name for m in (*models, *deployable)})
-        if missing:
-            raise CommandError(f"unknown model(s): {', '.join(missing)}")
+        name = str(options["name"])
+        actor = actors.command(__name__)
+        if options["update"]:
+            self.stdout.write(amend_tenant(name, options, actor=actor))
+            return
         try:
             tenant = tenant_create(
-                name=str(options["name"]),
-                requests_per_second=float(options["requests_per_second"]),  # type: ignore[arg-type]
-                tokens_per_minute=int(options["tokens_per_minute"]),  # type: ignore[call-overload]
-                max_concurrent_requests=int(options["max_concurrent"]),  # type: ignore[call-overload]
-                allowed_models=models,
-                may_pin=bool(options["may_pin"]),
-                may_deploy=bool(options["may_deploy"]),
-                deployable_models=deployable,
-                **given_settings(options),
-                actor=actors.command(__name__),
+                name=name,
+                **given_settings(options, (*LIMITS, *POLICY)),
+                **named_models(options),
+                actor=actor,
             )
+        except AlreadyExists as exc:
+            raise CommandError(f"{exc}: amend it with `create_tenant {name} --update …`") from None
         except RegistryError as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"created tenant {tenant.name}")
