@@ -300,6 +300,9 @@ REPLICA_KEEP_WARM_S = float(os.environ.get("SWITCHYARD_REPLICA_KEEP_WARM_S", "30
 # The most embedded replicas started for pinned requests (versions without traffic) at once; a pin past it
 # is a 503, as before (serving/replica/supervisor.py).
 REPLICA_MAX_PINNED = int(os.environ.get("SWITCHYARD_REPLICA_MAX_PINNED", "2"))
+# With replica processes: the most versions without traffic the autoscaler gives a replica for pinned
+# requests at once, each kept until AUTOSCALER idle_before_zero_s after its last (rollouts/scaling.py).
+PROVISIONER_MAX_PINNED = int(os.environ.get("SWITCHYARD_PROVISIONER_MAX_PINNED", "2"))
 # How long run_replica's drain may run after SIGTERM before it ends what it still holds with an error
 # (a gateway retries a request with no token yet elsewhere) and exits: under both supervisors' kill at
 # 600 s (the provisioner's drain_timeout_s, the Kubernetes grace period), so the streams end cleanly and
@@ -308,6 +311,8 @@ REPLICA_DRAIN_TIMEOUT_S = float(os.environ.get("SWITCHYARD_DRAIN_TIMEOUT_S", "57
 # Engine sizing per replica (override per process with run_replica's flags).
 REPLICA_MAX_NUM_SEQS = int(os.environ.get("SWITCHYARD_MAX_NUM_SEQS", "64"))
 REPLICA_MAX_NUM_BATCHED_TOKENS = int(os.environ.get("SWITCHYARD_MAX_NUM_BATCHED_TOKENS", "512"))
+REPLICA_MAX_LORAS = int(os.environ.get("SWITCHYARD_MAX_LORAS", "8"))  # LoRA adapters a replica keeps loaded
+REPLICA_MAX_LORA_RANK = int(os.environ.get("SWITCHYARD_MAX_LORA_RANK", "64"))  # and their highest rank
 # The KV cache: SWITCHYARD_KV_CACHE_MB if set; else, as vLLM sizes it, a share of the GPU's free memory
 # after the weights are loaded (SWITCHYARD_GPU_MEMORY_FRACTION), or on a CPU a share of the host memory
 # available (SWITCHYARD_CPU_MEMORY_FRACTION), at most what max_num_seqs sequences at the model's whole

@@ -151,6 +151,7 @@ def _replica_row(handle: ReplicaHandle) -> dict[str, Any]:
         "queue_depth": handle.queue_depth,
         "running": handle.num_running,
         "kv_pct": round(handle.kv_cache_usage * 100.0, 2),
+        "adapters": handle.num_adapters,
         "step_ms": round(handle.step_s * 1000.0, 1) if handle.step_s else None,
         "is_local": handle.is_local,
     }

@@ -48,6 +48,9 @@ _VERSION_SCHEMA = inline_serializer(
         "aliases": serializers.ListField(child=serializers.CharField()),
         "sha256": serializers.CharField(),
         "created_at": serializers.DateTimeField(),
+        "parent": serializers.CharField(allow_null=True),
+        "quantization": serializers.CharField(allow_null=True),
+        "quality": serializers.DictField(allow_null=True),
     },
 )
 

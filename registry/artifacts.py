@@ -57,8 +57,9 @@ def _list_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-def validate_source_dir(source_dir: Path) -> list[Path]:
-    """Check a directory before anything is copied: safetensors weights, nothing pickled, no code."""
+def validate_source_dir(source_dir: Path, *, config_name: str = "config.json") -> list[Path]:
+    """Check a directory before anything is copied: safetensors weights, nothing pickled, no code.
+    `config_name`: the file that says what it is (a LoRA adapter's: adapter_config.json)."""
     if not source_dir.is_dir():
         raise ArtifactError(f"{source_dir} is not a directory")
     files = _list_files(source_dir)
@@ -74,8 +75,8 @@ def validate_source_dir(source_dir: Path) -> list[Path]:
         raise ArtifactError(f"refusing custom code ({', '.join(code)}); trust_remote_code is never enabled")
     if not any(p.suffix == ".safetensors" for p in files):
         raise ArtifactError(f"no *.safetensors weights in {source_dir}")
-    if not (source_dir / "config.json").is_file():
-        raise ArtifactError(f"no config.json in {source_dir}")
+    if not (source_dir / config_name).is_file():
+        raise ArtifactError(f"no {config_name} in {source_dir}")
     for path in files:
         if path.suffix == ".safetensors":
             try:
@@ -193,10 +194,12 @@ def compute_manifest(root: Path) -> ArtifactManifest:
     return ArtifactManifest(files=files, sha256=manifest_digest(files), size_bytes=size)
 
 
-def stage_copy(source_dir: Path, artifact_root: Path) -> tuple[Path, ArtifactManifest]:
+def stage_copy(
+    source_dir: Path, artifact_root: Path, *, config_name: str = "config.json"
+) -> tuple[Path, ArtifactManifest]:
     """Copy into a staging directory beside the final place, so a failure leaves nothing behind and
     the final move is a rename on the same filesystem."""
-    validate_source_dir(source_dir)
+    validate_source_dir(source_dir, config_name=config_name)
     artifact_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=artifact_root))
     try:

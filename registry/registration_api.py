@@ -36,6 +36,12 @@ class VersionRegistration(serializers.Serializer):  # type: ignore[type-arg]
         required=False,
         help_text="Staff only: a new model's owning tenant (a tenant's new model is its own).",
     )
+    adapter_of = serializers.CharField(
+        max_length=127,
+        required=False,
+        help_text="BASE:VERSION: the directory is a PEFT LoRA adapter of that base version, served on its "
+        "replicas.",
+    )
 
 
 REGISTERED_SCHEMA = inline_serializer(
@@ -51,6 +57,7 @@ REGISTERED_SCHEMA = inline_serializer(
         "aliases": serializers.ListField(child=serializers.CharField()),
         "created_by": serializers.CharField(),
         "created_at": serializers.DateTimeField(),
+        "adapter_of": serializers.CharField(allow_null=True),
     },
 )
 
@@ -71,6 +78,7 @@ def register_version(request: Request, name: str) -> Response:
         parent = ModelVersion.objects.filter(model=model, version=body["parent"]).first() if model else None
         if parent is None:
             raise Refused(400, f"no version {name}:{body['parent']} to be the parent")
+    adapter_of = _base(context, body["adapter_of"]) if "adapter_of" in body else None
     try:
         source = import_dir(body["artifact_dir"])
     except OutsideImportRoot as exc:
@@ -88,6 +96,7 @@ def register_version(request: Request, name: str) -> Response:
             parent=parent,
             owner=owner,
             actor=actor,
+            adapter_of=adapter_of,
         )
     except AlreadyExists as exc:
         raise Refused(409, str(exc)) from None
@@ -110,10 +119,22 @@ def register_version(request: Request, name: str) -> Response:
         "aliases": row["aliases"],
         "created_by": registered.created_by,
         "created_at": registered.created_at,
+        "adapter_of": str(registered.adapter_of) if registered.adapter_of is not None else None,
     }
     return Response(
         payload, status=status.HTTP_201_CREATED, headers={"Location": f"/v1/models/{name}/versions"}
     )
+
+
+def _base(context: TenantContext | None, named: str) -> ModelVersion:
+    """An adapter's base version, BASE:VERSION, if the caller may use it (else as if there were none)."""
+    name, _, version = named.partition(":")
+    base = None
+    if is_valid_name(name) and is_valid_name(version):
+        base = ModelVersion.objects.filter(model__name=name, version=version).select_related("model").first()
+    if base is None or (context is not None and not context.may_use(name, owner_id=base.model.owner_id)):
+        raise Refused(400, f"no base version {named!r} (give it as BASE:VERSION)")
+    return base
 
 
 def _owner(context: TenantContext | None, named: str | None) -> Tenant | None:

@@ -71,6 +71,16 @@ def check_safetensors(path: Path) -> int:
     return len(spans)
 
 
+def tensor_shapes(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Each tensor's dtype and shape, from a header check_safetensors has passed (it is checked again)."""
+    check_safetensors(path)
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    return {name: (entry["dtype"], list(entry["shape"])) for name, entry in header.items()}
+
+
 def _span(name: str, entry: object) -> tuple[int, int, str]:
     if not isinstance(entry, dict):
         raise SafetensorsHeaderError(f"tensor {name!r} has no dtype, shape and offsets")

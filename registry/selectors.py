@@ -88,6 +88,19 @@ class VersionRef:
     sha256: str
     files: dict[str, str] = field(hash=False, compare=False)
     kind: str = Model.Kind.CAUSAL_LM
+    is_adapter: bool = False  # a LoRA adapter: served by its base's replicas, never loaded as a model
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterTarget:
+    """Where a LoRA adapter version's requests run (docs/architecture.md, "Adapters on a shared base"):
+    on its base version's replicas, which load its files (checked against its digest) on first use."""
+
+    base_model: str
+    base_version: str
+    artifact_uri: str
+    sha256: str
+    version_id: int  # the adapter version's: its requests' metrics are its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +116,7 @@ class RoutingSnapshot:
     # finds none waits while one starts, where it would otherwise get a 503 at once.
     scales_to_zero: bool = False
     owner_id: int | None = None  # the tenant whose model it is (Model.owner); None: the platform's
+    adapters: dict[str, AdapterTarget] = field(default_factory=dict)  # its versions that are LoRA adapters
 
     def serves(self, version: str) -> bool:
         """Whether the version must have replicas: traffic, an alias or shadow copies (as
@@ -191,7 +205,7 @@ def routing_snapshot(*, model_name: str) -> RoutingSnapshot | None:
         .select_related("routing_table", "routing_table__mirror_version", "scaling_bounds")
         .prefetch_related(
             Prefetch("aliases", queryset=Alias.objects.select_related("version")),
-            "versions",
+            Prefetch("versions", queryset=ModelVersion.objects.select_related("adapter_of__model")),
         )
         .first()
     )
@@ -214,6 +228,13 @@ def routing_snapshot(*, model_name: str) -> RoutingSnapshot | None:
         scales_to_zero=getattr(model, "scaling_bounds", None) is not None
         and model.scaling_bounds.min_replicas == 0,
         owner_id=model.owner_id,
+        adapters={
+            v.version: AdapterTarget(
+                v.adapter_of.model.name, v.adapter_of.version, v.artifact_uri, v.sha256, v.pk
+            )
+            for v in model.versions.all()
+            if v.adapter_of is not None
+        },
     )
 
 
@@ -233,6 +254,7 @@ def _ref(mv: ModelVersion) -> VersionRef:
         sha256=mv.sha256,
         files=dict(mv.files),
         kind=mv.model.kind,
+        is_adapter=mv.adapter_of_id is not None,
     )
 
 
@@ -247,6 +269,22 @@ def versions_with_traffic() -> list[VersionRef]:
         )
     )
     return [_ref(mv) for mv in ModelVersion.objects.filter(pk__in=ids).select_related("model")]
+
+
+def versions_to_serve() -> list[VersionRef]:
+    """versions_with_traffic as replicas are started for them: an adapter version's requests run on its
+    base's replicas, so it stands for its base version (once, however many adapters name it)."""
+    refs = versions_with_traffic()
+    bases = dict(
+        ModelVersion.objects.filter(
+            pk__in=[r.version_id for r in refs], adapter_of__isnull=False
+        ).values_list("pk", "adapter_of_id")
+    )
+    served = {r.version_id: r for r in refs if r.version_id not in bases}
+    missing = set(bases.values()) - set(served)
+    for mv in ModelVersion.objects.filter(pk__in=missing).select_related("model"):
+        served[mv.pk] = _ref(mv)
+    return list(served.values())
 
 
 def models_visible_to(*, context: TenantContext | None) -> list[Model]:
@@ -264,7 +302,9 @@ def model_versions_overview(*, model: Model) -> list[dict[str, object]]:
         aliases.setdefault(alias.version_id, []).append(alias.name)
     rows = []
     # Sorted here rather than by order_by(), which would query again past a prefetch of the versions.
-    for mv in sorted(model.versions.all(), key=lambda v: (v.created_at, v.pk)):
+    versions = sorted(model.versions.all(), key=lambda v: (v.created_at, v.pk))
+    names = {mv.pk: mv.version for mv in versions}  # a parent is a version of the same model
+    for mv in versions:
         pct = weights.get(mv.pk, 0)
         rows.append(
             {
@@ -274,6 +314,11 @@ def model_versions_overview(*, model: Model) -> list[dict[str, object]]:
                 "aliases": sorted(aliases.get(mv.pk, [])),
                 "sha256": mv.sha256,
                 "created_at": mv.created_at,
+                # A quantized sibling: how it was made, from which version, and what it measured
+                # against that one (docs/architecture.md, "Quantized siblings"); {} when not measured.
+                "parent": names.get(mv.parent_id) if mv.parent_id is not None else None,
+                "quantization": mv.quantization or None,
+                "quality": mv.quality or None,
             }
         )
     return rows

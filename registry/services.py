@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from audit import actors
 from audit.log import Action, record
-from registry import artifacts, quotas, snapshots
+from registry import adapters, artifacts, quotas, snapshots
 from registry.chat_template import check_chat_template
 from registry.models import (
     Alias,
@@ -70,11 +70,16 @@ def model_version_register(
     parent: ModelVersion | None = None,
     owner: Tenant | None = None,
     actor: str = "",
+    adapter_of: ModelVersion | None = None,
+    quantization: str = "",
 ) -> ModelVersion:
     """Copy a model directory into the artifact store and record it. The first version of a model
     becomes its `stable` alias with all of its traffic; later ones start at 0%. `owner`: the tenant
     whose model a new one is (it may deploy it); for a model that exists, it must be its owner.
-    `actor`: who, for the audit log and the alias's history (default: `created_by`)."""
+    `actor`: who, for the audit log and the alias's history (default: `created_by`). `adapter_of`: the
+    base version a LoRA adapter directory applies to (registry/adapters.py); an adapter model's versions
+    are all adapters, served on their bases' replicas. `quantization`: how a quantized sibling's weights
+    were made from its `parent` (serving/management/commands/quantize.py)."""
     for field, value in (("name", name), ("version", version)):
         try:
             Model._meta.get_field("name").run_validators(value)
@@ -84,14 +89,22 @@ def model_version_register(
             ) from None
     root = Path(settings.ARTIFACT_ROOT)
     final_dir = root / name / version
-    _check_registrable(name=name, version=version, kind=kind, owner=owner, final_dir=final_dir)
+    model = _check_registrable(
+        name=name, version=version, kind=kind, owner=owner, final_dir=final_dir, adapter_of=adapter_of
+    )
+    if adapter_of is not None:  # the adapter's owner: the one named, or the model's
+        adapters.check_base(adapter_of, owner_id=owner.pk if owner else model.owner_id if model else None)
     # The copy and its hashing take minutes for a large model, so they happen before the transaction:
     # on SQLite a transaction holds the database's one write lock from its start, and every other
     # writer (a rollback, the judge, the replicas' metrics) would wait for the copy and then fail.
-    staging, manifest = artifacts.stage_copy(Path(source_dir), root)
+    adapter_config = {"config_name": adapters.ADAPTER_CONFIG} if adapter_of is not None else {}
+    staging, manifest = artifacts.stage_copy(Path(source_dir), root, **adapter_config)
     try:
-        artifacts.check_kind(staging, kind)
-        check_chat_template(staging)  # the copy: what the digests cover is what was rendered
+        if adapter_of is not None:  # the copy, as below: what the digests cover is what was checked
+            adapters.check_adapter(staging, adapter_of)
+        else:
+            artifacts.check_kind(staging, kind)
+            check_chat_template(staging)  # the copy: what the digests cover is what was rendered
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -102,6 +115,8 @@ def model_version_register(
         kind=kind,
         owner=owner,
         parent=parent,
+        adapter_of=adapter_of,
+        quantization=quantization,
         created_by=created_by,
         actor=actor or created_by or actors.SYSTEM,
         manifest=manifest,
@@ -147,6 +162,8 @@ def _record_version(
     kind: str,
     owner: Tenant | None,
     parent: ModelVersion | None,
+    adapter_of: ModelVersion | None,
+    quantization: str,
     created_by: str,
     actor: str,
     manifest: artifacts.ArtifactManifest,
@@ -155,7 +172,9 @@ def _record_version(
 ) -> ModelVersion:
     """model_version_register's rows, with its checks again (the copy took a while), then the staged
     copy moved into place."""
-    model = _check_registrable(name=name, version=version, kind=kind, owner=owner, final_dir=final_dir)
+    model = _check_registrable(
+        name=name, version=version, kind=kind, owner=owner, final_dir=final_dir, adapter_of=adapter_of
+    )
     if model is None:
         model = Model.objects.create(name=name, kind=kind, owner=owner)
         record(actor=actor, action=Action.CREATE, before=None, after=snapshots.model(model))
@@ -168,6 +187,8 @@ def _record_version(
         size_bytes=manifest.size_bytes,
         files=manifest.files,
         parent=parent,
+        adapter_of=adapter_of,
+        quantization=quantization,
         created_by=created_by,
     )
     table, _ = RoutingTable.objects.get_or_create(model=model)
@@ -190,7 +211,13 @@ def _record_version(
 
 
 def _check_registrable(
-    *, name: str, version: str, kind: str, owner: Tenant | None, final_dir: Path
+    *,
+    name: str,
+    version: str,
+    kind: str,
+    owner: Tenant | None,
+    final_dir: Path,
+    adapter_of: ModelVersion | None = None,
 ) -> Model | None:
     """The model `name` (None if new) when `version` may be added to it, its files to `final_dir`; else
     the registry's refusal."""
@@ -201,6 +228,12 @@ def _check_registrable(
         raise RegistryError(f"{name} is a {model.kind} model; cannot add a {kind} version")
     if model is not None and owner is not None and model.owner_id != owner.pk:
         raise RegistryError(f"{name} is not owned by tenant {owner.name!r}")
+    if adapter_of is not None and kind != Model.Kind.CAUSAL_LM:
+        raise RegistryError(f"an adapter is a causal-lm model, not a {kind} one")
+    # An adapter model's versions are all adapters (served on their bases' replicas), a model's none.
+    if model is not None and model.versions.filter(adapter_of__isnull=adapter_of is not None).exists():
+        has = "LoRA adapters" if adapter_of is None else "full models"
+        raise RegistryError(f"{name}'s versions are {has}; register this version as a new model")
     if final_dir.exists():
         raise AlreadyExists(f"{final_dir} already exists in the artifact store")
     return model

@@ -29,7 +29,7 @@ from rollouts.models import Deployment
 logger = logging.getLogger(__name__)
 
 CREATE_FIELDS = frozenset(
-    {"model", "version", "strategy", "steps", "bake_seconds", "thresholds", "mirror_pct"}
+    {"model", "version", "strategy", "steps", "bake_seconds", "thresholds", "mirror_pct", "quality_floor"}
 )
 
 
@@ -91,6 +91,17 @@ def _accepted(deployment: Deployment) -> Response:
 _ACCEPTED_SCHEMA = inline_serializer(
     "DeploymentAccepted", {"deployment_id": serializers.IntegerField(), "state": serializers.CharField()}
 )
+# A canary's floor on its candidate's recorded evaluation against its parent (rollouts/quality_floor.py).
+_QUALITY_FLOOR_SCHEMA = inline_serializer(
+    "QualityFloor",
+    {
+        "min_greedy_agreement": serializers.FloatField(
+            min_value=0, max_value=1, allow_null=True, required=False
+        ),
+        "max_perplexity_increase": serializers.FloatField(min_value=0, allow_null=True, required=False),
+    },
+    required=False,
+)
 _CREATE_SCHEMA = inline_serializer(
     "DeploymentCreate",
     {
@@ -101,6 +112,7 @@ _CREATE_SCHEMA = inline_serializer(
         "bake_seconds": serializers.IntegerField(min_value=0, required=False),
         "thresholds": serializers.DictField(required=False),
         "mirror_pct": serializers.IntegerField(min_value=1, max_value=100, required=False),
+        "quality_floor": _QUALITY_FLOOR_SCHEMA,
     },
 )
 _ACTION_SCHEMA = inline_serializer("DeploymentAction", {"reason": serializers.CharField(required=False)})
@@ -198,6 +210,7 @@ class DeploymentListView(APIView):
                 bake_seconds=body.get("bake_seconds"),
                 thresholds=body.get("thresholds"),
                 mirror_pct=body.get("mirror_pct"),
+                quality_floor=body.get("quality_floor"),
             )
         except steps.DeploymentError as exc:
             raise Refused(exc.status, str(exc)) from exc
@@ -218,6 +231,7 @@ class DeploymentDetailView(APIView):
                 **_SUMMARY_FIELDS,
                 "current_step": serializers.IntegerField(allow_null=True),
                 "steps": serializers.ListField(child=serializers.DictField()),
+                "quality_floor": _QUALITY_FLOOR_SCHEMA,
                 "waiting_on": serializers.CharField(allow_null=True),
                 "events": serializers.ListField(child=serializers.DictField()),
             },
@@ -280,6 +294,9 @@ class ModelVersionListView(registry_api.ModelVersionListView):
                 "aliases": serializers.ListField(child=serializers.CharField()),
                 "sha256": serializers.CharField(),
                 "created_at": serializers.DateTimeField(),
+                "parent": serializers.CharField(allow_null=True),
+                "quantization": serializers.CharField(allow_null=True),
+                "quality": serializers.DictField(allow_null=True),
             },
         ),
     )

@@ -26,6 +26,7 @@ from rollouts.models import Deployment
 from rollouts.selectors import (
     MetricsUnavailable,
     WindowReader,
+    candidate_quality,
     window_reader,
 )
 from rollouts.services import park_canary_alias, promote, provision, roll_back
@@ -224,7 +225,22 @@ def _verdict(deployment: Deployment, *, now: dt.datetime, read_window: WindowRea
     if deployment.strategy == Deployment.Strategy.CANARY:
         verdict.figures["step"] = deployment.current_step
         verdict.figures["pct"] = deployment.current_pct
+        return _held_by_quality(deployment, verdict)
     return verdict
+
+
+def _held_by_quality(deployment: Deployment, verdict: judge.Verdict) -> judge.Verdict:
+    """A canary the windows would advance holds while its recorded quality is under the deployment's
+    floor, or missing where it must be there (rollouts/quality_floor.py). A hold, never a rollback: the
+    figures are offline measurements, which waiting does not change; the step's history says why once
+    its bake window is over, and the deployment's `waiting_on` names a missing evaluation."""
+    if not deployment.quality_floor and not deployment.candidate.quantization:
+        return verdict
+    check = candidate_quality(deployment)
+    verdict.figures["quality"] = check.figures
+    if verdict.kind != judge.VerdictKind.ADVANCE or not check.held:
+        return verdict
+    return judge.Verdict(judge.VerdictKind.HOLD, (check.reason,), verdict.figures)
 
 
 def _advance(deployment: Deployment, *, verdict: judge.Verdict, now: dt.datetime) -> None:

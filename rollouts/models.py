@@ -48,6 +48,9 @@ class Deployment(models.Model):
     current_step = models.PositiveSmallIntegerField(default=0)
     bake_seconds = models.PositiveIntegerField()
     thresholds = models.JSONField(help_text="Resolved at creation: settings defaults plus overrides.")
+    # How good the candidate's recorded evaluation against its parent must be before a canary advances
+    # (rollouts/quality_floor.py): min_greedy_agreement, max_perplexity_increase; {}: no floor.
+    quality_floor = models.JSONField(default=dict, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING, db_index=True)
     created_by = models.CharField(max_length=150)
     created_at = models.DateTimeField(default=timezone.now)

@@ -18,7 +18,7 @@ from django.utils import timezone
 from audit import actors
 from audit.log import Action, record
 from registry.models import Model, ModelVersion, RoutingTable
-from registry.selectors import versions_with_traffic
+from registry.selectors import versions_to_serve
 from registry.services import routing_changed
 from rollouts import snapshots
 from rollouts.fleet.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
@@ -75,7 +75,7 @@ def autoscale(
                 )
             )
     with transaction.atomic():
-        return _write_targets(signals, idle_s, reported, policy, now)
+        return _write_targets(signals, idle_s, reported, policy, now, demand)
 
 
 @transaction.atomic
@@ -122,17 +122,26 @@ def _on_demand(
     reported: set[tuple[str, str]],
     serving: dict[tuple[str, str], int],
     policy: ScalingPolicy,
+    demand: dict[tuple[str, str], float],
 ) -> dict[tuple[str, str], int]:
     """Versions without traffic, an alias or shadow copies whose replicas still served a request within
     the idle time: the version a promotion (or a traffic edit) just took traffic from, while requests
     pinned to it (X-Version-Pin) keep coming. They keep one replica until idle, so going back to them
-    meanwhile is a routing edit. Only a version that still has a replica qualifies: a pin cannot bring
-    back one that has none; nor a candidate its deployment just rolled back. (model, version) -> id."""
-    kept = [
-        key
-        for key in reported
-        if key not in serving and idle_s.get(key, math.inf) < policy.idle_before_zero_s
-    ]
+    meanwhile is a routing edit. A version with no replica gets one for pinned requests as well: a
+    gateway where one waits says so (`demand`: seconds since a request last waited), and only tenants
+    allowed to pin, and to use the model, get that far. At most PROVISIONER_MAX_PINNED versions without
+    traffic hold a replica so (each holds a device, and pins may name any old version): past it a new
+    one gets none, the most recently asked for first; those that have one keep it. Not a candidate its
+    deployment just rolled back. (model, version) -> id (docs/architecture.md, "Replicas kept warm")."""
+    window = policy.idle_before_zero_s
+    kept = [key for key in reported if key not in serving and idle_s.get(key, math.inf) < window]
+    asked = sorted(
+        (age, key)
+        for key, age in demand.items()
+        if key not in serving and key not in reported and age < window
+    )
+    room = max(0, settings.PROVISIONER_MAX_PINNED - len(kept))
+    kept += [key for _, key in asked[:room]]
     if not kept:
         return {}
     # Not a candidate just rolled back: it was busy until the rollback, but nobody is to go back to it,
@@ -184,10 +193,12 @@ def _write_targets(
     reported: set[tuple[str, str]],
     policy: ScalingPolicy,
     now: float,
+    demand: dict[tuple[str, str], float],
 ) -> dict[tuple[str, str], int]:
     """autoscale's writes, in one transaction."""
-    serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_with_traffic()}
-    on_demand = _on_demand(idle_s, reported, serving, policy)
+    # An adapter version stands for its base: replicas run bases only (registry/selectors.py)
+    serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_to_serve()}
+    on_demand = _on_demand(idle_s, reported, serving, policy, demand)
     serving |= on_demand
     bounds = scaling_bounds()
     kept_warm = _kept_warm()

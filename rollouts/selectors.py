@@ -14,8 +14,8 @@ from django.db.models import OuterRef, Prefetch, Q, Subquery
 from django.utils.module_loading import import_string
 
 from registry.models import Model, ModelVersion
-from registry.selectors import TenantContext, versions_with_traffic
-from rollouts import judge_lease
+from registry.selectors import TenantContext, versions_to_serve
+from rollouts import judge_lease, quality_floor
 from rollouts.judge import VersionWindow
 from rollouts.models import Deployment, DeploymentEvent, ScaleTarget, ScalingBounds
 
@@ -102,6 +102,21 @@ def deployment_summary(*, deployment: Deployment, viewer: str | None = None) -> 
     }
 
 
+def candidate_quality(deployment: Deployment) -> quality_floor.QualityCheck:
+    """Whether the deployment's candidate may advance as far as its recorded quality goes (a shadow's,
+    which moves no traffic, always may)."""
+    floor = quality_floor.QualityFloor.from_dict(deployment.quality_floor or {})
+    candidate = deployment.candidate
+    if deployment.strategy != Deployment.Strategy.CANARY:
+        return quality_floor.QualityCheck(held=False, reason="", waiting_on=None, figures={})
+    return quality_floor.check(
+        floor,
+        candidate=f"{deployment.model.name}:{candidate.version}",
+        quantization=candidate.quantization,
+        quality=candidate.quality or {},
+    )
+
+
 def deployment_detail(*, deployment: Deployment, viewer: str | None = None) -> dict[str, Any]:
     """The API's view of one deployment, events included. `viewer`: the tenant asking (its actor name,
     "tenant:NAME"), which sees neither other tenants' names nor staff logins; None: staff."""
@@ -116,8 +131,12 @@ def deployment_detail(*, deployment: Deployment, viewer: str | None = None) -> d
         "step_started_at": deployment.step_started_at,
         "last_judged_at": deployment.last_judged_at,
         "last_verdict": deployment.last_verdict or None,
-        # What it waits on that is not its own to do: a judge that no process runs.
-        "waiting_on": judge_lease.missing_judge(since=deployment.created_at)
+        "quality_floor": deployment.quality_floor or {},
+        # What it waits on that is not its own to do: a judge that no process runs, or a quantized
+        # candidate's evaluation that nobody recorded.
+        "waiting_on": (
+            judge_lease.missing_judge(since=deployment.created_at) or candidate_quality(deployment).waiting_on
+        )
         if deployment.is_in_flight
         else None,
         "rollback": {
@@ -344,6 +363,6 @@ def wanted_replicas() -> dict[tuple[str, str], int]:
     wanted = scale_targets()
     floor = max(1, int(settings.AUTOSCALER["min_replicas"]))
     bounds = scaling_bounds()
-    for ref in versions_with_traffic():
+    for ref in versions_to_serve():  # an adapter version runs on its base's replicas
         wanted.setdefault((ref.model_name, ref.version), bounds.get(ref.model_name, (floor, 0))[0])
     return wanted

@@ -31,6 +31,7 @@ from rollouts.steps import (
     DeploymentConflict,
     DeploymentError,
     is_int,
+    resolve_quality_floor,
     resolve_thresholds,
     validate_steps,
 )
@@ -59,6 +60,9 @@ def candidate_is_ready(deployment: Deployment) -> bool:
         # the alias rule would send traffic to a version that may not be loaded anywhere.
         return _fleet_replica_ready(deployment) is True
     model_name, version = deployment.model.name, deployment.candidate.version
+    base = deployment.candidate.adapter_of  # an adapter is served by its base's replicas
+    if base is not None:
+        model_name, version = base.model.name, base.version
     answers = [
         answer
         for answer in (embedded_replica_ready(model_name, version), _fleet_replica_ready(deployment))
@@ -72,7 +76,11 @@ def candidate_is_ready(deployment: Deployment) -> bool:
 
 
 def _fleet_replica_ready(deployment: Deployment) -> bool | None:
-    """Does a replica process of the candidate publish a fresh `ready` heartbeat (serving.selectors)?"""
+    """Does a replica process of the candidate publish a fresh `ready` heartbeat (serving.selectors)? For
+    a LoRA adapter, one of its base (docs/architecture.md, "Adapters on a shared base")."""
+    base = deployment.candidate.adapter_of
+    if base is not None:
+        return fleet_replica_ready(base.model.name, base.version, base.version)
     return fleet_replica_ready(
         deployment.model.name, deployment.candidate.version, deployment.incumbent.version
     )
@@ -92,6 +100,7 @@ def deployment_create(
     bake_seconds: object = None,
     thresholds: object = None,
     mirror_pct: object = None,
+    quality_floor: object = None,
 ) -> Deployment:
     """Validate everything, then record the deployment and start provisioning: the candidate gets the
     `canary` alias (logged), which makes the replica supervisor start a replica for it without traffic.
@@ -119,6 +128,9 @@ def deployment_create(
             f"bake_seconds must be a non-negative integer up to {MAX_BAKE_SECONDS}, got {bake_seconds!r}"
         )
     resolved_thresholds = resolve_thresholds(thresholds)
+    resolved_floor = resolve_quality_floor(quality_floor)
+    if resolved_floor and strategy != Deployment.Strategy.CANARY:
+        raise DeploymentError("quality_floor is for the canary strategy (a shadow moves no traffic)")
 
     model = Model.objects.select_for_update().get(pk=model.pk)  # serializes creates for this model
     candidate = (
@@ -149,6 +161,7 @@ def deployment_create(
                 mirror_pct=mirror_pct,
                 bake_seconds=bake_seconds,
                 thresholds=resolved_thresholds,
+                quality_floor=resolved_floor,
                 state=State.PENDING,
                 created_by=created_by,
             )

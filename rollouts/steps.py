@@ -9,6 +9,7 @@ from typing import Any
 from django.conf import settings
 
 from rollouts import judge
+from rollouts.quality_floor import QualityFloor, QualityFloorError
 
 MAX_STEPS = 20
 MAX_BAKE_SECONDS = 7 * 24 * 3600
@@ -108,3 +109,11 @@ def resolve_thresholds(overrides: object) -> dict[str, Any]:
         raise DeploymentError("threshold alpha must be above 0")
     resolved = {**settings.ROLLOUT_THRESHOLDS, **overrides}
     return judge.Thresholds.from_dict(resolved).as_dict()
+
+
+def resolve_quality_floor(value: object) -> dict[str, float]:
+    """A deployment's quality floor (rollouts/quality_floor.py) as stored: the fields set, {} for none."""
+    try:
+        return QualityFloor.from_dict(value).as_dict()
+    except QualityFloorError as exc:
+        raise DeploymentError(str(exc)) from None

@@ -75,6 +75,7 @@ def _local_handle(replica: Replica) -> ReplicaHandle:
         prefill_tokens_per_s=report.prefill_rate.per_s,
         capacity=report.capacity,
         seats_freed_per_s=report.seat_rate.per_s,
+        num_adapters=report.num_adapters,
     )
 
 
@@ -98,6 +99,7 @@ def _remote_handle(beat: Heartbeat) -> ReplicaHandle:
         prefill_tokens_per_s=beat.prefill_tokens_per_s,
         capacity=beat.capacity,
         seats_freed_per_s=beat.seats_freed_per_s,
+        num_adapters=beat.num_adapters,
     )
 
 
@@ -220,7 +222,8 @@ class Runtime:
     @property
     def can_cold_start(self) -> bool:
         """Whether a request may wait for a replica to be started: with replica processes, which the
-        autoscaler and a provisioner start. The embedded supervisor runs one per serving version anyway."""
+        autoscaler and a provisioner start. Embedded, the supervisor is asked instead
+        (embedded_replica_coming)."""
         return self.directory is not None
 
     def _embedded_replica_loading(self, model_name: str, version: str) -> bool:
@@ -240,7 +243,13 @@ class Runtime:
         warm"): the README's `X-Version-Pin: v2` after registering v2 answered 503 for ever."""
         if not self._embedded_replica_loading(model_name, version):
             return False
-        if await _still_serves(model_name, version) or self.supervisor.is_demanded(model_name, version):
+        if self.supervisor.is_demanded(model_name, version):
+            return True
+        # A version with traffic gets its replica at the supervisor's next pass, unless its model scales to
+        # zero: then, as a pin's, it is started for the request (serving/replica/on_demand.py).
+        if await _still_serves(model_name, version) and not self.supervisor.starts_on_demand(
+            model_name, version
+        ):
             return True
         ref = await database_sync_to_async(version_ref, thread_sensitive=False)(
             model_name=model_name, version=version
@@ -270,6 +279,9 @@ class Runtime:
 
     async def _poll_for_replica(self, model_name: str, version: str) -> list[ReplicaHandle]:
         told_at = -math.inf
+        # With replica processes, a wait for a version that takes no traffic is a pinned request's (the
+        # only kind dispatch lets wait for one): its demand is what gets the version a replica.
+        pinned_from_start = self.directory is not None and not await _still_serves(model_name, version)
         while True:
             # Cancelled once, when its last waiter leaves; a cancellation lost in a Redis call would
             # leave it recording demand for a version nobody waits for, for ever.
@@ -278,7 +290,9 @@ class Runtime:
                 if self.directory is not None and time.monotonic() - told_at >= DEMAND_EVERY_S:
                     await self.directory.record_demand(model_name, version)
                     told_at = time.monotonic()
-                pinned = self.directory is None and self.supervisor.is_demanded(model_name, version)
+                pinned = pinned_from_start or (
+                    self.directory is None and self.supervisor.is_demanded(model_name, version)
+                )
                 if not pinned and not await _still_serves(model_name, version):
                     # Its traffic moved away (a rollback): the autoscaler starts no replica for it now,
                     # and one that comes up anyway is not to serve. Its requests get their 503 at once

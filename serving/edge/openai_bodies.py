@@ -1,14 +1,17 @@
 """OpenAI request bodies, checked field by field before anything is sent: completions, chat and
-embeddings. Features we do not implement (echo, tools, images) are refused with a 400 rather than
-silently ignored; sent as null, a field reads as absent. response_format (text, JSON, a JSON schema) is
-a sampling field, parsed with the others (request_bodies.py, response_format.py)."""
+embeddings. Features we do not implement (echo, images) are refused with a 400 rather than silently
+ignored; sent as null, a field reads as absent. response_format (text, JSON, a JSON schema) is a
+sampling field, parsed with the others (request_bodies.py, response_format.py); chat's tools are
+tool_calls.py's, its messages chat_messages.py's."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
 
+from serving.edge.chat_messages import parse_messages
 from serving.edge.request_bodies import (
     SAMPLING_FIELDS,
     check_max_tokens,
@@ -16,12 +19,11 @@ from serving.edge.request_bodies import (
     parse_sampling,
     parse_text_inputs,
 )
+from serving.edge.tool_calls import ToolRequest, parse_tools, response_format_for
 from serving.gateway.errors import GatewayError
+from serving.gateway.prompt_size import prompt_chars
 from serving.gateway.service_tiers import parse_service_tier
 from serving.transport.protocol import MAX_LOGPROBS
-
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
-
 
 # Accepted and ignored: they do not change what we generate.
 _IGNORED = frozenset({"user", "stream_options", "store", "metadata"})
@@ -41,8 +43,24 @@ CHAT_FIELDS = (
         "max_completion_tokens",
         "logprobs",
         "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     }
 )
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A chat's conversation as the replica renders it, and what its tool fields ask for (None: no
+    tools, or tool_choice "none" without tools)."""
+
+    messages: list[dict[str, Any]]
+    tools: ToolRequest | None = None
+
+    def dispatch_fields(self) -> dict[str, Any]:
+        """What the submission carries: the messages, and the tools the chat template is given."""
+        return {"messages": self.messages, "tools": self.tools.for_template() if self.tools else None}
 
 
 MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions; chat's top_logprobs go to the engine's 20
@@ -120,7 +138,7 @@ def parse_completion(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, s
     return model, sampling, include_usage, prompt
 
 
-def parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, list[dict[str, str]]]:
+def parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, ChatRequest]:
     if "max_completion_tokens" in body:  # OpenAI's newer name; null is absent, as for max_tokens
         body = dict(body)
         max_completion_tokens = body.pop("max_completion_tokens")
@@ -143,40 +161,20 @@ def parse_chat(body: dict[str, Any]) -> tuple[str, dict[str, Any], bool, list[di
         raise GatewayError(400, "top_logprobs needs logprobs set to true")
     if logprobs:
         sampling["logprobs"] = top or 0
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise GatewayError(400, "messages must be a non-empty list")
-    clean = []
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or an object is unhashable
-            raise GatewayError(400, f"messages[{i}] needs a role of {', '.join(sorted(CHAT_ROLES))}")
-        # "developer" is what OpenAI's newer models call the system prompt; chat templates know "system".
-        clean.append({"role": "system" if role == "developer" else role, "content": _text(message, i)})
-    if sum(len(m["content"]) for m in clean) > settings.MAX_INPUT_CHARS:
+    clean = parse_messages(body.get("messages"))
+    if prompt_chars(messages=clean) > settings.MAX_INPUT_CHARS:  # the tools have a limit of their own
         raise GatewayError(400, f"messages are over the {settings.MAX_INPUT_CHARS}-character limit")
-    return model, sampling, include_usage, clean
-
-
-def _text(message: dict[str, Any], i: int) -> str:
-    """A message's content: a string, or a list of text parts ({"type": "text", "text": …}), joined."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        texts = []
-        for j, part in enumerate(content):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise GatewayError(
-                    400, f"messages[{i}].content[{j}] is not a text part: only text content is supported"
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise GatewayError(400, f"messages[{i}].content must be a string or a list of text parts")
+    tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    constraint = response_format_for(tools) if tools is not None else None
+    if constraint is not None:
+        if "response_format" in sampling:
+            raise GatewayError(
+                400,
+                'tool_choice "required" or a named function constrains the answer to calls: send no '
+                "response_format with it",
+            )
+        sampling["response_format"] = constraint
+    return model, sampling, include_usage, ChatRequest(clean, tools)
 
 
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})

@@ -1,12 +1,14 @@
-"""The OpenAI response shapes: a streamed chunk of either endpoint, the whole response assembled from a
-choice's last chunk, usage over the choices, log probabilities as OpenAI renders them, and an embedding
-vector in either encoding."""
+"""The OpenAI response shapes: a streamed chunk of either endpoint, chat's tool-call deltas, the whole
+response assembled from a choice's last chunk and its answer, usage over the choices, log probabilities
+as OpenAI renders them, and an embedding vector in either encoding."""
 
 from __future__ import annotations
 
 import codecs
 from typing import Any, Protocol
 
+from serving.edge.tool_answers import ChoiceAnswer
+from serving.edge.tool_calls import ToolCall
 from serving.transport.vectors import decode_vector
 
 
@@ -137,14 +139,39 @@ def chat_chunk(base: dict[str, Any]) -> Chunk:
     return chunk
 
 
-def completion_whole(last_chunk: dict[str, Any], text: str, final: dict[str, Any]) -> dict[str, Any]:
+def tool_call_chunks(chunk: Chunk, calls: tuple[ToolCall, ...], index: int) -> list[dict[str, Any]]:
+    """A choice's calls as OpenAI streams them: for each, a delta that opens it (its index among the
+    choice's calls, id, type and name, arguments "") and one with its arguments, which a client appends
+    to the call of that index (the openai client's stream accumulation does)."""
+    chunks = []
+    for position, call in enumerate(calls):
+        opening = {
+            "index": position,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
+        arguments = {"index": position, "function": {"arguments": call.arguments}}
+        for delta in (opening, arguments):
+            shaped = chunk("", None, None, index)
+            shaped["choices"][0]["delta"] = {"tool_calls": [delta]}
+            chunks.append(shaped)
+    return chunks
+
+
+def completion_whole(
+    last_chunk: dict[str, Any], answer: ChoiceAnswer, final: dict[str, Any]
+) -> dict[str, Any]:
     return {**last_chunk, "usage": choices_usage([final.get("usage")])}
 
 
-def chat_whole(last_chunk: dict[str, Any], text: str, final: dict[str, Any]) -> dict[str, Any]:
+def chat_whole(last_chunk: dict[str, Any], answer: ChoiceAnswer, final: dict[str, Any]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if answer.calls:
+        message["tool_calls"] = [call.to_openai() for call in answer.calls]
     choice = {
         "index": last_chunk["choices"][0]["index"],
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": last_chunk["choices"][0]["logprobs"],
         "finish_reason": last_chunk["choices"][0]["finish_reason"],
     }

@@ -104,6 +104,75 @@ _CLASSIFY = {
     },
 }
 
+# Chat's tools (serving/edge/tool_calls.py): OpenAI's shapes.
+_TOOL_FIELDS = {
+    "tools": {
+        "type": "array",
+        "nullable": True,
+        "minItems": 1,
+        "maxItems": 128,
+        "items": {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                        "description": {"type": "string", "nullable": True},
+                        "parameters": {"type": "object", "nullable": True, "description": "a JSON schema"},
+                        "strict": {"type": "boolean", "nullable": True, "description": "not read"},
+                    },
+                },
+            },
+        },
+    },
+    "tool_choice": {
+        "nullable": True,
+        "description": "none, auto (the default with tools), required, or one function: the last two "
+        "are enforced by constrained decoding",
+        "oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {
+                    "type": {"type": "string", "enum": ["function"]},
+                    "function": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}},
+                    },
+                },
+            },
+        ],
+    },
+    "parallel_tool_calls": {"type": "boolean", "nullable": True, "default": True},
+}
+_TOOL_CALLS = {
+    "type": "array",
+    "nullable": True,
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "required": ["id", "function"],
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {
+                "type": "object",
+                "required": ["name", "arguments"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "arguments": {"type": "string", "description": "the arguments' JSON"},
+                },
+            },
+        },
+    },
+}
+
 _OPENAI_SAMPLING = {
     **_SAMPLING,
     "model": {"type": "string"},
@@ -140,15 +209,27 @@ _OPENAI_PATHS = [
                 "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
                 "logprobs": {"type": "boolean", "default": False},
                 "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True},
+                **_TOOL_FIELDS,
                 "messages": {
                     "type": "array",
                     "items": {
                         "type": "object",
-                        "required": ["role", "content"],
+                        "required": ["role"],
                         "properties": {
                             # developer: OpenAI's newer name for system, read as system
-                            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+                            "role": {
+                                "type": "string",
+                                "enum": ["system", "developer", "user", "assistant", "tool"],
+                            },
+                            # an assistant's calls, as a response returned them (chat_messages.py)
+                            "tool_calls": _TOOL_CALLS,
+                            "tool_call_id": {
+                                "type": "string",
+                                "description": "a tool message's: the id of the call it answers",
+                            },
                             "content": {
+                                "nullable": True,
+                                "description": "required but for an assistant's message with tool_calls",
                                 "anyOf": [
                                     {"type": "string"},
                                     {
@@ -163,7 +244,7 @@ _OPENAI_PATHS = [
                                             },
                                         },
                                     },
-                                ]
+                                ],
                             },
                         },
                     },

@@ -1,16 +1,14 @@
-"""Tools on chat completions (issue 38, item 2), the parts that need no new wiring: `tools`,
-`tool_choice` and `parallel_tool_calls` checked as OpenAI defines them; the JSON schema that constrains
-the output to valid calls for `tool_choice` "required" or a named function (enforced by the same
-constrained decoding as `response_format`, docs/architecture.md "Structured outputs"); and the model's
-constrained output read back as OpenAI's `tool_calls`.
+"""Tools on chat completions (docs/api.md, "Tools"): `tools`, `tool_choice` and `parallel_tool_calls`
+checked as OpenAI defines them; the JSON schema that constrains the output to valid calls for
+`tool_choice` "required" or a named function (enforced by the same constrained decoding as
+`response_format`, docs/architecture.md "Structured outputs"), checked to compile before anything is
+sent; the tools as the chat template is given them; and the model's constrained output read back as
+OpenAI's `tool_calls`.
 
-NOT WIRED YET: parse_chat still refuses `tools` (openai_bodies.py), so nothing here is reachable over
-the API. What remains: passing the tools to the chat template (the replica renders it, with
-`apply_chat_template(tools=…)`), `auto` (parsing a model's own tool-call format), the response's
-`message.tool_calls` with `finish_reason: "tool_calls"` and the streamed tool-call deltas, and
-`role: "tool"` messages. The output shape for "required" is vLLM's: a JSON array of
-`{"name", "parameters"}` objects (at most one without parallel calls); for a named function, the
-arguments object itself.
+The output shape for "required" is vLLM's: a JSON array of `{"name", "parameters"}` objects (at most one
+without parallel calls); for a named function, the arguments object itself. `auto` is read from the
+model's own format (hermes_tool_calls.py); a choice's text becomes its answer in tool_answers.py, and the
+conversation's assistant and `tool` messages are checked in chat_messages.py.
 """
 
 from __future__ import annotations
@@ -21,6 +19,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
+
+from serving.edge.response_format import compile_error
 from serving.gateway.errors import GatewayError
 
 MAX_TOOLS = 128  # as OpenAI's
@@ -33,7 +34,7 @@ _CHOICES = ("none", "auto", "required")
 @dataclass(frozen=True, slots=True)
 class Tool:
     name: str
-    parameters: dict[str, Any]  # a JSON schema of an object; {} from OpenAI's "no parameters"
+    parameters: dict[str, Any]  # a JSON schema of an object (its type said); none: no parameters
     description: str | None = None
 
 
@@ -51,6 +52,17 @@ class ToolRequest:
     def is_constrained(self) -> bool:
         """The output must be calls: constrained decoding enforces it."""
         return self.choice in ("required", "function")
+
+    def for_template(self) -> list[dict[str, Any]]:
+        """The tools in OpenAI's function format, as transformers' apply_chat_template(tools=…) takes
+        them (plain JSON: they cross to the replica in the submission)."""
+        functions = []
+        for tool in self.tools:
+            function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters}
+            if tool.description is not None:
+                function["description"] = tool.description
+            functions.append({"type": "function", "function": function})
+        return functions
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +106,10 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolR
         parameters = function.get("parameters")
         if parameters is None:
             parameters = {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
-            raise _refuse(f"tools[{i}].function.parameters must be a JSON schema object")
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise _refuse(f"tools[{i}].function.parameters must be a JSON schema of an object")
+        # Said outright: a schema without a type allows any JSON value, and arguments are an object.
+        parameters = {"type": "object", **parameters}
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise _refuse(f"tools[{i}].function.description must be a string")
@@ -113,7 +127,25 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolR
         choice = "function"
     else:
         raise _refuse('tool_choice must be "none", "auto", "required" or {"type": "function", …}')
-    return ToolRequest(tuple(parsed), choice, forced, parallel_tool_calls is not False)
+    request = ToolRequest(tuple(parsed), choice, forced, parallel_tool_calls is not False)
+    _check_enforceable(request)
+    return request
+
+
+def _check_enforceable(request: ToolRequest) -> None:
+    """A 400 naming tools for a constrained choice whose schema is too large or will not compile: the
+    replica would refuse it only after the request was admitted. auto and none enforce nothing."""
+    schema = constraint_schema(request)
+    if schema is None:
+        return
+    compact = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    size = len(compact.encode())
+    if size > settings.MAX_RESPONSE_SCHEMA_BYTES:
+        limit = settings.MAX_RESPONSE_SCHEMA_BYTES
+        raise _refuse(f"tools: the calls' schema is {size} bytes of JSON; the limit is {limit}")
+    error = compile_error(compact)
+    if error:
+        raise _refuse(f"tools: the functions' parameters cannot be enforced: {error}")
 
 
 def constraint_schema(request: ToolRequest) -> dict[str, Any] | None:
@@ -151,14 +183,14 @@ def tool_calls_from_output(request: ToolRequest, text: str) -> list[ToolCall]:
     value = json.loads(text)
     if request.choice == "function":
         assert request.forced is not None
-        return [ToolCall(_call_id(), request.forced, json.dumps(value, ensure_ascii=False))]
+        return [ToolCall(new_call_id(), request.forced, json.dumps(value, ensure_ascii=False))]
     if request.choice != "required" or not isinstance(value, list):
         raise ValueError("not tool calls")
     return [
-        ToolCall(_call_id(), call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+        ToolCall(new_call_id(), call["name"], json.dumps(call["parameters"], ensure_ascii=False))
         for call in value
     ]
 
 
-def _call_id() -> str:
+def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"

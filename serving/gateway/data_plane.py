@@ -48,6 +48,7 @@ class ReplicaHandle:
     # Its last heartbeat is recent (an in-process replica always is): a replica killed while it loaded
     # leaves a "loading" beat for a minute, which must not read as one coming up.
     is_fresh: bool = True
+    num_adapters: int = 0  # LoRA adapters resident in its engine (Heartbeat.num_adapters)
 
 
 class DataPlane(Protocol):

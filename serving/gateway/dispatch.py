@@ -19,7 +19,7 @@ from registry.auth_throttle import api_key_attempt, api_key_failures
 from registry.authentication import bearer_token
 from registry.models import Model
 from registry.selectors import RoutingSnapshot, TenantContext
-from serving.gateway import auth, shadow, slo_admission
+from serving.gateway import adapter_routing, auth, shadow, slo_admission
 from serving.gateway.data_plane import data_plane
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest, close_all
@@ -80,8 +80,9 @@ async def dispatch(
     pin: str | None,
     params: dict[str, Any],
     text: str | None = None,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     inputs: list[str] | None = None,
+    tools: list[dict[str, Any]] | None = None,
     kind: str = Model.Kind.CAUSAL_LM,
     snapshot: RoutingSnapshot | None = None,
     version: str | None = None,
@@ -115,11 +116,11 @@ async def dispatch(
         )
     if version is None:
         version = choose_version(snapshot, pin=pin, alias=alias, rng=_rng)
-    tokens = charge_estimate(
-        context, params=params, text=text, messages=messages, inputs=inputs, num_choices=num_choices
-    )
+    prompt = {"text": text, "messages": messages, "inputs": inputs, "tools": tools}
+    tokens = charge_estimate(context, params=params, num_choices=num_choices, **prompt)
     charge = Charge(context, tokens, room_for)
-    runtime = await data_plane()  # before admission: a cancellation while it starts holds no slot
+    # Before admission: a cancellation while it starts holds no slot. An adapter's replicas: its base's.
+    runtime = adapter_routing.placed(await data_plane(), snapshot)
     store = quota_store()
     ticket = (
         None
@@ -138,10 +139,16 @@ async def dispatch(
         "service_tier": service_tier,
         "max_running": context.max_running_sequences,
         "kv_share": context.kv_share,
+        "tools": tools,  # a chat's, for its template (chat_messages.py, tool_calls.py)
     }
-    # A request may wait for a replica to start (a cold start) only for a version the autoscaler gives
-    # replicas to: a pin to a version without traffic would wait for nothing.
-    cold_start = snapshot.scales_to_zero and snapshot.serves(version)
+    submission = adapter_routing.with_adapter(submission, snapshot, version)
+    # A request may wait for a replica to start (a cold start) for a version the autoscaler gives replicas
+    # to: one that serves, of a model that scales to zero, or one without traffic that it is pinned to
+    # (authorized above: the tenant may pin and use the model), whose wait asks the autoscaler for one
+    # (docs/architecture.md, "Replicas kept warm"). The embedded mode starts its own instead
+    # (embedded_replica_coming).
+    serves = snapshot.serves(version)
+    cold_start = (snapshot.scales_to_zero and serves) or (pin is not None and not serves)
     is_generative = snapshot.kind == Model.Kind.CAUSAL_LM
     # A tenant with latency objectives skips the replicas forecast to miss them, or is refused (429) now.
     skip = frozenset[str]()
@@ -177,7 +184,9 @@ async def dispatch(
         prompt_log.maybe_log(handle, tenant=context.tenant_name, submission=submission)  # off by default
         if shadow.should_mirror(snapshot.mirror, version, _rng):
             assert snapshot.mirror is not None
-            shadow.start_mirror(handle, runtime=runtime, version=snapshot.mirror[0], submission=submission)
+            mirror = snapshot.mirror[0]
+            copy = adapter_routing.with_adapter(submission, snapshot, mirror)
+            shadow.start_mirror(handle, runtime=runtime, version=mirror, submission=copy)
     except BaseException:
         await handle.close()
         raise
@@ -192,7 +201,7 @@ async def dispatch_choices(n: int, **request: Any) -> list[InFlightRequest]:
     a request that can never be admitted."""
     context: TenantContext = request["context"]
     if n > 1:
-        payload = {k: request.get(k) for k in ("text", "messages", "inputs")}
+        payload = {k: request.get(k) for k in ("text", "messages", "inputs", "tools")}
         check_choices_fit(
             context, n=n, tokens=charge_estimate(context, params=request["params"], num_choices=n, **payload)
         )

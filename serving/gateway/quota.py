@@ -16,6 +16,7 @@ from django.conf import settings
 
 from registry.selectors import TenantContext
 from serving.gateway.errors import GatewayError
+from serving.gateway.prompt_size import prompt_chars
 from serving.transport.protocol import max_tokens_for
 
 
@@ -230,17 +231,13 @@ def charge_estimate(
     *,
     params: dict[str, Any],
     text: str | None = None,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     inputs: list[str] | None = None,
+    tools: list[dict[str, Any]] | None = None,
     num_choices: int = 1,
 ) -> int:
     """The tokens admission charges one request (one choice of `num_choices`) before it is tokenised."""
-    if text is not None:
-        input_chars = len(text)
-    elif messages is not None:
-        input_chars = sum(len(m["content"]) for m in messages)
-    else:
-        input_chars = sum(len(t) for t in inputs or ())
+    input_chars = prompt_chars(text=text, messages=messages, inputs=inputs, tools=tools)
     # None (to the end of the context) is charged at the ceiling and settled when it ends, but never at
     # more than its choice's share of the tenant's whole minute, which would refuse every such request
     # (or its last choice).

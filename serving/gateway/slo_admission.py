@@ -23,6 +23,7 @@ from serving.gateway.breaker import breaker
 from serving.gateway.data_plane import DataPlane, ReplicaHandle
 from serving.gateway.errors import GatewayError
 from serving.gateway.in_flight import InFlightRequest
+from serving.gateway.prompt_size import prompt_chars
 from serving.gateway.quota import Charge, Ticket
 from serving.gateway.quota_store import quota_store
 from serving.gateway.ttft_forecast import (
@@ -74,9 +75,8 @@ class ObjectiveUnmet(GatewayError):
 
 def prompt_tokens_of(submission: dict[str, Any]) -> int:
     """A generative submission's prompt tokens, estimated before it is tokenised."""
-    if submission.get("input") is not None:
-        return estimate_prompt_tokens(len(submission["input"]))
-    return estimate_prompt_tokens(sum(len(m["content"]) for m in submission.get("messages") or ()))
+    messages, tools = submission.get("messages") or (), submission.get("tools")
+    return estimate_prompt_tokens(prompt_chars(text=submission.get("input"), messages=messages, tools=tools))
 
 
 def misses_tpot(replica: ReplicaHandle, objective_s: float) -> bool:

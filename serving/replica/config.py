@@ -25,6 +25,8 @@ def engine_config_from_settings() -> Any:
         max_running_per_tenant=settings.REPLICA_MAX_RUNNING_PER_TENANT,
         max_kv_share_per_tenant=settings.REPLICA_MAX_KV_SHARE_PER_TENANT,
         tier_aging_s=settings.REPLICA_TIER_AGING_S,
+        max_loras=settings.REPLICA_MAX_LORAS,
+        max_lora_rank=settings.REPLICA_MAX_LORA_RANK,
     )
 
 

@@ -32,6 +32,9 @@ class LoadReport:
         self.queued_prompt_tokens = 0  # not yet prefilled, over the waiting and running sequences
         self.prefill_rate = StepRate()  # prompt tokens, over the steps that prefilled
         self.seat_rate = StepRate()  # sequences ended, over every step: seats freed
+        self.num_adapters = (
+            0  # LoRA adapters resident in the engine (docs/architecture.md, "Adapters on a shared base")
+        )
         self._one_sequence_steps: deque[float] = deque(maxlen=64)  # the model thread's
 
     def account(self, stats: Any, model_time_s: float | None, *, engine: Any = None, ended: int = 0) -> None:
@@ -43,6 +46,7 @@ class LoadReport:
             stats.num_running,
             stats.kv_cache_usage,
         )
+        self.num_adapters = len(getattr(stats, "adapters_resident", ()))  # an encoder's: none
         queued = getattr(engine, "queued_prompt_tokens", None)
         self.queued_prompt_tokens = int(queued()) if queued is not None else 0
         if model_time_s is None:
@@ -92,4 +96,5 @@ class LoadReport:
             queued_prompt_tokens=self.queued_prompt_tokens,
             prefill_tokens_per_s=self.prefill_rate.per_s,
             seats_freed_per_s=self.seat_rate.per_s,
+            num_adapters=self.num_adapters,
         )

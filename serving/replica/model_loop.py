@@ -298,6 +298,7 @@ class ModelLoop:
             num_running=stats.num_running,
             kv_cache_usage=stats.kv_cache_usage,
             itl_s=result.itl_s,
+            num_adapters=len(stats.adapters_resident) if hasattr(stats, "adapters_resident") else None,
         )
         batch = getattr(self.engine, "last_batch", None)  # an encoder engine's dynamic batch
         if batch is not None:
@@ -327,6 +328,9 @@ class ModelLoop:
                 arrival_time=time.monotonic() - max(0.0, time.time() - route.submitted_at),
                 tier=arrival.tier,
                 limits=arrival.limits,
+                **(
+                    {"adapter": arrival.adapter} if arrival.adapter is not None else {}
+                ),  # an encoder has none
             )
         except (TypeError, ValueError, KeyError) as exc:
             result.add(route, request_id, error_event("invalid_request_error", str(exc)))

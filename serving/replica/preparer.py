@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 from django.conf import settings
 
+from serving.replica.adapters import AdapterUnavailable, ReplicaAdapters, adapter_version
 from serving.replica.inbox import Inbox
 from serving.replica.step_result import Arrival, Route
 from serving.transport.protocol import Submit, error_event, max_tokens_for
@@ -33,6 +34,7 @@ class Preparer:
         self._replica_id = replica_id
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
         self.engine: Any = None  # set once the replica's engine is loaded
+        self.adapters = ReplicaAdapters(replica_id=replica_id)  # LoRA adapters read on first use
 
     def submit(self, submission: Submit | None, abort: str | None) -> None:
         """On the loop, after Inbox.count_in() said the arrival is to be prepared here."""
@@ -61,6 +63,9 @@ class Preparer:
         )
         arrival = Arrival(request_id, route)
         try:
+            if submit.adapter is not None:  # an adapter version of this base: its metrics are its own
+                route.adapter = adapter_version(submit)
+                arrival.adapter = self.adapters.get(submit, self.engine)
             raw = submit.params
             fields = {**raw, "stop": tuple(raw.get("stop") or ())}
             if "logit_bias" in raw:
@@ -90,8 +95,13 @@ class Preparer:
                 if submit.input is not None:
                     arrival.prompt_ids = self.engine.encode(submit.input)
                 elif submit.messages is not None:
+                    tools = submit.tools  # a chat's, for its template (serving/engine/chat.py)
+                    if tools is not None and not (
+                        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+                    ):
+                        raise ValueError("tools must be a list of objects")
                     arrival.prompt_ids = encode_chat_prompt(
-                        self.engine.tokenizer, submit.messages, self.engine.encode
+                        self.engine.tokenizer, submit.messages, self.engine.encode, tools
                     )
                 else:
                     raise ValueError("a submission needs an input, messages or inputs")
@@ -110,6 +120,8 @@ class Preparer:
                     arrival.params = dataclasses.replace(arrival.params, max_tokens=max_tokens)
             arrival.tenant = submit.tenant or "default"
             arrival.cache_group = submit.cache_group
+        except AdapterUnavailable as exc:  # the adapter version's failure, not the request's
+            arrival.error = error_event("internal_error", str(exc))
         except (TypeError, ValueError, KeyError) as exc:
             arrival.error = error_event("invalid_request_error", str(exc))
         except Exception as exc:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serving.telemetry.metric_window import SERVICE_TIERS
-from serving.telemetry.recorder import RequestSample
+from serving.telemetry.recorder import AdapterVersion, RequestSample
 from serving.transport.protocol import ErrorEvent, Event, FinalEvent, TokenEvent, token_event
 from serving.transport.vectors import encode_vectors
 
@@ -31,6 +31,7 @@ class Route:
     # The engine's tier index (as Arrival.tier), once the model thread takes it: the service tier its
     # metrics are counted under (docs/architecture.md, "Service tiers"). None: not known.
     tier: int | None = None
+    adapter: AdapterVersion | None = None  # the LoRA adapter version it is served as: its metrics' version
 
 
 @dataclass(slots=True)
@@ -47,6 +48,7 @@ class Arrival:
     cache_group: str | None = None
     tier: int = 1  # the engine's tier index (serving.engine.sequence.TIER_NAMES)
     limits: Any = None  # the engine's TenantLimits, None: the replica's defaults
+    adapter: Any = None  # the engine's LoraAdapter it runs with (serving/replica/adapters.py); None: the base
     error: ErrorEvent | None = None  # an error event: no engine work; the model thread emits it in order
 
 
@@ -117,6 +119,7 @@ def request_sample(output: Any, route: Route) -> RequestSample:
         queue_wait_s=first_scheduled - arrival if first_scheduled is not None else None,
         is_generative=getattr(output, "vectors", None) is None,
         service_tier=service_tier(route),
+        adapter=route.adapter,
     )
 
 
@@ -129,7 +132,11 @@ def service_tier(route: Route) -> str | None:
 def error_sample(error_type: str, route: Route, *, num_prompt_tokens: int = 0) -> RequestSample:
     """The sample of a request that ended in an error after it was read, counted under its tier."""
     return RequestSample(
-        "error", num_prompt_tokens=num_prompt_tokens, error_type=error_type, service_tier=service_tier(route)
+        "error",
+        num_prompt_tokens=num_prompt_tokens,
+        error_type=error_type,
+        service_tier=service_tier(route),
+        adapter=route.adapter,
     )
 
 

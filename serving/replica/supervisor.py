@@ -3,7 +3,8 @@ version with traffic, started when a version gets traffic, or when a request pin
 any finds no replica (demand()). A replica whose version has no traffic (it lost it, or it was started
 for a pin) is drained, then stopped, once it has taken no request for REPLICA_KEEP_WARM_S: undoing a
 promotion is then a routing edit, not a reload, and a pinned version stays up while it is used
-(docs/architecture.md, "Replicas kept warm"). Replica processes (`manage.py run_replica`) are started by
+(docs/architecture.md, "Replicas kept warm"). A version of a model that scales to zero is started on
+demand too, and retired alike (on_demand.py). Replica processes (`manage.py run_replica`) are started by
 a provisioner instead (rollouts/fleet/).
 
 It runs on the runtime's event loop (serving/runtime.py builds it), as the replicas' own loop tasks do."""
@@ -19,7 +20,8 @@ from typing import Any
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from registry.selectors import VersionRef, versions_with_traffic
+from registry.selectors import VersionRef, versions_to_serve
+from serving.replica.on_demand import started_on_demand
 from serving.replica.replica import Replica
 from serving.transport.protocol import ReplicaState
 from serving.transport.reply_hub import ReplyHub
@@ -41,19 +43,27 @@ class ReplicaSupervisor:
         self._demanded: dict[tuple[str, str], VersionRef] = {}  # pinned, no replica yet: started next pass
         self._woken = asyncio.Event()  # a demand: the next pass now, not at the end of the interval
         self._routed: set[tuple[str, str]] = set()  # the versions with traffic, as of the last pass
+        self._on_demand: set[tuple[str, str]] = set()  # with traffic, started on demand (on_demand.py)
         self.synced = asyncio.Event()  # its first pass is done
 
     def demand(self, ref: VersionRef) -> bool:
         """A request pinned to a version that has no replica here and no traffic: one is started at once
         (the request waits for it: the runtime's wait_for_replica), kept while it is used. False, and
         nothing started, when REPLICA_MAX_PINNED replicas without traffic are up already: each holds a
-        model and its KV cache, and pins may name any old version."""
-        without_traffic = set(self._demanded) | (set(self.replicas) - self._routed)
-        if len(without_traffic) >= settings.REPLICA_MAX_PINNED:
-            return False
-        self._demanded[(ref.model_name, ref.version)] = ref
+        model and its KV cache, and pins may name any old version. A version with traffic of a model that
+        scales to zero (starts_on_demand) is started whatever the pins hold: its traffic is routed to it."""
+        key = (ref.model_name, ref.version)
+        if key not in self._on_demand:
+            pinned = (set(self._demanded) | (set(self.replicas) - self._routed)) - self._on_demand
+            if len(pinned) >= settings.REPLICA_MAX_PINNED:
+                return False
+        self._demanded[key] = ref
         self._woken.set()
         return True
+
+    def starts_on_demand(self, model_name: str, version: str) -> bool:
+        """Whether the version has traffic but gets a replica only when a request asks (on_demand.py)."""
+        return (model_name, version) in self._on_demand
 
     def is_demanded(self, model_name: str, version: str) -> bool:
         """Whether a replica of the version is coming or kept here: demanded for a pin and not yet
@@ -65,8 +75,11 @@ class ReplicaSupervisor:
         """Keep one replica per version that has traffic; pick up new versions without a restart."""
         while True:
             try:
-                wanted = await database_sync_to_async(versions_with_traffic, thread_sensitive=False)()
-                await self.reconcile(wanted)
+                # An adapter version with traffic wants its base's replica, which serves it.
+                wanted = await database_sync_to_async(versions_to_serve, thread_sensitive=False)()
+                on_demand = await database_sync_to_async(started_on_demand, thread_sensitive=False)(wanted)
+                always = [ref for ref in wanted if (ref.model_name, ref.version) not in on_demand]
+                await self.reconcile(always, on_demand=on_demand)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -76,9 +89,14 @@ class ReplicaSupervisor:
                 await asyncio.wait_for(self._woken.wait(), settings.REPLICA_SYNC_INTERVAL_S)
             self._woken.clear()
 
-    async def reconcile(self, wanted: list[VersionRef]) -> None:
+    async def reconcile(
+        self, wanted: list[VersionRef], *, on_demand: set[tuple[str, str]] | None = None
+    ) -> None:
+        """`wanted`: the versions that keep a replica up; `on_demand`: those with traffic whose replica is
+        started when demanded and retired once idle, as a pinned version's."""
         wanted_keys = {(ref.model_name, ref.version): ref for ref in wanted}
         self._routed = set(wanted_keys)
+        self._on_demand = set(on_demand or ())
         demanded, self._demanded = self._demanded, {}
         for key, ref in {**demanded, **wanted_keys}.items():
             replica = self.replicas.get(key)

@@ -158,6 +158,7 @@ _GAUGES = (
     ("running", "switchyard_running_requests", "Requests running in the engine after the last step."),
     ("kv_cache_usage", "switchyard_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use."),
     ("batch_size", "switchyard_last_batch_size", "Sequences scheduled in the last engine step."),
+    ("adapters", "switchyard_resident_adapters", "LoRA adapters loaded in the replica's engine."),
 )
 
 

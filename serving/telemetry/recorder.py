@@ -8,6 +8,7 @@ stay in memory for `GET /metrics` (prometheus.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -41,6 +42,17 @@ from serving.telemetry.metrics_store import metrics_flush
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterVersion:
+    """A version served by another's replica: a LoRA adapter on its base (docs/architecture.md, "Adapters
+    on a shared base"). Its requests are recorded under it, in windows of its own (its latency, errors
+    and the rollout judge's figures), by the base replica's recorder (MetricsRecorder.record)."""
+
+    model_name: str
+    version: str
+    version_id: int
+
+
 @dataclass(slots=True)
 class RequestSample:
     """A request that ended on the replica. Times in seconds; None where they do not apply."""
@@ -57,6 +69,7 @@ class RequestSample:
     # The tier it was served at (SERVICE_TIERS): its requests, errors and latencies are counted per tier
     # as well (docs/architecture.md, "Service tiers"). None: not known (refused before it was read).
     service_tier: str | None = None
+    adapter: AdapterVersion | None = None  # the adapter version it was served as; None: the replica's own
 
 
 @dataclass(slots=True)
@@ -73,6 +86,7 @@ class StepSample:
     # item waited for it.
     close_reason: str | None = None
     fill_time_s: float | None = None
+    num_adapters: int | None = None  # LoRA adapters resident in a generative engine after the step
 
 
 def _add_request(window: MetricsWindow, sample: RequestSample) -> None:
@@ -135,8 +149,10 @@ def _add_step(window: MetricsWindow, step: StepSample) -> None:
         ("running", step.num_running),
         ("kv_cache_usage", step.kv_cache_usage),
         ("batch_size", step.batch_size),
+        ("adapters", step.num_adapters),
     ):
-        window.gauge(name).observe(float(value))
+        if value is not None:
+            window.gauge(name).observe(float(value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +193,7 @@ class MetricsRecorder:
         self._flush_lock = threading.Lock()
         self._gauges: dict[str, float] = {}
         self.num_dropped_windows = 0
+        self._adapters: dict[AdapterVersion, MetricsRecorder] = {}  # the adapter versions it served
 
     def record(
         self,
@@ -185,10 +202,16 @@ class MetricsRecorder:
         requests: Iterable[RequestSample] = (),
         now: float | None = None,
     ) -> None:
+        requests = list(requests)
+        for sample in requests:
+            if sample.adapter is not None:
+                own = dataclasses.replace(sample, adapter=None)  # its recorder's own request
+                self.adapter_recorder(sample.adapter).record(requests=[own], now=now)
         with self._lock:
             window = self._pending_window(now)
             for sample in requests:
-                _add_request(window, sample)
+                if sample.adapter is None:
+                    _add_request(window, sample)
             if step is not None:
                 _add_step(window, step)
                 self._gauges.update(
@@ -197,6 +220,28 @@ class MetricsRecorder:
                     kv_cache_usage=step.kv_cache_usage,
                     batch_size=step.batch_size,
                 )
+                if step.num_adapters is not None:
+                    self._gauges["adapters"] = step.num_adapters
+
+    def adapter_recorder(self, adapter: AdapterVersion) -> MetricsRecorder:
+        """The recorder of an adapter version this replica serves: its own windows, under its version's
+        id and this replica's, flushed with this recorder's and shown on /metrics while it is live."""
+        with self._lock:
+            recorder = self._adapters.get(adapter)
+            if recorder is None:
+                recorder = self._adapters[adapter] = MetricsRecorder(
+                    model_name=adapter.model_name,
+                    version=adapter.version,
+                    version_id=adapter.version_id,
+                    replica_id=self.replica_id,
+                    window_s=self.window_s,
+                    clock=self._clock,
+                )
+            return recorder
+
+    def adapter_recorders(self) -> list[MetricsRecorder]:
+        with self._lock:
+            return list(self._adapters.values())
 
     def count(self, counts: dict[str, int], *, now: float | None = None) -> None:
         """Add to counters that are not about one step or request (shadow comparisons)."""
@@ -228,9 +273,16 @@ class MetricsRecorder:
             self.num_dropped_windows += 1
 
     def flush(self) -> int:
-        """Write the pending windows to the store (blocking: call from a worker thread). Returns how
-        many windows were written. On failure they go back to pending, for the next flush, and the
-        error propagates. While a write is in flight its windows still count in `snapshot()`."""
+        """Write the pending windows to the store (blocking: call from a worker thread), then its adapter
+        versions' (adapter_recorder). Returns how many windows were written. On failure they go back to
+        pending, for the next flush, and the error propagates. While a write is in flight its windows
+        still count in `snapshot()`."""
+        written = self._flush_own()
+        for recorder in self.adapter_recorders():
+            written += recorder.flush()
+        return written
+
+    def _flush_own(self) -> int:
         with self._flush_lock:
             with self._lock:
                 self._in_flight, self._pending = self._pending, {}
@@ -278,5 +330,7 @@ def unregister_recorder(recorder: MetricsRecorder) -> None:
 
 
 def live_recorders() -> list[MetricsRecorder]:
+    """Those registered, each followed by its adapter versions' (MetricsRecorder.adapter_recorder)."""
     with _live_lock:
-        return list(_live.values())
+        registered = list(_live.values())
+    return [r for recorder in registered for r in (recorder, *recorder.adapter_recorders())]

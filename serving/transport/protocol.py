@@ -187,7 +187,7 @@ class Submit:
     # Wall clock, so that a gateway in another process can be compared; 0: not said (the replica's arrival)
     submitted_at: float = 0.0
     input: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     inputs: list[str] | None = None
     tenant: str = "default"
     cache_group: str | None = None
@@ -197,6 +197,16 @@ class Submit:
     service_tier: str = "default"
     max_running: int | None = None
     kv_share: float | None = None
+    # A LoRA adapter version served on this replica's base (docs/architecture.md, "Adapters on a shared
+    # base"): "model:version", its directory and digest (checked before it is read), and its version's id,
+    # under which its requests' metrics are recorded. None: the base itself.
+    adapter: str | None = None
+    adapter_uri: str | None = None
+    adapter_sha256: str | None = None
+    adapter_version_id: int | None = None
+    # A chat's tools in OpenAI's function format, for its chat template (apply_chat_template(tools=…));
+    # None: no tools. Whether the output must be calls crosses as params' response_format.
+    tools: list[dict[str, Any]] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": SUBMIT, **_fields_of(self)}

@@ -101,6 +101,9 @@ class Heartbeat:
     # The sequences its steps ended a second of their time, over the same window (the last known rate
     # when none ran; 0: none ended yet): how fast seats free in a full batch, the forecast's seat wait.
     seats_freed_per_s: float = 0.0
+    # LoRA adapters resident in its engine, of the versions it serves on its base ("Adapters on a shared
+    # base"); an older replica says none.
+    num_adapters: int = 0
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Heartbeat:
@@ -150,7 +153,9 @@ class Heartbeat:
 _HEARTBEAT_FIELDS = frozenset(f.name for f in dataclasses.fields(Heartbeat))
 _HEARTBEAT_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("replica_id", "model_name", "version", "channel_name", "state"), (str,)),
-    **dict.fromkeys(("num_waiting", "num_running", "capacity", "queued_prompt_tokens"), (int,)),
+    **dict.fromkeys(
+        ("num_waiting", "num_running", "capacity", "queued_prompt_tokens", "num_adapters"), (int,)
+    ),
     **dict.fromkeys(
         (
             "kv_cache_usage",

@@ -176,3 +176,16 @@ def stream(
                     if first_token is not None:
                         first_token.set()
     return {"replica": replica, "events": events, "ended_at": time.monotonic(), "first_at": first_at}
+
+
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to each (they drain together), then wait for each; one that does not exit in 60 s is
+    killed."""
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -14,7 +14,12 @@ def client(platform_server) -> openai.OpenAI:
 
 def test_models_list_says_each_models_kind(client: openai.OpenAI) -> None:
     kinds = {m.id: getattr(m, "kind", None) for m in client.models.list()}
-    assert kinds == {"demo-chat": "causal-lm", "demo-embed": "embedding", "demo-classify": "classifier"}
+    assert kinds == {
+        "demo-chat": "causal-lm",
+        "demo-embed": "embedding",
+        "demo-classify": "classifier",
+        "demo-finetune": "causal-lm",  # the demo tenant's own (seed_demo), which only it lists
+    }
 
 
 def test_completion_json_and_stream_agree_under_greedy_decoding(client: openai.OpenAI) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from serving.gateway.router import REVALIDATE_S
 from tests.conftest import REPO_ROOT
-from tests.e2e.redis_fleet import Fleet, running_fleet, stream
+from tests.e2e.redis_fleet import Fleet, running_fleet, stop_processes, stream
 
 pytestmark = [pytest.mark.live_server_process, pytest.mark.redis]
 
@@ -187,14 +187,7 @@ def test_a_model_scaled_to_zero_gets_a_replica_for_a_request_and_loses_it_when_i
             timeout_s=30,
         )
     finally:
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(processes)
         fleet.server.manage("set_scaling", "demo-classify", "--clear")
     provisioner_log = logs["provisioner-zero"].read_text()
     assert provisioner_log.count("started a replica of demo-classify:v1") == 1, provisioner_log

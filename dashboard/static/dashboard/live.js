@@ -99,6 +99,7 @@
       cell(null).appendChild(badge);
       cell(String(r.queue_depth), "num", "queue_depth");
       cell(String(r.running), "num", "running");
+      cell(String(r.adapters || 0), "num", "adapters");
       cell(r.step_ms == null ? "—" : r.step_ms.toFixed(1) + " ms", "num", "step_ms");
       var kv = cell(null);
       var meter = document.createElement("div");

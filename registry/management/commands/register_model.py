@@ -26,9 +26,15 @@ class Command(BaseCommand):
         parser.add_argument(
             "--parent", metavar="VERSION", help="the version of the same model this one was made from"
         )
+        parser.add_argument(
+            "--adapter-of",
+            metavar="BASE:VERSION",
+            help="a PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) applying to this "
+            "base version, whose replicas serve it",
+        )
 
     def handle(self, *args: object, **options: str) -> None:
-        owner = parent = None
+        owner = parent = adapter_of = None
         if options["owner"]:
             owner = Tenant.objects.filter(name=options["owner"]).first()
             if owner is None:
@@ -39,6 +45,15 @@ class Command(BaseCommand):
             ).first()
             if parent is None:
                 raise CommandError(f"no version {options['name']}:{options['parent']} to be the parent")
+        if options["adapter_of"]:
+            base_name, _, base_version = options["adapter_of"].partition(":")
+            adapter_of = (
+                ModelVersion.objects.filter(model__name=base_name, version=base_version)
+                .select_related("model")
+                .first()
+            )
+            if adapter_of is None:
+                raise CommandError(f"no base version {options['adapter_of']!r} (give it as BASE:VERSION)")
         try:
             mv = model_version_register(
                 name=options["name"],
@@ -49,6 +64,7 @@ class Command(BaseCommand):
                 parent=parent,
                 owner=owner,
                 actor=actors.command(__name__),
+                adapter_of=adapter_of,
             )
         except (ArtifactError, RegistryError) as exc:
             raise CommandError(str(exc)) from None

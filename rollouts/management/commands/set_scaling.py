@@ -41,8 +41,11 @@ class Command(BaseCommand):
             f"{model.name}: {bounds.min_replicas} to {bounds.max_replicas} replicas per serving version"
         )
         if bounds.min_replicas == 0:
-            idle = settings.AUTOSCALER["idle_before_zero_s"]
-            self.stdout.write(
-                f"{model.name}: a version with no request for {idle:g} s scales to zero"
-                + ("" if settings.REDIS_URL else " (with replica processes: the embedded mode keeps one)")
+            # The embedded supervisor retires its on-demand replicas by its own keep-warm time
+            # (serving/replica/on_demand.py); the autoscaler, by its idle time.
+            idle = (
+                settings.REPLICA_KEEP_WARM_S
+                if settings.EMBEDDED_REPLICAS
+                else settings.AUTOSCALER["idle_before_zero_s"]
             )
+            self.stdout.write(f"{model.name}: a version with no request for {idle:g} s scales to zero")

@@ -109,6 +109,10 @@ class Command(BaseCommand):
         ref = version_ref(model_name=str(options["model"]), version=str(options["version"]))
         if ref is None:
             raise CommandError(f"unknown model version {options['model']}:{options['version']}")
+        if ref.is_adapter:
+            raise CommandError(
+                f"{ref.model_name}:{ref.version} is a LoRA adapter: its base version's replicas serve it"
+            )
         code = asyncio.run(
             self._serve(
                 ref,

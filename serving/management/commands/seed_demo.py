@@ -17,10 +17,14 @@ from registry.services import (
     quota_set,
     tenant_create,
 )
+from rollouts.scaling import scaling_bounds_set
 
 DEMO_MODEL = "demo-chat"
 DEMO_EMBEDDING_MODEL = "demo-embed"
 DEMO_CLASSIFIER_MODEL = "demo-classify"
+# The demo tenant's own model (Model.owner), which it rolls out as README.md's "A first rollout" shows:
+# demo-chat's weights, scaled to zero so that `make serve` runs no replica for it until it is used.
+DEMO_OWN_MODEL = "demo-finetune"
 DEMO_TENANT = "demo"
 DEMO_KEY_NAME = "make-serve"
 ACTOR = actors.command(__name__)  # how the audit log names this command's changes
@@ -30,8 +34,9 @@ STAFF_LOGIN = "admin"  # the dashboard's (and the admin's) first login
 class Command(BaseCommand):
     help = (
         "Make sure the demo models (demo-chat v1, the embedding model demo-embed v1 and the classifier "
-        "demo-classify v1, each stable, 100%), the demo tenant and a staff login for the dashboard exist "
-        "(the login's password is printed once, when it is made), then issue a fresh demo API key "
+        "demo-classify v1, each stable, 100%), the demo tenant, its own model demo-finetune v1 (demo-chat's "
+        "weights, scaled to zero: a replica only while it is used) and a staff login for the dashboard "
+        "exist (the login's password is printed once, when it is made), then issue a fresh demo API key "
         "(revoking the one issued last time) and print it on the last line."
     )
 
@@ -49,8 +54,8 @@ class Command(BaseCommand):
             "build_demo_classifier_model",
             Model.Kind.CLASSIFIER,
         )
-        # The demo tenant may roll out demo-chat (the platform's, granted it), so that the README's first
-        # rollout works with the demo key: a tenant deploys only its own models and those granted it.
+        # The demo tenant rolls out its own model (README.md's "A first rollout"), and demo-chat too (the
+        # platform's, granted it): a tenant deploys only its own models and those granted it.
         demo_chat = Model.objects.get(name=DEMO_MODEL)
         tenant = Tenant.objects.filter(name=DEMO_TENANT).first()
         if tenant is None:
@@ -71,6 +76,7 @@ class Command(BaseCommand):
         elif tenant.quota.may_deploy and not tenant.quota.deployable_models.exists():
             # A demo tenant made before it was granted demo-chat: granted it now, as a new one is.
             quota_set(tenant=tenant, change=QuotaChange(deployable_models=(demo_chat,)), actor=ACTOR)
+        self._ensure_own_model(tenant, demo_chat)
         self._ensure_staff_login()
         if options["no_key"]:
             return
@@ -115,6 +121,28 @@ class Command(BaseCommand):
                 f"a user {STAFF_LOGIN} exists but is not active staff, so it cannot sign in to the "
                 "dashboard; make a login that can with `.venv/bin/python manage.py createsuperuser`"
             )
+
+    def _ensure_own_model(self, tenant: Tenant, demo_chat: Model) -> None:
+        """The demo tenant's own model, v1 a copy of demo-chat's first version (whatever it was registered
+        from), scaled to zero (docs/architecture.md, "Replicas kept warm"): a fourth model must not hold
+        a fourth replica from the start (serving/replica/on_demand.py); a rollout keeps its candidate's."""
+        if Model.objects.filter(name=DEMO_OWN_MODEL).exists():
+            return
+        source = demo_chat.versions.order_by("created_at", "pk").first()
+        if source is None:
+            return
+        mv = model_version_register(
+            name=DEMO_OWN_MODEL,
+            version="v1",
+            source_dir=Path(source.artifact_uri),
+            owner=tenant,
+            created_by="seed_demo",
+            actor=ACTOR,
+        )
+        scaling_bounds_set(model=mv.model, min_replicas=0, max_replicas=1, actor=ACTOR)
+        self.stdout.write(
+            f"registered {DEMO_OWN_MODEL}:v1 sha256:{mv.sha256} ({DEMO_TENANT}'s own; no replica until used)"
+        )
 
     def _ensure_model(self, name: str, dir_name: str, builder: str, kind: str) -> None:
         """Register NAME v1, built with random weights under STATE_DIR by serving.engine.demo_model's

@@ -450,8 +450,8 @@ def test_a_version_that_lost_its_traffic_keeps_one_replica_while_pinned_requests
     make_model,
 ) -> None:
     """Version pinning outlives a promotion: v2 carries no traffic, yet while its replicas still serve
-    requests pinned to it, it keeps one; once idle, none. A pin cannot bring back a version that has no
-    replica (nothing asks for it but the pin), and a gateway's demand does not either."""
+    requests pinned to it, it keeps one; once idle, none. (A pin to a version with no replica at all:
+    tests/rollouts/fleet/test_pinned_demand.py.)"""
     from rollouts.scaling import autoscale
 
     make_model("chat")
@@ -460,7 +460,7 @@ def test_a_version_that_lost_its_traffic_keeps_one_replica_while_pinned_requests
         return autoscale(heartbeats=beats, demand=demand or {}, policy=POLICY, now=now)
 
     v1 = beat("chat", "v1", sent_at=1000.0)
-    assert tick(1000.0, [v1], {("chat", "v2"): 0.5}) == {("chat", "v1"): 1}  # nothing for v2
+    assert tick(1000.0, [v1]) == {("chat", "v1"): 1}  # nothing for v2
     # v2's two replicas (it was at 100% until a moment ago) served a pinned request 20 s ago: one stays
     pinned = [beat("chat", "v2", sent_at=1100.0, idle_s=20.0) for _ in range(2)]
     assert tick(1100.0, [v1, *pinned]) == {("chat", "v2"): 1}
@@ -641,9 +641,8 @@ def test_the_control_planes_heartbeat_readers_age_beats_on_redis_clock(
         (seen,) = [b for b in selectors.fleet_heartbeats() if b.replica_id == "r1" and b.model_name == model]
         assert seen.is_ready
         named = types.SimpleNamespace
-        deployment = named(
-            model=named(name=model), candidate=named(version="v2"), incumbent=named(version="v1")
-        )
+        candidate = named(version="v2", adapter_of=None)  # a full model's version, not an adapter
+        deployment = named(model=named(name=model), candidate=candidate, incumbent=named(version="v1"))
         assert services._fleet_replica_ready(deployment) is True  # type: ignore[arg-type]
     finally:
         monkeypatch.setattr(time, "time", real_time)

@@ -125,6 +125,20 @@ def test_wanted_replicas_are_the_targets_and_one_for_a_serving_version_without_a
     assert wanted_replicas() == {("chat", "v1"): 3, ("chat", "v2"): 0, ("embed", "v1"): 1}
 
 
+@pytest.mark.django_db
+def test_an_adapter_with_traffic_wants_its_bases_replica_not_one_of_its_own(make_model) -> None:
+    """docs/architecture.md, "Adapters on a shared base": run_replica refuses an adapter version, so a
+    provisioner asked for one would fail for ever while the base it runs on had none."""
+    from registry.models import ModelVersion
+    from rollouts.selectors import wanted_replicas
+
+    make_model("chat", versions=("v1", "v2"))  # v2 takes no traffic of its own
+    make_model("tune", versions=("v1",))
+    base = ModelVersion.objects.get(model__name="chat", version="v2")
+    ModelVersion.objects.filter(model__name="tune").update(adapter_of=base)  # rows, not a registration
+    assert wanted_replicas() == {("chat", "v1"): 1, ("chat", "v2"): 1}
+
+
 def test_a_replica_that_keeps_dying_young_waits_longer_each_time() -> None:
     machine = Machine()
     provisioner = machine.provisioner(restart_delay_s=5.0, max_restart_delay_s=15.0)

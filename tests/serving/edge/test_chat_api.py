@@ -178,7 +178,7 @@ async def test_unsupported_fields_sent_as_null_read_as_absent(
         completion_nulls = await client.post(
             "/v1/completions", json={**completion, "suffix": None, "best_of": None}, headers=acme.auth
         )
-        chat_tools = await _chat(client, acme.auth, hello, max_tokens=2, tools=[], tool_choice=None)
+        chat_tools = await _chat(client, acme.auth, hello, max_tokens=2, functions=[], tool_choice=None)
         completion_suffix = await client.post(
             "/v1/completions", json={**completion, "suffix": "", "best_of": None}, headers=acme.auth
         )
@@ -189,7 +189,7 @@ async def test_unsupported_fields_sent_as_null_read_as_absent(
     assert chat_tools.status_code == 400
     assert chat_tools.json()["error"] == {
         "type": "invalid_request_error",
-        "message": "unsupported field(s): tools",
+        "message": "unsupported field(s): functions",
         "param": None,
         "code": None,
     }

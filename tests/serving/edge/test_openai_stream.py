@@ -175,13 +175,14 @@ async def test_a_request_waiting_in_the_queue_gets_no_chunk_before_its_first_tok
 
 
 @pytest.mark.parametrize("make_chunk", [completion_chunk, chat_chunk])
-async def test_each_choice_opens_when_its_own_first_event_comes(make_chunk: Any) -> None:
-    """n = 2, the second choice still queued when the first has ended: nothing of it goes out before
-    its own first token (chat: its role, then its text)."""
+async def test_each_choices_text_waits_for_its_own_first_event(make_chunk: Any) -> None:
+    """n = 2, the second choice still queued when the first has ended: none of its text goes out before
+    its own first token. Chat opens every choice with its role, in index order, at the first event of
+    any (as vLLM does: the openai client's stream accumulation places a choice where it first arrives)."""
     ready, queued = QueuedHandle(), QueuedHandle(first_token=" Twice")
     ready.admit()
     stream = _stream_of(make_chunk, [ready, queued])
-    opening = [await anext(stream) for _ in range(3 if make_chunk is completion_chunk else 4)]
+    opening = [await anext(stream) for _ in range(3 if make_chunk is completion_chunk else 5)]
     queued.admit()
     chunks = _parse([*opening, *[part async for part in stream]])
     choices = [chunk["choices"][0] for chunk in chunks]
@@ -198,10 +199,10 @@ async def test_each_choice_opens_when_its_own_first_event_comes(make_chunk: Any)
         role = {"role": "assistant", "content": ""}
         assert [(c["index"], c["delta"] or c["finish_reason"]) for c in choices] == [
             (0, role),
+            (1, role),
             (0, {"content": " Once"}),
             (0, {"content": " upon"}),
             (0, "length"),
-            (1, role),
             (1, {"content": " Twice"}),
             (1, {"content": " upon"}),
             (1, "length"),

@@ -25,6 +25,8 @@ FIELDS = [
     "input", "inputs", "prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "stop", "seed", "stream", "stream_options", "logprobs", "top_logprobs", "logit_bias",
     "presence_penalty", "frequency_penalty", "n", "role", "content", "encoding_format", "user", "ignore_eos",
+    "tools", "tool_choice", "parallel_tool_calls", "tool_calls", "tool_call_id", "type", "function", "name",
+    "arguments", "parameters",
 ]  # fmt: skip
 scalars = (
     st.none()

@@ -1,6 +1,7 @@
-"""Tool calls' pieces that need no wiring yet (serving/edge/tool_calls.py): the fields checked as OpenAI
-defines them, and, through the engine on the random demo model, `tool_choice: "required"` and a named
-function constrained to calls whose arguments validate against the function's parameters."""
+"""Tool calls' edge pieces (serving/edge/tool_calls.py): the fields checked as OpenAI defines them, and,
+through the engine on the random demo model, `tool_choice: "required"` and a named function constrained
+to calls whose arguments validate against the function's parameters (through the API:
+test_chat_tools.py)."""
 
 from __future__ import annotations
 

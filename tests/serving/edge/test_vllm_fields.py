@@ -66,3 +66,17 @@ async def test_a_prompt_with_max_tokens_past_the_context_is_a_400_naming_both(ac
     assert "context is 2048 tokens" in message and "max_tokens 2048" in message
     fits = await _post("/v1/models/demo-chat/infer", {"input": "hi there", "max_tokens": 8}, acme.auth)
     assert fits.status_code == 200
+
+
+async def test_min_tokens_holds_a_stop_string_back_through_the_api(acme) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": "demo-chat", "prompt": "hi", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    free = await _post("/v1/completions", body, acme.auth)
+    stop = free.json()["choices"][0]["text"][:1]  # said by the first token or so, well before the sixth
+    assert stop, free.content
+    early = await _post("/v1/completions", {**body, "stop": [stop]}, acme.auth)
+    assert early.json()["choices"][0]["text"] == ""
+    held = await _post("/v1/completions", {**body, "stop": [stop], "min_tokens": 6}, acme.auth)
+    assert held.status_code == 200, held.content
+    assert held.json()["usage"]["completion_tokens"] >= 6 and held.json()["choices"][0]["text"].startswith(
+        stop
+    )

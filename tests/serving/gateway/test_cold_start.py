@@ -216,7 +216,7 @@ async def test_a_request_held_for_a_cold_start_holds_its_quota_slot_and_gives_it
     await asyncio.gather(again, return_exceptions=True)
 
 
-async def test_a_request_pinned_to_a_version_without_traffic_or_replicas_gets_its_503_at_once(
+async def test_a_request_pinned_to_a_version_without_traffic_waits_and_asks_the_autoscaler_for_it(
     registered_model: Any,
     remote_runtime: Any,
     redis_url: str,
@@ -224,21 +224,21 @@ async def test_a_request_pinned_to_a_version_without_traffic_or_replicas_gets_it
     monkeypatch: Any,
     demo_model_dir: Any,
 ) -> None:
-    """Even of a model that scales to zero: the autoscaler gives replicas to versions that serve, so the
-    request would wait for nothing, and its demand must not start one (any old version, at any
-    tenant's whim, on the fleet's GPUs)."""
+    """Through the provisioner as in the embedded mode (issue 43: it was a 503 at once): the pin's wait is
+    the gateway's demand in Redis, from which the autoscaler gives the version a replica
+    (tests/rollouts/fleet/test_pinned_demand.py); the request is served by it once it is ready. Its
+    version has no traffic, so the wait does not end for that (as a scaled-to-zero version's does)."""
+    import redis.asyncio as aioredis
     from asgiref.sync import sync_to_async
 
-    from registry.models import Model
+    from registry.selectors import version_ref
     from registry.services import model_version_register
-    from rollouts.scaling import scaling_bounds_set
     from serving.gateway import dispatch as dispatch_module
-    from serving.gateway.errors import GatewayError
     from serving.gateway.router import routing_cache
+    from serving.replica.replica import Replica
+    from serving.transport.replica_directory import DEMAND_KEY, HeartbeatPublisher
 
     await sync_to_async(model_version_register)(name="demo-chat", version="v2", source_dir=demo_model_dir)
-    model = await Model.objects.aget(name="demo-chat")
-    await sync_to_async(scaling_bounds_set)(model=model, min_replicas=0, max_replicas=1)
     routing_cache.clear()
     pinner = await sync_to_async(make_tenant)("pinner", may_pin=True)
 
@@ -246,11 +246,49 @@ async def test_a_request_pinned_to_a_version_without_traffic_or_replicas_gets_it
         return remote_runtime
 
     monkeypatch.setattr(dispatch_module, "data_plane", runtime)
-    with pytest.raises(GatewayError, match="no ready replica for demo-chat:v2") as refused:
-        await dispatch_module.dispatch(
+    waiting = asyncio.create_task(
+        dispatch_module.dispatch(
             context=pinner.context, path_model="demo-chat", pin="v2", params=PARAMS, text="hi"
         )
-    assert refused.value.status == 503
+    )
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        async with asyncio.timeout(10):
+            while await client.hget(DEMAND_KEY, "demo-chat:v2") is None:
+                await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
+    await asyncio.sleep(0.5)  # past a poll or two: still waiting, not refused for having no traffic
+    assert not waiting.done()
+
+    ref = await sync_to_async(version_ref)(model_name="demo-chat", version="v2")
+    replica = Replica(ref, layer=remote_runtime.layer, publisher=HeartbeatPublisher(redis_url))
+    try:
+        await replica.start()  # what the provisioner runs for the autoscaler's target
+        async with asyncio.timeout(30):
+            handle = await waiting
+        assert handle.version == "v2" and handle.replica.replica_id == replica.replica_id
+        await handle.close()
+    finally:
+        await replica.stop()
+
+
+async def test_a_pin_by_a_tenant_that_may_not_pin_asks_for_nothing(
+    registered_model: Any, remote_runtime: Any, redis_url: str, make_tenant: Any, demo_model_dir: Any
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    from registry.services import model_version_register
+    from serving.gateway import dispatch as dispatch_module
+    from serving.gateway.errors import GatewayError
+
+    await sync_to_async(model_version_register)(name="demo-chat", version="v2", source_dir=demo_model_dir)
+    plain = await sync_to_async(make_tenant)("plain")
+    with pytest.raises(GatewayError) as refused:
+        await dispatch_module.dispatch(
+            context=plain.context, path_model="demo-chat", pin="v2", params=PARAMS, text="hi"
+        )
+    assert refused.value.status == 403
     assert remote_runtime._cold_starts == {}
 
 

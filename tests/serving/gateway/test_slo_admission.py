@@ -47,14 +47,14 @@ async def _tenant(make_tenant, name: str, *, ttft_objective_ms: int | None = Non
     return await sync_to_async(make)()
 
 
-def _dispatch(tenant, *, text: str = "hello", max_tokens: int = 8):  # type: ignore[no-untyped-def]
+def _dispatch(tenant, *, text: str = "hello", max_tokens: int = 8, **params):  # type: ignore[no-untyped-def]
     from serving.gateway import dispatch as dispatch_module
 
     return dispatch_module.dispatch(
         context=tenant.context,
         path_model="demo-chat",
         pin=None,
-        params={**PARAMS, "max_tokens": max_tokens},
+        params={**PARAMS, "max_tokens": max_tokens, **params},
         text=text,
     )
 
@@ -194,7 +194,9 @@ async def test_a_request_waiting_past_the_replicas_queue_timeout_gets_a_503_to_r
     settings.ALLOWED_HOSTS = ["localhost"]
     settings.REPLICA_QUEUE_TIMEOUT_S = 0.5
     flooder = await _tenant(make_tenant, "flooder")
-    flood = [await _dispatch(flooder, text=PROMPT, max_tokens=1000) for _ in range(4)]  # every seat
+    # Every seat, held to the end: greedy on the random model reaches its EOS early, which freed the
+    # seats before the waiting request timed out (a flaky test).
+    flood = [await _dispatch(flooder, text=PROMPT, max_tokens=1000, ignore_eos=True) for _ in range(4)]
     streams = [request.events() for request in flood]
     try:
         # Seated, each: a flood still waiting when a slow machine's first step ends would time out itself.
