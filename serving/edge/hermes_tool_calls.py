@@ -61,6 +61,12 @@ def _call(body: str, names: set[str]) -> ToolCall | None:
         value = json.loads(body)
     except ValueError:
         return None
+    return call_from(value, names)
+
+
+def call_from(value: Any, names: set[str]) -> ToolCall | None:
+    """A call from a parsed JSON value: an object naming one of `names`, with its arguments an object
+    (or the JSON text of one) under `arguments` or `parameters`; None for anything else."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments: Any = value.get("arguments", value.get("parameters", {}))

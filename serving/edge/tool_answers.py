@@ -6,9 +6,11 @@ a stream's deltas reassemble to what the same choice returns whole.
   it is whole (the stream holds it back: a call's arguments are sent when they parse). An output cut
   short (by max_tokens or a stop string) holds no whole call: it is answered as its text, with its own
   finish_reason ("length"), as response_format's JSON cut short is.
-- "auto": the model's own format (hermes_tool_calls.py). A stream sends the text before a call as it
-  comes, holding back only what may begin `<tool_call>`, and everything from the tag on until the end:
-  then either calls, or, when they do not parse, the rest of the text.
+- "auto": the model's own format: the Hermes tags (hermes_tool_calls.py), or bare JSON at the start,
+  Llama 3.1's and Mistral's (json_tool_calls.py). A stream sends the text before a call as it comes,
+  holding back only what may begin `<tool_call>`, and everything from the tag on until the end: then
+  either calls, or, when they do not parse, the rest of the text. An output that begins like bare JSON
+  (`{`, `[`, a marker) is held whole until its end.
 - "none", or no tools: the text as it is.
 
 A choice that made calls ends with finish_reason "tool_calls" (one cut short keeps "length").
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serving.edge import json_tool_calls
 from serving.edge.hermes_tool_calls import OPEN_TAG, held_back, parse_hermes
 from serving.edge.tool_calls import ToolCall, ToolRequest, tool_calls_from_output
 
@@ -41,7 +44,7 @@ def answer(tools: ToolRequest | None, text: str, finish_reason: str) -> ChoiceAn
         except ValueError:  # cut short: no whole call
             return ChoiceAnswer(text, (), finish_reason)
         return ChoiceAnswer(None, tuple(calls), _with_calls(finish_reason))
-    parsed = parse_hermes(tools, text)
+    parsed = parse_hermes(tools, text) or json_tool_calls.parse_leading_json(tools, text)
     if parsed is None:
         return ChoiceAnswer(text, (), finish_reason)
     return ChoiceAnswer(parsed.content, parsed.calls, _with_calls(finish_reason))
@@ -80,6 +83,9 @@ class ChoiceStream:
         # (content that is only whitespace before calls is null, as answer() makes it). Nothing sent
         # may begin the tag, so it is looked for in the pending text alone.
         self._pending += text
+        if not self._sent and json_tool_calls.may_open(self._pending):  # bare JSON calls, perhaps
+            self._at_call = json_tool_calls.opens(self._pending)
+            return ""
         tag = self._pending.find(OPEN_TAG)
         self._at_call = tag >= 0
         end = tag if self._at_call else len(self._pending) - held_back(self._pending)

@@ -1,5 +1,6 @@
 """A choice's text read as its answer under `tool_choice: "auto"` (the Hermes/Qwen format,
-serving/edge/hermes_tool_calls.py), whole and streamed: the stream's chunks, split wherever the tokens
+serving/edge/hermes_tool_calls.py; Llama 3.1's and Mistral's bare JSON, json_tool_calls.py), whole and
+streamed: the stream's chunks, split wherever the tokens
 fall, reassemble in the `openai` client's own accumulation to the answer the whole response gives."""
 
 from __future__ import annotations
@@ -64,6 +65,50 @@ def test_calls_alone_have_null_content_and_an_unclosed_last_call_is_read() -> No
 def test_an_output_without_readable_calls_is_answered_as_its_text(text: str) -> None:
     got = answer(_auto(), text, "stop")
     assert got.content == text and got.calls == () and got.finish_reason == "stop"
+
+
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+MISTRAL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, ' + TIME + "]"
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        (LLAMA, ["get_weather"]),  # Llama 3.1/3.2's JSON tool use
+        (" <|python_tag|>" + LLAMA, ["get_weather"]),  # its marker kept by the detokenizer
+        (MISTRAL, ["get_weather", "get_time"]),
+        (MISTRAL.removeprefix("[TOOL_CALLS]"), ["get_weather", "get_time"]),  # the marker dropped
+    ],
+)
+def test_bare_json_calls_of_llama_and_mistral_are_read(text: str, names: list[str]) -> None:
+    got = answer(_auto(), text, "stop")
+    assert got.content is None and got.finish_reason == "tool_calls"
+    assert [c.name for c in got.calls] == names
+    assert json.loads(got.calls[0].arguments) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"answer": 42}',  # JSON, but no call
+        '{"name": "get_date", "parameters": {}}',  # a function it was not given
+        LLAMA + " and then some text",
+        "[1, 2, 3] are the numbers",
+    ],
+)
+def test_json_that_is_not_only_calls_is_text(text: str) -> None:
+    got = answer(_auto(), text, "stop")
+    assert got.content == text and got.calls == ()
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+async def test_a_bare_json_stream_is_held_to_its_end_and_reassembles(size: int) -> None:
+    chunks, streamed = await _streamed(_split(MISTRAL, size))
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks)  # nothing of the JSON as text
+    assert streamed.finish_reason == "tool_calls" and streamed.message.content is None
+    assert [c.function.name for c in streamed.message.tool_calls or []] == ["get_weather", "get_time"]
+    _, text = await _streamed(_split('{"answer": 42}', size))
+    assert text.message.content == '{"answer": 42}' and text.message.tool_calls is None
 
 
 def test_tool_choice_none_and_a_cut_short_constrained_output_are_text() -> None:
