@@ -18,10 +18,27 @@ class Refused(APIException):
         super().__init__(message)
 
 
+FORM = "application/x-www-form-urlencoded"
+
+
+def json_body(request: Request) -> Any:
+    """The request's parsed body. A JSON object sent as a form, as `curl -d '{…}'` sends it without a
+    Content-Type, parses as one form key holding the whole text: refused with a 415 that says so, rather
+    than a 400 naming that text as an unknown field."""
+    body = request.data
+    if (request.content_type or "").startswith(FORM) and any(str(k).lstrip().startswith("{") for k in body):
+        raise Refused(
+            415,
+            "the body came as a form (curl -d sends one): send it as JSON, with the header "
+            "'Content-Type: application/json'",
+        )
+    return body
+
+
 def read_body(request: Request, serializer_class: type[serializers.Serializer]) -> dict[str, Any]:  # type: ignore[type-arg]
     """The body's fields, validated; a field the serializer does not name is refused rather than
     ignored: a misspelt one would otherwise change nothing and answer success."""
-    body = request.data
+    body = json_body(request)
     if not isinstance(body, dict):
         raise ValidationError("the body must be a JSON object")
     unknown = sorted(set(body) - set(serializer_class().fields))

@@ -14,12 +14,13 @@ from typing import Any
 
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers, status
-from rest_framework.exceptions import APIException, NotFound, PermissionDenied
+from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from registry import api as registry_api
+from registry.bodies import Refused, json_body
 from registry.callers import caller_actor
 from registry.models import Model, is_valid_name
 from registry.selectors import TenantContext
@@ -31,12 +32,6 @@ logger = logging.getLogger(__name__)
 CREATE_FIELDS = frozenset(
     {"model", "version", "strategy", "steps", "bake_seconds", "thresholds", "mirror_pct", "quality_floor"}
 )
-
-
-class Refused(APIException):
-    def __init__(self, status_code: int, message: str) -> None:
-        self.status_code = status_code
-        super().__init__(message)
 
 
 def _actor(request: Request) -> str:
@@ -187,7 +182,7 @@ class DeploymentListView(APIView):
     )
     def post(self, request: Request) -> Response:
         _authorize(request)
-        body = request.data
+        body = json_body(request)
         if not isinstance(body, dict):
             raise Refused(400, "the body must be a JSON object")
         unknown = sorted(set(body) - CREATE_FIELDS)
@@ -244,7 +239,8 @@ class DeploymentDetailView(APIView):
 
 
 def _reason(request: Request) -> str:
-    body = request.data if isinstance(request.data, dict) else {}
+    body = json_body(request)
+    body = body if isinstance(body, dict) else {}
     reason = body.get("reason", "")
     return reason[:500] if isinstance(reason, str) else ""
 

@@ -237,6 +237,19 @@ def test_malformed_json_and_non_object_bodies_are_400(staff_client, chat) -> Non
     assert Deployment.objects.count() == 0
 
 
+def test_json_sent_as_a_form_is_a_415_that_names_the_header(staff_client, chat) -> None:
+    """`curl -d '{…}'` without a Content-Type sends a form, whose one key is the whole JSON text: the
+    README's own rollout example answered "unknown field(s): {"model": …}"."""
+    form = staff_client.post(
+        "/v1/deployments",
+        data=json.dumps({"model": "chat", "version": "v2"}),
+        content_type="application/x-www-form-urlencoded",
+    )
+    assert form.status_code == 415, form.content
+    assert "Content-Type: application/json" in form.json()["error"]["message"]
+    assert Deployment.objects.count() == 0
+
+
 def test_a_second_deployment_for_a_model_with_one_in_flight_is_409_and_changes_nothing(staff_client, chat):
     assert post(staff_client, "/v1/deployments", BODY).status_code == 202
     before = everything(chat)
