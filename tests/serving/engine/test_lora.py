@@ -257,3 +257,30 @@ def test_base_only_steps_build_no_lora_step(base_dir: Path, served: dict[str, Se
     calls.clear()
     run(engine, [Request("a", prompt(10, 0), 3, served["all-r4"].adapter), Request("b2", prompt(9, 1), 3)])
     assert calls and all(lora is not None for lora in calls)
+
+
+def test_with_two_threads_the_updates_run_on_one_and_the_forward_gets_both_back(
+    base_dir: Path, served: dict[str, Served], base_model: Any
+) -> None:
+    """The updates' small products run on one thread (lora_batch.py: on two they took twice as long);
+    the base's products after them must still get every thread, and the answers stay the merged model's."""
+    torch.set_num_threads(2)
+    try:
+        seen: list[int] = []
+        engine = make_engine(base_dir)
+        execute = engine.runner.execute
+
+        def counting(batch: Any, lora: Any = None) -> Any:
+            logits = execute(batch, lora)
+            seen.append(torch.get_num_threads())
+            return logits
+
+        engine.runner.execute = counting  # type: ignore[method-assign]
+        adapters: list[LoraAdapter | None] = [None, *(served[s.name].adapter for s in SPECS[:2])]
+        requests = [Request(f"t{i}", prompt(12 + 5 * i, 70 + i), 6, adapters[i % 3]) for i in range(6)]
+        got = run(engine, requests)
+        assert seen and set(seen) == {2}
+        for request in requests:
+            assert got[request.request_id] == expected(request, served, base_model), request.request_id
+    finally:
+        torch.set_num_threads(1)
