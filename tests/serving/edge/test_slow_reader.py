@@ -15,8 +15,11 @@ import pytest
 pytestmark = pytest.mark.django_db(transaction=True)
 
 READ_BEFORE_STALLING = 2
-BACKLOG = 16
+BACKLOG = 32
 MAX_TOKENS = 1500
+# Every stream runs to MAX_TOKENS: a stream that met the random demo model's EOS before its client
+# stalled would never back up.
+LONG = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
 STREAM_MESSAGES = ("http.response.body", "websocket.send")
 
 
@@ -42,7 +45,10 @@ class StalledClient:
 
     async def send(self, message: dict[str, Any]) -> None:
         read = sum(1 for m in self.sent if m["type"] in STREAM_MESSAGES)
-        if message["type"] in STREAM_MESSAGES and read >= READ_BEFORE_STALLING:
+        # A WebSocket cut off before the client stopped reading (the event loop starved on a busy machine
+        # while the replica made BACKLOG events) stalls at its error: the cut-off is what is under test.
+        cut_off = message["type"] == "websocket.send" and '"slow_reader"' in message.get("text", "")
+        if message["type"] in STREAM_MESSAGES and (read >= READ_BEFORE_STALLING or cut_off):
             self.stalled.set()
             await self._reading.wait()
         self.sent.append(message)
@@ -97,15 +103,15 @@ async def _stalled_http_stream(path: str, body: dict[str, Any], key: str) -> lis
 def _short_backlog(settings):  # type: ignore[no-untyped-def]
     settings.ALLOWED_HOSTS = ["localhost"]
     # Small, but more than a replica of the demo model makes while the reader sends the client its
-    # first READ_BEFORE_STALLING messages: at 4, on a busy machine, a reader that had not yet stalled was
-    # sometimes cut off (a CI run of 2026-12-06), which is the race, not the behaviour, under test.
+    # first READ_BEFORE_STALLING messages: at 4, and once at 16, on a busy machine a reader that had not
+    # yet stalled was cut off (CI runs of 2026-12-06), which is the race, not the behaviour, under test.
     settings.STREAM_MAX_BACKLOG_EVENTS = BACKLOG
 
 
 async def test_an_sse_stream_whose_client_stops_reading_is_cut_off_and_its_sequence_aborted(
     acme, runtime
 ) -> None:
-    body = {"input": "hello", "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0}
+    body = {"input": "hello", **LONG, "stream": True, "temperature": 0}
     chunks = await _stalled_http_stream("/v1/models/demo-chat/infer", body, acme.key)
     assert not any(b"finish_reason" in chunk for chunk in chunks)
     await _replica_is_empty(runtime)
@@ -134,7 +140,7 @@ async def test_a_websocket_client_that_stops_reading_is_cut_off_and_told_why_whe
     from config.asgi import application
     from serving.edge.websocket import CLOSE_SLOW_READER
 
-    infer = {"type": "infer", "input": "hello", "max_tokens": MAX_TOKENS, "temperature": 0}
+    infer = {"type": "infer", "input": "hello", **LONG, "temperature": 0}
     client = StalledClient(
         [{"type": "websocket.connect"}, {"type": "websocket.receive", "text": json.dumps(infer)}]
     )
@@ -168,7 +174,7 @@ async def test_an_openai_stream_of_several_choices_whose_client_stops_reading_is
     three sequences on the replica."""
     (replica,) = runtime.replicas.values()
     aborted_before = replica.metrics.snapshot().totals.counters.get("aborted", 0)
-    body = {"model": "demo-chat", "prompt": "hello", "max_tokens": MAX_TOKENS, "stream": True, "n": 3}
+    body = {"model": "demo-chat", "prompt": "hello", **LONG, "stream": True, "n": 3}
     chunks = await _stalled_http_stream("/v1/completions", body, acme.key)
     assert not any(b'finish_reason":"length' in chunk or b"[DONE]" in chunk for chunk in chunks)
     await _replica_is_empty(runtime)
@@ -256,7 +262,7 @@ async def test_a_cancel_after_a_slow_reader_cut_off_still_gets_the_cut_offs_mess
         await cancel(self)
 
     monkeypatch.setattr(InferenceStreamConsumer, "_cancel", watched_cancel)
-    infer = {"type": "infer", "input": "hello", "max_tokens": MAX_TOKENS, "temperature": 0}
+    infer = {"type": "infer", "input": "hello", **LONG, "temperature": 0}
     client = StalledClientThatCancels(
         [{"type": "websocket.connect"}, {"type": "websocket.receive", "text": json.dumps(infer)}]
     )
