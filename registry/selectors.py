@@ -88,7 +88,13 @@ class VersionRef:
     sha256: str
     files: dict[str, str] = field(hash=False, compare=False)
     kind: str = Model.Kind.CAUSAL_LM
-    is_adapter: bool = False  # a LoRA adapter: served by its base's replicas, never loaded as a model
+    # A LoRA adapter's base version (None: not an adapter): served by its base's replicas, never loaded
+    # as a model.
+    adapter_of_id: int | None = None
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.adapter_of_id is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +260,7 @@ def _ref(mv: ModelVersion) -> VersionRef:
         sha256=mv.sha256,
         files=dict(mv.files),
         kind=mv.model.kind,
-        is_adapter=mv.adapter_of_id is not None,
+        adapter_of_id=mv.adapter_of_id,
     )
 
 
@@ -275,13 +281,8 @@ def versions_to_serve() -> list[VersionRef]:
     """versions_with_traffic as replicas are started for them: an adapter version's requests run on its
     base's replicas, so it stands for its base version (once, however many adapters name it)."""
     refs = versions_with_traffic()
-    bases = dict(
-        ModelVersion.objects.filter(
-            pk__in=[r.version_id for r in refs], adapter_of__isnull=False
-        ).values_list("pk", "adapter_of_id")
-    )
-    served = {r.version_id: r for r in refs if r.version_id not in bases}
-    missing = set(bases.values()) - set(served)
+    served = {r.version_id: r for r in refs if r.adapter_of_id is None}
+    missing = {r.adapter_of_id for r in refs if r.adapter_of_id is not None} - set(served)
     for mv in ModelVersion.objects.filter(pk__in=missing).select_related("model"):
         served[mv.pk] = _ref(mv)
     return list(served.values())
