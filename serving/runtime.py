@@ -76,6 +76,8 @@ def _local_handle(replica: Replica) -> ReplicaHandle:
         capacity=report.capacity,
         seats_freed_per_s=report.seat_rate.per_s,
         num_adapters=report.num_adapters,
+        latest_ends_in_steps=report.latest_ends_in_steps,
+        since_step_s=report.since_step_s(),
     )
 
 
@@ -100,6 +102,10 @@ def _remote_handle(beat: Heartbeat) -> ReplicaHandle:
         capacity=beat.capacity,
         seats_freed_per_s=beat.seats_freed_per_s,
         num_adapters=beat.num_adapters,
+        latest_ends_in_steps=beat.latest_ends_in_steps,
+        # As of now: the beat said how long before it was sent, and it has aged since (sent_at is on this
+        # process's clock once read, replica_directory's docstring).
+        since_step_s=beat.since_step_s + max(0.0, time.time() - beat.sent_at) if beat.since_step_s else 0.0,
     )
 
 

@@ -26,11 +26,11 @@ from typing import Any, Protocol, cast
 from rollouts.fleet.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
 from rollouts.fleet.slo_gateway import SloAdmission
 from serving.engine.kv_cache import KVCacheManager
-from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, latest_ends_in_steps
 from serving.engine.sequence import SamplingParams, Sequence
 from serving.engine.simulated import LatencyModel, SimulatedExecutor, SimulatedRequest
 from serving.gateway.router import choose_replica
-from serving.transport.replica_directory import STEP_WINDOW_S, RecentSteps
+from serving.transport.replica_directory import SEAT_ENDS_REPORTED, STEP_WINDOW_S, RecentSteps
 from serving.transport.step_rate import StepRate, prefilled_tokens
 
 
@@ -195,6 +195,7 @@ class _Replica:
         self.prefill_rate = StepRate(STEP_WINDOW_S)  # prompt tokens, over the steps that prefilled
         self.seat_rate = StepRate(STEP_WINDOW_S)  # sequences ended, over every step
         self.capacity = config.scheduler.max_num_seqs
+        self.last_step_ended_at: float | None = None  # virtual time; None: no step has
         # What a replica's warm-up times: one sequence decoding over two blocks and a token (ModelRunner).
         self.base_step_s = config.latency.base_step_ms(2 * config.scheduler.block_size + 1) / 1000
 
@@ -233,6 +234,14 @@ class _Replica:
     @property
     def step_s(self) -> float:
         return self.recent_steps.read(self._clock[0]).mean_s
+
+    @property
+    def latest_ends_in_steps(self) -> tuple[int, ...]:
+        return latest_ends_in_steps(self.scheduler.running_seqs(), SEAT_ENDS_REPORTED)
+
+    @property
+    def since_step_s(self) -> float:
+        return 0.0 if self.last_step_ended_at is None else self._clock[0] - self.last_step_ended_at
 
 
 def simulate_fleet(
@@ -294,6 +303,7 @@ def simulate_fleet(
             if replica.step is not None and replica.step[3] <= now:
                 output, sampled, started, _ = replica.step
                 replica.step, stepped = None, True
+                replica.last_step_ended_at = now
                 replica.recent_steps.add(now, now - started)  # steps are instants here: no begin()
                 if prefilled := prefilled_tokens(output.num_batched_tokens, len(output.scheduled)):
                     replica.prefill_rate.add(now, prefilled, now - started)

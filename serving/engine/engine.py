@@ -34,7 +34,7 @@ from serving.engine.lora_batch import FusedLoraWeights, lora_step
 from serving.engine.lora_slots import AdapterSlots
 from serving.engine.runner import ModelRunner
 from serving.engine.sampling import Sampler, make_generator
-from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, latest_ends_in_steps
 from serving.engine.sequence import DEFAULT_TIER, FinishReason, SamplingParams, Sequence, TenantLimits
 from serving.engine.token_bytes import token_bytes_reader
 
@@ -372,6 +372,10 @@ class Engine:
         """Prompt tokens not yet prefilled over the waiting and running sequences (the heartbeat's)."""
         seqs = (state.seq for state in self._requests.values())
         return sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in seqs)
+
+    def latest_ends_in_steps(self, limit: int) -> tuple[int, ...]:
+        """When the batch's seats free at the latest, in steps (the heartbeat's; Scheduler's)."""
+        return latest_ends_in_steps(self.scheduler.running_seqs(), limit)
 
     # --- the step ----------------------------------------------------------------------------------
 

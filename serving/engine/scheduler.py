@@ -4,9 +4,10 @@ for the tokens it has not computed yet (one when decoding), and a long prompt is
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -432,3 +433,17 @@ def _without(
     ids = {victim.request_id for victim in victims}
     kept = [item for item in scheduled if item.seq.request_id not in ids]
     return kept, sum(item.num_new_tokens for item in scheduled) - sum(item.num_new_tokens for item in kept)
+
+
+def latest_ends_in_steps(running: Iterable[Sequence], limit: int) -> tuple[int, ...]:
+    """The steps within which the decoding sequences of `running` must end at the latest (each one's
+    max_tokens less the tokens it has made; EOS or a stop string may end it sooner), the soonest `limit`,
+    ascending: the TTFT forecast's bound on when a full batch frees its seats (docs/architecture.md,
+    "SLO-aware admission"). Sequences still prefilling are left out: leaving some out can only put the
+    k-th soonest later, so every figure stays a bound."""
+    ends = (
+        seq.params.max_tokens - seq.num_output_tokens
+        for seq in running
+        if seq.num_computed_tokens >= seq.num_prompt_tokens
+    )
+    return tuple(heapq.nsmallest(limit, ends))

@@ -49,6 +49,10 @@ class ReplicaHandle:
     # leaves a "loading" beat for a minute, which must not read as one coming up.
     is_fresh: bool = True
     num_adapters: int = 0  # LoRA adapters resident in its engine (Heartbeat.num_adapters)
+    # The steps within which its decoding sequences end at the latest, and the seconds since its last
+    # step ended (Heartbeat's, aged to when the handle was made): the forecast's bound on a seat wait.
+    latest_ends_in_steps: tuple[int, ...] = ()
+    since_step_s: float = 0.0
 
 
 class DataPlane(Protocol):

@@ -3,13 +3,15 @@
 TTFT = the wait to start, + its own prompt at the replica's measured prefill rate, + one step (the one
 running when it arrives, which it waits out). The wait to start is the longer of two: prefilling the
 prompt tokens queued ahead of it, and, when the batch is full, waiting for a seat: the sequences ahead of
-it that a free seat would not take, at the rate the replica's steps have lately ended sequences. Pure
+it that a free seat would not take, at the rate the replica's steps have lately ended sequences, or by
+when that many of its running sequences must have ended (their max_tokens), whichever is sooner. Pure
 functions over a typed record, so that the gateway's admission (slo_admission.py), the prediction-error
 metric and the fleet simulator (rollouts/fleet/slo_gateway.py) read the same figures.
 docs/architecture.md, "SLO-aware admission"."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +41,10 @@ class ReplicaFigures(Protocol):
     def capacity(self) -> int: ...
     @property
     def seats_freed_per_s(self) -> float: ...
+    @property
+    def latest_ends_in_steps(self) -> tuple[int, ...]: ...
+    @property
+    def since_step_s(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,10 @@ class TtftInputs:
     num_running: int = 0
     capacity: int = 0  # seats: the most sequences it runs at once; 0: not known
     seats_freed_per_s: float = 0.0  # sequences its steps end a second; 0: not known
+    # The steps within which its decoding sequences end at the latest, ascending (the soonest few), and
+    # the seconds since its last step ended: () and 0 where not known.
+    latest_ends_in_steps: tuple[int, ...] = ()
+    since_step_s: float = 0.0
 
     @classmethod
     def of(cls, replica: ReplicaFigures, *, prompt_tokens: int) -> TtftInputs:
@@ -67,6 +77,8 @@ class TtftInputs:
             num_running=replica.num_running,
             capacity=replica.capacity,
             seats_freed_per_s=replica.seats_freed_per_s,
+            latest_ends_in_steps=replica.latest_ends_in_steps,
+            since_step_s=replica.since_step_s,
         )
 
     @property
@@ -78,6 +90,29 @@ class TtftInputs:
         free = max(self.capacity - self.num_running, 0)
         return max(self.num_waiting + 1 - free, 0)
 
+    def seat_wait_s(self, step_s: float) -> float:
+        """Until a seat is the new request's: the seats short at the rate steps end sequences, or by when
+        that many running sequences must have ended (the k-th soonest end: that many steps of `step_s`
+        from when the last step ended), whichever is sooner. Neither known: 0, no seat wait rather than
+        a guess, as for the prefill rate."""
+        short = self.seats_short
+        if not short:
+            return 0.0
+        waits = [short / self.seats_freed_per_s] if self.seats_freed_per_s > 0 else []
+        ends = self.latest_ends_in_steps
+        if ends and step_s > 0 and (short <= len(ends) or not waits):
+            # Short of more seats than ends are listed, and no rate: at least until the last listed end
+            # (the rest end later), so that a request further back is never forecast sooner.
+            end = ends[min(short, len(ends)) - 1]
+            waits.append(max(0.0, end * step_s - self.since_step_s))
+        return min(waits, default=0.0)
+
+    def step_left_s(self, step_s: float) -> float:
+        """What is left of the step it is running (its queue drains only when one ends); 0 when idle."""
+        if not self.num_running or step_s <= 0:
+            return 0.0
+        return max(0.0, step_s - self.since_step_s)
+
 
 @dataclass(frozen=True, slots=True)
 class TtftForecast:
@@ -85,6 +120,7 @@ class TtftForecast:
     prefill_s: float  # its own prompt
     step_s: float  # the step it arrives during
     seat_wait_s: float = 0.0  # for a seat in a full batch
+    step_left_s: float = 0.0  # of the step running when it arrives: no queue drains before it ends
 
     @property
     def wait_s(self) -> float:
@@ -103,14 +139,12 @@ def forecast_ttft(inputs: TtftInputs) -> TtftForecast | None:
     if not rate > 0:  # 0, or a NaN
         return None
     step_s = inputs.step_s if inputs.step_s > 0 else max(inputs.base_step_s, 0.0)
-    seats_short, seat_rate = inputs.seats_short, inputs.seats_freed_per_s
     return TtftForecast(
         queue_wait_s=max(inputs.queued_prompt_tokens, 0) / rate,
         prefill_s=max(inputs.prompt_tokens, 0) / rate,
         step_s=step_s,
-        # A full batch whose steps have ended nothing yet gives no rate to wait at: no seat wait rather
-        # than a guess, as for the prefill rate.
-        seat_wait_s=seats_short / seat_rate if seats_short and seat_rate > 0 else 0.0,
+        seat_wait_s=inputs.seat_wait_s(step_s),
+        step_left_s=inputs.step_left_s(step_s),
     )
 
 
@@ -124,8 +158,16 @@ def meets(forecast: TtftForecast | None, objective_s: float) -> bool:
 
 def wait_until_met_s(forecast: TtftForecast, objective_s: float) -> float:
     """How long until a request sent there would be predicted to meet the objective, were nothing more
-    to arrive: until what is ahead of it has shrunk by the excess, or wholly."""
-    return max(0.0, min(forecast.total_s - objective_s * HEADROOM, forecast.wait_s))
+    to arrive: until what is ahead of it has shrunk by the excess, or wholly. What is ahead shrinks only
+    when a step ends, and then by a whole step's work (the running step's began before the forecast
+    was made): so the first step end at which the steps ended make up the excess, the running step's
+    first and one step_s apart after it. A replica that is not running a step: the excess itself."""
+    excess = min(forecast.total_s - objective_s * HEADROOM, forecast.wait_s)
+    if excess <= 0:
+        return 0.0
+    if forecast.step_s <= 0 or not forecast.step_left_s:
+        return excess
+    return forecast.step_left_s + (math.ceil(excess / forecast.step_s) - 1) * forecast.step_s
 
 
 def estimate_prompt_tokens(input_chars: int) -> int:

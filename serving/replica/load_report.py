@@ -14,7 +14,7 @@ from typing import Any
 
 from registry.models import Model
 from registry.selectors import VersionRef
-from serving.transport.replica_directory import Heartbeat, RecentSteps
+from serving.transport.replica_directory import SEAT_ENDS_REPORTED, Heartbeat, RecentSteps
 from serving.transport.step_rate import StepRate, prefilled_tokens
 
 # Steps of one decoding sequence it takes before their median, not the warm-up's, is a step's base.
@@ -32,6 +32,10 @@ class LoadReport:
         self.queued_prompt_tokens = 0  # not yet prefilled, over the waiting and running sequences
         self.prefill_rate = StepRate()  # prompt tokens, over the steps that prefilled
         self.seat_rate = StepRate()  # sequences ended, over every step: seats freed
+        # The steps within which its decoding sequences end at the latest, and when its last step ended
+        # (monotonic; 0: none has): the forecast's bound on a seat wait (Heartbeat.latest_ends_in_steps).
+        self.latest_ends_in_steps: tuple[int, ...] = ()
+        self.last_step_ended_at = 0.0
         self.num_adapters = (
             0  # LoRA adapters resident in the engine (docs/architecture.md, "Adapters on a shared base")
         )
@@ -49,9 +53,11 @@ class LoadReport:
         self.num_adapters = len(getattr(stats, "adapters_resident", ()))  # an encoder's: none
         queued = getattr(engine, "queued_prompt_tokens", None)
         self.queued_prompt_tokens = int(queued()) if queued is not None else 0
+        ends = getattr(engine, "latest_ends_in_steps", None)
+        self.latest_ends_in_steps = ends(SEAT_ENDS_REPORTED) if ends is not None else ()
         if model_time_s is None:
             return
-        ended_at = time.monotonic()
+        self.last_step_ended_at = ended_at = time.monotonic()
         self.recent_steps.add(ended_at, model_time_s)
         if prefilled := prefilled_tokens(stats.num_batched_tokens, stats.num_scheduled_seqs):
             self.prefill_rate.add(ended_at, prefilled, model_time_s)
@@ -97,4 +103,10 @@ class LoadReport:
             prefill_tokens_per_s=self.prefill_rate.per_s,
             seats_freed_per_s=self.seat_rate.per_s,
             num_adapters=self.num_adapters,
+            latest_ends_in_steps=self.latest_ends_in_steps,
+            since_step_s=self.since_step_s(),
         )
+
+    def since_step_s(self) -> float:
+        """Seconds since its last step ended; 0 before the first."""
+        return time.monotonic() - self.last_step_ended_at if self.last_step_ended_at else 0.0

@@ -45,6 +45,9 @@ ROUTED_AFTER_LEAVING_S = _SERVE_STALE_S + 2 * _CACHE_S
 # A heartbeat's step_s is the mean over this many seconds of steps: the autoscaler's tick (5 s) sees
 # each step once, and one long prefill does not swing it.
 STEP_WINDOW_S = 5.0
+# The soonest seat ends a beat carries (Heartbeat.latest_ends_in_steps): more seats than a request is
+# short of in any but a far-overloaded batch, whose requests the forecast refuses on its rate anyway.
+SEAT_ENDS_REPORTED = 16
 MIN_STEP_SPAN_S = 1.0
 KEY_PREFIX = "switchyard:replicas:"
 # A replica's states (serving.replica.replica.ReplicaState) in which it serves nothing any more. Any other
@@ -104,6 +107,12 @@ class Heartbeat:
     # LoRA adapters resident in its engine, of the versions it serves on its base ("Adapters on a shared
     # base"); an older replica says none.
     num_adapters: int = 0
+    # When its batch frees seats at the latest: the steps within which its decoding sequences must end
+    # (each one's max_tokens less the tokens made), the soonest SEAT_ENDS_REPORTED ascending, and the
+    # seconds since its last step ended when the beat was made. With step_s, the forecast's bound on a
+    # seat wait; an older replica says neither.
+    latest_ends_in_steps: tuple[int, ...] = ()
+    since_step_s: float = 0.0
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Heartbeat:
@@ -117,6 +126,15 @@ class Heartbeat:
             beat = cls(**{k: v for k, v in values.items() if k in _HEARTBEAT_FIELDS})
         except TypeError as exc:
             raise ValueError(f"not a heartbeat: {exc}") from None
+        # A JSON list, checked here and kept as a tuple; an empty one comes back from the publishing
+        # script as {} (Lua's cjson writes an empty table as an object).
+        ends: object = beat.latest_ends_in_steps
+        ends = () if ends == {} else ends
+        if not isinstance(ends, list | tuple) or not all(
+            isinstance(end, int) and not isinstance(end, bool) and end >= 0 for end in ends
+        ):
+            raise ValueError(f"heartbeat field latest_ends_in_steps is {ends!r}")
+        beat = dataclasses.replace(beat, latest_ends_in_steps=tuple(ends))
         for name, kinds in _HEARTBEAT_TYPES.items():
             value = getattr(beat, name)
             if (
@@ -166,6 +184,7 @@ _HEARTBEAT_TYPES: dict[str, tuple[type, ...]] = {
             "base_step_s",
             "prefill_tokens_per_s",
             "seats_freed_per_s",
+            "since_step_s",
         ),
         (int, float),
     ),

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serving.engine.kv_cache import KVCacheManager
-from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serving.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, latest_ends_in_steps
 from serving.engine.sequence import (
     DEFAULT_TIER,
     FLEX_TIER,
@@ -538,3 +538,21 @@ def test_max_output_tokens_is_exactly_what_add_admits(
     if num_prompt_tokens + longest < 256:  # one more is refused, unless the context limit refuses it first
         with pytest.raises(ValueError, match="KV blocks"):
             scheduler.add(make_seq("over", num_prompt_tokens, max_tokens=max(1, longest + 1)))
+
+
+def test_the_latest_ends_are_the_steps_each_decoding_sequence_has_left_and_it_ends_by_then() -> None:
+    """The TTFT forecast's bound on a full batch's seat wait (scheduler.latest_ends_in_steps)."""
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    scheduler.add(make_seq("short", 3, max_tokens=2))
+    scheduler.add(make_seq("long", 3, max_tokens=5))
+    scheduler.add(make_seq("prefilling", 40, max_tokens=1))
+    step(scheduler)  # short and long prefill and make a token each; prefilling gets 10 of its 40
+    # The soonest first; a sequence still prefilling is left out (it ends later than any decoding one
+    # with as many tokens left, so leaving it out keeps each figure a bound).
+    assert latest_ends_in_steps(scheduler.running_seqs(), 8) == (1, 4)
+    assert latest_ends_in_steps(scheduler.running_seqs(), 1) == (1,)
+    _, finished = step(scheduler)
+    assert [seq.request_id for seq in finished] == ["short"]
+    for _ in range(3):
+        step(scheduler)
+    assert scheduler.get("long") is None  # ended within the 4 steps it listed

@@ -43,6 +43,10 @@ def inputs(draw: st.DrawFn) -> TtftInputs:
         num_running=draw(seats),
         capacity=draw(seats),
         seats_freed_per_s=draw(st.floats(min_value=0.0, max_value=1e4, allow_nan=False)),
+        latest_ends_in_steps=tuple(
+            sorted(draw(st.lists(st.integers(min_value=0, max_value=10_000), max_size=16)))
+        ),
+        since_step_s=draw(step_times),
     )
 
 
@@ -133,6 +137,43 @@ def test_a_full_batch_adds_the_wait_for_a_seat_at_the_rate_its_steps_end_sequenc
     ):
         other = forecast_ttft(inputs_)
         assert other is not None and other.seat_wait_s == 0
+
+
+def test_a_full_batch_whose_sequences_must_end_sooner_than_the_rate_says_waits_for_those_ends() -> None:
+    # 4 seats, all taken, 1 waiting: the new request needs the 2nd seat to free. Its decoding sequences
+    # must end within 1, 3 and 40 steps (their max_tokens): the 2nd seat is free 3 steps of 50 ms after
+    # the last step ended, 20 ms ago, sooner than 2 seats at 1 a second.
+    full = TtftInputs(
+        0, 10_000.0, 0.05, 0.01, 100, num_waiting=1, num_running=4, capacity=4, seats_freed_per_s=1.0
+    )
+    ending = dataclasses.replace(full, latest_ends_in_steps=(1, 3, 40), since_step_s=0.02)
+    forecast = forecast_ttft(ending)
+    assert forecast is not None and forecast.seat_wait_s == pytest.approx(0.13)
+    # Ends later than the rate says: the rate (EOS or a stop string may end them sooner).
+    late = forecast_ttft(dataclasses.replace(ending, latest_ends_in_steps=(30, 60)))
+    assert late is not None and late.seat_wait_s == pytest.approx(2.0)
+    # Fewer ends listed than seats short: the rate; no rate yet: the ends alone, at least the last one.
+    few = forecast_ttft(dataclasses.replace(ending, latest_ends_in_steps=(1,)))
+    assert few is not None and few.seat_wait_s == pytest.approx(2.0)
+    no_rate = dataclasses.replace(ending, seats_freed_per_s=0.0)
+    assert forecast_ttft(no_rate).seat_wait_s == pytest.approx(0.13)  # type: ignore[union-attr]
+    last = forecast_ttft(dataclasses.replace(no_rate, latest_ends_in_steps=(1,)))
+    assert last is not None and last.seat_wait_s == pytest.approx(0.03)
+
+
+def test_a_refused_request_waits_for_the_step_ends_that_drain_its_excess() -> None:
+    # 0.7 s of prompts queued, its own 10 ms, a 50 ms step that began 10 ms ago: 0.76 s forecast.
+    busy = TtftInputs(7000, 10_000.0, 0.05, 0.01, 100, num_running=8, since_step_s=0.01)
+    forecast = forecast_ttft(busy)
+    assert forecast is not None and forecast.total_s == pytest.approx(0.76)
+    # 60 ms over the 0.7 s it must come within: the running step's end, 40 ms on, takes off 50 ms of it
+    # (its work, begun before), the next one's, 50 ms later, the rest.
+    assert wait_until_met_s(forecast, 1.0) == pytest.approx(0.04 + 0.05)
+    # 5 ms over: met when the running step ends, not 5 ms on.
+    assert wait_until_met_s(forecast, 0.755 / HEADROOM) == pytest.approx(0.04)
+    # Not running a step: the excess itself, as it drains.
+    idle = forecast_ttft(dataclasses.replace(busy, num_running=0))
+    assert idle is not None and wait_until_met_s(idle, 1.0) == pytest.approx(0.76 - HEADROOM)
 
 
 def _replica(

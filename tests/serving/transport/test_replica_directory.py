@@ -196,3 +196,41 @@ def test_a_beat_says_what_is_queued_ahead_and_how_fast_it_prefills_and_an_older_
     assert parsed.seats_freed_per_s == 0.0
     with pytest.raises(ValueError, match="heartbeat field queued_prompt_tokens"):
         Heartbeat.from_json(json.dumps({**older, "queued_prompt_tokens": 1.5}))
+
+
+def test_a_beat_says_when_its_batch_frees_seats_at_the_latest_and_a_wrong_list_is_refused() -> None:
+    """The forecast's bound on a seat wait: the engine's soonest ends, and how long ago its last step
+    ended, through JSON and back; an engine without the figure (an encoder) says none."""
+    import json
+    import types
+
+    from registry.models import Model
+    from serving.replica.load_report import LoadReport
+
+    class Engine:
+        def queued_prompt_tokens(self) -> int:
+            return 0
+
+        def latest_ends_in_steps(self, limit: int) -> tuple[int, ...]:
+            return (3, 7, 90)[:limit]
+
+    stats = types.SimpleNamespace(
+        num_waiting=1, num_running=3, kv_cache_usage=0.5, num_batched_tokens=3, num_scheduled_seqs=3
+    )
+    ref = types.SimpleNamespace(model_name="m", version="v1", kind=Model.Kind.CAUSAL_LM)
+    report = LoadReport()
+    before = report.heartbeat(ref, "r1", "c", "ready", num_pending=0, idle_s=0.0)  # type: ignore[arg-type]
+    assert (before.latest_ends_in_steps, before.since_step_s) == ((), 0.0)  # no step yet
+    report.account(stats, 0.010, engine=Engine())
+    beat = report.heartbeat(ref, "r1", "c", "ready", num_pending=0, idle_s=0.0)  # type: ignore[arg-type]
+    assert beat.latest_ends_in_steps == (3, 7, 90)
+    assert 0.0 < beat.since_step_s < 5.0
+    assert Heartbeat.from_json(json.dumps(dataclasses.asdict(beat))) == beat
+    # Redis's publishing script writes an empty list back as {} (Lua's cjson): still none.
+    empty = Heartbeat.from_json(json.dumps({**dataclasses.asdict(beat), "latest_ends_in_steps": {}}))
+    assert empty.latest_ends_in_steps == ()
+    for bad in (["3"], [True], [-1], 3, None, {"1": 2}):
+        with pytest.raises(ValueError, match="heartbeat field latest_ends_in_steps"):
+            Heartbeat.from_json(json.dumps({**dataclasses.asdict(beat), "latest_ends_in_steps": bad}))
+    report.account(stats, 0.010, engine=None)
+    assert report.heartbeat(ref, "r1", "c", "ready", num_pending=0, idle_s=0.0).latest_ends_in_steps == ()  # type: ignore[arg-type]
