@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,3 +190,37 @@ def stop_processes(processes: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextmanager
+def autoscaling(fleet: Fleet, tag: str) -> Iterator[dict[str, Path]]:
+    """Celery (a worker with beat, which runs the autoscaler every 0.5 s and takes the replicas of a
+    version idle for 5 s away) and a provisioner of demo-classify on the CPU, started on `fleet` until the
+    block ends, then stopped (stop_processes). Yields their logs, "celery" and "provisioner", named with
+    `tag` (as is beat's schedule file) so that the tests of one fleet each read their own."""
+    env = {
+        **fleet.server.env,
+        "SWITCHYARD_AUTOSCALER_INTERVAL_S": "0.5",
+        "SWITCHYARD_AUTOSCALER_IDLE_BEFORE_ZERO_S": "5",
+    }
+    logs = {name: fleet.state / f"{name}-{tag}.log" for name in ("celery", "provisioner")}
+    commands = {
+        "celery": [
+            *(sys.executable, "-m", "celery", "-A", "config", "worker", "--beat", "--pool", "solo"),
+            *("--schedule", str(fleet.state / f"beat-schedule-{tag}"), "--loglevel", "INFO"),
+        ],
+        "provisioner": [
+            *(sys.executable, "manage.py", "run_provisioner", "--model", "demo-classify"),
+            *("--devices", "cpu", "--interval", "0.5"),
+        ],
+    }
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for name, command in commands.items():
+            with logs[name].open("wb") as log:  # the child keeps its own descriptor
+                processes.append(
+                    subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
+        yield logs
+    finally:
+        stop_processes(processes)

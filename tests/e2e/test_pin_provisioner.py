@@ -5,15 +5,12 @@ the idle time, the provisioner drains it (docs/architecture.md, "Replicas kept w
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.conftest import REPO_ROOT
-from tests.e2e.redis_fleet import Fleet, running_fleet, stop_processes
+from tests.e2e.redis_fleet import Fleet, autoscaling, running_fleet
 
 pytestmark = [pytest.mark.live_server_process, pytest.mark.redis]
 
@@ -31,29 +28,7 @@ def test_a_pin_to_a_version_without_traffic_gets_a_replica_from_the_provisioner_
         "register_model", "demo-classify", "v2", "--from", str(source), "--kind", "classifier"
     )
     assert registered.returncode == 0, registered.stderr
-    env = {
-        **fleet.server.env,
-        "SWITCHYARD_AUTOSCALER_INTERVAL_S": "0.5",
-        "SWITCHYARD_AUTOSCALER_IDLE_BEFORE_ZERO_S": "5",
-    }
-    logs = {name: fleet.state / f"{name}-pin.log" for name in ("celery", "provisioner")}
-    commands = {
-        "celery": [
-            *(sys.executable, "-m", "celery", "-A", "config", "worker", "--beat", "--pool", "solo"),
-            *("--schedule", str(fleet.state / "beat-schedule-pin"), "--loglevel", "INFO"),
-        ],
-        "provisioner": [
-            *(sys.executable, "manage.py", "run_provisioner", "--model", "demo-classify"),
-            *("--devices", "cpu", "--interval", "0.5"),
-        ],
-    }
-    processes: list[subprocess.Popen[bytes]] = []
-    try:
-        for name, command in commands.items():
-            with logs[name].open("wb") as log:
-                processes.append(
-                    subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-                )
+    with autoscaling(fleet, "pin") as logs:
         response = httpx.post(
             f"{fleet.server.url}/v1/models/demo-classify/infer",
             headers={"Authorization": f"Bearer {fleet.server.key}", "X-Version-Pin": "v2"},  # may pin
@@ -69,6 +44,4 @@ def test_a_pin_to_a_version_without_traffic_gets_a_replica_from_the_provisioner_
             lambda: "draining the replica of demo-classify:v2" in logs["provisioner"].read_text(),
             timeout_s=60,
         )
-    finally:
-        stop_processes(processes)
     assert "autoscaler: demo-classify:v2 0 -> 1 replicas (kept warm" in logs["celery"].read_text()

@@ -17,7 +17,7 @@ import pytest
 
 from serving.gateway.router import REVALIDATE_S
 from tests.conftest import REPO_ROOT
-from tests.e2e.redis_fleet import Fleet, running_fleet, stop_processes, stream
+from tests.e2e.redis_fleet import Fleet, autoscaling, running_fleet, stream
 
 pytestmark = [pytest.mark.live_server_process, pytest.mark.redis]
 
@@ -148,48 +148,26 @@ def test_a_model_scaled_to_zero_gets_a_replica_for_a_request_and_loses_it_when_i
     # to REVALIDATE_S old); a request before then finds no replica and no leave to wait for one. The
     # gateway is another process, with nothing to await: the bound itself is the wait.
     time.sleep(2 * REVALIDATE_S)
-    env = {
-        **fleet.server.env,
-        "SWITCHYARD_AUTOSCALER_INTERVAL_S": "0.5",
-        "SWITCHYARD_AUTOSCALER_IDLE_BEFORE_ZERO_S": "5",
-    }
-    logs = {name: fleet.state / f"{name}.log" for name in ("celery", "provisioner-zero")}
-    processes: list[subprocess.Popen[bytes]] = []
-    commands = {
-        "celery": [
-            *(sys.executable, "-m", "celery", "-A", "config", "worker", "--beat", "--pool", "solo"),
-            *("--schedule", str(fleet.state / "beat-schedule"), "--loglevel", "INFO"),
-        ],
-        "provisioner-zero": [
-            *(sys.executable, "manage.py", "run_provisioner", "--model", "demo-classify"),
-            *("--devices", "cpu", "--interval", "0.5"),
-        ],
-    }
     try:
-        for name, command in commands.items():
-            with logs[name].open("wb") as log:
-                processes.append(
-                    subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-                )
-        response = httpx.post(
-            f"{fleet.server.url}/v1/models/demo-classify/infer",
-            headers={"Authorization": f"Bearer {fleet.server.key}"},
-            json={"input": "hello"},
-            timeout=150,  # the gateway holds it for up to SWITCHYARD_COLD_START_TIMEOUT_S (120 s)
-        )
-        assert response.status_code == 200, response.text
-        assert response.json()["predictions"][0][0]["label"] in {"negative", "positive"}
-        assert "started a replica of demo-classify:v1" in logs["provisioner-zero"].read_text()
-        # five seconds without a request: the autoscaler scales it to zero and the provisioner drains it
-        fleet.server.wait_until(lambda: ready_replicas() == 0, timeout_s=60)
-        fleet.server.wait_until(
-            lambda: "draining the replica of demo-classify:v1" in logs["provisioner-zero"].read_text(),
-            timeout_s=30,
-        )
+        with autoscaling(fleet, "zero") as logs:
+            response = httpx.post(
+                f"{fleet.server.url}/v1/models/demo-classify/infer",
+                headers={"Authorization": f"Bearer {fleet.server.key}"},
+                json={"input": "hello"},
+                timeout=150,  # the gateway holds it for up to SWITCHYARD_COLD_START_TIMEOUT_S (120 s)
+            )
+            assert response.status_code == 200, response.text
+            assert response.json()["predictions"][0][0]["label"] in {"negative", "positive"}
+            assert "started a replica of demo-classify:v1" in logs["provisioner"].read_text()
+            # five seconds without a request: the autoscaler scales it to zero and the provisioner drains it
+            fleet.server.wait_until(lambda: ready_replicas() == 0, timeout_s=60)
+            fleet.server.wait_until(
+                lambda: "draining the replica of demo-classify:v1" in logs["provisioner"].read_text(),
+                timeout_s=30,
+            )
     finally:
-        stop_processes(processes)
         fleet.server.manage("set_scaling", "demo-classify", "--clear")
-    provisioner_log = logs["provisioner-zero"].read_text()
+    provisioner_log = logs["provisioner"].read_text()
     assert provisioner_log.count("started a replica of demo-classify:v1") == 1, provisioner_log
     assert "autoscaler: demo-classify:v1 0 -> 1 replicas (kept warm" in logs["celery"].read_text()
 

@@ -1,13 +1,17 @@
 """Helpers the serving tests share: a submissions layer on the test Redis, a record of the commands a
-redis.asyncio client issues, the demo encoder models registered, and an HTTP client on the ASGI app."""
+redis.asyncio client issues, the demo encoder models registered, an HTTP client on the ASGI app, and an
+`openai` client on it."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
+from asgiref.sync import sync_to_async
 
 from serving.transport.channel_layers import OneTripRedisChannelLayer
 
@@ -63,6 +67,25 @@ def asgi_client() -> httpx.AsyncClient:
     from config.asgi import application
 
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://localhost")
+
+
+# Not named `client`: that would shadow pytest-django's test client for every serving test.
+@pytest.fixture
+async def openai_client(runtime: Any, make_tenant: Any, settings: Any) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The `openai` client on the whole application (this loop's runtime started) as tenant acme, its
+    quotas out of the way of tests that send many requests at once."""
+    settings.ALLOWED_HOSTS = ["localhost"]
+    acme = await sync_to_async(make_tenant)(
+        "acme", requests_per_second=1000, max_concurrent_requests=200, tokens_per_minute=10**8
+    )
+    async with asgi_client() as http:
+        # openai takes an httpx client too, though its newer type hints name only httpx2's.
+        yield openai.AsyncOpenAI(
+            base_url="http://localhost/v1",
+            api_key=acme.key,
+            http_client=http,  # type: ignore[arg-type]
+            max_retries=0,
+        )
 
 
 async def serve_encoders(settings: Any) -> Any:

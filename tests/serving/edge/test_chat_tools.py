@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
-from asgiref.sync import sync_to_async
-
-from tests.serving.conftest import asgi_client
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -57,21 +53,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and the time t
 MAX_TOKENS = 400
 
 
-@pytest.fixture
-async def client(runtime: Any, make_tenant: Any, settings: Any) -> AsyncIterator[openai.AsyncOpenAI]:
-    settings.ALLOWED_HOSTS = ["localhost"]
-    acme = await sync_to_async(make_tenant)(
-        "acme", requests_per_second=1000, max_concurrent_requests=200, tokens_per_minute=10**8
-    )
-    async with asgi_client() as http:
-        yield openai.AsyncOpenAI(
-            base_url="http://localhost/v1",
-            api_key=acme.key,
-            http_client=http,
-            max_retries=0,  # type: ignore[arg-type]
-        )
-
-
 def _validate_calls(message: Any) -> list[tuple[str, Any]]:
     """A message's calls as (name, arguments); each names a tool and its arguments validate."""
     assert message.content is None and message.tool_calls
@@ -85,12 +66,14 @@ def _validate_calls(message: Any) -> list[tuple[str, Any]]:
     return calls
 
 
-async def test_required_gives_a_hundred_sampled_answers_of_valid_calls(client: openai.AsyncOpenAI) -> None:
+async def test_required_gives_a_hundred_sampled_answers_of_valid_calls(
+    openai_client: openai.AsyncOpenAI,
+) -> None:
     """100 choices at temperature 1 (10 requests of n=10 at once, each choice its own seed): every one
     is calls, each naming a tool, with arguments that validate against its parameters."""
     responses = await asyncio.gather(
         *(
-            client.chat.completions.create(
+            openai_client.chat.completions.create(
                 model="demo-chat",
                 messages=ASK,  # type: ignore[arg-type]
                 tools=TOOLS,
@@ -115,9 +98,9 @@ async def test_required_gives_a_hundred_sampled_answers_of_valid_calls(client: o
 
 
 async def test_a_named_function_is_the_one_called_and_parallel_false_calls_once(
-    client: openai.AsyncOpenAI,
+    openai_client: openai.AsyncOpenAI,
 ) -> None:
-    named = await client.chat.completions.create(
+    named = await openai_client.chat.completions.create(
         model="demo-chat",
         messages=ASK,  # type: ignore[arg-type]
         tools=TOOLS,
@@ -130,7 +113,7 @@ async def test_a_named_function_is_the_one_called_and_parallel_false_calls_once(
         assert choice.finish_reason == "tool_calls"
         ((name, _),) = _validate_calls(choice.message)
         assert name == "get_time"
-    single = await client.chat.completions.create(
+    single = await openai_client.chat.completions.create(
         model="demo-chat",
         messages=ASK,  # type: ignore[arg-type]
         tools=TOOLS,
@@ -143,7 +126,7 @@ async def test_a_named_function_is_the_one_called_and_parallel_false_calls_once(
     assert all(len(_validate_calls(choice.message)) == 1 for choice in single.choices)
 
 
-async def test_streamed_tool_calls_reassemble_to_the_whole_answers(client: openai.AsyncOpenAI) -> None:
+async def test_streamed_tool_calls_reassemble_to_the_whole_answers(openai_client: openai.AsyncOpenAI) -> None:
     """Seeded: the openai client's own stream accumulation rebuilds the calls, names and arguments, as
     the same request returns them whole, and the stream ends with "tool_calls"; a named function's too;
     and several choices in one stream (the client places a choice where it first arrives: all open in
@@ -160,9 +143,9 @@ async def test_streamed_tool_calls_reassemble_to_the_whole_answers(client: opena
             "temperature": 1.0,
             "seed": seed,
         }
-        whole = await client.chat.completions.create(**request)
+        whole = await openai_client.chat.completions.create(**request)
         options = {"include_usage": True}
-        async with client.chat.completions.stream(**request, stream_options=options) as stream:
+        async with openai_client.chat.completions.stream(**request, stream_options=options) as stream:
             async for _ in stream:
                 pass
             streamed = await stream.get_final_completion()
@@ -183,10 +166,10 @@ async def test_streamed_tool_calls_reassemble_to_the_whole_answers(client: opena
     assert [name for name, _ in _validate_calls(runs[4][0][1].message)] == ["get_weather"]
 
 
-async def test_a_conversation_continues_with_the_tools_answers(client: openai.AsyncOpenAI) -> None:
+async def test_a_conversation_continues_with_the_tools_answers(openai_client: openai.AsyncOpenAI) -> None:
     """The assistant's calls go back as it returned them, with a `tool` message answering each; the next
     answer is text (tool_choice "none"), and its prompt holds what the first one's did and more."""
-    first = await client.chat.completions.create(
+    first = await openai_client.chat.completions.create(
         model="demo-chat",
         messages=ASK,  # type: ignore[arg-type]
         tools=TOOLS,
@@ -200,7 +183,7 @@ async def test_a_conversation_continues_with_the_tools_answers(client: openai.As
         for call in message.tool_calls or ()
     ]
     follow_up = [*ASK, message.model_dump(exclude_none=True), *results]
-    second = await client.chat.completions.create(
+    second = await openai_client.chat.completions.create(
         model="demo-chat",
         messages=follow_up,  # type: ignore[arg-type]
         tools=TOOLS,
@@ -216,23 +199,23 @@ async def test_a_conversation_continues_with_the_tools_answers(client: openai.As
     # A tool's answer with no call of that id before it is refused, as OpenAI refuses it.
     orphan = [*ASK, {"role": "tool", "tool_call_id": "call_nope", "content": "18"}]
     with pytest.raises(openai.BadRequestError) as raised:
-        await client.chat.completions.create(model="demo-chat", messages=orphan)  # type: ignore[arg-type]
+        await openai_client.chat.completions.create(model="demo-chat", messages=orphan)  # type: ignore[arg-type]
     assert raised.value.param == "messages" and "call_nope" in raised.value.message
 
 
 async def test_the_tools_reach_the_prompt_and_auto_answers_text_when_the_model_calls_none(
-    client: openai.AsyncOpenAI,
+    openai_client: openai.AsyncOpenAI,
 ) -> None:
     """The demo model has no template: the plain default writes the tools into the prompt. Under auto
     (the default with tools) its word salad holds no call, so the answer is that text, as without
     tools."""
-    plain = await client.chat.completions.create(
+    plain = await openai_client.chat.completions.create(
         model="demo-chat",
         messages=ASK,  # type: ignore[arg-type]
         max_tokens=16,
         temperature=0,
     )
-    auto = await client.chat.completions.create(
+    auto = await openai_client.chat.completions.create(
         model="demo-chat",
         messages=ASK,  # type: ignore[arg-type]
         tools=TOOLS,
@@ -296,10 +279,10 @@ async def test_the_tools_reach_the_prompt_and_auto_answers_text_when_the_model_c
     ],
 )
 async def test_bad_tool_fields_are_400s_naming_the_field(
-    client: openai.AsyncOpenAI, fields: dict[str, Any], param: str, fragment: str
+    openai_client: openai.AsyncOpenAI, fields: dict[str, Any], param: str, fragment: str
 ) -> None:
     body = {"model": "demo-chat", "messages": ASK, "max_tokens": 4, **fields}
     with pytest.raises(openai.BadRequestError) as raised:
-        await client.chat.completions.create(**body)
+        await openai_client.chat.completions.create(**body)
     assert raised.value.param == param
     assert fragment in raised.value.message

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import jsonschema
@@ -61,32 +60,18 @@ MAX_TOKENS = 200
 HELLO = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
-@pytest.fixture
-async def client(runtime: Any, make_tenant: Any, settings: Any) -> AsyncIterator[openai.AsyncOpenAI]:
-    settings.ALLOWED_HOSTS = ["localhost"]
-    acme = await sync_to_async(make_tenant)(
-        "acme", requests_per_second=1000, max_concurrent_requests=200, tokens_per_minute=10**8
-    )
-    async with asgi_client() as http:
-        # openai takes an httpx client too, though its newer type hints name only httpx2's.
-        yield openai.AsyncOpenAI(
-            base_url="http://localhost/v1",
-            api_key=acme.key,
-            http_client=http,
-            max_retries=0,  # type: ignore[arg-type]
-        )
-
-
 def test_the_edge_compiles_with_the_engines_options() -> None:
     assert edge_format.JSON_COMPILE_OPTIONS == engine_grammar.JSON_COMPILE_OPTIONS
 
 
-async def test_a_hundred_sampled_completions_all_parse_and_validate(client: openai.AsyncOpenAI) -> None:
+async def test_a_hundred_sampled_completions_all_parse_and_validate(
+    openai_client: openai.AsyncOpenAI,
+) -> None:
     """100 choices at temperature 1, each with a seed of its own (a request's choice i draws from
     seed + i), 10 requests of n=10 at once: constrained rows share the replica's steps."""
     responses = await asyncio.gather(
         *(
-            client.chat.completions.create(
+            openai_client.chat.completions.create(
                 model="demo-chat",
                 messages=HELLO,
                 max_tokens=MAX_TOKENS,
@@ -106,10 +91,10 @@ async def test_a_hundred_sampled_completions_all_parse_and_validate(client: open
     assert len({choice.message.content for choice in choices}) > 90
 
 
-async def test_json_object_output_parses(client: openai.AsyncOpenAI) -> None:
+async def test_json_object_output_parses(openai_client: openai.AsyncOpenAI) -> None:
     """Any object: the random model may ramble inside one past max_tokens (then it is an object's
     beginning, finish_reason "length", as OpenAI's); every one that ends is a whole object."""
-    response = await client.chat.completions.create(
+    response = await openai_client.chat.completions.create(
         model="demo-chat",
         messages=HELLO,
         max_tokens=64,
@@ -129,10 +114,10 @@ async def test_json_object_output_parses(client: openai.AsyncOpenAI) -> None:
 
 
 async def test_a_constrained_and_a_free_request_together_give_what_they_give_alone(
-    client: openai.AsyncOpenAI,
+    openai_client: openai.AsyncOpenAI,
 ) -> None:
     async def constrained() -> str:
-        response = await client.chat.completions.create(
+        response = await openai_client.chat.completions.create(
             model="demo-chat",
             messages=HELLO,
             max_tokens=MAX_TOKENS,
@@ -142,7 +127,7 @@ async def test_a_constrained_and_a_free_request_together_give_what_they_give_alo
         return response.choices[0].message.content or ""
 
     async def free() -> str:
-        response = await client.chat.completions.create(
+        response = await openai_client.chat.completions.create(
             model="demo-chat", messages=HELLO, max_tokens=32, temperature=0
         )
         return response.choices[0].message.content or ""
@@ -155,8 +140,10 @@ async def test_a_constrained_and_a_free_request_together_give_what_they_give_alo
         json.loads(alone[1])  # unconstrained, the demo model writes word salad
 
 
-async def test_a_streamed_constrained_response_concatenates_to_valid_json(client: openai.AsyncOpenAI) -> None:
-    whole = await client.chat.completions.create(
+async def test_a_streamed_constrained_response_concatenates_to_valid_json(
+    openai_client: openai.AsyncOpenAI,
+) -> None:
+    whole = await openai_client.chat.completions.create(
         model="demo-chat",
         messages=HELLO,
         max_tokens=MAX_TOKENS,
@@ -165,7 +152,7 @@ async def test_a_streamed_constrained_response_concatenates_to_valid_json(client
         logprobs=True,
         response_format=JSON_SCHEMA,  # type: ignore[arg-type]
     )
-    stream = await client.chat.completions.create(
+    stream = await openai_client.chat.completions.create(
         model="demo-chat",
         messages=HELLO,
         max_tokens=MAX_TOKENS,
@@ -183,8 +170,8 @@ async def test_a_streamed_constrained_response_concatenates_to_valid_json(client
     assert logprobs is not None and logprobs.content and all(e.logprob <= 0 for e in logprobs.content)
 
 
-async def test_completions_and_infer_take_a_response_format_too(client: openai.AsyncOpenAI) -> None:
-    completion = await client.completions.create(
+async def test_completions_and_infer_take_a_response_format_too(openai_client: openai.AsyncOpenAI) -> None:
+    completion = await openai_client.completions.create(
         model="demo-chat",
         prompt="A person: ",
         max_tokens=MAX_TOKENS,
@@ -197,7 +184,7 @@ async def test_completions_and_infer_take_a_response_format_too(client: openai.A
         infer = await http.post(
             "/v1/models/demo-chat/infer",
             json={"input": "A person: ", "max_tokens": MAX_TOKENS, "seed": 4, "response_format": JSON_SCHEMA},
-            headers={"Authorization": f"Bearer {client.api_key}"},
+            headers={"Authorization": f"Bearer {openai_client.api_key}"},
         )
     assert infer.status_code == 200, infer.text
     assert infer.json()["finish_reason"] == "stop"
