@@ -28,15 +28,24 @@ FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})
 # which a test holds equal).
 SERVED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # What PEFT can set that a replica's batched LoRA (scaling alpha / r on the base's Linear layers) does not
-# apply: refused rather than served differently. Each is the value that means "not used".
+# apply: refused at registration rather than when a replica loads it (serving/engine/lora.py's
+# UNSUPPORTED_FIELDS, and bias, which a test holds in step). Each is the value that means "not used".
 UNSUPPORTED = {
     "use_dora": False,
     "fan_in_fan_out": False,
     "bias": "none",
+    "lora_bias": False,
     "modules_to_save": None,
+    "trainable_token_indices": None,
     "rank_pattern": {},
     "alpha_pattern": {},
     "layer_replication": None,
+    "target_parameters": None,
+    "alora_invocation_tokens": None,
+    "use_qalora": False,
+    "use_bdlora": None,
+    "arrow_config": None,
+    "kasa_config": None,
 }
 
 

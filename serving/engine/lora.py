@@ -31,7 +31,7 @@ TARGET_MODULES = (*ATTENTION_TARGETS, *MLP_TARGETS)
 MAX_CONFIG_BYTES = 1 << 20
 
 # adapter_config.json fields that change what a LoRA computes; each must be unset (falsy).
-_UNSUPPORTED_FIELDS = {
+UNSUPPORTED_FIELDS = {
     "use_dora": "DoRA (use_dora)",
     "lora_bias": "LoRA biases (lora_bias)",
     "modules_to_save": "modules_to_save (whole modules trained beside the adapter)",
@@ -134,7 +134,7 @@ def _check_config(config: dict[str, Any], max_rank: int | None) -> tuple[int, fl
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise AdapterError(f"peft_type {config.get('peft_type')!r}: only LoRA adapters are served")
-    unsupported = [label for name, label in _UNSUPPORTED_FIELDS.items() if config.get(name)]
+    unsupported = [label for name, label in UNSUPPORTED_FIELDS.items() if config.get(name)]
     if config.get("bias", "none") != "none":
         unsupported.append(f"bias={config.get('bias')!r} (trained biases of the base)")
     if unsupported:

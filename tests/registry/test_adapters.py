@@ -89,6 +89,14 @@ def test_the_registry_serves_the_projections_the_engine_does() -> None:
     assert adapters.SERVED_TARGETS == TARGET_MODULES
 
 
+def test_the_registry_refuses_every_peft_field_the_engine_refuses() -> None:
+    """An adapter the registry takes must load on a replica: what the engine refuses at load, the
+    registry refuses at registration (bias is the engine's separate check)."""
+    from serving.engine.lora import UNSUPPORTED_FIELDS
+
+    assert set(adapters.UNSUPPORTED) == set(UNSUPPORTED_FIELDS) | {"bias"}
+
+
 def _with_bin(d: Path) -> None:
     (d / "adapter_model.safetensors").rename(d / "adapter_model.bin")
 
@@ -104,6 +112,7 @@ def _with_bin(d: Path) -> None:
         ({"target_modules": ["q_proj", "v_proj", "foo_proj"]}, "target modules foo_proj are not served"),
         ({"target_modules": ["q_proj"]}, "v_proj has LoRA weights but is not among target_modules"),
         ({"use_dora": True}, "use_dora"),
+        ({"lora_bias": True}, "lora_bias=True, which replicas do not serve"),  # the engine refuses it too
         ({"lora_alpha": 0}, "lora_alpha=0"),
         ({"peft_type": "IA3"}, "only LORA"),
     ],
