@@ -79,13 +79,19 @@ async def openai_client(runtime: Any, make_tenant: Any, settings: Any) -> AsyncI
         "acme", requests_per_second=1000, max_concurrent_requests=200, tokens_per_minute=10**8
     )
     async with asgi_client() as http:
+        yield openai_on(http, acme.key)
+
+
+def openai_on(http: httpx.AsyncClient, api_key: str) -> openai.AsyncOpenAI:
+    """The `openai` client over an HTTP client on the ASGI app (asgi_client), without retries: a test
+    sees each answer as the server gave it."""
+    return openai.AsyncOpenAI(
+        base_url="http://localhost/v1",
+        api_key=api_key,
         # openai takes an httpx client too, though its newer type hints name only httpx2's.
-        yield openai.AsyncOpenAI(
-            base_url="http://localhost/v1",
-            api_key=acme.key,
-            http_client=http,  # type: ignore[arg-type]
-            max_retries=0,
-        )
+        http_client=http,  # type: ignore[arg-type]
+        max_retries=0,
+    )
 
 
 async def serve_encoders(settings: Any) -> Any:

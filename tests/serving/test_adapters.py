@@ -22,7 +22,7 @@ from serving.gateway.router import routing_cache
 from serving.telemetry import metric_window as m
 from serving.telemetry.prometheus import SwitchyardCollector
 from tests.lora_adapters import build_peft_adapter
-from tests.serving.conftest import asgi_client
+from tests.serving.conftest import asgi_client, openai_on
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -59,12 +59,7 @@ async def acme(runtime: Any, make_tenant: Any, adapter_dirs: list[Path], setting
 @pytest.fixture
 async def client(acme: Any) -> AsyncIterator[openai.AsyncOpenAI]:
     async with asgi_client() as http:
-        yield openai.AsyncOpenAI(
-            base_url="http://localhost/v1",
-            api_key=acme.key,
-            http_client=http,  # type: ignore[arg-type]
-            max_retries=0,
-        )
+        yield openai_on(http, acme.key)
 
 
 async def _complete(client: openai.AsyncOpenAI, model: str, **headers: str) -> tuple[str, dict[str, str]]:
