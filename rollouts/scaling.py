@@ -24,7 +24,7 @@ from rollouts import snapshots
 from rollouts.fleet.autoscaler import ReplicaSignals, ScalingPolicy, next_target, recommend
 from rollouts.models import Deployment, ScaleTarget, ScalingBounds
 from rollouts.selectors import scaling_bounds
-from serving.selectors import fleet_demand, fleet_heartbeats
+from serving.selectors import fleet_demand, fleet_heartbeats, publish_pin_declines
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,12 @@ def autoscale(
                     base_step_s=beat.base_step_s,
                 )
             )
+    declines: dict[tuple[str, str], str] = {}
     with transaction.atomic():
-        return _write_targets(signals, idle_s, reported, policy, now, demand)
+        changed = _write_targets(signals, idle_s, reported, policy, now, demand, declines)
+    # Once the targets are stored: a gateway told "none" is never told so before the tick's word holds.
+    publish_pin_declines(declines)
+    return changed
 
 
 @transaction.atomic
@@ -123,6 +127,7 @@ def _on_demand(
     serving: dict[tuple[str, str], int],
     policy: ScalingPolicy,
     demand: dict[tuple[str, str], float],
+    declines: dict[tuple[str, str], str],
 ) -> dict[tuple[str, str], int]:
     """Versions without traffic, an alias or shadow copies whose replicas still served a request within
     the idle time: the version a promotion (or a traffic edit) just took traffic from, while requests
@@ -132,7 +137,9 @@ def _on_demand(
     allowed to pin, and to use the model, get that far. At most PROVISIONER_MAX_PINNED versions without
     traffic hold a replica so (each holds a device, and pins may name any old version): past it a new
     one gets none, the most recently asked for first; those that have one keep it. Not a candidate its
-    deployment just rolled back. (model, version) -> id (docs/architecture.md, "Replicas kept warm")."""
+    deployment just rolled back. (model, version) -> id (docs/architecture.md, "Replicas kept warm").
+    Into `declines`, the versions a gateway asked for that get none, with why
+    (serving.selectors.publish_pin_declines)."""
     window = policy.idle_before_zero_s
     kept = [key for key in reported if key not in serving and idle_s.get(key, math.inf) < window]
     asked = sorted(
@@ -142,6 +149,14 @@ def _on_demand(
     )
     room = max(0, settings.PROVISIONER_MAX_PINNED - len(kept))
     kept += [key for _, key in asked[:room]]
+    limit = settings.PROVISIONER_MAX_PINNED
+    why = (
+        f"the fleet keeps at most {limit} versions without traffic warm for pinned requests, and has as "
+        "many; send it again later, or pin a version that takes traffic"
+        if limit
+        else "this fleet starts no replica for a version without traffic; pin a version that takes traffic"
+    )
+    declines.update((key, why) for _, key in asked[room:])
     if not kept:
         return {}
     # Not a candidate just rolled back: it was busy until the rollback, but nobody is to go back to it,
@@ -154,6 +169,11 @@ def _on_demand(
     ):
         latest.setdefault(model_name, (state, candidate))
     rolled_back = {(m, c) for m, (state, c) in latest.items() if state == Deployment.State.ROLLED_BACK}
+    declines.update(
+        (key, "its deployment rolled back: no replica is started for it")
+        for _, key in asked
+        if key in rolled_back
+    )
     kept = [key for key in kept if key not in rolled_back]
     if not kept:
         return {}
@@ -194,11 +214,12 @@ def _write_targets(
     policy: ScalingPolicy,
     now: float,
     demand: dict[tuple[str, str], float],
+    declines: dict[tuple[str, str], str],
 ) -> dict[tuple[str, str], int]:
-    """autoscale's writes, in one transaction."""
+    """autoscale's writes, in one transaction; the pinned versions declined into `declines`."""
     # An adapter version stands for its base: replicas run bases only (registry/selectors.py)
     serving = {(ref.model_name, ref.version): ref.version_id for ref in versions_to_serve()}
-    on_demand = _on_demand(idle_s, reported, serving, policy, demand)
+    on_demand = _on_demand(idle_s, reported, serving, policy, demand, declines)
     serving |= on_demand
     bounds = scaling_bounds()
     kept_warm = _kept_warm()

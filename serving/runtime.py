@@ -46,6 +46,9 @@ DRAIN_GRACE_S = 2 * REVALIDATE_S
 
 COLD_START_POLL_S = 0.25  # how often a cold start looks for its replica's ready heartbeat
 DEMAND_EVERY_S = 1.0  # and how often it tells the autoscaler (Redis) that requests wait
+# A pinned version the autoscaler declined waits for another to idle out (AUTOSCALER idle_before_zero_s,
+# minutes): a retry much sooner is declined again.
+PIN_DECLINED_RETRY_S = 30
 
 
 @dataclass(slots=True)
@@ -292,9 +295,10 @@ class Runtime:
             # Cancelled once, when its last waiter leaves; a cancellation lost in a Redis call would
             # leave it recording demand for a version nobody waits for, for ever.
             raise_if_cancelling()
+            declined: str | None = None
             try:
                 if self.directory is not None and time.monotonic() - told_at >= DEMAND_EVERY_S:
-                    await self.directory.record_demand(model_name, version)
+                    declined = await self.directory.record_demand(model_name, version)
                     told_at = time.monotonic()
                 pinned = pinned_from_start or (
                     self.directory is None and self.supervisor.is_demanded(model_name, version)
@@ -312,6 +316,15 @@ class Runtime:
                     return replicas  # its load failed: the requests get their 503 at once
             except Exception as exc:  # Redis away for a moment: the requests wait on, up to their limit
                 logger.warning("cold start of %s:%s: %r; trying again", model_name, version, exc)
+            if declined is not None:
+                # The autoscaler starts no replica for it (serving.selectors.publish_pin_declines): every
+                # request that waits gets the reason now, not a timeout at COLD_START_TIMEOUT_S.
+                logger.info("cold start of %s:%s declined: %s", model_name, version, declined)
+                raise GatewayError(
+                    503,
+                    f"no replica of {model_name}:{version} is running and none will be started: {declined}",
+                    retry_after_s=PIN_DECLINED_RETRY_S,
+                )
             await asyncio.sleep(COLD_START_POLL_S)
 
     async def is_alive(self, handle: ReplicaHandle) -> bool:

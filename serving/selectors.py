@@ -5,11 +5,13 @@ Metric windows come from the metrics store; replicas from this process's runtime
 with Redis, from the heartbeats every replica process publishes; demand from the hash gateways write
 when a request waits for a version with no replica; quota usage from the gateway's quota store. The
 readers for other threads (the judge's, the autoscaler's) only read the runtimes' state and never touch
-their event loops."""
+their event loops. One write goes back the same way: the autoscaler's answer to that demand, the pinned
+versions it declined (publish_pin_declines)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import redis
 from django.conf import settings
@@ -22,7 +24,14 @@ from serving.gateway.quota_store import quota_store
 from serving.telemetry.metric_window import WINDOW_S, floor_time
 from serving.telemetry.metrics_reads import VersionWindow, version_series, version_window, version_windows
 from serving.telemetry.shadow_pairs import pairs_of as shadow_diff_pairs
-from serving.transport.replica_directory import DEMAND_KEY, KEY_PREFIX, Heartbeat, read_beats, version_key
+from serving.transport.replica_directory import (
+    DEMAND_KEY,
+    KEY_PREFIX,
+    PIN_DECLINES_KEY,
+    Heartbeat,
+    read_beats,
+    version_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +131,35 @@ def fleet_demand() -> dict[tuple[str, str], float]:
         except ValueError:
             logger.warning("skipping gateway demand %r for %s", value, field)
     return demand
+
+
+# Ticks the autoscaler's declines outlive the tick that wrote them: a stopped autoscaler's last word fades.
+PIN_DECLINES_TICKS_KEPT = 3
+
+
+def publish_pin_declines(declines: Mapping[tuple[str, str], str]) -> None:
+    """The autoscaler's word back to the gateways: the versions pinned requests wait for that get no replica
+    this tick, (model, version) -> why (docs/architecture.md, "Replicas kept warm"). A gateway reads it
+    where it records its demand (ReplicaDirectory.record_demand, one call) and answers the waiting
+    requests at once with a 503 saying why, where they waited out COLD_START_TIMEOUT_S for a replica
+    nobody would start. One hash rewritten whole each tick, so a version given room later is declined no
+    more. Nothing without Redis (embedded, the supervisor starts pinned versions itself); a Redis error
+    is logged, not raised (the tick's targets are stored, and the requests wait to their timeout)."""
+    if not settings.REDIS_URL:
+        return
+    client = _fleet_redis()
+    try:
+        pipe = client.pipeline(transaction=True)
+        pipe.delete(PIN_DECLINES_KEY)
+        if declines:
+            pipe.hset(PIN_DECLINES_KEY, mapping={f"{m}:{v}": why for (m, v), why in declines.items()})
+            ttl_s = max(1, round(PIN_DECLINES_TICKS_KEPT * settings.AUTOSCALER_INTERVAL_S))
+            pipe.expire(PIN_DECLINES_KEY, ttl_s)
+        pipe.execute()
+    except redis.RedisError:
+        logger.warning("autoscaler: the pinned versions it declined are not published", exc_info=True)
+    finally:
+        client.close()
 
 
 def embedded_replica_ready(model_name: str, version: str) -> bool | None:

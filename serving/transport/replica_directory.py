@@ -58,7 +58,16 @@ TERMINAL_STATES = frozenset({"failed", "stopped"})
 # (scaled to zero), in seconds on Redis' own clock (TIME), which the autoscaler compares with the same
 # clock. It reads the entry as a request to that version.
 DEMAND_KEY = "switchyard:demand"
-RECORD_DEMAND_SCRIPT = "local t = redis.call('TIME'); redis.call('HSET', KEYS[1], ARGV[1], t[1]); return t[1]"
+# The versions the autoscaler declined to start a replica for, (model:version) -> why (serving/
+# selectors.py, publish_pin_declines): read where a gateway records its demand, in the same call.
+PIN_DECLINES_KEY = "switchyard:pin-declines"
+# KEYS: the demand hash, the declines hash; ARGV[1] model:version. Records the demand on Redis's clock and
+# returns why the version was declined (nil: it was not).
+RECORD_DEMAND_SCRIPT = """
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], ARGV[1], t[1])
+return redis.call('HGET', KEYS[2], ARGV[1])
+"""
 # KEYS[1] the version's hash; ARGV: replica id, the beat's JSON. Its sent_at becomes Redis's TIME.
 PUBLISH_BEAT_SCRIPT = """
 local t = redis.call('TIME')
@@ -357,8 +366,13 @@ class ReplicaDirectory:
             beats.extend(await self.replicas(model_name, version, refresh=True))
         return beats
 
-    async def record_demand(self, model_name: str, version: str) -> None:
-        await self._redis.eval(RECORD_DEMAND_SCRIPT, 1, DEMAND_KEY, f"{model_name}:{version}")
+    async def record_demand(self, model_name: str, version: str) -> str | None:
+        """Tells the autoscaler that requests wait for a replica of the version; returns why it declined
+        to start one, if it did (serving/selectors.py, publish_pin_declines)."""
+        why = await self._redis.eval(
+            RECORD_DEMAND_SCRIPT, 2, DEMAND_KEY, PIN_DECLINES_KEY, f"{model_name}:{version}"
+        )
+        return why.decode() if isinstance(why, bytes) else why
 
     async def is_alive(self, model_name: str, version: str, replica_id: str) -> bool:
         beats = await self.replicas(model_name, version)

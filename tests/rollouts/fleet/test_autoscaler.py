@@ -536,11 +536,11 @@ def test_the_tick_reads_an_embedded_replica_and_heartbeats_in_redis(make_model, 
     client.hset(version_key("chat", "v1"), "broken", b"{not json")
     # a model scaled to zero, with no replica, for which a request waits at a gateway
     from rollouts.models import ScalingBounds
-    from serving.transport.replica_directory import DEMAND_KEY, RECORD_DEMAND_SCRIPT
+    from serving.transport.replica_directory import DEMAND_KEY, PIN_DECLINES_KEY, RECORD_DEMAND_SCRIPT
 
     cold = make_model("cold", versions=("v1",))
     ScalingBounds.objects.create(model=cold, min_replicas=0, max_replicas=1)
-    client.eval(RECORD_DEMAND_SCRIPT, 1, DEMAND_KEY, "cold:v1")  # as ReplicaDirectory.record_demand writes it
+    client.eval(RECORD_DEMAND_SCRIPT, 2, DEMAND_KEY, PIN_DECLINES_KEY, "cold:v1")  # as record_demand does
 
     class LocalReplica:
         replica_id = "local-1"

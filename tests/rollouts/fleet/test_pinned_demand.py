@@ -59,3 +59,35 @@ def test_at_most_provisioner_max_pinned_versions_get_a_replica_for_pins(make_mod
     assert tick(1010.0, beats, {("chat", "v2"): 0.1}) == {}
     settings.PROVISIONER_MAX_PINNED = 0  # pins off: a version that has its replica keeps it while used
     assert tick(1020.0, [v1, beat("chat", "v3", sent_at=1020.0, idle_s=1.0)], {("chat", "v2"): 0.1}) == {}
+
+
+@pytest.mark.redis
+def test_a_pinned_version_given_no_replica_is_declined_in_redis_with_why_until_it_has_room(  # type: ignore[no-untyped-def]
+    make_model, settings, redis_url
+) -> None:
+    """The autoscaler's word to the gateways (serving.selectors.publish_pin_declines), read where a
+    gateway records its demand: a version past PROVISIONER_MAX_PINNED is declined with why, and no more
+    once it gets room."""
+    import redis
+
+    from serving.transport.replica_directory import DEMAND_KEY, PIN_DECLINES_KEY, RECORD_DEMAND_SCRIPT
+
+    settings.REDIS_URL = redis_url
+    settings.PROVISIONER_MAX_PINNED = 1
+    client = redis.Redis.from_url(redis_url)
+    client.delete(PIN_DECLINES_KEY, DEMAND_KEY)
+    try:
+        make_model("chat")
+        v1 = beat("chat", "v1", sent_at=1000.0)
+        tick(1000.0, [v1], {("chat", "v2"): 5.0, ("chat", "v3"): 1.0})
+        why = client.eval(RECORD_DEMAND_SCRIPT, 2, DEMAND_KEY, PIN_DECLINES_KEY, "chat:v2")
+        assert why.decode().startswith("the fleet keeps at most 1 versions without traffic warm")
+        assert client.eval(RECORD_DEMAND_SCRIPT, 2, DEMAND_KEY, PIN_DECLINES_KEY, "chat:v3") is None
+        assert 0 < client.ttl(PIN_DECLINES_KEY) <= 3 * settings.AUTOSCALER_INTERVAL_S
+        # Room for both: declined no more.
+        settings.PROVISIONER_MAX_PINNED = 2
+        assert tick(1005.0, [v1], {("chat", "v2"): 0.5, ("chat", "v3"): 1.0}) == {("chat", "v2"): 1}
+        assert client.hgetall(PIN_DECLINES_KEY) == {}
+    finally:
+        client.delete(PIN_DECLINES_KEY, DEMAND_KEY)
+        client.close()

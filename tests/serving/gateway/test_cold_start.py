@@ -216,27 +216,18 @@ async def test_a_request_held_for_a_cold_start_holds_its_quota_slot_and_gives_it
     await asyncio.gather(again, return_exceptions=True)
 
 
-async def test_a_request_pinned_to_a_version_without_traffic_waits_and_asks_the_autoscaler_for_it(
-    registered_model: Any,
-    remote_runtime: Any,
-    redis_url: str,
-    make_tenant: Any,
-    monkeypatch: Any,
-    demo_model_dir: Any,
-) -> None:
-    """Through the provisioner as in the embedded mode (issue 43: it was a 503 at once): the pin's wait is
-    the gateway's demand in Redis, from which the autoscaler gives the version a replica
-    (tests/rollouts/fleet/test_pinned_demand.py); the request is served by it once it is ready. Its
-    version has no traffic, so the wait does not end for that (as a scaled-to-zero version's does)."""
+async def _pin_waiting(
+    remote_runtime: Any, redis_url: str, make_tenant: Any, monkeypatch: Any, demo_model_dir: Any
+) -> asyncio.Task[Any]:
+    """A request of a tenant allowed to pin, pinned to demo-chat v2 (registered here, without traffic),
+    dispatched on the remote runtime; returned once its gateway has told the autoscaler it waits."""
     import redis.asyncio as aioredis
     from asgiref.sync import sync_to_async
 
-    from registry.selectors import version_ref
     from registry.services import model_version_register
     from serving.gateway import dispatch as dispatch_module
     from serving.gateway.router import routing_cache
-    from serving.replica.replica import Replica
-    from serving.transport.replica_directory import DEMAND_KEY, HeartbeatPublisher
+    from serving.transport.replica_directory import DEMAND_KEY
 
     await sync_to_async(model_version_register)(name="demo-chat", version="v2", source_dir=demo_model_dir)
     routing_cache.clear()
@@ -258,6 +249,28 @@ async def test_a_request_pinned_to_a_version_without_traffic_waits_and_asks_the_
                 await asyncio.sleep(0.05)
     finally:
         await client.aclose()
+    return waiting
+
+
+async def test_a_request_pinned_to_a_version_without_traffic_waits_and_asks_the_autoscaler_for_it(
+    registered_model: Any,
+    remote_runtime: Any,
+    redis_url: str,
+    make_tenant: Any,
+    monkeypatch: Any,
+    demo_model_dir: Any,
+) -> None:
+    """Through the provisioner as in the embedded mode (issue 43: it was a 503 at once): the pin's wait is
+    the gateway's demand in Redis, from which the autoscaler gives the version a replica
+    (tests/rollouts/fleet/test_pinned_demand.py); the request is served by it once it is ready. Its
+    version has no traffic, so the wait does not end for that (as a scaled-to-zero version's does)."""
+    from asgiref.sync import sync_to_async
+
+    from registry.selectors import version_ref
+    from serving.replica.replica import Replica
+    from serving.transport.replica_directory import HeartbeatPublisher
+
+    waiting = await _pin_waiting(remote_runtime, redis_url, make_tenant, monkeypatch, demo_model_dir)
     await asyncio.sleep(0.5)  # past a poll or two: still waiting, not refused for having no traffic
     assert not waiting.done()
 
@@ -271,6 +284,36 @@ async def test_a_request_pinned_to_a_version_without_traffic_waits_and_asks_the_
         await handle.close()
     finally:
         await replica.stop()
+
+
+async def test_a_pin_the_autoscaler_declines_is_a_503_saying_why_at_once_not_at_the_timeout(
+    registered_model: Any,
+    remote_runtime: Any,
+    redis_url: str,
+    make_tenant: Any,
+    monkeypatch: Any,
+    demo_model_dir: Any,
+    settings: Any,
+) -> None:
+    """A fleet that starts no replica for versions without traffic (PROVISIONER_MAX_PINNED 0, or that many
+    warm already): the autoscaler's tick declines the pinned version in Redis
+    (serving.selectors.publish_pin_declines), and the request that waits gets a 503 saying why at the
+    gateway's next demand, where it used to wait out COLD_START_TIMEOUT_S for a replica nobody would start."""
+    from asgiref.sync import sync_to_async
+
+    from rollouts.scaling import autoscale
+    from serving.gateway.errors import GatewayError
+    from serving.runtime import PIN_DECLINED_RETRY_S
+
+    settings.REDIS_URL = redis_url  # the autoscaler's tick reads the demand and writes its word there
+    settings.PROVISIONER_MAX_PINNED = 0
+    settings.COLD_START_TIMEOUT_S = 60
+    waiting = await _pin_waiting(remote_runtime, redis_url, make_tenant, monkeypatch, demo_model_dir)
+    assert await sync_to_async(autoscale)(heartbeats=[]) == {("demo-chat", "v1"): 1}  # none for v2
+    async with asyncio.timeout(5):  # the gateway's next demand, within DEMAND_EVERY_S
+        with pytest.raises(GatewayError, match="none will be started: this fleet starts no") as refused:
+            await waiting
+    assert refused.value.status == 503 and refused.value.retry_after_s == PIN_DECLINED_RETRY_S
 
 
 async def test_a_pin_by_a_tenant_that_may_not_pin_asks_for_nothing(
