@@ -30,6 +30,44 @@ PROBES = [
 ]
 
 
+# The same chats with tools, as a chat with tools reaches a template (serving/engine/chat.py): the tools in
+# OpenAI's function format, and an assistant's call, its arguments an object, with the tool's answer. A
+# template that refuses them (many take no tools) is no reason to refuse the model, whose chats without
+# tools it serves; one that runs too long or writes too much with them is, as without.
+PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+TOOL_PROBES = [
+    [{"role": "user", "content": "What is the weather in Paris?"}],
+    [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and clear"},
+    ],
+]
+
+
 def has_chat_template(model_dir: Path) -> bool:
     config = model_dir / "tokenizer_config.json"
     if (model_dir / "chat_template.jinja").is_file() or (model_dir / "chat_template.json").is_file():
@@ -41,28 +79,39 @@ def has_chat_template(model_dir: Path) -> bool:
 
 
 def check_chat_template(model_dir: Path) -> None:
-    """Raise ArtifactError for a template that runs too long, writes too much, or does not render."""
+    """Raise ArtifactError for a template that runs too long, writes too much, or does not render a chat
+    without tools (with tools it may refuse to render: see TOOL_PROBES)."""
     if not has_chat_template(model_dir):
         return
+    probes = {"plain": PROBES, "with_tools": TOOL_PROBES, "tools": PROBE_TOOLS}
     try:
         probe = subprocess.run(
             [sys.executable, "-m", "registry.chat_template_probe", str(model_dir)],
-            input=json.dumps(PROBES),
+            input=json.dumps(probes),
             capture_output=True,
             text=True,
             timeout=CHAT_TEMPLATE_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
         raise ArtifactError(
-            f"its chat template did not render {len(PROBES)} short conversations within "
-            f"{CHAT_TEMPLATE_TIMEOUT_S:g} s; refusing it"
+            f"its chat template did not render {len(PROBES) + len(TOOL_PROBES)} short conversations (with "
+            f"and without tools) within {CHAT_TEMPLATE_TIMEOUT_S:g} s; refusing it"
         ) from None
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         raise ArtifactError(f"its chat template does not render: {last}")
-    lengths = json.loads(probe.stdout)["lengths"]
-    for messages, length in zip(PROBES, lengths, strict=True):
-        text = sum(len(m["content"]) for m in messages)
+    rendered = json.loads(probe.stdout)
+    tools_chars = len(json.dumps(PROBE_TOOLS))
+    checks = [
+        (sum(len(m["content"]) for m in messages), n)
+        for messages, n in zip(PROBES, rendered["lengths"], strict=True)
+    ]
+    checks += [
+        (len(json.dumps(messages)) + tools_chars, n)
+        for messages, n in zip(TOOL_PROBES, rendered["tool_lengths"], strict=True)
+        if n is not None  # the template refused tools: chats with them will be refused as they come
+    ]
+    for text, length in checks:
         if length > MAX_TEMPLATE_OVERHEAD_CHARS + MAX_GROWTH_PER_CHAR * text:
             raise ArtifactError(
                 f"its chat template writes {length} characters for a conversation of {text}; refusing it"

@@ -123,6 +123,20 @@ def test_a_chat_template_that_renders_is_registered(demo_model_dir: Path, tmp_pa
 
 
 @pytest.mark.django_db
+def test_a_chat_template_that_refuses_tools_is_registered_for_chats_without_them(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    from registry.services import model_version_register
+
+    template = (
+        "{% if tools %}{{ raise_exception('this model takes no tools') }}{% endif %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    )
+    model = _with_template(demo_model_dir, tmp_path, template)
+    assert model_version_register(name="toolless", version="v1", source_dir=model).version == "v1"
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize(
     ("template", "why"),
     [
@@ -131,6 +145,13 @@ def test_a_chat_template_that_renders_is_registered(demo_model_dir: Path, tmp_pa
         # limit first (a refusal all the same, but not the one this case is about).
         ("{% for i in range(30000) %}{{ messages }}{% endfor %}", "writes"),
         ("{{ raise_exception('no') }}", "does not render"),
+        # Only with tools: a chat with tools would hold a replica's thread as long, or write as much.
+        (
+            "{% if tools %}{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+            "{% endif %}<user>{{ messages[0].content }}",
+            "with and without tools",
+        ),
+        ("{% if tools %}{% for i in range(30000) %}{{ tools }}{% endfor %}{% endif %}<user>", "writes"),
     ],
 )
 def test_a_chat_template_that_runs_long_writes_much_or_fails_is_refused(
