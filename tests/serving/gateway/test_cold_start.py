@@ -216,11 +216,17 @@ async def test_a_request_held_for_a_cold_start_holds_its_quota_slot_and_gives_it
     await asyncio.gather(again, return_exceptions=True)
 
 
-async def _pin_waiting(
-    remote_runtime: Any, redis_url: str, make_tenant: Any, monkeypatch: Any, demo_model_dir: Any
+@pytest.fixture
+async def pin_waiting(
+    registered_model: Any,
+    remote_runtime: Any,
+    redis_url: str,
+    make_tenant: Any,
+    monkeypatch: Any,
+    demo_model_dir: Any,
 ) -> asyncio.Task[Any]:
     """A request of a tenant allowed to pin, pinned to demo-chat v2 (registered here, without traffic),
-    dispatched on the remote runtime; returned once its gateway has told the autoscaler it waits."""
+    dispatched on the remote runtime; given once its gateway has told the autoscaler it waits."""
     import redis.asyncio as aioredis
     from asgiref.sync import sync_to_async
 
@@ -253,12 +259,7 @@ async def _pin_waiting(
 
 
 async def test_a_request_pinned_to_a_version_without_traffic_waits_and_asks_the_autoscaler_for_it(
-    registered_model: Any,
-    remote_runtime: Any,
-    redis_url: str,
-    make_tenant: Any,
-    monkeypatch: Any,
-    demo_model_dir: Any,
+    remote_runtime: Any, redis_url: str, pin_waiting: asyncio.Task[Any]
 ) -> None:
     """Through the provisioner as in the embedded mode (issue 43: it was a 503 at once): the pin's wait is
     the gateway's demand in Redis, from which the autoscaler gives the version a replica
@@ -270,7 +271,7 @@ async def test_a_request_pinned_to_a_version_without_traffic_waits_and_asks_the_
     from serving.replica.replica import Replica
     from serving.transport.replica_directory import HeartbeatPublisher
 
-    waiting = await _pin_waiting(remote_runtime, redis_url, make_tenant, monkeypatch, demo_model_dir)
+    waiting = pin_waiting
     await asyncio.sleep(0.5)  # past a poll or two: still waiting, not refused for having no traffic
     assert not waiting.done()
 
@@ -287,13 +288,7 @@ async def test_a_request_pinned_to_a_version_without_traffic_waits_and_asks_the_
 
 
 async def test_a_pin_the_autoscaler_declines_is_a_503_saying_why_at_once_not_at_the_timeout(
-    registered_model: Any,
-    remote_runtime: Any,
-    redis_url: str,
-    make_tenant: Any,
-    monkeypatch: Any,
-    demo_model_dir: Any,
-    settings: Any,
+    redis_url: str, settings: Any, pin_waiting: asyncio.Task[Any]
 ) -> None:
     """A fleet that starts no replica for versions without traffic (PROVISIONER_MAX_PINNED 0, or that many
     warm already): the autoscaler's tick declines the pinned version in Redis
@@ -307,8 +302,7 @@ async def test_a_pin_the_autoscaler_declines_is_a_503_saying_why_at_once_not_at_
 
     settings.REDIS_URL = redis_url  # the autoscaler's tick reads the demand and writes its word there
     settings.PROVISIONER_MAX_PINNED = 0
-    settings.COLD_START_TIMEOUT_S = 60
-    waiting = await _pin_waiting(remote_runtime, redis_url, make_tenant, monkeypatch, demo_model_dir)
+    waiting = pin_waiting  # for up to COLD_START_TIMEOUT_S (120 s) before this change
     assert await sync_to_async(autoscale)(heartbeats=[]) == {("demo-chat", "v1"): 1}  # none for v2
     async with asyncio.timeout(5):  # the gateway's next demand, within DEMAND_EVERY_S
         with pytest.raises(GatewayError, match="none will be started: this fleet starts no") as refused:
