@@ -7,6 +7,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from config.openmp import runtime_in_use
 from config.server_process import SERVER_PROCESS
 from serving.edge.http_limits import LimitedHttpToolsProtocol
 
@@ -36,6 +37,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: object, **options: object) -> None:
+        logger.info("OpenMP runtime: %s (config/openmp.py)", runtime_in_use())
         if options["server"] == "daphne":
             _serve_daphne(str(options["host"]), int(options["port"]), self.stdout)  # type: ignore[call-overload]
             return
