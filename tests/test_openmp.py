@@ -12,11 +12,13 @@ import pytest
 
 from config.openmp import (
     BLOCKTIME_MS,
+    SETTING,
     environment_with,
     intel_openmp_library,
     preloads,
     wants_intel_openmp,
 )
+from serving.benchmarks.serve_platform import platform_env
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = intel_openmp_library()
@@ -102,3 +104,13 @@ def test_the_native_kernels_and_the_fused_forward_stay_exact_under_it() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+def test_a_benchmarks_throwaway_platform_runs_on_the_benchmarks_runtime(monkeypatch, tmp_path) -> None:
+    """`SWITCHYARD_OPENMP=gnu manage.py bench serve --compare`: the engine alone (in the bench process) and
+    the platform it starts on one runtime, while the shell's other settings stay out."""
+    monkeypatch.setenv("SWITCHYARD_OPENMP", "gnu")
+    monkeypatch.setenv("SWITCHYARD_MAX_NUM_SEQS", "3")
+    env = platform_env(tmp_path)
+    assert env[SETTING] == "gnu"
+    assert "SWITCHYARD_MAX_NUM_SEQS" not in env
