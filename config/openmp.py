@@ -5,9 +5,9 @@ serving process the engine's threads share the cores with the event loop (and, o
 whatever else runs there); a thread of a parallel region that is preempted holds up every other at the
 region's barrier, and GNU OpenMP's waiting threads spin without giving way. Intel OpenMP (libiomp5, the
 `intel-openmp` package; vLLM's CPU build asks for it too) implements the same interface and gives the
-cores back while it waits: on the 2-core development machine the platform kept 83-88% of the engine's
-throughput through the API with it, against 73-77% without (docs/architecture.md, "Intel OpenMP in the
-serving processes"; the figures in docs/benchmarks.md).
+cores back while it waits: through the API the platform keeps markedly more of the engine's throughput
+with it (docs/architecture.md, "Intel OpenMP in the serving processes"; the figures in
+docs/benchmarks.md).
 
 It has to be preloaded (LD_PRELOAD) before the interpreter starts, so manage.py calls
 `exec_under_intel_openmp` before anything else: for the commands that run an engine it starts the
@@ -39,8 +39,13 @@ def intel_openmp_library(prefix: str = sys.prefix) -> Path | None:
     return path if path.is_file() else None
 
 
+def _preloaded(environ: Mapping[str, str]) -> list[str]:
+    """LD_PRELOAD's entries (the dynamic loader takes spaces or colons between them)."""
+    return environ.get("LD_PRELOAD", "").replace(":", " ").split()
+
+
 def preloads(environ: Mapping[str, str], library: Path) -> bool:
-    return str(library) in environ.get("LD_PRELOAD", "").replace(":", " ").split()
+    return str(library) in _preloaded(environ)
 
 
 def wants_intel_openmp(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
@@ -54,7 +59,7 @@ def environment_with(environ: Mapping[str, str], library: Path) -> dict[str, str
     """`environ` with the library preloaded ahead of anything already preloaded, and its wait set unless
     the environment sets one."""
     env = dict(environ)
-    env["LD_PRELOAD"] = " ".join([str(library), *env.get("LD_PRELOAD", "").replace(":", " ").split()])
+    env["LD_PRELOAD"] = " ".join([str(library), *_preloaded(environ)])
     env.setdefault("KMP_BLOCKTIME", BLOCKTIME_MS)
     return env
 
