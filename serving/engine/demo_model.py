@@ -5,6 +5,7 @@ platform, its tests and its benchmarks run anywhere."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ Hello, world! How are you today? The weather is fine, the river is calm, and the
 
 _CORPUS_LINES = [line for line in _CORPUS.splitlines() if line]  # both tokenizers train on these
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+WORDPIECE_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # the demo BERTs' tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,22 +120,26 @@ class DemoEmbeddingSpec:
     num_heads: int = 4
     intermediate_size: int = 512
     max_position_embeddings: int = 512
-    vocab_size: int = 1024  # upper bound; the trained tokenizer may be smaller
+    vocab_size: int = 1024  # upper bound; the counted vocabulary may be smaller
     seed: int = 0
 
 
 def build_wordpiece_tokenizer(vocab_size: int) -> object:
-    """A BERT-style tokenizer (lower-cased WordPiece, [CLS] text [SEP]) trained on the built-in text."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    """A BERT-style tokenizer (lower-cased WordPiece, [CLS] text [SEP]) over the built-in text's words.
+    The vocabulary is counted here, not trained by the tokenizers library: its WordPiece trainer numbered
+    tokens of equal count differently in each process, so two builds of the same demo model had different
+    embeddings for the same text (wordpiece_vocab)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok = Tokenizer(
+        models.WordPiece(wordpiece_vocab(vocab_size, normalizer, pre_tokenizer), unk_token="[UNK]")
+    )
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
-    tok.train_from_iterator(_CORPUS_LINES, trainer=trainer)
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
@@ -149,6 +155,26 @@ def build_wordpiece_tokenizer(vocab_size: int) -> object:
         mask_token="[MASK]",
         model_max_length=512,
     )
+
+
+def wordpiece_vocab(vocab_size: int, normalizer: Any, pre_tokenizer: Any) -> dict[str, int]:
+    """The same vocabulary in every process: the special tokens, every character of the built-in text
+    both as a word's start and as its continuation ("##e"), so that any word of those characters can be
+    spelled, then the text's whole words, most frequent first (ties alphabetical), while fewer than
+    `vocab_size` tokens are taken."""
+    counts: Counter[str] = Counter()
+    for line in _CORPUS_LINES:
+        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(line)))
+    alphabet = sorted({char for word in counts for char in word})
+    tokens = [*WORDPIECE_SPECIALS, *alphabet, *("##" + char for char in alphabet)]
+    known = set(tokens)
+    for word, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        if len(tokens) >= vocab_size:
+            break
+        if word not in known:
+            tokens.append(word)
+            known.add(word)
+    return {token: index for index, token in enumerate(tokens)}
 
 
 def build_demo_embedding_model(out_dir: str | Path, spec: DemoEmbeddingSpec | None = None) -> Path:
