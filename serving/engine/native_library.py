@@ -58,8 +58,14 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def build_library(*, source_files: list[Path] | None = None, cache_dir: Path | None = None) -> Path:
-    """The compiled library's path, compiling it first unless an identical build is cached."""
+def build_library(
+    *,
+    source_files: list[Path] | None = None,
+    cache_dir: Path | None = None,
+    extra_flags: tuple[str, ...] = (),
+) -> Path:
+    """The compiled library's path, compiling it first unless an identical build is cached. `extra_flags`
+    follow COMPILE_FLAGS (the tests build the narrower vector widths of CPUs other than this one)."""
     compiler = _compiler()
     files = source_files if source_files is not None else sources()
     headers = sorted({header for path in files for header in path.parent.glob("*.h")})
@@ -71,7 +77,14 @@ def build_library(*, source_files: list[Path] | None = None, cache_dir: Path | N
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"{compiler} --version failed: {exc}") from exc
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(COMPILE_FLAGS).encode(), version.encode(), _cpu_identity().encode()])
+        b"\0".join(
+            [
+                source,
+                " ".join([*COMPILE_FLAGS, *extra_flags]).encode(),
+                version.encode(),
+                _cpu_identity().encode(),
+            ]
+        )
     ).hexdigest()[:20]
     directory = cache_dir or _cache_dir()
     target = directory / f"switchyard-{key}.so"
@@ -81,7 +94,7 @@ def build_library(*, source_files: list[Path] | None = None, cache_dir: Path | N
     # Built aside and renamed into place: two processes building at once each rename a whole file.
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / target.name
-        command = [compiler, *COMPILE_FLAGS, "-o", str(built), *map(str, files), "-lm"]
+        command = [compiler, *COMPILE_FLAGS, *extra_flags, "-o", str(built), *map(str, files), "-lm"]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         except subprocess.SubprocessError as exc:  # a compiler that hangs: unavailable, not a crash

@@ -15,8 +15,9 @@
  *
  * Query head h uses KV head h / group (group = num_heads / num_kv_heads), as transformers' repeat_kv
  * does. Softmax is online (a running maximum and sum per query vector and head), in fp32 throughout,
- * with an exp of our own over 16 lanes (relative error < 2e-7). Keys are taken 16 at a time, so the
- * block size is a multiple of 16. */
+ * with an exp of our own over a vector's lanes (relative error < 2e-7). Keys are taken a vector's width
+ * at a time (SY_LANES: 16 with AVX-512, 8 with AVX, 4 otherwise; vector_math.h), and the block size is a
+ * multiple of 16, so of every width. */
 
 #include <math.h>
 #include <stdint.h>
@@ -85,43 +86,43 @@ static _Thread_local float sy_acc[SY_MAX_VECTORS][SY_MAX_HEAD_DIM];
 static _Thread_local float sy_max[SY_MAX_VECTORS];
 static _Thread_local float sy_sum[SY_MAX_VECTORS];
 
-/* Folds up to 16 keys (`num_keys` of them visible) into the state of `group` consecutive vectors from
+/* Folds up to SY_LANES keys (`num_keys` of them visible) into the state of `group` consecutive vectors from
  * `first`, which share one KV head: their scores, the softmax update, then the values. `keys` points at
  * the keys' first column in a transposed block ([head_dim][key_stride]); `values` at the first key's
  * values. Inlined with `group` a constant, so the per-vector state stays in registers. */
 static inline __attribute__((always_inline)) void fold_keys(
     const int group, const int first, const float *keys, const int64_t key_stride, const float *values,
     const int64_t value_stride, const int num_keys, const int head_dim) {
-    v16 scores[SY_MAX_GROUP];
+    vf scores[SY_MAX_GROUP];
     float probs[SY_MAX_GROUP][SY_LANES];
     float corrections[SY_MAX_GROUP];
-    for (int g = 0; g < group; g++) scores[g] = splat(0.0f);
+    for (int g = 0; g < group; g++) scores[g] = vsplat(0.0f);
     for (int d = 0; d < head_dim; d++) {
-        const v16 k = load16(keys + d * key_stride);
+        const vf k = vload(keys + d * key_stride);
         for (int g = 0; g < group; g++) scores[g] += sy_queries[first + g][d] * k;
     }
-    const v16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const i16v visible = lanes < splat((float)num_keys);
+    const vf lanes = vlane_index();
+    const vi visible = lanes < vsplat((float)num_keys);
     for (int g = 0; g < group; g++) {
         const int i = first + g;
-        const v16 s = select16(visible, scores[g], splat(-INFINITY));
-        const float block_max = hmax16(s);
+        const vf s = vselect(visible, scores[g], vsplat(-INFINITY));
+        const float block_max = vhmax(s);
         const float new_max = block_max > sy_max[i] ? block_max : sy_max[i];
         corrections[g] = sy_max[i] == -INFINITY ? 0.0f : exp1(sy_max[i] - new_max);
-        const v16 p = select16(visible, exp16(s - new_max), splat(0.0f));
-        sy_sum[i] = sy_sum[i] * corrections[g] + hsum16(p);
+        const vf p = vselect(visible, vexp(s - new_max), vsplat(0.0f));
+        sy_sum[i] = sy_sum[i] * corrections[g] + vhsum(p);
         sy_max[i] = new_max;
-        store16(probs[g], p);
+        vstore(probs[g], p);
     }
     if (head_dim % SY_LANES == 0) {
         for (int c = 0; c < head_dim; c += SY_LANES) {
-            v16 acc[SY_MAX_GROUP];
-            for (int g = 0; g < group; g++) acc[g] = load16(sy_acc[first + g] + c) * corrections[g];
+            vf acc[SY_MAX_GROUP];
+            for (int g = 0; g < group; g++) acc[g] = vload(sy_acc[first + g] + c) * corrections[g];
             for (int t = 0; t < num_keys; t++) {
-                const v16 v = load16(values + t * value_stride + c);
+                const vf v = vload(values + t * value_stride + c);
                 for (int g = 0; g < group; g++) acc[g] += probs[g][t] * v;
             }
-            for (int g = 0; g < group; g++) store16(sy_acc[first + g] + c, acc[g]);
+            for (int g = 0; g < group; g++) vstore(sy_acc[first + g] + c, acc[g]);
         }
     } else {
         for (int g = 0; g < group; g++) {

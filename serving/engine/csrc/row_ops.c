@@ -37,8 +37,8 @@ void sy_silu_and_mul(const float *gate_up, int64_t gate_up_stride, float *out, i
         float *o = out + r * out_stride;
         int64_t i = 0;
         for (; i + SY_LANES <= width; i += SY_LANES) {
-            const v16 g = load16(gate + i);
-            store16(o + i, g / (1.0f + exp16(-g)) * load16(up + i));
+            const vf g = vload(gate + i);
+            vstore(o + i, g / (1.0f + vexp(-g)) * vload(up + i));
         }
         for (; i < width; i++) o[i] = gate[i] / (1.0f + exp1(-gate[i])) * up[i];
     }

@@ -6,6 +6,8 @@ block tables say."""
 from __future__ import annotations
 
 import ast
+import ctypes
+import platform
 import subprocess
 import sys
 import threading
@@ -131,6 +133,26 @@ def run_step(kernel: NativeAttention, case: dict) -> tuple[torch.Tensor, torch.T
 @given(case=steps())
 def test_paged_result_equals_dense_attention(kernel: NativeAttention, case: dict) -> None:
     out, expected, _ = run_step(kernel, case)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def narrow_kernel(tmp_path_factory: pytest.TempPathFactory) -> NativeAttention:
+    """The kernel built for 4-lane vectors, as on a CPU without AVX (csrc/vector_math.h picks the width
+    from the CPU: 16 lanes with AVX-512, 8 with AVX, 4 otherwise). Each width folds keys in other groups,
+    and each must give dense attention's answer."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("-mno-avx is an x86 flag")
+    path = build_library(cache_dir=tmp_path_factory.mktemp("narrow"), extra_flags=("-mno-avx",))
+    return NativeAttention(ctypes.CDLL(str(path)))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=steps())
+def test_paged_result_equals_dense_attention_with_narrower_vectors(
+    narrow_kernel: NativeAttention, case: dict
+) -> None:
+    out, expected, _ = run_step(narrow_kernel, case)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
