@@ -1,5 +1,5 @@
 /* Paged attention over the KV pool in place, for fp32 on a CPU (serving/engine/native_attention.py
- * builds and loads this file; docs/architecture.md, "Paged attention").
+ * builds and loads this file; docs/architecture.md, "The engine (one replica)").
  *
  * One call per layer and step. It first writes the step's new keys and values into their pool slots,
  * then attends every work item: queries [first_token, first_token + num_queries) of one sequence, the

@@ -1,8 +1,8 @@
 /* Float vectors of the CPU's own width and an exp over them, shared by the engine's C files (GCC and
  * Clang vector extensions): 16 lanes with AVX-512, 8 with AVX, 4 otherwise. A vector wider than the
  * CPU's registers is legal C, but GCC then moves its halves through the stack and general registers:
- * the attention kernel's 16-lane vectors ran ~2x slower on an AVX2 machine than 8-lane ones
- * (docs/architecture.md, "Paged attention"). */
+ * the attention kernel's 16-lane vectors ran ~3x slower on an AVX2 machine than 8-lane ones
+ * (docs/architecture.md, "The kernels' vectors are the CPU's width"). */
 
 #ifndef SWITCHYARD_VECTOR_MATH_H
 #define SWITCHYARD_VECTOR_MATH_H
