@@ -44,7 +44,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 
 def test_killing_a_replica_mid_stream_ends_its_streams_with_an_error_and_spares_the_others(
-    fleet: Fleet,
+    fleet: Fleet, request: pytest.FixtureRequest
 ) -> None:
     results: list[dict] = []
     threads: list[threading.Thread] = []
@@ -67,6 +67,9 @@ def test_killing_a_replica_mid_stream_ends_its_streams_with_an_error_and_spares_
     # the kill (under the streams' load) and after it.
     probes = _Probes(fleet.server)
     probes.start()
+    # Stopped however the test ends: probes left running would keep the fleet's counters moving, and the
+    # next test, which waits for them to settle, would wait for ever.
+    request.addfinalizer(probes.stop)
     for _ in range(NUM_KILL_STREAMS):
         start_stream()
     assert all(event.wait(120) for event in started)
@@ -384,12 +387,14 @@ def _settled_output_tokens_counted() -> int:
     """The count once the earlier tests' tokens are all flushed: the same over a whole flush period.
     Polled: the replicas flush on a timer of their own, which nothing outside them can await."""
     counted = _output_tokens_counted()
-    while True:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         time.sleep(6)  # one flush period (SWITCHYARD_METRICS_FLUSH_INTERVAL_S, 5 s) and a margin
         again = _output_tokens_counted()
         if again == counted:
             return counted
         counted = again
+    raise AssertionError("the fleet's token counts still moved after 120 s: something else is streaming")
 
 
 def _output_tokens_counted() -> int:
