@@ -67,6 +67,7 @@ def build_library(
     """The compiled library's path, compiling it first unless an identical build is cached. `extra_flags`
     follow COMPILE_FLAGS (the tests build the narrower vector widths of CPUs other than this one)."""
     compiler = _compiler()
+    flags = [*COMPILE_FLAGS, *extra_flags]  # what the build runs with, and so part of its cache key
     files = source_files if source_files is not None else sources()
     headers = sorted({header for path in files for header in path.parent.glob("*.h")})
     source = b"\0".join(path.read_bytes() for path in [*files, *headers])  # what the build reads
@@ -80,7 +81,7 @@ def build_library(
         b"\0".join(
             [
                 source,
-                " ".join([*COMPILE_FLAGS, *extra_flags]).encode(),
+                " ".join(flags).encode(),
                 version.encode(),
                 _cpu_identity().encode(),
             ]
@@ -94,7 +95,7 @@ def build_library(
     # Built aside and renamed into place: two processes building at once each rename a whole file.
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / target.name
-        command = [compiler, *COMPILE_FLAGS, *extra_flags, "-o", str(built), *map(str, files), "-lm"]
+        command = [compiler, *flags, "-o", str(built), *map(str, files), "-lm"]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         except subprocess.SubprocessError as exc:  # a compiler that hangs: unavailable, not a crash

@@ -86,10 +86,10 @@ static _Thread_local float sy_acc[SY_MAX_VECTORS][SY_MAX_HEAD_DIM];
 static _Thread_local float sy_max[SY_MAX_VECTORS];
 static _Thread_local float sy_sum[SY_MAX_VECTORS];
 
-/* Folds up to SY_LANES keys (`num_keys` of them visible) into the state of `group` consecutive vectors from
- * `first`, which share one KV head: their scores, the softmax update, then the values. `keys` points at
- * the keys' first column in a transposed block ([head_dim][key_stride]); `values` at the first key's
- * values. Inlined with `group` a constant, so the per-vector state stays in registers. */
+/* Folds up to SY_LANES keys (`num_keys` of them visible) into the state of `group` consecutive vectors
+ * from `first`, which share one KV head: their scores, the softmax update, then the values. `keys`
+ * points at the keys' first column in a transposed block ([head_dim][key_stride]); `values` at the first
+ * key's values. Inlined with `group` a constant, so the per-vector state stays in registers. */
 static inline __attribute__((always_inline)) void fold_keys(
     const int group, const int first, const float *keys, const int64_t key_stride, const float *values,
     const int64_t value_stride, const int num_keys, const int head_dim) {

@@ -45,8 +45,9 @@ static inline float vhsum(vf x) {
 }
 
 /* exp(x) in every lane, x clamped to [-87, 88] (exp(-87) ~ 1.6e-38): 2^n * p(r), x = n ln2 + r,
- * |r| <= ln2 / 2, p a degree-6 Taylor polynomial; n rounded by adding 1.5 * 2^23, whose float then holds n in its low bits.
- * Relative error < 2e-7. libm's expf is a call per element; this is a few vector instructions. */
+ * |r| <= ln2 / 2, p a degree-6 Taylor polynomial; n rounded by adding 1.5 * 2^23, whose float then
+ * holds n in its low bits. Relative error < 2e-7. libm's expf is a call per element; this is a few
+ * vector instructions. */
 static inline vf vexp(vf x) {
     const float magic = 12582912.0f;
     x = vselect(x < vsplat(-87.0f), vsplat(-87.0f), x);
