@@ -13,6 +13,12 @@ from serving.benchmarks.workload import RequestRecord
 
 REQUEST_TIMEOUT_S = 600.0
 
+# A stream that ended as a served one does (its finish_reason, usage and [DONE]) whose tokens decoded to
+# no text at all: a model that emits bytes which never make a character (a random one can, greedily, for
+# a whole stream; vLLM sends the same empty chunks for them). It has no first token a user saw, so no
+# latency, but the server did generate every token its usage counts.
+SERVED_WITHOUT_TEXT = "incomplete_no_text"
+
 
 @dataclass(slots=True, frozen=True)
 class TextRequest:
@@ -40,6 +46,9 @@ class HttpRun:
     send_lateness_s: list[float] = field(default_factory=list)  # sent - scheduled arrival, per request
     prompt_tokens: list[int] = field(default_factory=list)  # as the final event's usage counts them
     num_ended_early: int = 0  # streams the model ended (EOS, a stop string) before their max_tokens
+    # The output tokens (by usage) of streams SERVED_WITHOUT_TEXT: counted in the throughput as the
+    # engine alone counts them, so that the share kept compares the same work.
+    num_textless_output_tokens: int = 0
 
     async def send_when_due(self, request: TextRequest, t0: float) -> RequestRecord:
         """Waits for the request's arrival time, then starts its record. TTFT counts from the moment it
@@ -58,6 +67,8 @@ class HttpRun:
         completed, and a request that did not complete has no finish, whatever it received."""
         self.spans_s.append((record.arrival_s, time.perf_counter() - t0))
         self.statuses[outcome] += 1  # once per request: a 200 whose stream then failed counts as its failure
+        if outcome == SERVED_WITHOUT_TEXT:
+            self.num_textless_output_tokens += record.num_output_tokens
         if outcome != "200":
             record.finished_s = None
             return

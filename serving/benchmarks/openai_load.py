@@ -20,7 +20,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from serving.benchmarks.http_client import HttpClient, HttpProtocolError
-from serving.benchmarks.http_run import REQUEST_TIMEOUT_S, HttpRun, TextRequest, stream_outcome
+from serving.benchmarks.http_run import (
+    REQUEST_TIMEOUT_S,
+    SERVED_WITHOUT_TEXT,
+    HttpRun,
+    TextRequest,
+    stream_outcome,
+)
 from serving.benchmarks.workload import RequestRecord
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -148,7 +154,7 @@ def completion_outcome(stream: CompletionStream, record: RequestRecord, t0: floa
     if stream.finish_reason is not None and stream.usage is None:
         return "incomplete_no_usage"
     if stream.finish_reason is not None and stream.first_text_at is None and record.num_output_tokens:
-        return "incomplete_no_text"  # tokens by usage, but none a user could see: no TTFT to take
+        return SERVED_WITHOUT_TEXT  # tokens by usage, but none a user could see: no TTFT to take
     return stream_outcome(record, stream.finish_reason, is_sse=is_sse)
 
 

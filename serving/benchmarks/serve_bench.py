@@ -299,6 +299,8 @@ def http_report(run: HttpRun, summary: dict[str, float], *, sla_ttft_s: float, s
         )
     if run.num_ended_early:
         lines.append(f"{run.num_ended_early} streams ended (EOS or a stop string) before their max_tokens")
+    if run.num_textless_output_tokens:  # in output_tok_per_s, as the engine alone counts them
+        lines.append(f"{run.num_textless_output_tokens} tokens of streams without text in output_tok_per_s")
     if run.replica_ttft_s:  # the native API's final events carry the replica's timings; OpenAI's do not
         lines.append(f"TTFT outside the replica (client - replica, median): {path_ttft_ms(run):.1f} ms")
     return "\n".join(lines)

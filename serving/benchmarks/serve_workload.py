@@ -179,11 +179,12 @@ async def run_http_load(base_url: str, key: str, model: str, requests: Sequence[
 
 
 def summarize(run: HttpRun, *, sla_ttft_s: float, sla_tpot_s: float) -> dict[str, float]:
-    """Latencies over the complete requests; every throughput (completed requests, their output tokens,
-    goodput: requests within both SLOs, as vLLM defines it) per second of run.duration_s; and the SLA's
-    p99s ("sla_p99_*", nearest rank) over every request sent, one that failed or did not complete missing
-    both."""
+    """Latencies over the complete requests; every throughput (completed requests, their output tokens and
+    those of streams served without text, goodput: requests within both SLOs, as vLLM defines it) per
+    second of run.duration_s; and the SLA's p99s ("sla_p99_*", nearest rank) over every request sent, one
+    that failed or did not complete missing both."""
     complete = [r for r in run.records if r.is_complete]
+    num_output_tokens = sum(r.num_output_tokens for r in complete) + run.num_textless_output_tokens
     good = [
         r for r in complete if r.ttft_s <= sla_ttft_s and (r.time_per_output_token_s or 0.0) <= sla_tpot_s
     ]
@@ -201,7 +202,7 @@ def summarize(run: HttpRun, *, sla_ttft_s: float, sla_tpot_s: float) -> dict[str
         "good": float(len(good)),
         "duration_s": duration_s,
         "req_per_s": per_s(len(complete)),
-        "output_tok_per_s": per_s(sum(r.num_output_tokens for r in complete)),
+        "output_tok_per_s": per_s(num_output_tokens),
         "goodput_req_per_s": per_s(len(good)),
         "sla_p99_ttft_ms": nearest_rank(ttfts + missed, 99) * 1000,
         "sla_p99_tpot_ms": nearest_rank(tpots + missed, 99) * 1000,

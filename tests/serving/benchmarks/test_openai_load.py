@@ -144,6 +144,11 @@ async def test_a_stream_without_done_or_usage_or_text_is_incomplete() -> None:
     assert sum(r.is_complete for r in run.records) == 1
     assert [r.finished_s is None for r in run.records].count(True) == 4
     assert len(run.inter_token_s) == 1  # the complete stream's one gap; the others' are dropped
+    # The stream with no text was served all the same: its tokens count in the throughput (the engine
+    # alone's figure counts them too), not in any latency.
+    summary = summarize(run, sla_ttft_s=60.0, sla_tpot_s=60.0)
+    assert summary["output_tok_per_s"] == pytest.approx((2 + 2) / run.duration_s)
+    assert summary["complete"] == 1
 
 
 async def test_usage_short_of_max_tokens_is_incomplete_unless_the_model_stopped() -> None:
