@@ -26,6 +26,7 @@ from serving.gateway.cold_start import ColdStartTimedOut, wait_for_a_replica
 from serving.gateway.data_plane import DataPlane, ReplicaHandle
 from serving.gateway.errors import GatewayError, MaybeSent
 from serving.gateway.failures import FailureNote
+from serving.gateway.quiet_alarm import QuietAlarm
 from serving.gateway.quota import Charge, Ticket
 from serving.gateway.quota_store import quota_store
 from serving.gateway.router import choose_replica
@@ -83,6 +84,7 @@ class InFlightRequest:
         self.request_id = uuid.uuid4().hex
         self._wire_id = self.request_id  # changes on a retry, so late events of the dead try are dropped
         self._queue: asyncio.Queue[dict[str, Any]] = runtime.hub.open(self._wire_id, self._on_backlog)
+        self._quiet_alarm = QuietAlarm(LIVENESS_CHECK_S)
         self._reader: asyncio.Task[Any] | None = None  # the task iterating events()
         self.is_cut_off = False  # its client fell too far behind (serving/transport/reply_hub.py)
         self._cut_off_close: asyncio.Task[None] | None = None  # held: the loop keeps only weak refs
@@ -230,24 +232,22 @@ class InFlightRequest:
         await self.submit(exclude=frozenset({failed}))
 
     async def _next_event(self, *, timeout_s: float) -> dict[str, Any]:
-        """The next event, checking every LIVENESS_CHECK_S that the replica still has a heartbeat."""
+        """The next event, checking that the replica still has a heartbeat whenever LIVENESS_CHECK_S
+        pass without one (quiet_alarm.py: one timer a quiet spell, not one a token)."""
         assert self.replica is not None
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
-                # (Django cancels the stream when the client goes away).
-                async with asyncio.timeout(LIVENESS_CHECK_S):
-                    return await self._queue.get()
-            except TimeoutError:
-                is_alive = await self._runtime.is_alive(self.replica)
-                raise_if_cancelling()  # the client left during the check: the Redis read may have lost it
-                if not is_alive:
-                    self._gave_up = True
-                    return error_event(REPLICA_LOST, "the replica serving this request stopped")
-                if time.monotonic() > deadline:
-                    self._gave_up = True
-                    return error_event(REPLICA_TIMEOUT, "the replica stopped answering")
+            event = await self._quiet_alarm.next(self._queue)
+            if event is not None:
+                return event
+            is_alive = await self._runtime.is_alive(self.replica)
+            raise_if_cancelling()  # the client left during the check: the Redis read may have lost it
+            if not is_alive:
+                self._gave_up = True
+                return error_event(REPLICA_LOST, "the replica serving this request stopped")
+            if time.monotonic() > deadline:
+                self._gave_up = True
+                return error_event(REPLICA_TIMEOUT, "the replica stopped answering")
 
     def _on_backlog(self) -> bool:
         """The client has stopped reading: its reader is blocked in the server's send() while events pile
@@ -337,6 +337,7 @@ class InFlightRequest:
         if self._is_closed:
             return
         self._is_closed = True
+        self._quiet_alarm.cancel()
         self._text.settle(ok=False)  # no-op when it finished normally
         self._runtime.hub.close(self._wire_id)
         num_unread = self._num_unread_tokens()
