@@ -31,6 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# A sample times this many rows' worth of back-to-back calls (32 calls at one row, one at 128), as a
+# decode step makes them. One call at one row (20-70 us) is mostly how soon the OpenMP threads wake: on a
+# 2-core Zen 4, in eight starts of the platform, the bench model's one-row ratio read 0.80-1.75 and twice
+# tipped the verdict to plain (where the engine alone makes ~20% fewer tokens a second); with 32 calls,
+# 0.80-1.18 and packed in six starts of six (docs/lab/2026-12-07-zen4-loop.md, "Packing chosen at load").
+CALLS_PER_SAMPLE_ROWS = 32
+
 # Packed layers must be this much faster than plain ones to be chosen. The timing sees only a warm
 # kernel; packing also costs what it does not see: oneDNN compiles kernels for each new number of rows
 # (a prompt length it has not met: a median 7.7 ms on the fourteenth machine, with the older operator).
@@ -152,14 +159,16 @@ def packing_pays(
     with torch.inference_mode():
         for num_rows in rows:
             times: dict[tuple[str, tuple[int, int, bool]], list[float]] = {}
+            calls = max(1, CALLS_PER_SAMPLE_ROWS // num_rows)
             for round_index in range(rounds + 1):  # round 0 warms up: oneDNN compiles its kernels there
                 for kind in ("plain", "packed") if round_index % 2 else ("packed", "plain"):
                     for shape, layer in layers[kind].items():
                         x = torch.randn(num_rows, shape[0], dtype=plain[shape].weight.dtype)
                         started = clock()
-                        layer(x)
+                        for _ in range(calls):
+                            layer(x)
                         if round_index:
-                            times.setdefault((kind, shape), []).append(clock() - started)
+                            times.setdefault((kind, shape), []).append((clock() - started) / calls)
             total = {
                 kind: sum(counts[shape] * statistics.median(times[kind, shape]) for shape in counts)
                 for kind in layers

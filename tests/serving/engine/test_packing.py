@@ -89,6 +89,30 @@ def test_the_rows_ratios_are_combined_as_a_geometric_mean(monkeypatch: pytest.Mo
     assert not verdict.pack
 
 
+def test_a_slow_first_call_does_not_decide_at_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At one row a call is short enough that waking the OpenMP threads can be most of it: the first
+    packed call of each sample here costs 3 units (a wake-up), the next ones 0.5, plain ones 1. A
+    decode step makes such calls back to back, so packing pays at one row; timed one call a sample it
+    read 3x slower. At 128 rows one call is a sample."""
+    clock = _Clock()
+    calls: list[tuple[str, int]] = []
+
+    def cost(kind: str, layer: nn.Module, x: torch.Tensor) -> float:
+        first = not calls or calls[-1][0] != kind
+        calls.append((kind, x.shape[0]))
+        if kind == "plain":
+            return 1.0
+        return 3.0 if first else 0.5
+
+    _layers_take(monkeypatch, clock, cost)
+    verdict = packing_pays(_model((8, 8)), rows=(1, 128), rounds=3, clock=clock)
+    per_sample = packing.CALLS_PER_SAMPLE_ROWS
+    assert verdict.ratio_by_rows[1] == pytest.approx((3.0 + (per_sample - 1) * 0.5) / per_sample)
+    assert verdict.ratio_by_rows[1] < packing.PACK_IF_TIME_RATIO
+    assert calls.count(("packed", 1)) == calls.count(("plain", 1)) == 4 * per_sample  # warm-up + 3 rounds
+    assert calls.count(("packed", 128)) == calls.count(("plain", 128)) == 4
+
+
 def test_a_model_without_plain_linear_layers_is_left_as_it_is() -> None:
     verdict = packing_pays(nn.Sequential(nn.ReLU()))
     assert not verdict.pack
