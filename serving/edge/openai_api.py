@@ -20,6 +20,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from registry.errors import error_response
 from registry.models import Model
+from serving.edge.chunk_frames import ChunkFrames
 from serving.edge.error_fields import error_fields
 from serving.edge.infer_api import failed_dispatch
 from serving.edge.openai_bodies import ChatRequest, parse_chat, parse_completion, parse_embeddings
@@ -66,6 +67,7 @@ async def _stream(
         # With include_usage every chunk but the last carries "usage": null, as OpenAI documents.
         return sse_frame({**payload, "usage": None} if include_usage else payload)
 
+    frames = ChunkFrames(chunk, include_usage=include_usage)  # a token's text chunk, spliced
     unannounced = set(range(len(handles))) if announces_role else set()
     choices = [ChoiceStream(tools) for _ in handles]
     try:
@@ -85,8 +87,10 @@ async def _stream(
             if "token" in event:
                 # A token whose text is held back (it may start a stop string) still sends its logprob.
                 text = choices[index].feed(event["token"])
-                if text or "logprob" in event:
-                    logprob = event.get("logprob")
+                logprob = event.get("logprob")
+                if text and not logprob:
+                    yield frames.text(text, index)
+                elif text or "logprob" in event:
                     yield sse(chunk(text, None, [logprob] if logprob else None, index))
             elif event.get("finish_reason") == "error":
                 # The choice ends with finish_reason "error"; the error object is what the openai client
