@@ -2,7 +2,7 @@
 
 A stream that hears nothing for LIVENESS_CHECK_S asks whether its replica still beats (in_flight.py).
 An `asyncio.timeout` around each wait did that by scheduling a timer and cancelling it at every token:
-~6-8 µs of the event loop's time a token, of ~70-90 µs in all at 64 streams (docs/architecture.md, "The
+~5-8 µs of the event loop's time a token, of ~60-100 µs in all at 64 streams (docs/architecture.md, "The
 event loop's cost of a token"). The alarm here sets one timer per quiet spell instead. When it rings it
 looks at when the last event came: if one came within the period it rings again that much later, and
 only a whole period with none, while the stream waits, wakes the wait (with QUIET on its queue).
