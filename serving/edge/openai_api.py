@@ -67,7 +67,7 @@ async def _stream(
         # With include_usage every chunk but the last carries "usage": null, as OpenAI documents.
         return sse_frame({**payload, "usage": None} if include_usage else payload)
 
-    frames = ChunkFrames(chunk, include_usage=include_usage)  # a token's text chunk, spliced
+    frames = ChunkFrames(chunk, sse)  # a token's text chunk, spliced into its frame
     unannounced = set(range(len(handles))) if announces_role else set()
     choices = [ChoiceStream(tools) for _ in handles]
     try:

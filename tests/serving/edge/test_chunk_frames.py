@@ -22,9 +22,13 @@ def _base() -> dict[str, Any]:
     }
 
 
+def _framing(include_usage: bool) -> Any:
+    """As openai_api's streams frame a chunk: "usage": null in each where the client asked for usage."""
+    return lambda payload: sse_frame({**payload, "usage": None} if include_usage else payload)
+
+
 def _whole(chunk: Any, text: str, index: int, include_usage: bool) -> bytes:
-    payload = chunk(text, None, None, index)
-    return sse_frame({**payload, "usage": None} if include_usage else payload)
+    return _framing(include_usage)(chunk(text, None, None, index))
 
 
 texts = st.text(min_size=1) | st.sampled_from(['"', "\\", "\x00text\x00", "é", "😀", "\n\r\t", "</script>"])
@@ -40,14 +44,14 @@ def test_a_spliced_frame_is_the_chunk_serialized_whole(
     texts: list[str], index: int, include_usage: bool, chat: bool
 ) -> None:
     make = chat_chunk if chat else completion_chunk
-    frames = ChunkFrames(make(_base()), include_usage=include_usage)
+    frames = ChunkFrames(make(_base()), _framing(include_usage))
     whole = make(_base())
     for text in texts:  # later frames reuse the halves the first one cut
         assert frames.text(text, index) == _whole(whole, text, index, include_usage)
 
 
 def test_each_choice_has_its_own_halves() -> None:
-    frames = ChunkFrames(completion_chunk(_base()), include_usage=False)
+    frames = ChunkFrames(completion_chunk(_base()), _framing(False))
     whole = completion_chunk(_base())
     assert frames.text("a", 0) == _whole(whole, "a", 0, False)
     assert frames.text("b", 2) == _whole(whole, "b", 2, False)
