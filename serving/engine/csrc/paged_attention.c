@@ -152,10 +152,13 @@ static void fold_group(const int group, const int first, const float *keys, cons
     }
 }
 
-static inline void prefetch_block(const SyLayerArgs *layer, int64_t offset, int64_t num_floats) {
-    for (int64_t f = 0; f < num_floats; f += 64 / sizeof(float)) { /* one 64-byte line at a time */
-        __builtin_prefetch(layer->k_pool + offset + f);
-        __builtin_prefetch(layer->v_pool + offset + f);
+/* Asks for `num_floats` of keys and of values from `offset`, one 64-byte line at a time, into the L2
+ * cache rather than L1: a block's keys and values are 32 KiB at the bench model's shapes, a core's
+ * whole L1 data cache on the CPUs measured, and into L1 the same step was slower. */
+static inline void prefetch_lines(const SyLayerArgs *layer, int64_t offset, int64_t num_floats) {
+    for (int64_t f = 0; f < num_floats; f += 64 / sizeof(float)) {
+        __builtin_prefetch(layer->k_pool + offset + f, 0, 2);
+        __builtin_prefetch(layer->v_pool + offset + f, 0, 2);
     }
 }
 
@@ -180,12 +183,16 @@ static void attend_item(const SyStepArgs *step, const SyLayerArgs *layer, const 
     }
     const int64_t block_floats = (int64_t)block_size * value_stride; /* one block of keys, or of values */
     /* Blocks are scattered over the pool, which defeats the hardware's prefetcher at each jump: the
-     * first block is asked for before starting, and each next one while its predecessor is computed. */
-    prefetch_block(layer, table[0] * block_floats, block_floats);
+     * first block is asked for before starting, and each next one while its predecessor is computed,
+     * a KV head's share of it before each KV head's work: asked for all at once, the step was slower
+     * (docs/architecture.md, "The kernel asks for the next block as it goes"). */
+    const int64_t share = block_floats / kv_heads;
+    prefetch_lines(layer, table[0] * block_floats, block_floats);
     for (int64_t block = 0; block < num_blocks; block++) {
         const int64_t block_start = block * block_size, physical = table[block];
-        if (block + 1 < num_blocks) prefetch_block(layer, table[block + 1] * block_floats, block_floats);
         for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
+            if (block + 1 < num_blocks)
+                prefetch_lines(layer, table[block + 1] * block_floats + kv_head * share, share);
             const float *keys = layer->k_pool + ((physical * kv_heads + kv_head) * head_dim) * block_size;
             const float *values = layer->v_pool + physical * block_size * value_stride +
                                   (int64_t)kv_head * head_dim;
