@@ -1,9 +1,10 @@
-"""`manage.py bench engine|serve|embed|structured|lora [options]`: the engine benchmark
+"""`manage.py bench engine|serve|embed|structured|lora|attention [options]`: the engine benchmark
 (serving/benchmarks/engine_bench.py), the serving benchmark through the HTTP API
 (serving/benchmarks/serve_bench.py), the embedding models' dynamic batcher against one input per forward
 pass (serving/benchmarks/embed_bench.py), what structured outputs cost the engine
-(serving/benchmarks/structured_bench.py) and what LoRA adapters in the batch cost it
-(serving/benchmarks/lora_bench.py)."""
+(serving/benchmarks/structured_bench.py), what LoRA adapters in the batch cost it
+(serving/benchmarks/lora_bench.py) and how fast the paged-attention kernel reads the KV cache
+(serving/benchmarks/attention_read.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class Command(BaseCommand):
         "gateway + Channels + replica and through the engine alone. `bench embed`: the dynamic batcher "
         "against batch size 1 on an embedding model. `bench structured`: throughput with half the batch "
         "constrained to a JSON schema against none, and a schema's compile time. `bench lora`: 8 LoRA "
-        "adapters mixed in the batch against the base alone, and an adapter's load on first use."
+        "adapters mixed in the batch against the base alone, and an adapter's load on first use. "
+        "`bench attention`: the paged-attention kernel's read of the KV cache against a streaming read."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -52,8 +54,15 @@ class Command(BaseCommand):
 
         lora = subcommands.add_parser("lora", help="LoRA adapters mixed in the batch vs. the base alone")
         add_lora_arguments(lora)
+        from serving.benchmarks.attention_read import add_attention_arguments
+
+        attention = subcommands.add_parser(
+            "attention", help="the paged-attention kernel's KV read in a decode step vs. a streaming read"
+        )
+        add_attention_arguments(attention)
 
     def handle(self, *args: object, **options: object) -> None:
+        from serving.benchmarks.attention_read import run_attention_from_options
         from serving.benchmarks.batching_sweep import run_batching_from_options
         from serving.benchmarks.embed_bench import run_embed_from_options
         from serving.benchmarks.engine_bench import run_from_options
@@ -68,6 +77,7 @@ class Command(BaseCommand):
             "structured": run_structured_from_options,
             "batching": run_batching_from_options,
             "lora": run_lora_from_options,
+            "attention": run_attention_from_options,
         }
         runner = runners.get(str(options["subcommand"]))
         if runner is None:
