@@ -19,14 +19,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from serving.engine.attention import AttentionClock, build_attention_metadata, register_paged_attention
 from serving.engine.forward_batch import BatchBuilder, ForwardBatch
 from serving.engine.fused_llama import FusedForwardUnsupported, FusedLlama
 from serving.engine.gather_attention import AttentionScratch, DecodeKernel, compile_decode_kernel
-from serving.engine.host_memory import keep_freed_memory
+from serving.engine.host_memory import keep_freed_memory, zero_pages
 from serving.engine.loading import default_device_and_dtype, load_causal_lm
 from serving.engine.lora import LoraAdapter
 from serving.engine.lora_batch import FusedLoraWeights, LoraStep
@@ -329,10 +328,8 @@ class ModelRunner:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool. On a CPU in fp32 through numpy, whose zeros come from calloc: large ones are fresh
-    zero pages the kernel maps in only when written, so a KV budget costs memory as sequences fill it,
-    not at start (torch.zeros writes every page: 1.1 s and 512 MiB resident for a 512 MiB pool here)."""
+    """A zeroed pool. On a CPU in fp32, zero pages mapped in as sequences write them (host_memory.py)."""
     if device.type == "cpu" and dtype == torch.float32:
-        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+        return zero_pages(shape)
     with torch.inference_mode():
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -87,3 +87,30 @@ def test_a_cpu_pool_takes_memory_only_as_it_is_written(tiny_llama_dir: Path) -> 
     assert runner.kv_cache_bytes_allocated > GIB - runner.bytes_per_block
     assert _resident_bytes() - before < 256 << 20
     assert not runner.kv_caches[0][1][:4].any()  # and reads as zeros
+
+
+def _smaps_entry(address: int) -> list[str]:
+    """The lines /proc/self/smaps gives for the mapping that holds `address`."""
+    entry: list[str] = []
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        if inside:
+            entry.append(line)
+    return entry
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc")
+def test_a_cpu_pool_is_written_on_small_pages_not_huge_ones(tiny_llama_dir: Path) -> None:
+    # A fresh huge page can wait for the kernel to compact memory: the first write to a fresh block
+    # would stall the step (serving/engine/host_memory.py).
+    runner = ModelRunner(tiny_llama_dir, kv_cache_bytes=64 << 20, max_num_seqs=4, max_num_batched_tokens=64)
+    values = runner.kv_caches[0][1]
+    values.fill_(1.0)  # every page of one layer's values, 2 MiB-aligned runs included
+    entry = _smaps_entry(values.data_ptr())
+    flags = next(line for line in entry if line.startswith("VmFlags:")).split()[1:]
+    assert "nh" in flags  # advised against transparent huge pages
+    assert next(line for line in entry if line.startswith("AnonHugePages:")).split()[1] == "0"
