@@ -153,8 +153,8 @@ static void fold_group(const int group, const int first, const float *keys, cons
 }
 
 /* Asks for `num_floats` of keys and of values from `offset`, one 64-byte line at a time, into the L2
- * cache rather than L1: a block's keys and values are 32 KiB at the bench model's shapes, a core's
- * whole L1 data cache on the CPUs measured, and into L1 the same step was slower. */
+ * cache rather than L1: a block's keys and values are 32 KiB at the bench model's shapes, the whole L1
+ * data cache of the Zen 4 core measured, and asked for into L1 the same step was slower. */
 static inline void prefetch_lines(const SyLayerArgs *layer, int64_t offset, int64_t num_floats) {
     for (int64_t f = 0; f < num_floats; f += 64 / sizeof(float)) {
         __builtin_prefetch(layer->k_pool + offset + f, 0, 2);
