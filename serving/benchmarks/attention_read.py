@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from serving.benchmarks.bench_model import BENCH_MODEL_SPEC
+from serving.engine.kv_cache import num_blocks_for_budget
 from serving.engine.native_attention import NativeAttention, key_pool_view, load_native_attention, plan_items
 from serving.engine.native_library import KernelUnavailable
 
@@ -100,8 +101,14 @@ class _Step:
 
     def __init__(self, kernel: NativeAttention, shape: AttentionShape, pool_bytes: int, seed: int) -> None:
         self.kernel, self.shape = kernel, shape
-        block_bytes = 2 * shape.block_size * shape.num_kv_heads * shape.head_dim * FLOAT_BYTES
-        num_blocks = pool_bytes // shape.layers // block_bytes
+        num_blocks = num_blocks_for_budget(
+            kv_cache_bytes=pool_bytes,
+            num_layers=shape.layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            dtype_bytes=FLOAT_BYTES,
+            block_size=shape.block_size,
+        )
         needed = shape.rows * shape.blocks_per_row
         if num_blocks < needed:
             raise ValueError(
@@ -154,21 +161,10 @@ class _Step:
         return time.perf_counter() - start
 
 
-def _median_time(run: Callable[[], float], steps: int) -> float:
-    for _ in range(WARM_UP_STEPS):
-        run()
-    return statistics.median(run() for _ in range(steps))
-
-
-def _stream_bytes_per_s(steps: int) -> float:
-    buffer = torch.rand(STREAM_BYTES // FLOAT_BYTES)
-
-    def read() -> float:
-        start = time.perf_counter()
-        buffer.sum()
-        return time.perf_counter() - start
-
-    return STREAM_BYTES / _median_time(read, steps)
+def _stream_read(buffer: torch.Tensor) -> float:
+    start = time.perf_counter()
+    buffer.sum()
+    return time.perf_counter() - start
 
 
 def measure(shape: AttentionShape, *, pool_bytes: int, steps: int, seed: int = 0) -> AttentionRead:
@@ -177,15 +173,18 @@ def measure(shape: AttentionShape, *, pool_bytes: int, steps: int, seed: int = 0
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     step = _Step(load_native_attention(), shape, pool_bytes, seed)
+    buffer = torch.rand(STREAM_BYTES // FLOAT_BYTES)
     every_layer = list(range(shape.layers))
     first_layer_again = [0] * shape.layers
-    cold, warm = [], []
+    cold, warm, stream = [], [], []
     for _ in range(WARM_UP_STEPS):
         step.run(every_layer)
+        _stream_read(buffer)
     for _ in range(steps):
         cold.append(step.run(every_layer))
         step.run(first_layer_again)  # brings it into the caches
         warm.append(step.run(first_layer_again))
+        stream.append(_stream_read(buffer))
     return AttentionRead(
         shape=shape,
         pool_bytes=pool_bytes,
@@ -193,7 +192,7 @@ def measure(shape: AttentionShape, *, pool_bytes: int, steps: int, seed: int = 0
         steps=steps,
         cold_s=statistics.median(cold),
         warm_s=statistics.median(warm),
-        stream_bytes_per_s=_stream_bytes_per_s(steps),
+        stream_bytes_per_s=STREAM_BYTES / statistics.median(stream),
     )
 
 
