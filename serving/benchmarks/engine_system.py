@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serving.benchmarks.workload import BenchRequest, RequestRecord, new_records
+from serving.engine.sequence import FinishReason
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class EngineRunStats:
     max_num_running: int = 0
     num_batched_tokens: int = 0  # prompt and output tokens run through the model, all steps
     num_preemptions: int = 0
+    num_ended_early: int = 0  # requests EOS ended before their max_tokens (those that honour it)
     busy_s: float = 0.0  # time inside engine.step()
     wall_s: float = 0.0  # the whole run, idle waits for arrivals included
 
@@ -122,6 +124,14 @@ class EngineSystem:
                 if output.is_finished:
                     end = output.finished_time if output.finished_time is not None else stepped_at
                     record.finished_s = end - started
+                    if (
+                        output.finish_reason == FinishReason.STOP
+                        and record.num_output_tokens < record.max_tokens
+                    ):
+                        # EOS, where a request honours it (the API's, mirrored): complete at the length
+                        # it reached, as bench serve counts a stream the model ended (stream_outcome)
+                        record.max_tokens = record.num_output_tokens
+                        stats.num_ended_early += 1
             engine_stats = engine.stats()
             stats.num_steps += 1
             stats.num_batched_tokens += engine_stats.num_batched_tokens

@@ -263,7 +263,8 @@ def _engine_alone_report(  # type: ignore[no-untyped-def]
     )
     return (
         f"engine alone (as bench engine runs it, {model_dir}): {alone['output_tok_per_s']:.1f} output tok/s, "
-        f"p50 TTFT {alone['p50_ttft_ms']:.0f} ms; the platform kept {kept:.1%} of it"
+        f"p50 TTFT {alone['p50_ttft_ms']:.0f} ms, {alone['ended_early']:.0f} ended by EOS; "
+        f"the platform kept {kept:.1%} of it"
     )
 
 

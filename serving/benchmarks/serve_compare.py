@@ -18,7 +18,9 @@ class EngineAlone:
     for every round: rebuilt each round, it would run at a first run's speed against a replica that
     had served every round before. Prompts are tokenized ahead (the engine alone is timed from its
     add_request, so the replica's tokenizing is part of the path a comparison measures); each run is
-    a fresh tenant's (EngineSystem.run), so nothing of one run is in another's prefix cache."""
+    a fresh tenant's (EngineSystem.run), so nothing of one run is in another's prefix cache. Each request
+    asks what the API's request asks (greedy, EOS honoured, not `bench engine`'s ignore_eos): where the
+    model ends a stream early through the API it ends it here too, and both run the same batches."""
 
     def __init__(self, model_dir: Path, engine_env: dict[str, str], warm_up: Sequence[TextRequest]) -> None:
         from serving.benchmarks.engine_system import EngineSystem
@@ -38,7 +40,13 @@ class EngineAlone:
 
     def tokenized(self, requests: Sequence[TextRequest]) -> list[BenchRequest]:
         return [
-            BenchRequest(r.request_id, r.arrival_s, tuple(self._tokenizer(r.text)["input_ids"]), r.max_tokens)
+            BenchRequest(
+                r.request_id,
+                r.arrival_s,
+                tuple(self._tokenizer(r.text)["input_ids"]),
+                r.max_tokens,
+                ignore_eos=False,
+            )
             for r in requests
         ]
 
@@ -52,6 +60,7 @@ class EngineAlone:
             "p99_ttft_ms": metrics.p99_ttft_s * 1000,
             "p50_tpot_ms": metrics.p50_tpot_s * 1000,
             "busy_pct": self.system.last_run.busy_fraction * 100,
+            "ended_early": self.system.last_run.num_ended_early,
         }
         return summary, _ttft_s_by_id(records)
 

@@ -1,8 +1,10 @@
 """The benchmark's seeded workload, and the per-request records and metrics every system shares.
 
 Every request is greedy with `ignore_eos`, so every system does exactly the same work: each request
-yields exactly `max_tokens` output tokens. Times in records are seconds since the system's run began
-(the instant the first request may arrive), so metrics are computed the same way for every system."""
+yields exactly `max_tokens` output tokens. The one exception is the engine alone that `bench serve`
+measures the API against (serve_compare.py): it asks as the API's requests ask, EOS honoured, so that
+both do the same work there. Times in records are seconds since the system's run began (the instant
+the first request may arrive), so metrics are computed the same way for every system."""
 
 from __future__ import annotations
 
@@ -46,10 +48,11 @@ class BenchRequest:
     arrival_s: float  # offset from the start of the run
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
+    ignore_eos: bool = True
 
     @property
     def params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True)
+        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.ignore_eos)
 
 
 def make_workload(

@@ -4,7 +4,9 @@ exactly each request's max_tokens; the workload is deterministic; `manage.py ben
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import shutil
 from collections import Counter
 from io import StringIO
 from pathlib import Path
@@ -277,6 +279,39 @@ def test_the_engine_alone_reports_how_busy_a_run_kept_it(demo_model_dir: Path) -
     system.run([BenchRequest("r0", 0.0, (5, 6, 7), 2), BenchRequest("r1", 0.4, (5, 6, 8), 2)])
     assert system.last_run.wall_s >= 0.4
     assert 0 < system.last_run.busy_fraction < 0.5
+
+
+@pytest.mark.skipif(not HAS_ENGINE, reason="needs the engine")
+def test_the_engine_alone_ends_a_request_where_the_model_ends_it(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """bench serve's engine alone asks as the API does (EOS honoured), so a stream the model ends early
+    ends there too and both sides run the same batches; bench engine's own requests still ignore EOS."""
+    from serving.benchmarks.http_run import TextRequest
+    from serving.benchmarks.serve_compare import EngineAlone
+
+    shutil.copytree(demo_model_dir, tmp_path, dirs_exist_ok=True)
+    config_path = tmp_path / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = list(range(read_model_info(tmp_path).vocab_size))  # every token ends it
+    config_path.write_text(json.dumps(config))
+    engine_env = {
+        "SWITCHYARD_MAX_NUM_SEQS": "4",
+        "SWITCHYARD_MAX_NUM_BATCHED_TOKENS": "64",
+        "SWITCHYARD_KV_CACHE_MB": "16",
+        "SWITCHYARD_PACK_LINEAR": "0",
+    }
+    requests = [TextRequest("a", 0.0, "once upon a time", 6), TextRequest("b", 0.0, "the cat", 6)]
+    alone = EngineAlone(tmp_path, engine_env, requests)
+    summary, ttft_s = alone.run(requests)
+    assert summary["ended_early"] == 2
+    assert sorted(ttft_s) == ["a", "b"]  # complete at the one token each reached
+    assert alone.system.last_run.num_batched_tokens == sum(
+        len(r.prompt_token_ids) for r in alone.tokenized(requests)
+    )  # the prompts' forward passes, then no decode step
+    (record,) = alone.system.run([BenchRequest("c", 0.0, (5, 6, 7), 4)])
+    assert (record.num_output_tokens, record.is_complete) == (4, True)
+    assert alone.system.last_run.num_ended_early == 0
 
 
 def test_the_step_profile_reports_each_batch_size(
