@@ -49,11 +49,14 @@ def test_killing_a_replica_mid_stream_ends_its_streams_with_an_error_and_spares_
     results: list[dict] = []
     threads: list[threading.Thread] = []
     started: list[threading.Event] = []
+    # A tenant whose rate quota is out of the way: the demo's 50 requests a second would refuse one of
+    # the 50 streams whenever probes had gone out in the same second (a 429 has no served replica).
+    key = fleet.server.tenant_key("replica-kill", max_concurrent=128)
 
     def start_stream() -> None:
         event = threading.Event()
         started.append(event)
-        thread = threading.Thread(target=lambda: results.append(stream(fleet.server, 150, event)))
+        thread = threading.Thread(target=lambda: results.append(stream(fleet.server, 150, event, key=key)))
         threads.append(thread)
         thread.start()
 
@@ -65,7 +68,7 @@ def test_killing_a_replica_mid_stream_ends_its_streams_with_an_error_and_spares_
     STARTED_ON.clear()  # only this test's streams
     # Short requests one after another, from the streams' start to the end: the survivor's TTFT before
     # the kill (under the streams' load) and after it.
-    probes = _Probes(fleet.server)
+    probes = _Probes(fleet.server, key=key)
     probes.start()
     # Stopped however the test ends: probes left running would keep the fleet's counters moving, and the
     # next test, which waits for them to settle, would wait for ever.
@@ -133,7 +136,7 @@ def test_killing_a_replica_mid_stream_ends_its_streams_with_an_error_and_spares_
     # (one already streaming from it when it died ends with replica_lost, as the streams above do).
     assert probes.failures == []
     # The router stops choosing the dead replica: every new request lands on the survivor.
-    assert {stream(fleet.server, 2)["replica"] for _ in range(6)} == {survivor}
+    assert {stream(fleet.server, 2, key=key)["replica"] for _ in range(6)} == {survivor}
 
 
 def _sent_to(replica_id: str, *, since_wall: float) -> list[float]:
@@ -175,8 +178,9 @@ class _Probes:
     """One client sending 2-token streams one after another: each one's send time, time to its first
     token and serving replica (the survivor's TTFT before and after the kill)."""
 
-    def __init__(self, server: LiveServer) -> None:
+    def __init__(self, server: LiveServer, *, key: str) -> None:
         self._server = server
+        self._key = key
         self._stopped = threading.Event()
         self._landed = threading.Condition()
         self.samples: list[tuple[float, float, str]] = []  # (sent at, TTFT, replica)
@@ -203,7 +207,7 @@ class _Probes:
             sent_at = time.monotonic()
             first.clear()
             try:
-                result = stream(self._server, 2, first)
+                result = stream(self._server, 2, first, key=self._key)
             except (httpx.HTTPError, KeyError) as exc:
                 self.failures.append(repr(exc))
                 continue
