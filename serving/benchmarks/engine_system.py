@@ -124,13 +124,9 @@ class EngineSystem:
                 if output.is_finished:
                     end = output.finished_time if output.finished_time is not None else stepped_at
                     record.finished_s = end - started
-                    if (
-                        output.finish_reason == FinishReason.STOP
-                        and record.num_output_tokens < record.max_tokens
-                    ):
-                        # EOS, where a request honours it (the API's, mirrored): complete at the length
-                        # it reached, as bench serve counts a stream the model ended (stream_outcome)
-                        record.max_tokens = record.num_output_tokens
+                    # EOS, where a request honours it (the API's, mirrored), counted as bench serve
+                    # counts a stream the model ended
+                    if output.finish_reason == FinishReason.STOP and record.end_where_the_model_ended():
                         stats.num_ended_early += 1
             engine_stats = engine.stats()
             stats.num_steps += 1

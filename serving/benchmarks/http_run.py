@@ -94,8 +94,8 @@ def stream_outcome(record: RequestRecord, finish_reason: str | None, *, is_sse: 
         return "incomplete_no_final_event" if is_sse else "incomplete_not_sse"
     if finish_reason == "error":
         return "stream_error"
-    if finish_reason == "stop" and 0 < record.num_output_tokens < record.max_tokens:
-        record.max_tokens = record.num_output_tokens
+    if finish_reason == "stop":
+        record.end_where_the_model_ended()
     if record.is_complete:
         return "200"
     if record.num_output_tokens < record.max_tokens:

@@ -105,6 +105,15 @@ class RequestRecord:
             and self.num_output_tokens == self.max_tokens
         )
 
+    def end_where_the_model_ended(self) -> bool:
+        """The model ended the request (EOS, a stop string) before its max_tokens: it is complete at the
+        length it reached, so its latencies count rather than only the longest requests'. Returns
+        whether it ended early."""
+        if 0 < self.num_output_tokens < self.max_tokens:
+            self.max_tokens = self.num_output_tokens
+            return True
+        return False
+
     @property
     def ttft_s(self) -> float:
         assert self.first_token_s is not None
