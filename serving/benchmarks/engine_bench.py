@@ -71,6 +71,7 @@ def _build_system(key: str, model_dir: Path, config: BenchConfig, kv_cache_bytes
         pack_linear=config.pack_linear,
         forward=config.forward,
         attention=config.attention,
+        half_block_tails=config.half_block_tails,
     )
 
 
@@ -210,6 +211,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="(d): the native paged kernel or gather + SDPA",
     )
     parser.add_argument(
+        "--half-block-tails",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.half_block_tails,
+        help="(d): a sequence's tail of up to half a block kept in half a block (with the native kernel)",
+    )
+    parser.add_argument(
         "--repeat", type=int, default=defaults.repeat, help="runs per system; medians reported"
     )
     parser.add_argument("--no-warmup", action="store_true")
@@ -250,6 +257,7 @@ def config_from_options(options: dict[str, Any]) -> BenchConfig:
         pack_linear=options.get("pack_linear"),
         forward=options.get("forward") or BenchConfig.forward,
         attention=options.get("attention") or BenchConfig.attention,
+        half_block_tails=options.get("half_block_tails", BenchConfig.half_block_tails),
         repeat=options["repeat"],
         warmup=not options.get("no_warmup", False),
         measure_cpu_limit=not options.get("skip_cpu_limit", False),

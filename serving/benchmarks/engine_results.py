@@ -40,6 +40,7 @@ class BenchConfig:
     pack_linear: bool | None = None  # (d) only: oneDNN-format Linear weights on a CPU; None: if it pays
     forward: str = "auto"  # (d) only: the engine's fused Llama forward, or transformers' modules
     attention: str = "auto"  # (d) only: the native paged kernel, or gather + SDPA
+    half_block_tails: bool = True  # (d) only: a tail of up to half a block in half a block
     repeat: int = 1
     warmup: bool = True
     measure_cpu_limit: bool = True

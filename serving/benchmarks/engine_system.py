@@ -25,6 +25,7 @@ class EngineRunStats:
     mean_kv_waste: float = 0.0
     run_kv_waste: float = 0.0
     num_kv_samples: int = 0
+    half_block_tails: bool = False  # whether the engine kept short tails in half blocks (half_blocks.py)
     max_num_running: int = 0
     num_batched_tokens: int = 0  # prompt and output tokens run through the model, all steps
     num_preemptions: int = 0
@@ -58,6 +59,7 @@ class EngineSystem:
         pack_linear: bool | None = None,
         forward: str = "auto",
         attention: str = "auto",
+        half_block_tails: bool = True,
     ) -> None:
         from serving.engine.engine import Engine, EngineConfig
 
@@ -72,6 +74,7 @@ class EngineSystem:
                 pack_linear=pack_linear,
                 forward=forward,
                 attention=attention,
+                half_block_tails=half_block_tails,
             ),
         )
         warmup = getattr(self.engine, "warmup", None)  # beyond the facade's minimal contract
@@ -93,7 +96,7 @@ class EngineSystem:
         engine = self.engine
         records = new_records(requests)
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
-        stats = EngineRunStats()
+        stats = EngineRunStats(half_block_tails=engine.kv_cache.half_block_tails)
         waste_sum = 0.0
         allocated_slot_steps = empty_slot_steps = 0
         started = time.monotonic()

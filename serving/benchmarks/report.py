@@ -102,7 +102,9 @@ def format_report(report: BenchReport) -> str:
         lines.append(
             f"(e) KV waste (allocated slots not holding a token) over the run's slot-steps "
             f"{run.run_kv_waste:.1%}; after each of {run.num_kv_samples} steps: max {run.max_kv_waste:.1%}, "
-            f"mean {run.mean_kv_waste:.1%} (block size {config.block_size}); engine steps {run.num_steps}, "
+            f"mean {run.mean_kv_waste:.1%} (block size {config.block_size}, "
+            f"{'tails in half blocks' if run.half_block_tails else 'whole blocks only'}); "
+            f"engine steps {run.num_steps}, "
             f"mean {run.mean_num_batched_tokens:.0f} tokens/step, max running {run.max_num_running}, "
             f"preemptions {run.num_preemptions}; {run.num_batched_tokens} tokens computed for a workload "
             f"of {num_workload_tokens} (fewer: prefix-cache hits; more: recomputation after preemption)"

@@ -156,7 +156,7 @@ class Admission:
         num_reserved = 0
         tenant_to_num_reserved: dict[str, int] = collections.defaultdict(int)
         for seq in self.running.values():
-            num_short = _num_blocks_short(seq, bs)
+            num_short = _num_blocks_short(seq, kv)
             if num_short > 0:
                 num_reserved += num_short
                 tenant_to_num_reserved[seq.tenant_id] += num_short
@@ -206,7 +206,7 @@ class Admission:
             self._dequeued(key, seq)
             kv.allocate(seq, num_new, prefix)
             num_reserved += num_taken_eventually - num_taken_now
-            tenant_to_num_reserved[tenant] += max(0, num_eventual - len(seq.block_table))
+            tenant_to_num_reserved[tenant] += max(0, _num_blocks_short(seq, kv))
             seq.status = SequenceStatus.RUNNING
             self.running[seq.request_id] = seq
             self._tenant_to_num_running[tenant] = num_tenant_running + 1
@@ -224,7 +224,8 @@ class Admission:
         cap = self.block_cap(seq.tenant_id)
         while True:
             num_needed = kv.num_blocks_needed(seq, 1)
-            if cap is not None and kv.num_blocks_by_tenant.get(seq.tenant_id, 0) + num_needed > cap:
+            num_charged = kv.num_entries_added(seq, 1)  # what its tenant's count grows by (a half too)
+            if cap is not None and kv.num_blocks_by_tenant.get(seq.tenant_id, 0) + num_charged > cap:
                 victim = lowest_tier_victim(self.running.values(), tenant_id=seq.tenant_id)
             elif num_needed > kv.num_free_blocks:
                 victim = lowest_tier_victim(self.running.values())
@@ -239,11 +240,9 @@ class Admission:
     def num_free_slots(self, seq: Sequence) -> int:
         """Tokens `seq` could still compute this step without preempting anyone."""
         kv = self.kv_cache
-        num_blocks = kv.num_free_blocks
         cap = self.block_cap(seq.tenant_id)
-        if cap is not None:
-            num_blocks = min(num_blocks, cap - kv.num_blocks_by_tenant.get(seq.tenant_id, 0))
-        return len(seq.block_table) * kv.block_size - seq.num_computed_tokens + num_blocks * kv.block_size
+        room = None if cap is None else cap - kv.num_blocks_by_tenant.get(seq.tenant_id, 0)
+        return kv.num_tokens_fitting(seq, kv.num_free_blocks, room)
 
     def displace(self, preempted: list[Sequence]) -> None:
         """Seat the oldest waiting priority sequence when seats or blocks keep it out: preempt running
@@ -270,7 +269,7 @@ class Admission:
             # As admit() checks it: were its tenant's blocks the bar, admission would skip it and seat
             # the very sequences preempted here, to be preempted again next step.
             running = (seq for seq in self.running.values() if seq.tenant_id == tenant)
-            num_reserved = sum(max(0, _num_blocks_short(seq, bs)) for seq in running)
+            num_reserved = sum(max(0, _num_blocks_short(seq, kv)) for seq in running)
             if kv.num_blocks_by_tenant.get(tenant, 0) + num_reserved + num_eventual > block_cap:
                 return
         while len(self.running) >= self.max_num_seqs or (
@@ -322,7 +321,9 @@ class Admission:
             assert block_cap is None or num_blocks <= block_cap, f"{tenant} holds {num_blocks} > {block_cap}"
 
 
-def _num_blocks_short(seq: Sequence, block_size: int) -> int:
+def _num_blocks_short(seq: Sequence, kv: KVCacheManager) -> int:
     """The blocks a running sequence still needs to finish its known tokens and take one more step
     (what admission reserves for it); zero or less when it holds them already."""
-    return (len(seq.token_ids) + block_size) // block_size - len(seq.block_table)
+    if kv.half_block_tails:  # a tail in half a block may grow in place, or move into a whole block
+        return kv.num_blocks_needed(seq, len(seq.token_ids) + 1 - seq.num_computed_tokens)
+    return (len(seq.token_ids) + kv.block_size) // kv.block_size - len(seq.block_table)

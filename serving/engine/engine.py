@@ -66,6 +66,8 @@ class EngineConfig:
     device: str | None = None
     seed: int | None = None  # the shared sampler's seed, for reproducible unseeded sampling in tests
     max_loras: int = 8  # LoRA adapters resident at once (lora_slots.py); the fused forward only
+    # A tail of up to half a block kept in half a block, where the attention reads it (half_blocks.py)
+    half_block_tails: bool = True
     max_lora_rank: int = 64
 
 
@@ -216,7 +218,10 @@ class Engine:
         self._extra_eos_ids = tuple(eos_ids[1:])
         self._eos_ids = tuple(eos_ids)  # min_tokens holds every one of them back (logit_adjust.py)
         self.kv_cache = KVCacheManager(
-            self.runner.num_blocks, config.block_size, is_prefix_caching_enabled=config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            is_prefix_caching_enabled=config.enable_prefix_caching,
+            half_block_tails=config.half_block_tails and self.runner.reads_half_blocks,
         )
         # LoRA adapters' slots (lora_slots.py), installed in the runner's layout on first use
         self.adapters: AdapterSlots[LoraAdapter, FusedLoraWeights] = AdapterSlots(
@@ -397,6 +402,7 @@ class Engine:
         if self.adapters.has_holders:  # each adapter's rows side by side, updated in place (lora_batch.py)
             items = sorted(items, key=lambda item: item.seq.adapter_id or "")
             seqs = [item.seq for item in items]
+        self.runner.copy_tails(self.kv_cache.take_copies())  # tails out of half blocks, before any write
         batch = self.runner.build_batch(seqs, [item.num_new_tokens for item in items])
         lora = lora_step(seqs, self.adapters, batch.query_lens, self.runner.device)
         logits = self.runner.execute(batch, lora)
@@ -469,14 +475,13 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
         running = self.scheduler.running_seqs()
-        block_size = self.config.block_size
         return EngineStats(
             num_waiting=s.num_waiting,
             num_running=s.num_running,
             kv_cache_usage=s.kv_usage,
             num_batched_tokens=s.num_batched_tokens,
             num_scheduled_seqs=s.num_scheduled_seqs,
-            kv_allocated_slots=sum(len(seq.block_table) for seq in running) * block_size,
+            kv_allocated_slots=sum(self.kv_cache.num_slots(seq) for seq in running),
             kv_used_slots=sum(seq.num_computed_tokens for seq in running),
             num_preemptions=s.num_preemptions,
             prefix_cache_hit_rate=s.prefix_cache_hit_rate,

@@ -132,9 +132,13 @@ class BatchBuilder:
             np.int64,
             total_blocks,
         )
-        if total_blocks and not 0 <= int(flat_blocks.min()) <= int(flat_blocks.max()) < self.num_blocks:
-            bad = flat_blocks[(flat_blocks < 0) | (flat_blocks >= self.num_blocks)]
+        # A negative entry is half a block (half_blocks.py): (block, half) = divmod(~entry, 2).
+        physical = np.where(flat_blocks >= 0, flat_blocks, np.invert(flat_blocks) >> 1)
+        if total_blocks and not 0 <= int(physical.min()) <= int(physical.max()) < self.num_blocks:
+            bad = flat_blocks[(physical < 0) | (physical >= self.num_blocks)]
             raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {bad[:8].tolist()}")
+        if (flat_blocks < 0).any():
+            self._check_halves(seqs, flat_blocks, num_needed_blocks, context_lens)
         block_rows = np.repeat(np.arange(num_seqs), num_needed_blocks)
         block_cols = np.arange(total_blocks) - np.repeat(
             np.cumsum(num_needed_blocks) - num_needed_blocks, num_needed_blocks
@@ -144,7 +148,13 @@ class BatchBuilder:
         token_ends = np.cumsum(query_lens)
         token_rows = np.repeat(np.arange(num_seqs), query_lens)
         host_pos[:] = np.arange(num_tokens) + np.repeat(starts - (token_ends - query_lens), query_lens)
-        host_slots[:] = tables[token_rows, host_pos // bs] * bs + host_pos % bs
+        entries = tables[token_rows, host_pos // bs]
+        if (entries < 0).any():  # a half's slots start at its column (half_blocks.py)
+            codes = np.invert(entries)
+            bases = np.where(entries >= 0, entries * bs, (codes >> 1) * bs + (codes & 1) * (bs // 2))
+            host_slots[:] = bases + host_pos % bs
+        else:
+            host_slots[:] = entries * bs + host_pos % bs
         is_sampled = context_lens == num_held
         sampled_seq_indices = np.flatnonzero(is_sampled)
 
@@ -164,3 +174,25 @@ class BatchBuilder:
             sample_indices=sample_indices,
             sampled_seq_indices=sampled_seq_indices,
         )
+
+    def _check_halves(
+        self,
+        seqs: list[Sequence],
+        flat_blocks: np.ndarray,
+        num_needed_blocks: np.ndarray,
+        context_lens: np.ndarray,
+    ) -> None:
+        """Halves only where the kernel reads them: a table's last entry, holding at most half a block."""
+        if self.device.type != "cpu":
+            raise ValueError("half-block tails are read by the CPU's native kernel only")
+        last = np.cumsum(num_needed_blocks) - 1
+        is_last = np.zeros(len(flat_blocks), dtype=bool)
+        is_last[last] = True
+        if (flat_blocks[~is_last] < 0).any():
+            raise ValueError("only a block table's last entry may be half a block")
+        has_half = flat_blocks[last] < 0
+        over = has_half & (context_lens > (num_needed_blocks - 1) * self.block_size + self.block_size // 2)
+        if over.any():
+            row = int(np.argmax(over))
+            name = seqs[row].request_id
+            raise ValueError(f"{name}: {context_lens[row]} tokens overflow the half block its table ends in")

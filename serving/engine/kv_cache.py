@@ -1,24 +1,17 @@
-"""Block bookkeeping for the paged KV cache: which fixed-size blocks each sequence holds, reference
-counts for shared prompt prefixes, and a prefix cache of full blocks. The tensors live in the runner;
-this module only hands out block ids, so it imports no torch."""
+"""Block bookkeeping for the paged KV cache: which fixed-size blocks (or, for a short tail, half of one:
+half_blocks.py) each sequence holds, reference counts for shared prompt prefixes, and the free pools,
+from which unused blocks of the prefix cache (prefix_cache.py) are evicted on demand. The tensors live
+in the runner; this module only hands out block ids, so it imports no torch."""
 
 from __future__ import annotations
 
 import collections
-import hashlib
-import hmac
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from serving.engine.half_blocks import HalfBlocks, TailCopy, entries_added, is_half, tail_shape
+from serving.engine.prefix_cache import PrefixCache
 from serving.engine.sequence import Sequence
-
-# A cached block is found by (what precedes it, its tokens). What precedes the first block is its
-# cache group's salt, so one group can neither reuse nor probe (by timing) another group's entries;
-# what precedes any later block is the id its parent got when it was cached. Cache ids are never
-# reused, so a key names exactly one chain of contents, and the dict compares the token tuples on a
-# hit: a hit is an exact match, never a bet on a hash.
-_BlockKey = tuple[bytes | int, tuple[int, ...]]
 
 
 def num_blocks_for_budget(
@@ -55,15 +48,7 @@ class PrefixMatch:
     block_ids: tuple[int, ...]
     num_tokens: int
     num_evictable: int  # of block_ids, how many are unused now, so reusing them shrinks the free pool
-    parent: bytes | int  # what precedes the first block not matched (see _BlockKey)
-
-
-@dataclass(slots=True)
-class _CacheChain:
-    """How far a live sequence's full blocks are registered in the prefix cache."""
-
-    num_committed_blocks: int
-    parent: bytes | int
+    parent: bytes | int  # what precedes the first block not matched (prefix_cache.py, _BlockKey)
 
 
 def blocks_of_share(share: float, num_blocks: int) -> int:
@@ -73,7 +58,9 @@ def blocks_of_share(share: float, num_blocks: int) -> int:
 
 class KVCacheManager:
     """A pool of `num_blocks` blocks of `block_size` token slots. It owns `seq.block_table` of every
-    sequence it allocates for, until `free(seq)`."""
+    sequence it allocates for, until `free(seq)`. With `half_block_tails`, a sequence's last block is a
+    half (half_blocks.py) while its tail fits one, and the runner must carry out `take_copies()` before
+    each step."""
 
     def __init__(
         self,
@@ -82,33 +69,28 @@ class KVCacheManager:
         *,
         is_prefix_caching_enabled: bool = True,
         salt_secret: bytes | None = None,
+        half_block_tails: bool = False,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        if half_block_tails and block_size % 2:
+            raise ValueError(f"half-block tails need an even block_size, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.half_block_tails = half_block_tails
+        self._halves = HalfBlocks(block_size)
         self.is_prefix_caching_enabled = is_prefix_caching_enabled
-        # Server-side and never shown to clients; a fresh one per process is fine because the cache
-        # itself does not outlive the process.
-        self._salt_secret = os.urandom(32) if salt_secret is None else salt_secret
-        self._group_to_salt: dict[str, bytes] = {}
-        self._adapter_salts: dict[tuple[str, str], bytes] = {}  # (group, adapter id) -> salt
+        self.prefix_cache = PrefixCache(
+            num_blocks, block_size, is_enabled=is_prefix_caching_enabled, salt_secret=salt_secret
+        )
         self._ref_counts = [0] * num_blocks
         self._free_block_ids: collections.deque[int] = collections.deque(range(num_blocks))  # no contents
         # Unused blocks whose contents are still cached, least recently freed first: reusable until
         # the allocator runs out of empty blocks.
         self._evictable_block_ids: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._block_keys: list[_BlockKey | None] = [None] * num_blocks
-        self._block_cache_ids: list[int | None] = [None] * num_blocks
-        self._key_to_block_id: dict[_BlockKey, int] = {}
-        self._next_cache_id = 0
-        self._request_to_chain: dict[str, _CacheChain] = {}
         self._num_blocks_by_tenant: dict[str, int] = {}
-        self.num_prefix_cache_queries = 0
-        self.num_prefix_cache_query_tokens = 0
-        self.num_prefix_cache_hit_tokens = 0
 
     # --- gauges -----------------------------------------------------------------------------------
 
@@ -127,10 +109,6 @@ class KVCacheManager:
         return self.num_blocks - self.num_free_blocks
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self._key_to_block_id)
-
-    @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
@@ -142,100 +120,79 @@ class KVCacheManager:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        if self.num_prefix_cache_query_tokens == 0:
-            return 0.0
-        return self.num_prefix_cache_hit_tokens / self.num_prefix_cache_query_tokens
+        return self.prefix_cache.hit_rate
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def is_block_cached(self, block_id: int) -> bool:
-        return self._block_keys[block_id] is not None
-
     # --- prefix cache -----------------------------------------------------------------------------
-
-    def salt_for(self, cache_group: str) -> bytes:
-        salt = self._group_to_salt.get(cache_group)
-        if salt is None:
-            salt = hmac.new(self._salt_secret, cache_group.encode(), hashlib.sha256).digest()
-            self._group_to_salt[cache_group] = salt
-        return salt
-
-    def salt_of(self, seq: Sequence) -> bytes:
-        """What precedes `seq`'s first block: its cache group's salt, or, for a sequence of a LoRA adapter,
-        a salt of the group and the adapter both (keyed apart from every group's own), so that the base
-        and each adapter never share blocks, whose keys and values differ."""
-        if seq.adapter_id is None:
-            return self.salt_for(seq.prefix_cache_group)
-        key = (seq.prefix_cache_group, seq.adapter_id)
-        salt = self._adapter_salts.get(key)
-        if salt is None:
-            adapter_secret = hmac.new(self._salt_secret, b"lora adapters", hashlib.sha256).digest()
-            named = f"{len(key[1])}:{key[1]}:{key[0]}".encode()
-            salt = self._adapter_salts[key] = hmac.new(adapter_secret, named, hashlib.sha256).digest()
-        return salt
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """The longest run of cached full blocks equal to the start of `seq.token_ids`, without taking
         them. At least one token is left out so the step that computes it yields logits."""
         if seq.block_table or seq.num_computed_tokens:
             raise ValueError(f"{seq.request_id}: match_prefix needs a sequence that holds no blocks")
-        parent: bytes | int = self.salt_of(seq)
-        block_ids: list[int] = []
-        num_evictable = 0
-        if self.is_prefix_caching_enabled:
-            bs = self.block_size
-            token_ids = seq.token_ids
-            for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
-                block_id = self._key_to_block_id.get((parent, tuple(token_ids[start : start + bs])))
-                if block_id is None:
-                    break
-                block_ids.append(block_id)
-                num_evictable += self._ref_counts[block_id] == 0
-                cache_id = self._block_cache_ids[block_id]
-                assert cache_id is not None, "a block in the key map has a cache id"
-                parent = cache_id
+        block_ids, parent = self.prefix_cache.match(seq)
+        num_evictable = sum(self._ref_counts[block_id] == 0 for block_id in block_ids)
         return PrefixMatch(tuple(block_ids), len(block_ids) * self.block_size, num_evictable, parent)
 
     def commit_computed(self, seq: Sequence) -> None:
         """Register `seq`'s blocks that became full and computed, so later sequences can reuse them.
         The scheduler calls this after every step that advanced `seq.num_computed_tokens`."""
-        if not self.is_prefix_caching_enabled:
-            return
-        chain = self._request_to_chain.get(seq.request_id)
-        if chain is None:
-            return
-        num_full_blocks = seq.num_computed_tokens // self.block_size
-        if num_full_blocks <= chain.num_committed_blocks:
-            return
-        bs = self.block_size
-        for index in range(chain.num_committed_blocks, num_full_blocks):
-            key = (chain.parent, tuple(seq.token_ids[index * bs : (index + 1) * bs]))
-            block_id = self._key_to_block_id.get(key)
-            if block_id is None:
-                # Blocks past the matched prefix were handed out empty, so this one has no key yet.
-                block_id = seq.block_table[index]
-                assert self._block_keys[block_id] is None, "a freshly computed block is not yet cached"
-                self._block_keys[block_id] = key
-                self._block_cache_ids[block_id] = self._next_cache_id
-                self._next_cache_id += 1
-                self._key_to_block_id[key] = block_id
-            # else: another sequence computed identical contents first; ours stays private, and the
-            # chain continues from the cached twin so later blocks are found from either.
-            cache_id = self._block_cache_ids[block_id]
-            assert cache_id is not None
-            chain.parent = cache_id
-        chain.num_committed_blocks = num_full_blocks
+        self.prefix_cache.commit(seq)
 
     # --- allocation -------------------------------------------------------------------------------
 
+    def num_slots(self, seq: Sequence) -> int:
+        """Token slots `seq`'s table gives it: a block each, half a block for a tail in a half."""
+        table = seq.block_table
+        return len(table) * self.block_size - (self.block_size // 2 if table and is_half(table[-1]) else 0)
+
+    def num_entries_added(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Entries `allocate(seq, num_new_tokens)` adds to `seq`'s table: what its tenant is charged."""
+        num_tokens = seq.num_computed_tokens + num_new_tokens
+        return entries_added(seq.block_table, num_tokens, self.block_size, self.half_block_tails)
+
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> int:
         """Free blocks that `allocate(seq, num_new_tokens, prefix)` would take from the pool."""
-        num_computed = seq.num_computed_tokens if prefix is None else prefix.num_tokens
-        num_held = len(seq.block_table) if prefix is None else len(prefix.block_ids)
-        num_total = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_taken = max(0, num_total - num_held)
-        return num_taken if prefix is None else num_taken + prefix.num_evictable
+        table = seq.block_table
+        tail = table[-1] if prefix is None and table and is_half(table[-1]) else None
+        num_computed, num_whole, num_taken = (
+            (seq.num_computed_tokens, len(table) - (tail is not None), 0)
+            if prefix is None
+            else (prefix.num_tokens, len(prefix.block_ids), prefix.num_evictable)
+        )
+        num_full, wants_half = tail_shape(
+            num_computed + num_new_tokens, self.block_size, self.half_block_tails
+        )
+        num_open = self._halves.num_open_blocks
+        if tail is not None:
+            if num_full <= num_whole:
+                return num_taken  # the tokens fit the tail's half
+            if self._halves.can_grow_in_place(tail):
+                num_open -= 1  # its own block's other half, taken to make it whole
+            else:
+                num_taken += 1  # a whole block to move it into
+            num_whole += 1
+        num_taken += max(0, num_full - num_whole)
+        return num_taken + (wants_half and num_open == 0)
+
+    def num_tokens_fitting(self, seq: Sequence, num_blocks: int, num_entries: int | None = None) -> int:
+        """The most new tokens `allocate(seq, n)` can give `seq` taking at most `num_blocks` free blocks
+        and adding at most `num_entries` to its table (its tenant's room under a cap)."""
+        room = num_blocks if num_entries is None else min(num_blocks, num_entries)
+        num_slots = self.num_slots(seq) - seq.num_computed_tokens + room * self.block_size
+        if not self.half_block_tails:
+            return num_slots
+        # Halves can add up to a block beyond that (the tail's own block made whole, an open half after
+        # it); blocks and entries needed never shrink as n grows.
+        return _largest(
+            lambda n: (
+                self.num_blocks_needed(seq, n) <= num_blocks
+                and (num_entries is None or self.num_entries_added(seq, n) <= num_entries)
+            ),
+            num_slots + self.block_size,
+        )
 
     def can_allocate(
         self,
@@ -258,13 +215,14 @@ class KVCacheManager:
             raise ValueError(f"{seq.request_id}: not enough free blocks; check can_allocate first")
         table = seq.block_table
         num_added = 0
-        if prefix is not None or seq.request_id not in self._request_to_chain:
+        cache = self.prefix_cache
+        if prefix is not None or not cache.has_chain(seq.request_id):
             if table or seq.num_computed_tokens:
                 raise ValueError(f"{seq.request_id}: admission needs a sequence that holds no blocks")
             if prefix is None:
-                prefix = PrefixMatch((), 0, 0, self.salt_of(seq))
+                prefix = PrefixMatch((), 0, 0, cache.salt_of(seq))
             for block_id in prefix.block_ids:
-                assert self._block_keys[block_id] is not None, "a matched block is still cached"
+                assert cache.is_cached(block_id), "a matched block is still cached"
                 if self._ref_counts[block_id] == 0:
                     del self._evictable_block_ids[block_id]
                 self._ref_counts[block_id] += 1
@@ -275,17 +233,25 @@ class KVCacheManager:
                 # What the user is told was served from the prompt cache. A recompute after our own
                 # preemption reuses the sequence's own blocks: an internal saving, not a prompt-cache hit.
                 seq.num_cached_prompt_tokens = min(prefix.num_tokens, seq.num_prompt_tokens)
-            self._request_to_chain[seq.request_id] = _CacheChain(num_added, prefix.parent)
-            if self.is_prefix_caching_enabled:
-                self.num_prefix_cache_queries += 1
-                self.num_prefix_cache_query_tokens += len(seq.token_ids)
-                self.num_prefix_cache_hit_tokens += prefix.num_tokens
-        num_total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
-        while len(table) < num_total:
-            block_id = self._take_empty_block()
+            cache.start_chain(seq, num_added, prefix.parent, prefix.num_tokens)
+        num_full, wants_half = tail_shape(
+            seq.num_computed_tokens + num_new_tokens, self.block_size, self.half_block_tails
+        )
+        moved = None
+        if table and is_half(table[-1]) and num_full >= len(table):
+            moved = self._make_tail_whole(seq)
+        elif table and is_half(table[-1]):
+            wants_half = False  # its half holds them
+        while len(table) < num_full:
+            table.append(block_id := self._take_empty_block())
             self._ref_counts[block_id] = 1
-            table.append(block_id)
             num_added += 1
+        if wants_half:
+            entry = self._halves.take()
+            table.append(self._halves.split(self._take_empty_block()) if entry is None else entry)
+            num_added += 1
+        if moved is not None:  # freed only now, so nothing above took its block while it was copied from
+            self._release_half(moved)
         if num_added:
             tenant = seq.tenant_id
             self._num_blocks_by_tenant[tenant] = self._num_blocks_by_tenant.get(tenant, 0) + num_added
@@ -294,7 +260,7 @@ class KVCacheManager:
         """Give `seq`, which holds nothing, one block without contents, outside the prefix cache: no
         cached block is evicted for it and the cache's hit statistics do not see it (the engine's
         device probe). False, with nothing taken, when no block is empty. `free(seq)` returns it."""
-        if seq.block_table or seq.request_id in self._request_to_chain:
+        if seq.block_table or self.prefix_cache.has_chain(seq.request_id):
             raise ValueError(f"{seq.request_id}: a lent block needs a sequence that holds no blocks")
         if not self._free_block_ids:
             return False
@@ -308,16 +274,21 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. A block returns to the pool only when its last user ends; one with
         cached contents stays findable until the allocator needs it."""
-        self._request_to_chain.pop(seq.request_id, None)
+        self.prefix_cache.end_chain(seq.request_id)
         table = seq.block_table
         if not table:
             return
+        if table and is_half(table[-1]):
+            self._release_half(table[-1])
+            self._halves.drop_copies_into(table)  # moves no step will read now
         # Tail first, so a chain's later blocks (useless without its head) are evicted before it.
         for block_id in reversed(table):
+            if is_half(block_id):
+                continue
             self._ref_counts[block_id] -= 1
             assert self._ref_counts[block_id] >= 0, f"block {block_id} freed more often than taken"
             if self._ref_counts[block_id] == 0:
-                if self._block_keys[block_id] is None:
+                if not self.prefix_cache.is_cached(block_id):
                     self._free_block_ids.append(block_id)
                 else:
                     self._evictable_block_ids[block_id] = None
@@ -328,16 +299,30 @@ class KVCacheManager:
             del self._num_blocks_by_tenant[seq.tenant_id]
         table.clear()
 
+    def take_copies(self) -> list[TailCopy]:
+        """The tail moves allocated since the last call, in order: the runner carries them out before
+        the step writes anything (half_blocks.py)."""
+        return self._halves.take_copies()
+
+    def _make_tail_whole(self, seq: Sequence) -> int | None:
+        """Turn `seq`'s tail half into a whole block; the half left behind, to release once done."""
+        table = seq.block_table
+        num_tokens = seq.num_computed_tokens - (len(table) - 1) * self.block_size
+        block_id, left = self._halves.make_whole(table[-1], num_tokens, self._take_empty_block)
+        self._ref_counts[block_id] = 1
+        table[-1] = block_id
+        return left
+
+    def _release_half(self, entry: int) -> None:
+        block_id = self._halves.release(entry)
+        if block_id is not None:
+            self._free_block_ids.append(block_id)
+
     def _take_empty_block(self) -> int:
         if self._free_block_ids:
             return self._free_block_ids.popleft()
         block_id, _ = self._evictable_block_ids.popitem(last=False)
-        key = self._block_keys[block_id]
-        assert key is not None
-        assert self._key_to_block_id[key] == block_id
-        del self._key_to_block_id[key]
-        self._block_keys[block_id] = None
-        self._block_cache_ids[block_id] = None
+        self.prefix_cache.forget(block_id)
         return block_id
 
     # --- checks -----------------------------------------------------------------------------------
@@ -346,10 +331,15 @@ class KVCacheManager:
         """Full O(blocks + tokens) consistency check against the sequences holding blocks; for tests."""
         expected_refs = [0] * self.num_blocks
         expected_by_tenant: dict[str, int] = {}
+        halves: list[int] = []
         for seq in live_seqs:
-            for block_id in seq.block_table:
-                expected_refs[block_id] += 1
-            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, seq.request_id
+            for index, block_id in enumerate(seq.block_table):
+                if is_half(block_id):
+                    assert index == len(seq.block_table) - 1, "only a table's last entry is a half"
+                    halves.append(block_id)
+                else:
+                    expected_refs[block_id] += 1
+            assert self.num_slots(seq) >= seq.num_computed_tokens, seq.request_id
             if seq.block_table:
                 num_held = expected_by_tenant.get(seq.tenant_id, 0)
                 expected_by_tenant[seq.tenant_id] = num_held + len(seq.block_table)
@@ -361,10 +351,16 @@ class KVCacheManager:
         assert len(free) == len(self._free_block_ids), "no block is free twice"
         assert not free & evictable, "empty and evictable pools are disjoint"
         assert not (free | evictable) & used, "a block in use is in no free pool"
-        assert len(free) + len(evictable) + len(used) == self.num_blocks, "free + used = total"
-        assert all(self._block_keys[b] is None for b in free), "empty blocks have no key"
-        assert all(self._block_keys[b] is not None for b in evictable), "evictable blocks are cached"
-        for key, block_id in self._key_to_block_id.items():
-            assert self._block_keys[block_id] == key
-            assert self._block_cache_ids[block_id] is not None
-        assert sum(k is not None for k in self._block_keys) == len(self._key_to_block_id)
+        split = self._halves.check(halves)
+        assert not split & (free | evictable | used), "a split block is neither free nor whole in use"
+        assert len(free) + len(evictable) + len(used) + len(split) == self.num_blocks, "free + used = total"
+        self.prefix_cache.check(free, evictable)
+
+
+def _largest(holds: Callable[[int], bool], high: int) -> int:
+    """The largest n in [0, high] for which `holds(n)`, where it holds up to some n and not past it."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if holds(mid) else (low, mid - 1)
+    return low

@@ -248,7 +248,6 @@ class Scheduler:
         cfg = self.config
         kv = self.kv_cache
         admission = self._admission
-        bs = cfg.block_size
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
@@ -268,7 +267,7 @@ class Scheduler:
             if len(seq.token_ids) - seq.num_computed_tokens != 1:
                 prefilling.append(seq)
                 continue
-            if seq.num_computed_tokens >= len(seq.block_table) * bs:  # its last block is full
+            if seq.num_computed_tokens >= kv.num_slots(seq):  # its last block (or half) is full
                 num_preempted = len(preempted)
                 has_room = admission.make_room(seq, preempted)
                 # The lowest tier goes first: a decode scheduled above may be one, and is taken out again.
@@ -380,7 +379,7 @@ class Scheduler:
         assert all(_is_in_step(seq) for seq in self._requests.values()), "each grammar at its output's end"
         for seq in self._running.values():
             assert seq.status is SequenceStatus.RUNNING
-            assert len(seq.block_table) * cfg.block_size >= seq.num_computed_tokens
+            assert self.kv_cache.num_slots(seq) >= seq.num_computed_tokens
             assert seq.num_computed_tokens < len(seq.token_ids) <= cfg.max_model_len
         self.kv_cache.check_invariants(self._running.values())
 
@@ -419,7 +418,7 @@ def _assert_step_invariants(scheduler: Scheduler, output: SchedulerOutput) -> No
         seq = item.seq
         assert item.num_new_tokens >= 1
         assert seq.status is SequenceStatus.RUNNING
-        num_slots = len(seq.block_table) * cfg.block_size
+        num_slots = scheduler.kv_cache.num_slots(seq)
         assert num_slots >= seq.num_computed_tokens + item.num_new_tokens, seq.request_id
 
 

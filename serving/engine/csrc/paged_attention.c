@@ -162,6 +162,18 @@ static inline void prefetch_lines(const SyLayerArgs *layer, int64_t offset, int6
     }
 }
 
+/* A block-table entry names a whole block (>= 0) or, for a sequence's last block, half of one:
+ * ~(2 * block + half), its keys and values from column half * block_size / 2 (half_blocks.py). A tail
+ * in half 1 has at most block_size / 2 keys, so a vector of keys read from its column may reach past
+ * its block's row by up to half a block: into the next row, or past the last block's keys into the
+ * layer's values, which the runner allocates right after them (runner.py), never outside the pool. The
+ * lanes past the visible keys are masked out. */
+static inline int64_t block_of(int64_t entry) { return entry >= 0 ? entry : (~entry) >> 1; }
+
+static inline int64_t column_of(int64_t entry, int64_t block_size) {
+    return entry >= 0 ? 0 : ((~entry) & 1) * (block_size / 2);
+}
+
 static void attend_item(const SyStepArgs *step, const SyLayerArgs *layer, const int64_t *item) {
     const int64_t row = item[0], first_token = item[1], num_queries = item[2], first_position = item[3];
     const int head_dim = step->head_dim, block_size = step->block_size;
@@ -187,14 +199,16 @@ static void attend_item(const SyStepArgs *step, const SyLayerArgs *layer, const 
      * a KV head's share of it before each KV head's work: asked for all at once, the step was slower
      * (docs/architecture.md, "The kernel asks for the next block as it goes"). */
     const int64_t share = block_floats / kv_heads;
-    prefetch_lines(layer, table[0] * block_floats, block_floats);
+    prefetch_lines(layer, block_of(table[0]) * block_floats, block_floats);
     for (int64_t block = 0; block < num_blocks; block++) {
-        const int64_t block_start = block * block_size, physical = table[block];
+        const int64_t block_start = block * block_size, physical = block_of(table[block]);
+        const int64_t column = column_of(table[block], block_size);
         for (int kv_head = 0; kv_head < kv_heads; kv_head++) {
             if (block + 1 < num_blocks)
-                prefetch_lines(layer, table[block + 1] * block_floats + kv_head * share, share);
-            const float *keys = layer->k_pool + ((physical * kv_heads + kv_head) * head_dim) * block_size;
-            const float *values = layer->v_pool + physical * block_size * value_stride +
+                prefetch_lines(layer, block_of(table[block + 1]) * block_floats + kv_head * share, share);
+            const float *keys =
+                layer->k_pool + ((physical * kv_heads + kv_head) * head_dim) * block_size + column;
+            const float *values = layer->v_pool + (physical * block_size + column) * value_stride +
                                   (int64_t)kv_head * head_dim;
             for (int query = 0; query < num_queries; query++) {
                 /* keys this query may see in the block: up to its own position */

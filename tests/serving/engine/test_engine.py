@@ -20,6 +20,7 @@ import torch
 
 from serving.engine.demo_model import DemoModelSpec, build_demo_model
 from serving.engine.engine import Engine, EngineConfig, EngineStats, RequestOutput
+from serving.engine.half_blocks import TailCopy, half_of, is_half
 from serving.engine.loading import load_tokenizer
 from serving.engine.sequence import SamplingParams
 from serving.engine.token_bytes import token_bytes_reader
@@ -291,6 +292,41 @@ def test_greedy_equals_generate_under_preemption(model_dir: Path, ref: Reference
     assert engine.stats().num_preemptions > 0
     assert_greedy_matches(ref, arrivals, results)
     assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_greedy_equals_generate_as_tails_share_blocks_and_move_out_of_them(
+    model_dir: Path, ref: Reference
+) -> None:
+    """Tails of up to half a block share blocks (half_blocks.py); a tail that outgrows its half moves
+    into a whole block, copied before the step reads it, or takes its block's free other half. Every
+    token still equals generate()'s."""
+    engine = make_engine(model_dir, max_num_batched_tokens=16)
+    assert engine.kv_cache.half_block_tails
+    moves: list[TailCopy] = []
+    take_copies = engine.kv_cache.take_copies
+
+    def recorded() -> list[TailCopy]:
+        copies = take_copies()
+        moves.extend(copies)
+        return copies
+
+    engine.kv_cache.take_copies = recorded  # type: ignore[method-assign]
+    num_shared = 0
+
+    def check(e: Engine) -> None:
+        nonlocal num_shared
+        halves = [
+            half_of(seq.block_table[-1]) for seq in e.scheduler.running_seqs() if is_half(seq.block_table[-1])
+        ]
+        num_shared += len(halves) - len({block for block, _ in halves})
+        e.scheduler.check_invariants()
+
+    arrivals = staggered_arrivals(ref)
+    results = run(engine, arrivals, after_step=check)
+
+    assert num_shared > 0, "two tails shared a block"
+    assert moves, "a tail moved out of its half"
+    assert_greedy_matches(ref, arrivals, results)
 
 
 def test_seeded_sampling_survives_preemption(model_dir: Path, ref: Reference) -> None:
@@ -613,7 +649,13 @@ def test_abort_of_a_decoding_request_spares_its_neighbours(demo_dir: Path, demo_
     while len(results.get("drop", Result()).token_ids) < 3:
         collect(results, engine.step())
     before = engine.stats()
-    blocks_of_drop = len(engine.scheduler.get("drop").block_table)  # type: ignore[union-attr]
+    seq_of_drop = engine.scheduler.get("drop")
+    assert seq_of_drop is not None
+    # Its whole blocks return, and the block its tail's half is in unless another tail holds the other half.
+    blocks_of_drop = sum(not is_half(entry) for entry in seq_of_drop.block_table)
+    if is_half(tail := seq_of_drop.block_table[-1]):
+        others = [seq.block_table[-1] for seq in engine.scheduler.running_seqs() if seq is not seq_of_drop]
+        blocks_of_drop += half_of(tail)[0] not in {half_of(e)[0] for e in others if is_half(e)}
     num_free = engine.kv_cache.num_free_blocks
 
     assert engine.abort("drop") is True
@@ -888,27 +930,42 @@ def test_eos_finishes_with_stop_unless_ignored(
 # --- 9: KV stats ----------------------------------------------------------------------------------
 
 
-def test_kv_stats_waste_stays_under_one_block_per_running_sequence(model_dir: Path, ref: Reference) -> None:
+@pytest.mark.parametrize("half_block_tails", [False, True])
+def test_kv_stats_waste_stays_under_one_block_per_running_sequence(
+    model_dir: Path, ref: Reference, half_block_tails: bool
+) -> None:
     # 10 blocks: tight enough that one sequence is preempted on the way.
-    engine = make_engine(model_dir, kv_cache_bytes=10 * ref.bytes_per_block, max_num_batched_tokens=24)
+    engine = make_engine(
+        model_dir,
+        kv_cache_bytes=10 * ref.bytes_per_block,
+        max_num_batched_tokens=24,
+        half_block_tails=half_block_tails,
+    )
     arrivals = [
         *staggered_arrivals(ref),
         Arrival(1, "sampled", ref.prompt(19, start=33), SamplingParams(max_tokens=25, seed=3)),
         Arrival(4, "shared", ref.prompt(45, start=11)[:40] + ref.prompt(6)[1:], greedy(15)),
     ]
     seen: list[EngineStats] = []
+    num_tails_in_halves = 0
+    # A tail in half a block leaves at most half a block less one empty; a whole last block holds a tail
+    # longer than half, so it too.
+    max_empty = (BLOCK_SIZE // 2 if half_block_tails else BLOCK_SIZE) - 1
 
     def check(e: Engine) -> None:
+        nonlocal num_tails_in_halves
         s = e.stats()
         seen.append(s)
         waste = s.kv_allocated_slots - s.kv_used_slots
         assert s.kv_allocated_slots >= s.kv_used_slots
-        assert 0 <= waste <= (BLOCK_SIZE - 1) * s.num_running, s
+        assert 0 <= waste <= max_empty * s.num_running, s
         assert 0.0 <= s.kv_cache_usage <= 1.0
         assert s.num_running == len(e.scheduler.running_seqs())
         e.scheduler.check_invariants()
+        num_tails_in_halves += sum(is_half(seq.block_table[-1]) for seq in e.scheduler.running_seqs())
 
     run(engine, arrivals, after_step=check)
+    assert (num_tails_in_halves > 0) == half_block_tails
     assert max(s.num_running for s in seen) >= 3
     assert engine.stats().num_preemptions > 0, "the workload also covers recompute"
     assert engine.stats().prefix_cache_hit_rate > 0, "and shared prefix blocks"
@@ -951,13 +1008,13 @@ def test_a_probe_keeps_the_prefix_cache_as_it_was(demo_dir: Path, demo_ref: Refe
     again = serve("story-again", story)
     assert again.final.num_cached_prompt_tokens == 2 * BLOCK_SIZE  # a hit, so the rate is above 0
     serve("other", demo_ref.prompt(BLOCK_SIZE, start=60))  # the last empty block now caches this
-    assert engine.kv_cache.num_cached_blocks == 4
+    assert engine.kv_cache.prefix_cache.num_cached_blocks == 4
     hit_rate = engine.stats().prefix_cache_hit_rate
     assert hit_rate > 0
 
     engine.probe()
 
     assert engine.stats().prefix_cache_hit_rate == hit_rate
-    assert engine.kv_cache.num_cached_blocks == 4
+    assert engine.kv_cache.prefix_cache.num_cached_blocks == 4
     longer = serve("story-longer", [*story, *demo_ref.prompt(1, start=70)])
     assert longer.final.num_cached_prompt_tokens == 3 * BLOCK_SIZE

@@ -93,7 +93,7 @@ def test_prefix_hit_shares_full_blocks_and_leaves_one_token_to_compute() -> None
     a = make_seq("a", list(range(10)))
     admit(kv, a)  # blocks 0, 1 full and cached; block 2 holds tokens 8-9
     assert a.block_table == [0, 1, 2]
-    assert kv.num_cached_blocks == 2
+    assert kv.prefix_cache.num_cached_blocks == 2
 
     b = make_seq("b", [*range(8), 50, 51, 52])
     prefix = kv.match_prefix(b)
@@ -109,8 +109,8 @@ def test_prefix_hit_shares_full_blocks_and_leaves_one_token_to_compute() -> None
     # computed for its logits.
     c = make_seq("c", list(range(8)))
     assert kv.match_prefix(c).block_ids == (0,)
-    assert kv.num_prefix_cache_queries == 2
-    assert kv.num_prefix_cache_hit_tokens == 8
+    assert kv.prefix_cache.num_queries == 2
+    assert kv.prefix_cache.num_hit_tokens == 8
     assert kv.prefix_cache_hit_rate == pytest.approx(8 / (10 + 11))
 
 
@@ -138,14 +138,14 @@ def test_freed_cached_blocks_are_evicted_least_recently_freed_first_tail_before_
     kv.free(a)  # 2 goes back empty; 1 then 0 become evictable
     kv.free(b)  # 4 empty; 3 evictable
     assert kv.num_free_blocks == 6
-    assert kv.num_cached_blocks == 3
+    assert kv.prefix_cache.num_cached_blocks == 3
 
     c = make_seq("c", list(range(100, 108)))
     kv.allocate(c, 8)
     # Empty blocks first (5 was never used, then 2 and 4 in the order freed), then evict 1, then 0.
     assert c.block_table == [5, 2, 4, 1]
-    assert kv.num_cached_blocks == 2
-    assert not kv.is_block_cached(1)
+    assert kv.prefix_cache.num_cached_blocks == 2
+    assert not kv.prefix_cache.is_cached(1)
     assert kv.match_prefix(make_seq("a2", [1, 2, 3, 4, 5])).block_ids == (0,)  # the head outlived the tail
     assert kv.match_prefix(make_seq("b2", [7, 8, 9])).block_ids == (3,)
 
@@ -176,7 +176,7 @@ def test_identical_blocks_computed_twice_keep_one_cached_copy_and_the_chain_cont
         kv.commit_computed(seq)
     assert a.block_table == [0, 1, 2]
     assert b.block_table == [3, 4, 5]
-    assert kv.num_cached_blocks == 2  # a's; b's twins stay private
+    assert kv.prefix_cache.num_cached_blocks == 2  # a's; b's twins stay private
     b.append_token(6)
     b.append_token(7)
     compute(kv, b, 1)  # b fills its third block [5, 6], chained after a's block 1
@@ -198,18 +198,19 @@ def test_prefix_cache_is_private_to_a_tenant_unless_the_group_is_shared() -> Non
     # A tenant naming another tenant's id as its group is a server-side decision, not a client one;
     # the group "team" is not the same salt as tenant-c's own.
     assert kv.match_prefix(make_seq("c2", prompt, tenant_id="tenant-c")).block_ids == ()
-    assert kv.salt_for("team") != kv.salt_for("tenant-c")
-    assert KVCacheManager(1, salt_secret=b"other").salt_for("team") != kv.salt_for("team")
+    assert kv.prefix_cache.salt_for("team") != kv.prefix_cache.salt_for("tenant-c")
+    other = KVCacheManager(1, salt_secret=b"other")
+    assert other.prefix_cache.salt_for("team") != kv.prefix_cache.salt_for("team")
 
 
 def test_disabled_prefix_caching_never_hits_and_frees_blocks_empty() -> None:
     kv = KVCacheManager(8, block_size=2, is_prefix_caching_enabled=False)
     a = make_seq("a", [1, 2, 3, 4, 5])
     admit(kv, a)
-    assert kv.num_cached_blocks == 0
+    assert kv.prefix_cache.num_cached_blocks == 0
     kv.free(a)
     assert kv.match_prefix(make_seq("b", [1, 2, 3, 4, 5])).block_ids == ()
-    assert kv.num_prefix_cache_queries == 0
+    assert kv.prefix_cache.num_queries == 0
 
 
 def test_match_prefix_needs_a_sequence_without_blocks() -> None:
@@ -300,8 +301,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def lend_for_a_probe(self, tenant: str) -> None:
         """The engine's device probe borrows an empty block: the prefix cache loses nothing and its
         statistics do not see it."""
-        kv = self.kv
-        before = (kv.num_cached_blocks, kv.num_prefix_cache_queries, kv.num_prefix_cache_query_tokens)
+        kv, cache = self.kv, self.kv.prefix_cache
+        before = (cache.num_cached_blocks, cache.num_queries, cache.num_query_tokens)
         num_empty = kv.num_empty_blocks
         probe = make_seq(f"probe{self.num_added}", [0], tenant, None)
         lent = kv.lend_empty_block(probe)
@@ -309,7 +310,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert len(probe.block_table) == int(lent)
         kv.check_invariants([*self.live.values(), probe])
         kv.free(probe)
-        assert (kv.num_cached_blocks, kv.num_prefix_cache_queries, kv.num_prefix_cache_query_tokens) == before
+        assert (cache.num_cached_blocks, cache.num_queries, cache.num_query_tokens) == before
 
     @rule()
     def free_all(self) -> None:

@@ -1,7 +1,7 @@
 """The native paged attention kernel (serving/engine/native_attention.py, csrc/paged_attention.c): on random
-block tables, lengths, GQA ratios, head sizes and block sizes its output equals dense attention over each
-sequence's contiguous keys (fp32, within 1e-5), and it writes the step's new keys and values where the
-block tables say."""
+block tables (a last block sometimes half of one), lengths, GQA ratios, head sizes and block sizes its
+output equals dense attention over each sequence's contiguous keys (fp32, within 1e-5), and it writes the
+step's new keys and values where the block tables say."""
 
 from __future__ import annotations
 
@@ -39,14 +39,18 @@ def steps(draw: st.DrawFn) -> dict:
     head_dim = draw(st.sampled_from([8, 16, 24, 64]))
     block_size = draw(st.sampled_from([16, 32]))
     num_seqs = draw(st.integers(1, 5))
-    query_lens, context_lens = [], []
+    query_lens, context_lens, tail_halves = [], [], []
     for _ in range(num_seqs):
         context = draw(st.integers(1, 90))
         kind = draw(st.sampled_from(["decode", "chunk", "fresh"]))
         query = 1 if kind == "decode" else context if kind == "fresh" else draw(st.integers(1, context))
         query_lens.append(query)
         context_lens.append(context)
+        # A last block holding at most half a block may be half of one (half_blocks.py): 0 or 1.
+        fits_half = 0 < context % block_size <= block_size // 2
+        tail_halves.append(draw(st.sampled_from([None, 0, 1])) if fits_half else None)
     return {
+        "tail_halves": tail_halves,
         "num_kv_heads": num_kv_heads,
         "num_heads": num_kv_heads * group,
         "head_dim": head_dim,
@@ -75,9 +79,13 @@ def run_step(kernel: NativeAttention, case: dict) -> tuple[torch.Tensor, torch.T
     slots, new_keys, new_values = [], [], []
     for row in range(num_seqs):
         tables[row, : blocks_per_seq[row]] = torch.tensor([order.pop() for _ in range(blocks_per_seq[row])])
+        half = case["tail_halves"][row]
+        if half is not None:
+            last = blocks_per_seq[row] - 1
+            tables[row, last] = ~(2 * int(tables[row, last]) + half)
         cached = int(context_lens[row] - query_lens[row])
         for position in range(int(context_lens[row])):
-            slot = int(tables[row, position // bs]) * bs + position % bs
+            slot = slot_of(int(tables[row, position // bs]), position, bs)
             if position < cached:
                 k_pool.view(-1, kv_heads, dim)[slot] = keys[row][position]
                 v_pool.view(-1, kv_heads, dim)[slot] = values[row][position]
@@ -86,8 +94,12 @@ def run_step(kernel: NativeAttention, case: dict) -> tuple[torch.Tensor, torch.T
         new_keys.append(keys[row][cached:])
         new_values.append(values[row][cached:])
     num_tokens = int(query_lens.sum())
-    # The kernel's key layout: each block's keys transposed per KV head.
-    k_native = k_pool.permute(0, 2, 3, 1).contiguous()
+    # The kernel's key layout: each block's keys transposed per KV head; the values right after the keys,
+    # as the runner allocates them (a half's vector reads may run past the last block's keys).
+    both = torch.empty(2, k_pool.numel())
+    k_native = both[0].view(num_blocks, kv_heads, dim, bs)
+    k_native.copy_(k_pool.permute(0, 2, 3, 1))
+    v_pool = both[1].view(num_blocks, bs, kv_heads, dim).copy_(v_pool)
     q = torch.randn(num_tokens, heads, dim, generator=g)
     out = torch.full((num_tokens, heads, dim), float("nan"))
     step = kernel.step(
@@ -129,6 +141,14 @@ def run_step(kernel: NativeAttention, case: dict) -> tuple[torch.Tensor, torch.T
     return out, expected, pools
 
 
+def slot_of(entry: int, position: int, block_size: int) -> int:
+    """The pool slot of `position` through its block-table entry (a negative entry: half a block)."""
+    if entry >= 0:
+        return entry * block_size + position % block_size
+    block, half = divmod(~entry, 2)
+    return block * block_size + half * block_size // 2 + position % block_size
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=steps())
 def test_paged_result_equals_dense_attention(kernel: NativeAttention, case: dict) -> None:
@@ -164,7 +184,7 @@ def test_every_new_key_and_value_lands_in_its_slot(kernel: NativeAttention, case
     k_standard = pools["k_native"].permute(0, 3, 1, 2)  # back to [blocks, block_size, KVH, D]
     for row, context in enumerate(case["context_lens"].tolist()):
         for position in range(context):
-            block, offset = int(tables[row, position // bs]), position % bs
+            block, offset = divmod(slot_of(int(tables[row, position // bs]), position, bs), bs)
             assert torch.equal(k_standard[block, offset], pools["keys"][row][position])
             assert torch.equal(pools["v_pool"][block, offset], pools["values"][row][position])
 

@@ -304,7 +304,7 @@ def test_a_prefill_stalled_by_decodes_requeues_and_resumes_from_the_prefix_cache
     assert batch(outputs[4]) == [("a", 1)]
     assert outputs[4].preempted == [b]
     assert batch(outputs[7]) == [("b", 2)]  # a finished; b's two full blocks came from the cache
-    assert scheduler.kv_cache.num_prefix_cache_hit_tokens == 8  # b's own blocks, reused on resume
+    assert scheduler.kv_cache.prefix_cache.num_hit_tokens == 8  # b's own blocks, reused on resume
     assert b.num_cached_prompt_tokens == 0  # not reported to the user as a prompt-cache hit
     run_to_completion(scheduler)
     assert (a.num_output_tokens, b.num_output_tokens) == (6, 10)
@@ -425,7 +425,11 @@ def workloads(draw: st.DrawFn) -> tuple[Scheduler, list[tuple[int, Sequence]], l
         watermark_fraction=draw(st.sampled_from([0.0, 0.0, 0.01, 0.2])),
     )
     kv = KVCacheManager(
-        num_blocks, block_size, is_prefix_caching_enabled=draw(st.booleans()), salt_secret=b"t"
+        num_blocks,
+        block_size,
+        is_prefix_caching_enabled=draw(st.booleans()),
+        salt_secret=b"t",
+        half_block_tails=block_size % 2 == 0 and draw(st.booleans()),  # tails in half blocks (half_blocks.py)
     )
     # Under pressure: short prompts that grow long, so decodes outgrow what admission reserved.
     is_pressure = draw(st.booleans())
