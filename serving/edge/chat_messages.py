@@ -50,8 +50,6 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
     return clean
 
 
-
-
 def _tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
     """An assistant message's calls, as OpenAI returned them: id, type "function", name, arguments."""
     if not isinstance(value, list):
