@@ -124,6 +124,27 @@ class _Layer:
     down: LinearWeight
 
 
+def fused_linear_shapes(model: Any) -> list[tuple[int, int, bool]] | None:
+    """The (in, out, bias) of every product the fused forward would run on `model` (QKV and gate/up
+    concatenated), one entry a product, or None when it would refuse the model: what timing packed
+    against plain Linear layers must time (packing.py), not the unfused layers the model holds."""
+    if refusal(model) is not None:
+        return None
+    shapes = []
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        q, k, v, o = attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj
+        has_qkv_bias = any(proj.bias is not None for proj in (q, k, v))
+        shapes.append((q.in_features, q.out_features + k.out_features + v.out_features, has_qkv_bias))
+        shapes.append((o.in_features, o.out_features, o.bias is not None))
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        shapes.append((gate.in_features, gate.out_features + up.out_features, False))
+        shapes.append((down.in_features, down.out_features, down.bias is not None))
+    head = model.lm_head
+    shapes.append((head.in_features, head.out_features, head.bias is not None))
+    return shapes
+
+
 class FusedLlama:
     """The forward pass over the weights of a loaded transformers model (which it takes over: the
     model's decoder layers are emptied, so the weights are held once)."""

@@ -134,6 +134,7 @@ class PackingVerdict:
 def packing_pays(
     model: nn.Module,
     *,
+    shapes: Sequence[tuple[int, int, bool]] | None = None,
     rows: Sequence[int] = (1, 16, 128),
     rounds: int = 7,
     clock: Callable[[], float] = time.perf_counter,
@@ -141,10 +142,17 @@ def packing_pays(
     """Time each distinct shape of the model's plain nn.Linear layers, on its own weights, as they are
     and packed, at decode-sized and prefill-sized inputs; a shape weighs as many times as the model
     holds it. The two kinds alternate within each round and medians over the rounds are compared,
-    because a shared machine's speed drifts by several per cent from one second to the next."""
+    because a shared machine's speed drifts by several per cent from one second to the next.
+    `shapes` ((in, out, bias), one a product): time those instead, on random weights, when the forward
+    runs other products than the model's layers (fused_llama.py's concatenated QKV and gate/up, whose
+    wider products gain more from packing: on a Zen 4 EPYC the bench model's own layers read 0.73-0.92,
+    once above the bar, its fused products 0.68-0.71; docs/lab/2026-12-07-half-block-tails.md)."""
     counts: Counter[tuple[int, int, bool]] = Counter()  # (in, out, bias) -> how many layers
     plain: dict[tuple[int, int, bool], nn.Linear] = {}
-    for module in model.modules():
+    if shapes is not None:
+        counts.update(shapes)
+        plain = {shape: nn.Linear(*shape) for shape in counts}
+    for module in model.modules() if shapes is None else ():
         if type(module) is nn.Linear:
             shape = (module.in_features, module.out_features, module.bias is not None)
             counts[shape] += 1

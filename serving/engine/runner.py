@@ -23,7 +23,7 @@ import torch
 
 from serving.engine.attention import AttentionClock, build_attention_metadata, register_paged_attention
 from serving.engine.forward_batch import BatchBuilder, ForwardBatch
-from serving.engine.fused_llama import FusedForwardUnsupported, FusedLlama
+from serving.engine.fused_llama import FusedForwardUnsupported, FusedLlama, fused_linear_shapes
 from serving.engine.gather_attention import AttentionScratch, DecodeKernel, compile_decode_kernel
 from serving.engine.half_blocks import TailCopy
 from serving.engine.host_memory import keep_freed_memory, zero_pages
@@ -94,7 +94,9 @@ class ModelRunner:
         self.packing: PackingVerdict | None = None
         packable = can_pack(self.device, self.dtype)
         if pack_linear is None and packable:
-            self.packing = packing_pays(self.model)
+            # Timed on the products the forward will run: the fused one's, where it takes the model.
+            shapes = fused_linear_shapes(self.model) if forward != "generic" else None
+            self.packing = packing_pays(self.model, shapes=shapes)
             pack_linear = self.packing.pack
         is_packed = bool(pack_linear and packable)
         self.fused: FusedLlama | None = None

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from serving.engine.fused_llama import FusedForwardUnsupported, refusal
+from serving.engine import runner as runner_module
+from serving.engine.fused_llama import FusedForwardUnsupported, fused_linear_shapes, refusal
 from serving.engine.runner import ModelRunner
 from tests.serving.engine.greedy import BLOCK_SIZE, check_against_reference, mixed_requests, run_greedy
 
@@ -214,3 +215,34 @@ def test_what_the_fused_forward_cannot_serve_exactly_is_named(
     assert refusal(model) is None
     change(model)
     assert reason in (refusal(model) or "")
+
+
+def test_packing_is_timed_on_the_products_the_fused_forward_runs() -> None:
+    """QKV and gate/up concatenated, as the fused forward multiplies them (packing.py times these: the
+    wider products gain more from packing than the model's own layers suggest)."""
+    model = _llama(num_hidden_layers=2)
+    head_dim = 32 // 4
+    per_layer = [(32, (4 + 2 + 2) * head_dim, False), (32, 32, False), (32, 2 * 64, False), (64, 32, False)]
+    assert fused_linear_shapes(model) == per_layer * 2 + [(32, 64, False)]
+    _gelu(model)
+    assert fused_linear_shapes(model) is None, "a model it refuses keeps its own layers' timing"
+
+
+@pytest.mark.parametrize("forward", ["auto", "generic"])
+def test_the_runner_times_packing_on_the_forward_it_takes(
+    tiny_llama_dir: Path, forward: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timed: list[object] = []
+    original = runner_module.packing_pays
+
+    def recording(model: Any, *, shapes: Any = None) -> Any:
+        timed.append(shapes)
+        return original(model, shapes=shapes, rows=(1,), rounds=1)
+
+    monkeypatch.setattr(runner_module, "packing_pays", recording)
+    runner = _runner(tiny_llama_dir, forward=forward)
+    if forward == "auto":
+        assert runner.fused is not None
+        assert timed and timed[0] is not None and len(timed[0]) == 4 * runner.num_layers + 1  # type: ignore[arg-type]
+    else:
+        assert timed == [None], "transformers' modules: the model's own layers"

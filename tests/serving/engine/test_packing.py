@@ -113,6 +113,18 @@ def test_a_slow_first_call_does_not_decide_at_one_row(monkeypatch: pytest.Monkey
     assert calls.count(("packed", 128)) == calls.count(("plain", 128)) == 4
 
 
+def test_the_products_given_are_timed_instead_of_the_models_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused forward multiplies wider products than the model's layers: those decide."""
+    clock = _Clock()
+    costs = {("plain", 8): 1.0, ("packed", 8): 2.0, ("plain", 24): 1.0, ("packed", 24): 0.5}
+    _layers_take(monkeypatch, clock, _by_kind_and_width(costs))
+    model = _model((8, 8), (8, 8), (8, 8))
+    assert not packing_pays(model, rows=(2,), rounds=3, clock=clock).pack
+    verdict = packing_pays(model, shapes=[(8, 24, False)], rows=(2,), rounds=3, clock=clock)
+    assert verdict.pack
+    assert verdict.ratio == pytest.approx(0.5)
+
+
 def test_a_model_without_plain_linear_layers_is_left_as_it_is() -> None:
     verdict = packing_pays(nn.Sequential(nn.ReLU()))
     assert not verdict.pack
