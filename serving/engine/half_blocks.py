@@ -74,10 +74,6 @@ class HalfBlocks:
         self._open: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     @property
-    def num_split_blocks(self) -> int:
-        return len(self._owned)
-
-    @property
     def num_open_blocks(self) -> int:
         """Split blocks with a free half."""
         return len(self._open)

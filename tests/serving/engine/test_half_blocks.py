@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from serving.engine.half_blocks import HalfBlocks, half_entry, half_of, is_half
 from serving.engine.kv_cache import KVCacheManager
 from serving.engine.sequence import Sequence
+from tests.serving.engine.test_kv_cache import next_chunk
 
 BLOCK_SIZE = 4
 PROMPTS: tuple[list[int], ...] = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5], [7, 7], [3])
@@ -113,9 +114,7 @@ class HalfBlocksMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 1000), chunk=st.integers(1, 9), token=st.integers(0, 3))
     def step(self, pick: int, chunk: int, token: int) -> None:
         seq = list(self.live.values())[pick % len(self.live)]
-        if seq.num_computed_tokens == seq.num_tokens:  # the last step sampled a token
-            seq.append_token(token)
-        num_new = min(chunk, seq.num_tokens - seq.num_computed_tokens)
+        num_new = next_chunk(seq, chunk, token)
         if not self.kv.can_allocate(seq, num_new):
             return
         self._step(seq, num_new)

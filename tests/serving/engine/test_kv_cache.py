@@ -27,6 +27,14 @@ def compute(
     kv.commit_computed(seq)
 
 
+def next_chunk(seq: Sequence, chunk: int, token: int) -> int:
+    """The token the last step sampled appended, if it sampled one; then how many to compute, up to
+    `chunk`: a decode's one, or a prefill's next chunk."""
+    if seq.num_computed_tokens == seq.num_tokens:
+        seq.append_token(token)
+    return min(chunk, seq.num_tokens - seq.num_computed_tokens)
+
+
 def admit(kv: KVCacheManager, seq: Sequence) -> None:
     prefix = kv.match_prefix(seq)
     compute(kv, seq, seq.num_tokens - prefix.num_tokens, prefix)
@@ -277,9 +285,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 1000), chunk=st.integers(1, 8), token=st.integers(0, 3))
     def step(self, pick: int, chunk: int, token: int) -> None:
         seq = list(self.live.values())[pick % len(self.live)]
-        if seq.num_computed_tokens == seq.num_tokens:  # the last step sampled a token
-            seq.append_token(token)
-        num_new = min(chunk, seq.num_tokens - seq.num_computed_tokens)
+        num_new = next_chunk(seq, chunk, token)
         if not self.kv.can_allocate(seq, num_new):
             return
         compute(self.kv, seq, num_new)
