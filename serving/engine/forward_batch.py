@@ -132,8 +132,7 @@ class BatchBuilder:
             np.int64,
             total_blocks,
         )
-        # A negative entry is half a block (half_blocks.py): (block, half) = divmod(~entry, 2).
-        physical = np.where(flat_blocks >= 0, flat_blocks, np.invert(flat_blocks) >> 1)
+        physical = _first_slots(flat_blocks, bs) // bs
         if total_blocks and not 0 <= int(physical.min()) <= int(physical.max()) < self.num_blocks:
             bad = flat_blocks[(physical < 0) | (physical >= self.num_blocks)]
             raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {bad[:8].tolist()}")
@@ -148,13 +147,7 @@ class BatchBuilder:
         token_ends = np.cumsum(query_lens)
         token_rows = np.repeat(np.arange(num_seqs), query_lens)
         host_pos[:] = np.arange(num_tokens) + np.repeat(starts - (token_ends - query_lens), query_lens)
-        entries = tables[token_rows, host_pos // bs]
-        if (entries < 0).any():  # a half's slots start at its column (half_blocks.py)
-            codes = np.invert(entries)
-            bases = np.where(entries >= 0, entries * bs, (codes >> 1) * bs + (codes & 1) * (bs // 2))
-            host_slots[:] = bases + host_pos % bs
-        else:
-            host_slots[:] = entries * bs + host_pos % bs
+        host_slots[:] = _first_slots(tables[token_rows, host_pos // bs], bs) + host_pos % bs
         is_sampled = context_lens == num_held
         sampled_seq_indices = np.flatnonzero(is_sampled)
 
@@ -196,3 +189,13 @@ class BatchBuilder:
             row = int(np.argmax(over))
             name = seqs[row].request_id
             raise ValueError(f"{name}: {context_lens[row]} tokens overflow the half block its table ends in")
+
+
+def _first_slots(entries: np.ndarray, block_size: int) -> np.ndarray:
+    """The pool slot where each block-table entry's tokens start: a whole block's first, or, for a
+    negative entry (half a block, `~(2 * block + half)`: half_blocks.py), its half's first."""
+    if not (entries < 0).any():
+        return entries * block_size
+    codes = np.invert(entries)
+    halves = (codes >> 1) * block_size + (codes & 1) * (block_size // 2)
+    return np.where(entries >= 0, entries * block_size, halves)

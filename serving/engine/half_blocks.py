@@ -33,6 +33,11 @@ def half_of(entry: int) -> tuple[int, int]:
     return code >> 1, code & 1
 
 
+def tail_half(table: list[int]) -> int | None:
+    """The entry of `table`'s tail when it is in half a block (only a last entry can be), else None."""
+    return table[-1] if table and is_half(table[-1]) else None
+
+
 def tail_shape(num_tokens: int, block_size: int, half_block_tails: bool) -> tuple[int, bool]:
     """What `num_tokens` take: whole blocks, and whether half a block more (a tail that fits one)."""
     num_full, rest = divmod(num_tokens, block_size)
@@ -45,7 +50,7 @@ def entries_added(table: list[int], num_tokens: int, block_size: int, half_block
     """Entries `table` gains to hold `num_tokens` (a tenant's block count is charged them): a whole block
     or a half each, while a tail moved out of its half into a whole block keeps its one entry."""
     num_full, wants_half = tail_shape(num_tokens, block_size, half_block_tails)
-    if table and is_half(table[-1]) and num_full < len(table):
+    if tail_half(table) is not None and num_full < len(table):
         return 0  # its half holds them
     return max(0, num_full + wants_half - len(table))
 

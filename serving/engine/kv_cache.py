@@ -9,7 +9,7 @@ import collections
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from serving.engine.half_blocks import HalfBlocks, TailCopy, entries_added, is_half, tail_shape
+from serving.engine.half_blocks import HalfBlocks, TailCopy, entries_added, is_half, tail_half, tail_shape
 from serving.engine.prefix_cache import PrefixCache
 from serving.engine.sequence import Sequence
 
@@ -81,7 +81,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.half_block_tails = half_block_tails
         self._halves = HalfBlocks(block_size)
-        self.is_prefix_caching_enabled = is_prefix_caching_enabled
         self.prefix_cache = PrefixCache(
             num_blocks, block_size, is_enabled=is_prefix_caching_enabled, salt_secret=salt_secret
         )
@@ -146,7 +145,7 @@ class KVCacheManager:
     def num_slots(self, seq: Sequence) -> int:
         """Token slots `seq`'s table gives it: a block each, half a block for a tail in a half."""
         table = seq.block_table
-        return len(table) * self.block_size - (self.block_size // 2 if table and is_half(table[-1]) else 0)
+        return len(table) * self.block_size - (0 if tail_half(table) is None else self.block_size // 2)
 
     def num_entries_added(self, seq: Sequence, num_new_tokens: int) -> int:
         """Entries `allocate(seq, num_new_tokens)` adds to `seq`'s table: what its tenant is charged."""
@@ -156,7 +155,7 @@ class KVCacheManager:
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> int:
         """Free blocks that `allocate(seq, num_new_tokens, prefix)` would take from the pool."""
         table = seq.block_table
-        tail = table[-1] if prefix is None and table and is_half(table[-1]) else None
+        tail = tail_half(table) if prefix is None else None
         num_computed, num_whole, num_taken = (
             (seq.num_computed_tokens, len(table) - (tail is not None), 0)
             if prefix is None
@@ -238,10 +237,11 @@ class KVCacheManager:
             seq.num_computed_tokens + num_new_tokens, self.block_size, self.half_block_tails
         )
         moved = None
-        if table and is_half(table[-1]) and num_full >= len(table):
-            moved = self._make_tail_whole(seq)
-        elif table and is_half(table[-1]):
-            wants_half = False  # its half holds them
+        if tail_half(table) is not None:
+            if num_full >= len(table):
+                moved = self._make_tail_whole(seq)
+            else:
+                wants_half = False  # its half holds them
         while len(table) < num_full:
             table.append(block_id := self._take_empty_block())
             self._ref_counts[block_id] = 1
@@ -278,8 +278,8 @@ class KVCacheManager:
         table = seq.block_table
         if not table:
             return
-        if table and is_half(table[-1]):
-            self._release_half(table[-1])
+        if (tail := tail_half(table)) is not None:
+            self._release_half(tail)
             self._halves.drop_copies_into(table)  # moves no step will read now
         # Tail first, so a chain's later blocks (useless without its head) are evicted before it.
         for block_id in reversed(table):

@@ -152,11 +152,12 @@ def packing_pays(
     if shapes is not None:
         counts.update(shapes)
         plain = {shape: nn.Linear(*shape) for shape in counts}
-    for module in model.modules() if shapes is None else ():
-        if type(module) is nn.Linear:
-            shape = (module.in_features, module.out_features, module.bias is not None)
-            counts[shape] += 1
-            plain.setdefault(shape, module)
+    else:
+        for module in model.modules():
+            if type(module) is nn.Linear:
+                shape = (module.in_features, module.out_features, module.bias is not None)
+                counts[shape] += 1
+                plain.setdefault(shape, module)
     if not counts:
         return PackingVerdict(1.0, {})
     layers: dict[str, dict[tuple[int, int, bool], nn.Module]] = {

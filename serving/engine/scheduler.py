@@ -330,7 +330,7 @@ class Scheduler:
             raise ValueError(f"no sampled token for {missing[:5]}")
         cfg = self.config
         kv = self.kv_cache
-        is_caching = kv.is_prefix_caching_enabled
+        is_caching = kv.prefix_cache.is_enabled
         eos_token_id = cfg.eos_token_id
         max_model_len = cfg.max_model_len
         now: float | None = None
